@@ -1,0 +1,1 @@
+"""Tandem: disaggregated prefill/decode LLM serving."""

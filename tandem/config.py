@@ -1,0 +1,109 @@
+"""Frozen configuration dataclasses, one per component, composed into `EngineConfig`.
+
+Field names are the contract: CLI flags, environment variables and Helm values map to them
+one-to-one (parsed only in each service's main.py). Every config validates itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class EngineRole(str, Enum):
+    """What part of a request's life an engine runs."""
+
+    FULL = "full"  # prefill and decode in one process
+    PREFILL = "prefill"  # stop after the first token; keep the prompt's blocks pinned
+    DECODE = "decode"  # start from externally supplied KV blocks
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_bytes: memory budget for the KV cache; the number of blocks is derived.
+        num_blocks: explicit number of blocks; overrides kv_cache_bytes when set.
+        enable_prefix_caching: reuse full blocks whose prefix hash matches.
+    """
+
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching.
+
+    Attributes:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step (decode tokens + prefill chunks).
+        max_model_len: longest sequence (prompt + output); None = the model's maximum.
+        long_prefill_token_threshold: most tokens one request's prefill chunk may take in a
+            step, so a long prompt cannot starve the others; None = no limit beyond the budget.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    long_prefill_token_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold <= 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be positive, "
+                f"got {self.long_prefill_token_threshold}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One engine: a model, its KV cache and its scheduler.
+
+    Attributes:
+        model_dir: HuggingFace-style model directory.
+        role: full, prefill or decode.
+        dtype: "float32", "bfloat16" or "float16" (CPU tests use float32).
+        device: torch device string.
+        seed: seed of the sampler's default generator (requests without their own seed).
+        model_id: name that partitions the prefix cache; defaults to the directory name.
+        num_threads: torch intra-op threads; None = torch's default.
+    """
+
+    model_dir: str
+    role: EngineRole = EngineRole.FULL
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    model_id: str | None = None
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.role, EngineRole):
+            object.__setattr__(self, "role", EngineRole(self.role))
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")

@@ -1,0 +1,299 @@
+"""The engine: tokenizer + model + KV cache + scheduler + sampler, stepped by the caller.
+
+One engine serves one role (`EngineConfig.role`):
+  full     add_request() ... step() until finished
+  prefill  add_request() runs to the first token, then the request is HANDED_OFF with its
+           blocks pinned; `block_table()` names them; `release()` frees them.
+  decode   reserve_kv() allocates blocks for an externally computed prompt; the caller
+           fills them (`kv_cache`), then commit_kv() joins the request to the batch.
+Any role also serves plain full requests (conditional disaggregation sends short prompts
+straight to decode).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import EngineConfig, EngineRole
+from tandem.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from tandem.engine.kv_manager import KVCacheManager, cdiv
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.runner import ModelRunner
+from tandem.engine.sampling import Sampler, SamplingParams
+from tandem.engine.scheduler import Scheduler
+from tandem.model.loader import DTYPES, ProgressFn, load_model
+from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    handed_off: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished request, as returned by `generate()`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model_dir = Path(config.model_dir)
+        self.model_id = config.model_id or model_dir.name
+        sched_cfg = config.scheduler
+        self.model = load_model(model_dir, config.dtype, config.device, progress=progress)
+        mcfg = self.model.config
+        self.max_model_len = min(
+            sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
+        self.tokenizer: Tokenizer | None = (
+            Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        )
+        eos = set(mcfg.eos_token_ids)
+        if self.tokenizer is not None:
+            eos.update(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        dtype = DTYPES[config.dtype]
+        block_size = config.cache.block_size
+        self.num_blocks = num_blocks_for(mcfg, config.cache, dtype)
+        self.kv_cache = allocate_kv_cache(
+            mcfg, self.num_blocks, block_size, dtype, torch.device(config.device)
+        )
+        self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, (self.model_id,))
+        sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.runner = ModelRunner(self.model, self.kv_cache, block_size, sampler)
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_id} has no tokenizer.json; send token ids")
+        return self.tokenizer.encode(text)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        output_token_ids: Sequence[int] = (),
+    ) -> Request:
+        """Validate and build a request (not yet queued).
+
+        Raises:
+            ValueError: empty or over-long prompt, token ids outside the vocabulary, a
+                duplicate request id, stop strings without a tokenizer, or a request that
+                could never fit the KV cache.
+        """
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model.config.vocab_size
+        for name, seq in (("prompt", ids), ("output_token_ids", output_token_ids)):
+            bad = [t for t in seq if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside [0, {vocab}): {bad[:5]}")
+        if len(ids) + len(output_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids) + len(output_token_ids)} tokens; the model's context "
+                f"(max_model_len) is {self.max_model_len}, leaving no room to generate"
+            )
+        params.validate_for_vocab(vocab)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        worst = min(len(ids) + len(output_token_ids) + params.max_tokens, self.max_model_len)
+        if cdiv(worst, self.kv.block_size) > self.num_blocks:
+            raise ValueError(
+                f"request needs up to {cdiv(worst, self.kv.block_size)} KV blocks; the cache "
+                f"has {self.num_blocks}: lower max_tokens or the prompt length"
+            )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=self.clock(),
+            hand_off=self.config.role == EngineRole.PREFILL,
+            output_token_ids=list(output_token_ids),
+        )
+
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Request:
+        """Queue a request. Raises ValueError on bad input (see make_request)."""
+        request = self.make_request(request_id, prompt, params)
+        self._track(request)
+        self.scheduler.add_request(request)
+        return request
+
+    def _track(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self._detok[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if unknown."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED, self.clock())
+        self._forget(request_id)
+        return request is not None
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+
+    # -- disaggregation hooks --------------------------------------------------------------
+
+    def block_table(self, request_id: str) -> list[int]:
+        """Blocks holding a request's KV, in token order."""
+        return list(self.kv.get_block_ids(request_id))
+
+    def release(self, request_id: str) -> bool:
+        """Prefill role: the decode side has the KV; free the pinned blocks."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_STOPPED, self.clock())
+        self._forget(request_id)
+        return request is not None
+
+    def reserve_kv(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+    ) -> tuple[list[int], int] | None:
+        """Decode role: blocks for a prompt computed elsewhere.
+
+        Returns (block table, tokens already cached here) -- fill KV for the prompt's
+        positions from the second value on -- or None when the cache is full right now.
+        """
+        if not output_token_ids:
+            raise ValueError("output_token_ids must hold the prefill worker's first token")
+        request = self.make_request(request_id, prompt_token_ids, params, output_token_ids)
+        reserved = self.scheduler.reserve_kv(request)
+        if reserved is not None:
+            self._track(request)
+            detok = self._detok.get(request_id)
+            if detok is not None:
+                detok.add(request.output_token_ids)
+        return reserved
+
+    def commit_kv(self, request_id: str) -> None:
+        self.scheduler.commit_kv(request_id)
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report each request's progress."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        samples = self.runner.execute(out)
+        now = self.clock()
+        self.num_steps += 1
+        outputs = []
+        for ev in self.scheduler.update(out, samples, now):
+            request = ev.request
+            rid = request.request_id
+            new_ids = [] if ev.new_token_id is None else [ev.new_token_id]
+            text = self._detokenize(request, new_ids, now)
+            if request.status == RequestStatus.HANDED_OFF:
+                outputs.append(RequestOutput(rid, new_ids, text, False, None, handed_off=True))
+                continue
+            finished = request.status.finished
+            outputs.append(RequestOutput(rid, new_ids, text, finished, request.finish_reason))
+            if finished:
+                self._forget(rid)
+        return outputs
+
+    def _detokenize(self, request: Request, new_ids: list[int], now: float) -> str:
+        detok = self._detok.get(request.request_id)
+        if detok is None or not new_ids:
+            return ""
+        before = len(detok.text)
+        delta = detok.add(new_ids)
+        stops = request.sampling_params.stop
+        if not stops or request.status.finished:
+            return delta
+        # Search only the region a new match could start in.
+        text = detok.text
+        window_start = max(0, before - max(len(s) for s in stops) + 1)
+        hits = [(i, s) for s in stops if (i := text.find(s, window_start)) != -1]
+        if not hits:
+            return delta
+        cut, stop = min(hits)
+        request.stop_reason = stop
+        self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now)
+        return text[before:cut] if cut > before else ""
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[Completion]:
+        """Run prompts to completion (offline use). Output order follows `prompts`."""
+        ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
+        requests = [self.add_request(rid, p, params) for rid, p in zip(ids, prompts, strict=True)]
+        texts = {rid: "" for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in texts:
+                    texts[o.request_id] += o.new_text
+        return [
+            Completion(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids),
+                text=texts[r.request_id],
+                finish_reason=r.finish_reason,
+                num_cached_tokens=r.num_cached_tokens or 0,
+                logprobs=list(r.logprobs),
+            )
+            for r in requests
+        ]
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        held = set(self.kv.block_tables)
+        live = {r.request_id for r in self.scheduler.requests()}
+        assert held <= live, f"blocks held by finished requests: {sorted(held - live)}"
+
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks

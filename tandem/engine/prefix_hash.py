@@ -1,0 +1,79 @@
+"""Chained 64-bit prefix hashes of KV blocks.
+
+One function, shared by the router and every worker, so a hash computed anywhere names the
+same block content everywhere. The hash of block i covers every token of blocks 0..i (through
+the parent hash) plus the extra keys (model id, adapter, ...), so equal hashes mean equal
+prefixes, not merely equal blocks.
+
+    block 0            block 1            block 2
+    [t0 .. t15]        [t16 .. t31]       [t32 .. t47]
+    h0 = H(ROOT,k,b0)  h1 = H(h0,k,b1)    h2 = H(h1,k,b2)
+
+H is BLAKE2b with an 8-byte digest over a fixed byte encoding: parent hash (8 bytes,
+little-endian), length-prefixed extra keys (UTF-8), then the block's token ids as
+little-endian uint32. Never Python's `hash()`: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+# Parent of the first block. Distinct from any digest we would plausibly produce for a real
+# parent only by convention; the chain is still unique because every block hash includes it.
+ROOT_PARENT_HASH = 0
+_HASH_DOMAIN = b"tandem.prefix.v1"
+
+
+def _encode_extra_keys(extra_keys: Sequence[str]) -> bytes:
+    parts = [struct.pack("<I", len(extra_keys))]
+    for key in extra_keys:
+        raw = key.encode("utf-8")
+        parts.append(struct.pack("<I", len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> int:
+    """Hash of one full block given its parent's hash.
+
+    Args:
+        parent_hash: hash of the previous block, or ROOT_PARENT_HASH for the first block.
+        token_ids: the block's token ids (each in [0, 2**32)).
+        extra_keys: strings that partition the cache (model id, adapter name, ...).
+
+    Returns:
+        An unsigned 64-bit integer.
+    """
+    if not 0 <= parent_hash < 2**64:
+        raise ValueError(f"parent_hash must be an unsigned 64-bit int, got {parent_hash}")
+    h = hashlib.blake2b(digest_size=8, person=_HASH_DOMAIN[:16])
+    h.update(struct.pack("<Q", parent_hash))
+    h.update(_encode_extra_keys(extra_keys))
+    try:
+        h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    except struct.error as exc:
+        raise ValueError(f"token ids must be in [0, 2**32): {exc}") from None
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[str] = (),
+    parent_hash: int = ROOT_PARENT_HASH,
+) -> list[int]:
+    """Hashes of every *full* block of `token_ids` (a trailing partial block is not hashed).
+
+    `parent_hash` lets a caller extend an existing chain: pass the last hash it already has
+    and only the tokens after it.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    hashes: list[int] = []
+    parent = parent_hash
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

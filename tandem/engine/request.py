@@ -1,0 +1,109 @@
+"""A request's state inside one engine. Counted, not phased: "in prefill" is derived."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from tandem.engine.prefix_hash import ROOT_PARENT_HASH, hash_blocks
+from tandem.engine.sampling import SamplingParams
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"  # queued; holds no blocks
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: holds blocks, KV being filled from outside
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # lost its blocks; will recompute from scratch
+    HANDED_OFF = "handed_off"  # prefill role: first token out, blocks pinned for transfer
+    FINISHED_STOPPED = "finished_stopped"  # eos, stop token or stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or the model's context
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request.
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        output_token_ids: tokens generated so far (for a decode-role request, starts with
+            the tokens the prefill worker already produced).
+        num_computed_tokens: tokens whose KV is in this engine's cache.
+        hand_off: stop after the first new token and keep the blocks (prefill role).
+        block_hashes: prefix hashes of every full block of prompt + output.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    hand_off: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    block_hashes: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] = field(
+        default_factory=list
+    )
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def update_block_hashes(self, block_size: int, extra_keys: tuple[str, ...]) -> None:
+        """Extend block_hashes to cover every full block of prompt + output."""
+        num_full = self.num_tokens // block_size
+        have = len(self.block_hashes)
+        if num_full > have:
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_PARENT_HASH
+            tokens = self.token_ids_slice(have * block_size, num_full * block_size)
+            self.block_hashes.extend(hash_blocks(tokens, block_size, extra_keys, parent))

@@ -1,0 +1,325 @@
+"""Per-request sampling parameters and the batched token sampler."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+MAX_LOGPROBS = 20
+# Below this, temperature-scaled logits could overflow fp32, and the draw is argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+_SEED_LIMIT = 2**63
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+    # bool is a subclass of int, but True as a token budget is always a caller bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
+
+
+def _checked_float(
+    name: str, value: object, lo: float, hi: float = math.inf, lo_open: bool = False
+) -> float:
+    """Validate a float field (ints accepted, bools not) and return it as a float."""
+    if math.isinf(hi):
+        bound = f"{'>' if lo_open else '>='} {lo}"
+    else:
+        bound = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+    message = f"{name} must be a finite float {bound}, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(message)
+    result = float(value)
+    above_lo = result > lo if lo_open else result >= lo
+    if not math.isfinite(result) or not above_lo or result > hi:
+        raise ValueError(message)
+    return result
+
+
+def _as_tuple(name: str, value: object) -> tuple[object, ...]:
+    # A bare str is iterable; splitting it into characters would silently misbehave.
+    if isinstance(value, str | bytes) or not isinstance(value, tuple | list):
+        raise ValueError(f"{name} must be a tuple, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request picks its tokens; validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        floats = {
+            "temperature": _checked_float("temperature", self.temperature, 0.0),
+            "top_p": _checked_float("top_p", self.top_p, 0.0, 1.0, lo_open=True),
+            "min_p": _checked_float("min_p", self.min_p, 0.0, 1.0),
+            "repetition_penalty": _checked_float(
+                "repetition_penalty", self.repetition_penalty, 0.0, lo_open=True
+            ),
+            "presence_penalty": _checked_float("presence_penalty", self.presence_penalty, -2, 2),
+            "frequency_penalty": _checked_float("frequency_penalty", self.frequency_penalty, -2, 2),
+        }
+        for name, value in floats.items():
+            object.__setattr__(self, name, value)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, _SEED_LIMIT - 1)
+        stop_ids = _as_tuple("stop_token_ids", self.stop_token_ids)
+        for token_id in stop_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must hold ints >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        stop = _as_tuple("stop", self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request always takes the most likely token (temperature ~ 0)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any logit penalty changes the scores."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Reject stop token ids the model can never produce."""
+        _check_int("vocab_size", vocab_size, 1)
+        for token_id in self.stop_token_ids:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"stop_token_ids must be in [0, {vocab_size}), got {self.stop_token_ids!r}"
+                )
+
+
+class SampleRow(NamedTuple):
+    """What the sampler needs about one request for one step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+
+
+class SampleResult(NamedTuple):
+    """The chosen token and, if asked for, raw-distribution logprobs."""
+
+    token_id: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] | None
+
+
+def _check_batch(logits: torch.Tensor, num_rows: int) -> None:
+    if logits.dim() != 2 or logits.shape[0] != num_rows or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a float tensor of shape [{num_rows}, vocab_size], "
+            f"got {logits.dtype} {tuple(logits.shape)}"
+        )
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """Per-row float32 parameters as a [num_rows, 1] column that broadcasts over the vocab."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _token_counts(
+    id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Count token occurrences per row: [len(id_lists), vocab_size] float32."""
+    width = max(1, max(len(ids) for ids in id_lists))
+    # Pad with an extra "vocab_size" column so ragged rows share one scatter_add.
+    padded = torch.full((len(id_lists), width), vocab_size, dtype=torch.long)
+    for i, ids in enumerate(id_lists):
+        if len(ids):
+            row = torch.as_tensor(ids, dtype=torch.long)
+            if row.min() < 0 or row.max() >= vocab_size:
+                raise ValueError(f"token ids must be in [0, {vocab_size}), got {list(ids)!r}")
+            padded[i, : len(ids)] = row
+    counts = torch.zeros(len(id_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    padded = padded.to(device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]  # drop the padding column
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Return a float32 copy of logits with repetition, frequency and presence penalties."""
+    _check_batch(logits, len(rows))
+    out = logits.to(torch.float32, copy=True)  # out: [num_rows, vocab_size]
+    vocab_size, device = out.shape[1], out.device
+
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep:
+        # HF semantics: every token seen in prompt or output is penalised once.
+        seen_ids = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in rep]
+        seen = _token_counts(seen_ids, vocab_size, device).gt(0)  # seen: [len(rep), vocab_size]
+        penalty = _column([rows[i].params.repetition_penalty for i in rep], device)
+        index = torch.tensor(rep, device=device)
+        sub = out.index_select(0, index)  # sub: [len(rep), vocab_size]
+        # Dividing a positive or multiplying a negative logit both make the token less likely.
+        penalized = torch.where(sub < 0, sub * penalty, sub / penalty)
+        out.index_copy_(0, index, torch.where(seen, penalized, sub))
+
+    additive = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0
+    ]
+    if additive:
+        # OpenAI semantics: only generated tokens count, not the prompt.
+        counts = _token_counts([rows[i].output_token_ids for i in additive], vocab_size, device)
+        freq = _column([rows[i].params.frequency_penalty for i in additive], device)
+        pres = _column([rows[i].params.presence_penalty for i in additive], device)
+        index = torch.tensor(additive, device=device)
+        sub = out.index_select(0, index)  # sub: [len(additive), vocab_size]
+        out.index_copy_(0, index, sub - counts * freq - counts.gt(0).to(torch.float32) * pres)
+    return out
+
+
+def warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Scale by temperature, then mask tokens outside top-k, top-p and min-p with -inf.
+
+    Returns a new float32 tensor; the masks match HF's Temperature, TopK, TopP and MinP
+    warpers applied in that order. Greedy params are rejected (there is nothing to warp).
+    """
+    _check_batch(logits, len(params))
+    for p in params:
+        if p.greedy:
+            raise ValueError(f"params must not be greedy, got temperature={p.temperature!r}")
+    device, vocab_size = logits.device, logits.shape[1]
+    # Plain division, as HF does; temperatures below GREEDY_TEMPERATURE never get here, so
+    # realistic logits (|x| << 1e30) cannot overflow fp32.
+    scores = logits.float() / _column([p.temperature for p in params], device)
+    if any(p.top_k is not None or p.top_p < 1.0 for p in params):
+        # One ascending sort serves both filters; -inf entries stay at the front.
+        sorted_vals, sorted_idx = scores.sort(dim=-1)  # both: [num_rows, vocab_size]
+        if any(p.top_k is not None for p in params):
+            k = [vocab_size if p.top_k is None else min(p.top_k, vocab_size) for p in params]
+            kth_pos = vocab_size - torch.tensor(k, dtype=torch.long, device=device).unsqueeze(1)
+            # Ties with the k-th largest value survive, as in HF's TopKLogitsWarper.
+            kth = sorted_vals.gather(1, kth_pos)  # kth: [num_rows, 1]
+            sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, -math.inf)
+        if any(p.top_p < 1.0 for p in params):
+            # 1 - top_p in float64 before the cast mirrors HF's Python-scalar comparison;
+            # -inf switches top-p off for that row.
+            cut = _column([1.0 - p.top_p if p.top_p < 1.0 else -math.inf for p in params], device)
+            remove = sorted_vals.softmax(dim=-1).cumsum(dim=-1) <= cut
+            remove[:, -1] = False  # the most likely token always survives
+            sorted_vals = sorted_vals.masked_fill(remove, -math.inf)
+        scores = torch.empty_like(scores).scatter_(1, sorted_idx, sorted_vals)
+    if any(p.min_p > 0.0 for p in params):
+        probs = scores.softmax(dim=-1)  # probs: [num_rows, vocab_size]
+        threshold = probs.amax(dim=-1, keepdim=True) * _column([p.min_p for p in params], device)
+        scores = scores.masked_fill(probs < threshold, -math.inf)
+    return scores
+
+
+class Sampler:
+    """Turns one step of logits into one token per request."""
+
+    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[SampleResult]:
+        _check_batch(logits, len(rows))
+        if not rows:
+            return []
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        want_penalties = any(r.params.has_penalties for r in rows)
+        if not want_logprobs and not want_penalties and all(r.params.greedy for r in rows):
+            # Fast path: argmax is exact in any float dtype, so skip the fp32 copy.
+            return [SampleResult(t, None, None) for t in logits.argmax(dim=-1).tolist()]
+
+        raw = logits.float()  # raw: [num_rows, vocab_size]; may alias logits, never written
+        scores = apply_penalties(raw, rows) if want_penalties else raw
+        device = logits.device
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=device)
+            token_ids[index] = scores.index_select(0, index).argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=device)
+            warped = warp_logits(scores.index_select(0, index), [rows[i].params for i in sampled])
+            probs = warped.softmax(dim=-1)  # probs: [len(sampled), vocab_size]
+            noise = self._exponential_noise([rows[i] for i in sampled], probs.shape[1], device)
+            # argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p (Gumbel-max in
+            # disguise), and it needs no renormalisation after masking.
+            token_ids[index] = (probs / noise).argmax(dim=-1)
+        chosen = token_ids.tolist()
+        if not want_logprobs:
+            return [SampleResult(t, None, None) for t in chosen]
+        return _with_logprobs(raw, rows, token_ids, chosen)
+
+    def _exponential_noise(
+        self, rows: Sequence[SampleRow], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """Exp(1) noise: [len(rows), vocab_size], drawn from each row's own generator."""
+        noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            draw = torch.empty(len(shared), vocab_size, dtype=torch.float32, device=device)
+            noise[torch.tensor(shared, device=device)] = draw.exponential_(
+                generator=self.default_generator
+            )
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                # A fresh [vocab_size] draw: the stream depends only on this request's seed,
+                # not on its batch position or neighbours.
+                draw = torch.empty(vocab_size, dtype=torch.float32, device=device)
+                noise[i] = draw.exponential_(generator=row.generator)
+        # A zero draw would make 0 / 0 = NaN for a masked token, and argmax prefers NaN.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _with_logprobs(
+    raw: torch.Tensor, rows: Sequence[SampleRow], token_ids: torch.Tensor, chosen: list[int]
+) -> list[SampleResult]:
+    """Attach raw-distribution logprobs to the rows that asked for them."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    index = torch.tensor(wanted, device=raw.device)
+    logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)  # [len(wanted), vocab]
+    picked = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
+    top_n = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[1])
+    top_vals: list[list[float]] = [[] for _ in wanted]
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    if top_n > 0:
+        values, ids = logprobs.topk(top_n, dim=-1)  # both: [len(wanted), top_n], descending
+        top_vals, top_ids = values.tolist(), ids.tolist()
+    results = [SampleResult(t, None, None) for t in chosen]
+    for j, (i, lp) in enumerate(zip(wanted, picked.tolist(), strict=True)):
+        n = rows[i].params.logprobs or 0
+        top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        results[i] = SampleResult(chosen[i], lp, top)
+    return results

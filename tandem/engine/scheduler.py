@@ -1,0 +1,286 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Pure: `schedule()` plans a step from plain state, `update()` applies the step's sampled
+tokens. No I/O, no torch, no clock reads (the engine passes `now`).
+
+Each step spends a token budget (`max_num_batched_tokens`):
+  1. running requests first, in arrival order: one token each when decoding, a chunk when
+     prefilling; when blocks run out, the most recently admitted running request is
+     preempted (blocks freed, recomputed later) until the current one fits;
+  2. then waiting requests, while budget, `max_num_seqs` and free blocks allow, starting
+     after their longest cached prefix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tandem.config import SchedulerConfig
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampling import SampleResult
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        num_new_tokens: tokens computed this step, starting at position `start`.
+        block_ids: the request's whole block table.
+        sample: this chunk reaches the last known token, so the step samples the next one.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+    sample: bool
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A request's progress after a step: its new token (if any) and whether it ended."""
+
+    request: Request
+    new_token_id: int | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        extra_keys: tuple[str, ...] = (),
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.extra_keys = extra_keys
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.handed_off: dict[str, Request] = {}
+
+    # -- admission -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.update_block_hashes(self.kv.block_size, self.extra_keys)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def reserve_kv(self, request: Request) -> tuple[list[int], int] | None:
+        """Decode role: allocate blocks for a prompt whose KV arrives from outside.
+
+        Returns (block table, tokens already cached locally); the caller fills the blocks
+        for positions [cached, num_prompt_tokens) and then calls `commit_kv`. None if too
+        few blocks are free (nothing changed).
+        """
+        request.update_block_hashes(self.kv.block_size, self.extra_keys)
+        hits, num_cached = self.kv.get_computed_blocks(request)
+        # The request's tokens include the prefill worker's output; only the prompt's KV is
+        # supplied, so only prompt blocks may come from the local prefix cache.
+        hits = hits[: request.num_prompt_tokens // self.kv.block_size]
+        num_cached = len(hits) * self.kv.block_size
+        num_new = request.num_prompt_tokens - num_cached
+        if self.kv.allocate_slots(request, num_new, hits) is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_cached_tokens = num_cached
+        self.waiting_for_kv[request.request_id] = request
+        return self.kv.get_block_ids(request.request_id), num_cached
+
+    def commit_kv(self, request_id: str) -> None:
+        """Decode role: the prompt's KV is in place; the request joins the batch."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"request {request_id} is not waiting for KV")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request)
+        request.status = RequestStatus.WAITING
+        # It already holds its blocks: put it first so those blocks start earning.
+        self.waiting.appendleft(request)
+
+    # -- planning --------------------------------------------------------------------------
+
+    def _chunk(self, num_remaining: int, budget: int) -> int:
+        """Tokens of a request to compute this step: all that remain, within the limits."""
+        num_new = min(num_remaining, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None:
+            num_new = min(num_new, threshold)
+        return num_new
+
+    def _schedule_one(self, request: Request, start: int, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            num_new_tokens=num_new,
+            block_ids=tuple(self.kv.get_block_ids(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                start = request.num_computed_tokens
+                out.scheduled.append(self._schedule_one(request, start, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current request itself was preempted; nothing more fits
+
+        if out.preempted_ids:
+            return out  # memory is short: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits: list[int] = []
+            if request.num_computed_tokens == 0:
+                hits, num_cached = self.kv.get_computed_blocks(request)
+            else:
+                num_cached = request.num_computed_tokens  # decode role: KV already in place
+            start = num_cached
+            num_new = self._chunk(request.num_tokens - start, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            request.num_computed_tokens = start
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._schedule_one(request, start, num_new))
+            budget -= num_new
+        return out
+
+    # -- applying results ------------------------------------------------------------------
+
+    def update(
+        self, out: SchedulerOutput, samples: dict[str, SampleResult], now: float = 0.0
+    ) -> list[TokenEvent]:
+        """Advance every scheduled request; append sampled tokens; finish stopped ones."""
+        events = []
+        for sched in out.scheduled:
+            request = sched.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = sched.start + sched.num_new_tokens
+            self.kv.cache_blocks(request)
+            if not sched.sample:
+                continue
+            result = samples[request.request_id]
+            request.output_token_ids.append(result.token_id)
+            if request.sampling_params.logprobs is not None:
+                request.logprobs.append((result.logprob, result.top_logprobs))
+            if request.first_token_time is None:
+                request.first_token_time = now
+            request.update_block_hashes(self.kv.block_size, self.extra_keys)
+            status = self._check_stop(request)
+            if status is not None:
+                self.finish(request.request_id, status, now)
+            elif request.hand_off:
+                self.running.remove(request)
+                request.status = RequestStatus.HANDED_OFF
+                self.handed_off[request.request_id] = request
+            events.append(TokenEvent(request, result.token_id, status is not None))
+        return events
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last in request.eos_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if len(request.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus, now: float = 0.0) -> Request | None:
+        """End a request anywhere in its life and free its blocks. None if unknown."""
+        assert status.finished
+        request = self._remove(request_id)
+        if request is None:
+            return None
+        self.kv.free(request_id)
+        request.status = status
+        request.finish_time = now
+        return request
+
+    def _remove(self, request_id: str) -> Request | None:
+        for i, r in enumerate(self.running):
+            if r.request_id == request_id:
+                return self.running.pop(i)
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                return r
+        return self.waiting_for_kv.pop(request_id, None) or self.handed_off.pop(request_id, None)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def requests(self) -> Iterable[Request]:
+        yield from self.running
+        yield from self.waiting
+        yield from self.waiting_for_kv.values()
+        yield from self.handed_off.values()
+
+    def queued_prefill_tokens(self) -> int:
+        """Tokens still to compute for requests that have not reached their first sample."""
+        return sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in list(self.waiting) + self.running
+            if r.num_computed_tokens < r.num_tokens - 1
+        )

@@ -1,0 +1,126 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+Tokens of all requests in a step are packed into one flat batch ([num_tokens, ...]); the
+attention backend knows which request each token belongs to. q/k/v and gate/up projections
+are fused into one matmul each (fewer, larger GEMMs on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.model.attention import AttentionBackend, AttentionMetadata
+from tandem.model.config import ModelConfig
+from tandem.model.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(q_heads + 2 * kv_heads) * head_dim]
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    o: torch.Tensor  # [hidden, q_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+
+    def num_bytes(self) -> int:
+        """Bytes of distinct weight tensors (a tied lm_head counts once)."""
+        seen: set[int] = set()
+        total = 0
+        tensors: list[torch.Tensor | None] = [self.embed, self.final_norm, self.lm_head]
+        for lw in self.layers:
+            tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o]
+            tensors += [lw.post_norm, lw.gate_up, lw.down]
+        for t in tensors:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back, then scaled (HF's order of operations)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """The decoder. Stateless apart from weights and RoPE tables; KV lives in the cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        attention: AttentionBackend,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.attention = attention
+        self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
+        self.scale = config.head_dim**-0.5
+        self._q_size = config.num_q_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run all layers over a flat token batch.
+
+        Args:
+            input_ids: [num_tokens] int64
+            positions: [num_tokens] int64
+            meta: where each token's KV goes and what it attends to.
+            kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+        Returns:
+            Final hidden states after the last norm, [num_tokens, hidden].
+        """
+        cfg, w = self.config, self.weights
+        eps = cfg.rms_norm_eps
+        h = F.embedding(input_ids, w.embed)  # [num_tokens, hidden]
+        cos, sin = self.rope.tables(positions, h.dtype)
+        n = input_ids.shape[0]
+        for layer_idx, lw in enumerate(w.layers):
+            x = rms_norm(h, lw.input_norm, eps)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+            q = q.view(n, cfg.num_q_heads, cfg.head_dim)
+            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q = rms_norm(q, lw.q_norm, eps)
+                k = rms_norm(k, lw.k_norm, eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
+            h = h + F.linear(attn.reshape(n, self._q_size), lw.o)
+            x = rms_norm(h, lw.post_norm, eps)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        return rms_norm(h, w.final_norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden] -> logits [num_rows, vocab] in float32."""
+        return F.linear(hidden, self.weights.lm_head).float()

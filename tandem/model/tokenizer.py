@@ -1,0 +1,292 @@
+"""Tokenizer wrapper (HF `tokenizer.json` + config files), chat templates and streaming decode."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded alongside generated ones, so decoders that depend on the preceding
+# token (e.g. SentencePiece's leading-space handling) render the first generated token right.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """Encode/decode text and render chat templates for one model."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        add_bos_token: bool | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id: int | None = self._require_id(bos_token, "bos_token")
+        eos_ids: list[int] = []
+        eos_id = self._require_id(eos_token, "eos_token")
+        for tid in ([] if eos_id is None else [eos_id]) + [int(i) for i in extra_eos_token_ids]:
+            if tid not in eos_ids:
+                eos_ids.append(tid)
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_ids)
+        self.chat_template = chat_template
+        if add_bos_token is None:
+            add_bos_token = self._post_processor_adds_bos()
+        if add_bos_token and self.bos_token_id is None:
+            raise ValueError("add_bos_token is true but the tokenizer has no bos_token")
+        self.add_bos_token = add_bos_token
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` plus the optional config files of a HF model directory."""
+        root = Path(model_dir)
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer.json not found in model directory {root}: {path}")
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise ValueError(f"failed to parse {path}: {exc}") from None
+
+        tok_cfg = _read_json(root / "tokenizer_config.json")
+        gen_cfg = _read_json(root / "generation_config.json")
+        model_cfg = _read_json(root / "config.json")
+        bos_token = _token_content(tok_cfg.get("bos_token"), "bos_token")
+        eos_token = _token_content(tok_cfg.get("eos_token"), "eos_token")
+        if bos_token is None:
+            # No tokenizer_config entry: fall back to the id the model configs declare.
+            bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
+            if isinstance(bos_id, int):
+                bos_token = tok.id_to_token(bos_id)
+        extra_eos: list[int] = []
+        for cfg in (gen_cfg, model_cfg):
+            value = cfg.get("eos_token_id")
+            ids = value if isinstance(value, list) else [] if value is None else [value]
+            for tid in ids:
+                if not isinstance(tid, int) or isinstance(tid, bool):
+                    raise ValueError(
+                        f"eos_token_id must be an int or a list of ints, got {value!r}"
+                    )
+                extra_eos.append(tid)
+        if eos_token is None and extra_eos:
+            eos_token = tok.id_to_token(extra_eos[0])
+
+        template_file = root / "chat_template.jinja"
+        if template_file.is_file():
+            chat_template: str | None = template_file.read_text(encoding="utf-8")
+        else:
+            chat_template = _pick_chat_template(tok_cfg.get("chat_template"))
+        add_bos = tok_cfg.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise ValueError(
+                f"add_bos_token in tokenizer_config.json must be a bool, got {add_bos!r}"
+            )
+        return cls(
+            tok,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            extra_eos_token_ids=extra_eos,
+            chat_template=chat_template,
+            add_bos_token=add_bos,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens, added tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings in `text` map to their ids.
+
+        With `add_special_tokens`, BOS is prepended when the tokenizer config asks for it, unless
+        the text already starts with BOS (e.g. a rendered chat template), to avoid a double BOS.
+        """
+        # The post-processor is bypassed so BOS handling depends only on `add_bos_token`.
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            assert self.bos_token_id is not None  # checked in __init__
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. Ids outside the vocabulary (padded model vocab) are dropped."""
+        try:
+            return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        except OverflowError:
+            bad = [i for i in ids if not 0 <= i < 2**32]
+            raise ValueError(f"token ids must be non-negative 32-bit ints, got {bad[:5]}") from None
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` ({role, content} mappings) with the model's chat template."""
+        if self.chat_template is None:
+            raise ValueError(
+                "model has no chat template (no chat_template.jinja and no chat_template in "
+                "tokenizer_config.json); send a plain prompt instead"
+            )
+        rendered: list[dict[str, Any]] = []
+        for idx, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise ValueError(f"message {idx} must be a mapping, got {type(message).__name__}")
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    raise ValueError(
+                        f"message {idx} must have a string {key!r}, got {message.get(key)!r}"
+                    )
+            rendered.append(dict(message))
+        try:
+            return self._compiled_template().render(
+                messages=rendered,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                raise_exception=_raise_exception,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed to render: {exc}") from None
+
+    def _compiled_template(self) -> jinja2.Template:
+        if self._template is None:
+            assert self.chat_template is not None
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            try:
+                self._template = env.from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"chat template is not valid Jinja: {exc}") from None
+        return self._template
+
+    def _require_id(self, token: str | None, field: str) -> int | None:
+        if token is None:
+            return None
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise ValueError(f"{field} {token!r} is not in the tokenizer's vocabulary")
+        return int(tid)
+
+    def _post_processor_adds_bos(self) -> bool:
+        # Llama-3-style tokenizers declare BOS only through the post-processor.
+        if self.bos_token_id is None:
+            return False
+        with_special = self._tok.encode("a", add_special_tokens=True).ids
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        return len(with_special) > len(plain) and with_special[0] == self.bos_token_id
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas while streaming.
+
+    Only a short window is decoded per step: `_window[:_read]` was already emitted (context),
+    `_window[_read:]` is pending. Text is held back while it ends in U+FFFD, i.e. while the
+    last token may be the first bytes of a multi-byte character. Call `flush` at the end of
+    the stream to emit anything still held back. For byte-level tokenizers the deltas
+    concatenate to `tokenizer.decode(generated_ids)`.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        context_text = tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        if context_text.endswith(_REPLACEMENT_CHAR):
+            # A prompt ending mid-character would let generated bytes complete it, so the
+            # deltas would not match decoding the generated ids alone: drop the context.
+            context, context_text = [], ""
+        self._window = context
+        self._read = len(context)
+        self._prefix_text = context_text
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._chunks)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append generated ids; return the newly complete text (possibly empty)."""
+        self._window.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Emit text held back at the end of the stream (e.g. a truncated character)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if len(self._window) == self._read:
+            return ""
+        text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip)
+        if not final and text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        delta = text[len(self._prefix_text) :]
+        # The ids just emitted become the context for the next step.
+        self._window = self._window[self._read :]
+        self._read = len(self._window)
+        self._prefix_text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip)
+        if delta:
+            self._chunks.append(delta)
+        return delta
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """Contents of an optional JSON object file; {} if absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any, field: str) -> str | None:
+    """A special token given as a string or as an AddedToken dict {"content": ...}."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise ValueError(f"{field} in tokenizer_config.json must be a string, got {value!r}")
+    return value
+
+
+def _pick_chat_template(value: Any) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of named ones (use "default")."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for entry in value:
+            if isinstance(entry, dict) and entry.get("name") == "default":
+                template = entry.get("template")
+                if not isinstance(template, str):
+                    raise ValueError(f"default chat_template must be a string, got {template!r}")
+                return template
+        return None
+    raise ValueError(f"chat_template must be a string or a list, got {type(value).__name__}")

@@ -1,0 +1,115 @@
+"""Shared factories: tiny random HF models (saved once per session) and engines over them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tiny decoder shapes per family; each exercises a different code path of the model.
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(cls="LlamaConfig"),
+    "llama3-rope-tied": dict(
+        cls="LlamaConfig",
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "mistral": dict(cls="MistralConfig", sliding_window=None),
+    "qwen2": dict(cls="Qwen2Config"),
+    "qwen3": dict(cls="Qwen3Config", head_dim=24),
+}
+
+BASE_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,  # wide logits: greedy decoding never sits on a near-tie
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=0,
+)
+
+
+def build_hf_model(arch: str, out_dir: Path, seed: int = 0) -> Any:
+    import transformers
+
+    spec = dict(ARCH_CONFIGS[arch])
+    cls = getattr(transformers, spec.pop("cls"))
+    config = cls(**{**BASE_SHAPE, **spec})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch == "qwen2":
+        # HF initializes biases to zero; give them values so the bias path is exercised.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.1)
+    if arch == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.2)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.2)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out_dir)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
+    """hf_model(arch) -> (model dir, transformers model), built once per session."""
+    cache: dict[str, tuple[Path, Any]] = {}
+
+    def get(arch: str) -> tuple[Path, Any]:
+        if arch not in cache:
+            out = tmp_path_factory.mktemp(f"hf-{arch}")
+            cache[arch] = (out, build_hf_model(arch, out))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded default model generator's `tiny` preset (with tokenizer)."""
+    from tandem.model.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> Any:
+    """An engine over `model_dir`; overrides: block_size, num_blocks, max_num_seqs,
+    max_num_batched_tokens, long_prefill_token_threshold, enable_prefix_caching, role."""
+    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tandem.engine.engine import LLMEngine
+
+    cache = CacheConfig(
+        block_size=overrides.pop("block_size", 4),
+        num_blocks=overrides.pop("num_blocks", 256),
+        enable_prefix_caching=overrides.pop("enable_prefix_caching", True),
+    )
+    sched_keys = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+    sched = SchedulerConfig(**{k: overrides.pop(k) for k in sched_keys if k in overrides})
+    return LLMEngine(EngineConfig(model_dir=str(model_dir), cache=cache, scheduler=sched, **overrides))
+
+
+@pytest.fixture(scope="session")
+def engine_factory() -> Callable[..., Any]:
+    return make_engine
