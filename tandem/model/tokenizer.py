@@ -67,8 +67,10 @@ class Tokenizer:
         eos_token = _token_content(tok_cfg.get("eos_token"), "eos_token")
         if bos_token is None:
             # No tokenizer_config entry: fall back to the id the model configs declare.
-            bos_id = gen_cfg.get("bos_token_id", model_cfg.get("bos_token_id"))
-            if isinstance(bos_id, int):
+            bos_id = gen_cfg.get("bos_token_id")
+            if bos_id is None:
+                bos_id = model_cfg.get("bos_token_id")
+            if isinstance(bos_id, int) and not isinstance(bos_id, bool):
                 bos_token = tok.id_to_token(bos_id)
         extra_eos: list[int] = []
         for cfg in (gen_cfg, model_cfg):

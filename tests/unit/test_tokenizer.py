@@ -1,0 +1,241 @@
+"""Tests for the tokenizer wrapper, chat templates and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from tandem.model.tiny import BOS_ID, EOS_ID, EOT_ID, make_tiny_model
+from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXTS = (
+    "Hello world, the man said.",
+    " leading space and trailing space ",
+    "numbers 12345 and 2025!",
+    "emoji 🤖🎉 and CJK 中文字符 and accents déjà vu",
+    "line one\nline two\n\n\ttabbed",
+    "<|start_header_id|>user<|end_header_id|>",
+    "",
+)
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there "},
+]
+EXPECTED_CHAT = (
+    "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tok"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def _copy_tokenizer_only(model_dir: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(model_dir / "tokenizer.json", dest / "tokenizer.json")
+    return dest
+
+
+def test_special_ids(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 512
+    assert tok.bos_token_id == BOS_ID == 0
+    assert tok.eos_token_ids == (EOS_ID, EOT_ID) == (1, 4)
+    assert tok.add_bos_token is True
+    assert tok.chat_template is not None
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_round_trip(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert ids[0] == BOS_ID and ids.count(BOS_ID) == 1
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    if "<|" not in text:
+        assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False).startswith("<|begin_of_text|>")
+
+
+def test_special_token_text_maps_to_ids(tok: Tokenizer) -> None:
+    assert tok.encode("<|start_header_id|>user<|end_header_id|>", add_special_tokens=False)[0] == 2
+    assert tok.decode([2, 3], skip_special_tokens=True) == ""
+    assert tok.decode([2, 3], skip_special_tokens=False) == "<|start_header_id|><|end_header_id|>"
+
+
+def test_no_double_bos(tok: Tokenizer) -> None:
+    rendered = tok.apply_chat_template(CONVERSATION)
+    ids = tok.encode(rendered)
+    assert ids[:2] == [BOS_ID, 2]
+    assert ids == tok.encode(rendered, add_special_tokens=False)
+
+
+def test_matches_transformers(model_dir: Path, tok: Tokenizer) -> None:
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    auto = transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert auto.bos_token_id == BOS_ID and auto.eos_token_id == EOS_ID
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert fast(text)["input_ids"] == ids, text
+        assert auto(text)["input_ids"] == ids, text
+        plain = tok.encode(text, add_special_tokens=False)
+        assert auto(text, add_special_tokens=False)["input_ids"] == plain, text
+        assert auto.decode(ids, skip_special_tokens=True) == tok.decode(ids), text
+    hf_chat = auto.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True)
+    assert hf_chat == tok.apply_chat_template(CONVERSATION) == EXPECTED_CHAT
+
+
+def test_chat_template_exact(tok: Tokenizer) -> None:
+    assert tok.apply_chat_template(CONVERSATION) == EXPECTED_CHAT
+    no_prompt = tok.apply_chat_template(CONVERSATION, add_generation_prompt=False)
+    assert no_prompt == EXPECTED_CHAT.removesuffix(
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+
+
+def test_chat_template_raise_exception(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="unsupported role narrator"):
+        tok.apply_chat_template([{"role": "narrator", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([{"role": "user"}], "message 0 must have a string 'content'"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], "message 1 .* 'role'"),
+        ([{"role": "user", "content": 3}], "message 0 must have a string 'content'"),
+        ([["user", "hi"]], "message 0 must be a mapping"),
+    ],
+)
+def test_bad_messages_raise(tok: Tokenizer, messages: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_missing_and_broken_files(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path / "nowhere")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_dir(broken)
+    bad_cfg = _copy_tokenizer_only(model_dir, tmp_path / "bad_cfg")
+    (bad_cfg / "tokenizer_config.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(bad_cfg)
+    unknown_bos = _copy_tokenizer_only(model_dir, tmp_path / "unknown_bos")
+    (unknown_bos / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    with pytest.raises(ValueError, match="'<s>' is not in the tokenizer's vocabulary"):
+        Tokenizer.from_dir(unknown_bos)
+
+
+def test_no_chat_template(model_dir: Path) -> None:
+    bare = Tokenizer(HFTokenizer.from_file(str(model_dir / "tokenizer.json")))
+    with pytest.raises(ValueError, match="model has no chat template"):
+        bare.apply_chat_template(CONVERSATION)
+    # Without configs the BOS decision comes from nothing: no bos token known, no BOS added.
+    assert bare.bos_token_id is None
+    assert bare.encode("hi") == bare.encode("hi", add_special_tokens=False)
+
+
+def test_config_variants(model_dir: Path, tmp_path: Path) -> None:
+    root = _copy_tokenizer_only(model_dir, tmp_path / "variant")
+    cfg = {
+        "bos_token": {"content": "<|begin_of_text|>", "special": True},
+        "eos_token": {"content": "<|eot_id|>"},
+        "add_bos_token": False,
+        "chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{{ bos_token }}{{ messages[0]['content'] }}"},
+        ],
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [4, 1]}))
+    (root / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+    tok = Tokenizer.from_dir(root)
+    assert tok.eos_token_ids == (4, 1, 3)
+    assert tok.bos_token_id == BOS_ID
+    assert tok.encode("hi")[0] != BOS_ID  # add_bos_token false wins over the post-processor
+    assert tok.apply_chat_template([{"role": "user", "content": "yo"}]) == "<|begin_of_text|>yo"
+    (root / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}]{% endfor %}"
+    )
+    assert Tokenizer.from_dir(root).apply_chat_template(CONVERSATION) == "[system][user]"
+
+
+def test_bos_from_post_processor_and_model_config(model_dir: Path, tmp_path: Path) -> None:
+    # No tokenizer_config.json: BOS id comes from config.json, adding it from the post-processor.
+    root = _copy_tokenizer_only(model_dir, tmp_path / "bare")
+    (root / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+    tok = Tokenizer.from_dir(root)
+    assert tok.bos_token_id == BOS_ID and tok.add_bos_token
+    assert tok.eos_token_ids == (EOS_ID,)
+    assert tok.encode("hi")[0] == BOS_ID and tok.encode("hi").count(BOS_ID) == 1
+
+
+def test_decode_rejects_negative_ids(tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="-1"):
+        tok.decode([5, -1])
+
+
+def _stream(
+    tok: Tokenizer, prompt: list[int], ids: list[int], rng: random.Random, skip: bool
+) -> str:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas = []
+    pos = 0
+    while pos < len(ids):
+        step = rng.randint(1, 3)
+        deltas.append(detok.add(ids[pos : pos + step]))
+        pos += step
+    deltas.append(detok.flush())
+    assert detok.text == "".join(deltas)
+    return "".join(deltas)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_random_ids(tok: Tokenizer, skip: bool) -> None:
+    rng = random.Random(7)
+    prompts = [[], tok.encode("Once upon a time"), tok.encode("emoji 🤖")]
+    prompts.append(tok.encode("🤖")[:-1])  # prompt ending mid-character
+    for trial in range(60):
+        prompt = prompts[trial % len(prompts)]
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        expected = tok.decode(ids, skip_special_tokens=skip)
+        assert _stream(tok, prompt, ids, rng, skip) == expected, (prompt, ids)
+
+
+def test_incremental_unicode_text_never_emits_partial_chars(tok: Tokenizer) -> None:
+    text = "Hi 🤖🎉 中文字符 déjà vu 👩‍👩‍👧 done."
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"))
+    deltas = [detok.add([i]) for i in ids]
+    assert "" in deltas  # some tokens held back mid-character
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == detok.text == text
+    assert detok.flush() == ""
+
+
+def test_incremental_flush_emits_truncated_character(tok: Tokenizer) -> None:
+    emoji = tok.encode("🤖", add_special_tokens=False)
+    assert len(emoji) > 1
+    detok = IncrementalDetokenizer(tok, [BOS_ID])
+    assert detok.add(tok.encode("ok ", add_special_tokens=False)) == "ok "
+    assert detok.add(emoji[:-1]) == ""
+    assert detok.flush() == tok.decode(emoji[:-1])
+    assert detok.text.startswith("ok ") and detok.text.endswith("\ufffd")
