@@ -2,7 +2,10 @@
 
 Tokens of all requests in a step are packed into one flat batch ([num_tokens, ...]); the
 attention backend knows which request each token belongs to. q/k/v and gate/up projections
-are fused into one matmul each (fewer, larger GEMMs on CPU).
+are fused into one matmul each (fewer, larger GEMMs on CPU). Weight matrices are stored
+transposed, [in_features, out_features], and applied as `x @ w`: on CPU, torch's
+batch-1 path reads that layout ~1.4x faster than `F.linear`'s [out, in], and decode at
+batch 1 is bound by reading the weights.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ from tandem.model.rope import RotaryEmbedding, apply_rotary
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: torch.Tensor  # [hidden, (q_heads + 2 * kv_heads) * head_dim]
     qkv_bias: torch.Tensor | None  # [(q_heads + 2 * kv_heads) * head_dim]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    o: torch.Tensor  # [hidden, q_heads * head_dim]
+    o: torch.Tensor  # [q_heads * head_dim, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
+    down: torch.Tensor  # [intermediate, hidden]
 
 
 @dataclass(slots=True)
@@ -35,7 +38,7 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    lm_head: torch.Tensor  # [hidden, vocab]; a transposed view of embed when tied
 
     def num_bytes(self) -> int:
         """Bytes of distinct weight tensors (a tied lm_head counts once)."""
@@ -103,7 +106,7 @@ class LlamaModel:
         n = input_ids.shape[0]
         for layer_idx, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = x @ lw.qkv if lw.qkv_bias is None else torch.addmm(lw.qkv_bias, x, lw.qkv)
             q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
             q = q.view(n, cfg.num_q_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -114,13 +117,13 @@ class LlamaModel:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
-            h = h + F.linear(attn.reshape(n, self._q_size), lw.o)
+            h = h + attn.reshape(n, self._q_size) @ lw.o
             x = rms_norm(h, lw.post_norm, eps)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = (x @ lw.gate_up).chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ lw.down
         return rms_norm(h, w.final_norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab] in float32."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return (hidden @ self.weights.lm_head).float()

@@ -61,7 +61,7 @@ def read_tensors(
 
 
 def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> ModelWeights:
-    """Map HF tensor names to our (fused) layout, checking every shape."""
+    """Map HF tensor names to our layout (fused, matrices transposed), checking every shape."""
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in tensors:
@@ -82,7 +82,7 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Mode
                 take(p + "self_attn.k_proj.weight", (kv_out, hid)),
                 take(p + "self_attn.v_proj.weight", (kv_out, hid)),
             ]
-        )
+        ).t().contiguous()
         bias = None
         if config.qkv_bias:
             bias = torch.cat(
@@ -99,24 +99,24 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Mode
                 qkv_bias=bias,
                 q_norm=take(p + "self_attn.q_norm.weight", (d,)) if config.qk_norm else None,
                 k_norm=take(p + "self_attn.k_norm.weight", (d,)) if config.qk_norm else None,
-                o=take(p + "self_attn.o_proj.weight", (hid, q_out)),
+                o=take(p + "self_attn.o_proj.weight", (hid, q_out)).t().contiguous(),
                 post_norm=take(p + "post_attention_layernorm.weight", (hid,)),
                 gate_up=torch.cat(
                     [
                         take(p + "mlp.gate_proj.weight", (inter, hid)),
                         take(p + "mlp.up_proj.weight", (inter, hid)),
                     ]
-                ),
-                down=take(p + "mlp.down_proj.weight", (hid, inter)),
+                ).t().contiguous(),
+                down=take(p + "mlp.down_proj.weight", (hid, inter)).t().contiguous(),
             )
         )
     embed = take("model.embed_tokens.weight", (config.vocab_size, hid))
     if config.tie_word_embeddings or "lm_head.weight" not in tensors:
         if not config.tie_word_embeddings:
             raise ValueError("weights are missing tensor 'lm_head.weight'")
-        lm_head = embed
+        lm_head = embed.t()  # shares storage with the embedding
     else:
-        lm_head = take("lm_head.weight", (config.vocab_size, hid))
+        lm_head = take("lm_head.weight", (config.vocab_size, hid)).t().contiguous()
     return ModelWeights(
         embed=embed, layers=layers, final_norm=take("model.norm.weight", (hid,)), lm_head=lm_head
     )
