@@ -6,7 +6,12 @@ import torch
 
 from tandem.engine.sampling import SampleResult, SampleRow, Sampler
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tandem.model.attention import AttentionMetadata, PrefillSpan
+from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+
+# Decode rows are split into groups of similar context length, each padded to its own
+# longest row; a group holds at least this many rows (fewer groups = fewer kernel calls).
+MIN_DECODE_GROUP_ROWS = 16
+MAX_DECODE_GROUPS = 4
 from tandem.model.llama import LlamaModel
 
 
@@ -24,7 +29,8 @@ class ModelRunner:
         self, out: SchedulerOutput
     ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Order rows (decode first) and build input ids, positions and attention metadata."""
-        decodes = [s for s in out.scheduled if s.is_decode]
+        # Longest context first, so each decode group is a contiguous run of rows.
+        decodes = sorted((s for s in out.scheduled if s.is_decode), key=lambda s: -s.start)
         prefills = [s for s in out.scheduled if not s.is_decode]
         rows = decodes + prefills
         bs = self.block_size
@@ -41,19 +47,12 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_block_ids=torch.tensor(slot_blocks, dtype=torch.int64, device=dev),
             slot_offsets=pos_t % bs,
-            num_decode_tokens=len(decodes),
         )
-        if decodes:
-            ctx_lens = [s.start + 1 for s in decodes]
-            max_blocks = -(-max(ctx_lens) // bs)
-            # Padding entries point at block 0; the mask hides them.
-            table = [list(s.block_ids[:max_blocks]) for s in decodes]
-            table = [t + [0] * (max_blocks - len(t)) for t in table]
-            meta.decode_block_tables = torch.tensor(table, dtype=torch.int64, device=dev)
-            lens_t = torch.tensor(ctx_lens, dtype=torch.int64, device=dev)
-            meta.decode_context_lens = lens_t
-            key_pos = torch.arange(max_blocks * bs, device=dev)
-            meta.decode_mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]
+        num_groups = max(1, min(MAX_DECODE_GROUPS, len(decodes) // MIN_DECODE_GROUP_ROWS))
+        size = max(1, -(-len(decodes) // num_groups))
+        for start in range(0, len(decodes), size):
+            group = decodes[start : start + size]
+            meta.decode_groups.append(self._decode_group(start, group))
         token_start = len(decodes)
         for s in prefills:
             ctx = s.start + s.num_new_tokens
@@ -62,6 +61,22 @@ class ModelRunner:
             token_start += s.num_new_tokens
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return rows, input_ids, pos_t, meta
+
+    def _decode_group(self, start: int, rows: list[ScheduledRequest]) -> DecodeGroup:
+        bs, dev = self.block_size, self.device
+        ctx_lens = [s.start + 1 for s in rows]
+        max_blocks = -(-max(ctx_lens) // bs)
+        # Padding entries point at block 0; the mask hides them.
+        table = [list(s.block_ids[:max_blocks]) for s in rows]
+        table = [t + [0] * (max_blocks - len(t)) for t in table]
+        lens_t = torch.tensor(ctx_lens, dtype=torch.int64, device=dev)
+        key_pos = torch.arange(max_blocks * bs, device=dev)
+        return DecodeGroup(
+            start=start,
+            end=start + len(rows),
+            block_tables=torch.tensor(table, dtype=torch.int64, device=dev),
+            mask=(key_pos[None, :] < lens_t[:, None])[:, None, None, :],
+        )
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step. Returns the sampled token of every row that samples."""

@@ -37,6 +37,21 @@ class PrefillSpan:
     block_ids: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Decode rows [start, end) of the flat batch, attended together (padded to one length).
+
+    Attributes:
+        block_tables: [rows, max_blocks] padded block tables.
+        mask: [rows, 1, 1, max_blocks * block_size], True where a key is valid.
+    """
+
+    start: int
+    end: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each one attends to.
@@ -44,19 +59,14 @@ class AttentionMetadata:
     Attributes:
         slot_block_ids: [num_tokens] block of each new token's KV slot.
         slot_offsets: [num_tokens] offset inside that block.
-        num_decode_tokens: decode rows occupy flat indices [0, num_decode_tokens).
-        decode_block_tables: [num_decode, max_blocks] padded block tables of the decode rows.
-        decode_context_lens: [num_decode] tokens each decode row attends to.
-        decode_mask: [num_decode, 1, 1, max_blocks * block_size], True where a key is valid.
+        decode_groups: decode rows, which occupy the first flat indices, split into groups
+            of similar context length so that padding wastes little work.
         prefills: the prefill chunks, after the decode rows.
     """
 
     slot_block_ids: torch.Tensor
     slot_offsets: torch.Tensor
-    num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None
-    decode_context_lens: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -86,7 +96,28 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """CPU attention with torch ops: gather the context's blocks, then SDPA."""
+    """CPU attention with torch ops: gather the context's blocks, then SDPA.
+
+    Gathers go into a reused workspace: a fresh multi-MB tensor per layer costs page faults
+    that take ~8x longer than the copy itself.
+    """
+
+    def __init__(self) -> None:
+        self._workspace = torch.empty(0)
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> torch.Tensor:
+        """Copy blocks `block_ids` ([n]) of `cache` ([num_blocks, block_size, heads, dim]).
+
+        Returns [n, block_size, heads, dim], a view of workspace half `slot` (0: K, 1: V).
+        """
+        row = cache[0].numel()
+        n = block_ids.numel()
+        if self._workspace.numel() < 2 * n * row or self._workspace.dtype != cache.dtype:
+            self._workspace = torch.empty(2 * n * row, dtype=cache.dtype, device=cache.device)
+        half = self._workspace.numel() // 2
+        out = self._workspace[slot * half : slot * half + n * row].view(n, row)
+        torch.index_select(cache.flatten(1), 0, block_ids, out=out)
+        return out.view(n, *cache.shape[1:])
 
     def forward(
         self,
@@ -102,9 +133,10 @@ class TorchAttention:
         k_cache[meta.slot_block_ids, meta.slot_offsets] = k
         v_cache[meta.slot_block_ids, meta.slot_offsets] = v
         out = torch.empty_like(q)
-        num_dec = meta.num_decode_tokens
-        if num_dec:
-            out[:num_dec] = self._decode(q[:num_dec], k_cache, v_cache, meta, scale)
+        for group in meta.decode_groups:
+            out[group.start : group.end] = self._decode(
+                q[group.start : group.end], k_cache, v_cache, group, scale
+            )
         for span in meta.prefills:
             end = span.token_start + span.num_new_tokens
             out[span.token_start : end] = self._prefill(
@@ -118,33 +150,33 @@ class TorchAttention:
             )
         return out
 
-    @staticmethod
     def _decode(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        group: DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        tables = meta.decode_block_tables
+        tables = group.block_tables
         num_rows, max_blocks = tables.shape
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        # The gather copies each row's blocks into one contiguous [T, heads, dim] run.
-        keys = k_cache[tables].view(num_rows, max_blocks * block_size, num_kv_heads, head_dim)
-        values = v_cache[tables].view(num_rows, max_blocks * block_size, num_kv_heads, head_dim)
+        flat = tables.flatten()
+        shape = (num_rows, max_blocks * block_size, num_kv_heads, head_dim)
+        keys = self._gather(k_cache, flat, 0).view(shape)
+        values = self._gather(v_cache, flat, 1).view(shape)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [rows, q_heads, 1, dim]
             keys.transpose(1, 2),  # [rows, kv_heads, T, dim]
             values.transpose(1, 2),
-            attn_mask=meta.decode_mask,
+            attn_mask=group.mask,
             scale=scale,
             enable_gqa=True,
         )
         return out.squeeze(2)
 
-    @staticmethod
     def _prefill(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -159,8 +191,9 @@ class TorchAttention:
             keys, values, mask, causal = k, v, None, True
         else:
             num_kv_heads, head_dim = k_cache.shape[2:]
-            keys = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx]
-            values = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[:ctx]
+            keys = self._gather(k_cache, span.block_ids, 0).view(-1, num_kv_heads, head_dim)
+            values = self._gather(v_cache, span.block_ids, 1).view(-1, num_kv_heads, head_dim)
+            keys, values = keys[:ctx], values[:ctx]
             # Query i sits at position ctx - num_new + i and sees keys at positions <= that.
             q_pos = torch.arange(ctx - num_new, ctx).unsqueeze(1)
             mask, causal = torch.arange(ctx).unsqueeze(0) <= q_pos, False
