@@ -76,7 +76,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     engine = LLMEngine(
-        EngineConfig(model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=args.kv_cache_mb << 20)),
+        EngineConfig(
+            model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=args.kv_cache_mb << 20)
+        ),
         progress=_progress_bar("loading weights"),
     )
     print(f"loaded {model_dir} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -106,9 +108,20 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Single-process for now: the router/prefill/decode processes come with the serving layer.
     model_dir = Path(args.model) if args.model else ensure_default_model(DEFAULT_MODEL_DIR)
     ns = argparse.Namespace(
-        model=str(model_dir), prompt=["The quick brown fox"], max_tokens=32, temperature=0.0,
-        top_k=None, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=None, stop=[],
-        ignore_eos=False, chat=False, token_ids=False, kv_cache_mb=args.kv_cache_mb,
+        model=str(model_dir),
+        prompt=["The quick brown fox"],
+        max_tokens=32,
+        temperature=0.0,
+        top_k=None,
+        top_p=1.0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        seed=None,
+        stop=[],
+        ignore_eos=False,
+        chat=False,
+        token_ids=False,
+        kv_cache_mb=args.kv_cache_mb,
     )
     print("demo request: 'The quick brown fox' (greedy, 32 tokens)", file=sys.stderr)
     return cmd_generate(ns)

@@ -7,10 +7,10 @@ one-to-one (parsed only in each service's main.py). Every config validates itsel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class EngineRole(str, Enum):
+class EngineRole(StrEnum):
     """What part of a request's life an engine runs."""
 
     FULL = "full"  # prefill and decode in one process

@@ -59,7 +59,11 @@ def build_hf_model(arch: str, out_dir: Path, seed: int = 0) -> Any:
         # HF initializes biases to zero; give them values so the bias path is exercised.
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0.0, 0.1)
     if arch == "qwen3":
         with torch.no_grad():
@@ -107,7 +111,9 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
     )
     sched_keys = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
     sched = SchedulerConfig(**{k: overrides.pop(k) for k in sched_keys if k in overrides})
-    return LLMEngine(EngineConfig(model_dir=str(model_dir), cache=cache, scheduler=sched, **overrides))
+    return LLMEngine(
+        EngineConfig(model_dir=str(model_dir), cache=cache, scheduler=sched, **overrides)
+    )
 
 
 @pytest.fixture(scope="session")

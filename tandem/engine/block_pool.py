@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import NamedTuple
 
 
@@ -27,7 +27,7 @@ class Block:
     block_hash: int | None = None
 
 
-class KVEventKind(str, Enum):
+class KVEventKind(StrEnum):
     STORED = "stored"
     REMOVED = "removed"
 

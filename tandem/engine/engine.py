@@ -24,7 +24,7 @@ from tandem.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.engine.kv_manager import KVCacheManager, cdiv
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams
+from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -93,6 +93,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, sampler)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._emitted: dict[str, int] = {}  # characters of text streamed so far
         self.num_steps = 0
 
     # -- requests --------------------------------------------------------------------------
@@ -119,7 +120,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt) if prompt else []
+        else:
+            ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model.config.vocab_size
@@ -176,6 +180,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._detok.pop(request_id, None)
+        self._emitted.pop(request_id, None)
 
     # -- disaggregation hooks --------------------------------------------------------------
 
@@ -204,12 +209,17 @@ class LLMEngine:
         if not output_token_ids:
             raise ValueError("output_token_ids must hold the prefill worker's first token")
         request = self.make_request(request_id, prompt_token_ids, params, output_token_ids)
+        if request.generator is not None and not request.sampling_params.greedy:
+            vocab = self.model.config.vocab_size
+            advance_generator(request.generator, vocab, len(request.output_token_ids))
         reserved = self.scheduler.reserve_kv(request)
         if reserved is not None:
             self._track(request)
             detok = self._detok.get(request_id)
             if detok is not None:
+                # The prefill worker streamed these tokens' text already.
                 detok.add(request.output_token_ids)
+                self._emitted[request_id] = len(detok.text)
         return reserved
 
     def commit_kv(self, request_id: str) -> None:
@@ -244,24 +254,33 @@ class LLMEngine:
         return outputs
 
     def _detokenize(self, request: Request, new_ids: list[int], now: float) -> str:
-        detok = self._detok.get(request.request_id)
+        """Text delta for new tokens; ends the request at the first stop string.
+
+        With stop strings, the last (longest stop - 1) characters are held back until they
+        cannot be the start of a match, so a stop string is never partly streamed.
+        """
+        rid = request.request_id
+        detok = self._detok.get(rid)
         if detok is None or not new_ids:
             return ""
-        before = len(detok.text)
-        delta = detok.add(new_ids)
+        detok.add(new_ids)
+        if request.status.finished:
+            detok.flush()  # text held back for an incomplete character
+        text, emitted = detok.text, self._emitted.get(rid, 0)
         stops = request.sampling_params.stop
-        if not stops or request.status.finished:
-            return delta
-        # Search only the region a new match could start in.
-        text = detok.text
-        window_start = max(0, before - max(len(s) for s in stops) + 1)
-        hits = [(i, s) for s in stops if (i := text.find(s, window_start)) != -1]
-        if not hits:
-            return delta
-        cut, stop = min(hits)
-        request.stop_reason = stop
-        self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now)
-        return text[before:cut] if cut > before else ""
+        end = len(text)
+        if stops:
+            hits = [(i, s) for s in stops if (i := text.find(s, emitted)) != -1]
+            if hits:
+                end, request.stop_reason = min(hits)
+                if request.status.finished:
+                    request.status = RequestStatus.FINISHED_STOPPED  # the stop came first
+                else:
+                    self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED, now)
+            elif not request.status.finished:
+                end = max(emitted, len(text) - max(len(s) for s in stops) + 1)
+        self._emitted[rid] = end
+        return text[emitted:end]
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None

@@ -79,9 +79,7 @@ class KVCacheManager:
         if computed_block_ids and table:
             raise ValueError(f"request {request.request_id} already holds blocks")
         num_tokens = (
-            request.num_computed_tokens
-            + len(computed_block_ids) * self.block_size
-            + num_new_tokens
+            request.num_computed_tokens + len(computed_block_ids) * self.block_size + num_new_tokens
         )
         num_needed = cdiv(num_tokens, self.block_size) - len(table) - len(computed_block_ids)
         # Hits on free blocks take those blocks out of the free queue.

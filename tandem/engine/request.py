@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
@@ -11,7 +11,7 @@ from tandem.engine.prefix_hash import ROOT_PARENT_HASH, hash_blocks
 from tandem.engine.sampling import SamplingParams
 
 
-class RequestStatus(str, Enum):
+class RequestStatus(StrEnum):
     WAITING = "waiting"  # queued; holds no blocks
     WAITING_FOR_KV = "waiting_for_kv"  # decode role: holds blocks, KV being filled from outside
     RUNNING = "running"

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.sampling import SampleResult, SampleRow, Sampler
+from tandem.engine.sampling import Sampler, SampleResult, SampleRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from tandem.model.llama import LlamaModel
 
 # Decode rows are split into groups of similar context length, each padded to its own
 # longest row; a group holds at least this many rows (fewer groups = fewer kernel calls).
 MIN_DECODE_GROUP_ROWS = 16
 MAX_DECODE_GROUPS = 4
-from tandem.model.llama import LlamaModel
 
 
 class ModelRunner:
@@ -94,7 +94,9 @@ class ModelRunner:
                 last_idx.append(offset - 1)
                 r = s.request
                 sample_rows.append(
-                    SampleRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator)
+                    SampleRow(
+                        r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator
+                    )
                 )
         if not last_idx:
             return {}

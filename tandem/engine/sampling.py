@@ -303,6 +303,16 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+def advance_generator(generator: torch.Generator, vocab_size: int, num_tokens: int) -> None:
+    """Consume the draws that sampling `num_tokens` tokens took from a seeded stream.
+
+    A request continued on another worker (prefill hands off to decode) thereby samples
+    exactly what it would have sampled in one process.
+    """
+    for _ in range(num_tokens):
+        torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+
+
 def _with_logprobs(
     raw: torch.Tensor, rows: Sequence[SampleRow], token_ids: torch.Tensor, chosen: list[int]
 ) -> list[SampleResult]:

@@ -140,4 +140,3 @@ def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(raw["factor"]))
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: llama3, linear")
-

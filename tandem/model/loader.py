@@ -76,13 +76,17 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Mode
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat(
-            [
-                take(p + "self_attn.q_proj.weight", (q_out, hid)),
-                take(p + "self_attn.k_proj.weight", (kv_out, hid)),
-                take(p + "self_attn.v_proj.weight", (kv_out, hid)),
-            ]
-        ).t().contiguous()
+        qkv = (
+            torch.cat(
+                [
+                    take(p + "self_attn.q_proj.weight", (q_out, hid)),
+                    take(p + "self_attn.k_proj.weight", (kv_out, hid)),
+                    take(p + "self_attn.v_proj.weight", (kv_out, hid)),
+                ]
+            )
+            .t()
+            .contiguous()
+        )
         bias = None
         if config.qkv_bias:
             bias = torch.cat(
@@ -106,7 +110,9 @@ def build_weights(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Mode
                         take(p + "mlp.gate_proj.weight", (inter, hid)),
                         take(p + "mlp.up_proj.weight", (inter, hid)),
                     ]
-                ).t().contiguous(),
+                )
+                .t()
+                .contiguous(),
                 down=take(p + "mlp.down_proj.weight", (hid, inter)).t().contiguous(),
             )
         )

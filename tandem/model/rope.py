@@ -47,7 +47,9 @@ class RotaryEmbedding:
         self.sin = emb.sin()
         self.max_positions = max_positions
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` ([num_tokens]); each [num_tokens, 1, head_dim] in `dtype`."""
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)

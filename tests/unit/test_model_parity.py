@@ -83,9 +83,7 @@ def test_prefix_cache_hit_logits_match_hf(hf_model, engine_factory, arch) -> Non
 
 def _mixed_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [
-        (rng.choices(range(256), k=rng.randint(1, 40)), rng.randint(1, 20)) for _ in range(n)
-    ]
+    return [(rng.choices(range(256), k=rng.randint(1, 40)), rng.randint(1, 20)) for _ in range(n)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -57,7 +57,9 @@ def test_bad_inputs_rejected() -> None:
 
 
 def test_same_value_in_another_process_with_other_hash_seed() -> None:
-    code = "from tandem.engine.prefix_hash import hash_blocks; print(hash_blocks(list(range(8)), 4))"
+    code = (
+        "from tandem.engine.prefix_hash import hash_blocks; print(hash_blocks(list(range(8)), 4))"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

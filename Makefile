@@ -1,0 +1,36 @@
+# Everything a fresh machine needs: `make up` runs Tandem on embedded defaults, `make test`
+# runs the checks CI runs. Both create .venv and install the project into it first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install up test lint unit bench clean
+
+# torch==2.13.0 (CPU) is pinned in pyproject.toml and installed in the same pip command as
+# transformers, so pip never pulls the multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(BIN)/tandem up
+
+lint: install
+	$(BIN)/ruff check tandem kernels tests benchmarks
+	$(BIN)/mypy tandem kernels
+
+unit: install
+	$(BIN)/pytest -q
+
+test: lint unit
+
+bench: install
+	$(BIN)/python benchmarks/bench_engine.py all
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,732 @@
+"""Engine benchmarks on CPU: throughput vs HF transformers, batch-1 decode vs the memory
+roofline, and time to first token with a shared prefix.
+
+    python benchmarks/bench_engine.py [throughput|roofline|prefix|all] [--quick]
+        [--model-dir DIR] [--results-dir DIR]
+
+Progress goes to stderr, a markdown table to stdout, JSON to <results-dir>/<name>.json and a
+plot of whatever results exist to <results-dir>/engine.png. `--quick` shrinks every workload
+(smoke test, well under a minute) and suffixes its files with `-quick` so that a smoke run
+never overwrites the numbers of a full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.request import Request
+from tandem.engine.sampling import SamplingParams
+from tandem.model.tiny import SPECIAL_TOKENS, make_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
+DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# Special tokens take the first ids; random prompts avoid them so no BOS/EOS lands mid-prompt.
+FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)
+BENCHMARKS = ("throughput", "roofline", "prefix")
+# Targets from the issue; the direction of each comparison is fixed by the metric.
+TARGET_THROUGHPUT_RATIO = 2.0  # Tandem tokens/s over the best HF batch size, at least
+TARGET_ROOFLINE_FRACTION = 0.5  # roofline step time over measured step time, at least
+TARGET_TTFT_RATIO = 0.25  # TTFT with the prefix cached over TTFT without, at most
+MIB = 1 << 20
+
+_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr (stdout carries only the markdown report)."""
+    print(f"[{time.perf_counter() - _START:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Workload sizes of one mode (full or --quick)."""
+
+    num_prompts: int
+    prompt_len: tuple[int, int]  # inclusive range
+    output_len: tuple[int, int]  # inclusive range
+    hf_batch_sizes: tuple[int, ...]
+    agree_requests: int  # requests whose greedy tokens are checked against HF at batch 1
+    agree_tokens: int  # at most this many tokens of each
+    bw_mib: int
+    bw_reps: int
+    decode_prompt_len: int
+    decode_max_tokens: int
+    decode_warmup_steps: int
+    decode_timed_steps: int
+    prefix_len: int
+    suffix_len: int
+    prefix_trials: int
+
+    def __post_init__(self) -> None:
+        # The prefill step yields the first token; every later step must still decode one,
+        # or the timed loop would time empty steps.
+        needed = 1 + self.decode_warmup_steps + self.decode_timed_steps
+        if self.decode_max_tokens < needed:
+            raise ValueError(f"decode_max_tokens must be >= {needed}")
+
+
+FULL = Sizes(
+    num_prompts=64,
+    prompt_len=(32, 512),
+    output_len=(16, 256),
+    hf_batch_sizes=(16, 64),
+    agree_requests=4,
+    agree_tokens=32,
+    bw_mib=512,
+    bw_reps=10,
+    decode_prompt_len=128,
+    decode_max_tokens=300,
+    decode_warmup_steps=20,
+    decode_timed_steps=200,
+    prefix_len=1024,
+    suffix_len=32,
+    prefix_trials=3,
+)
+QUICK = Sizes(
+    num_prompts=8,
+    prompt_len=(16, 64),
+    output_len=(4, 16),
+    hf_batch_sizes=(4, 8),
+    agree_requests=2,
+    agree_tokens=8,
+    bw_mib=64,
+    bw_reps=3,
+    decode_prompt_len=32,
+    decode_max_tokens=40,
+    decode_warmup_steps=3,
+    decode_timed_steps=20,
+    prefix_len=128,
+    suffix_len=16,
+    prefix_trials=3,
+)
+
+
+# -- setup ---------------------------------------------------------------------------------
+
+
+def ensure_model(model_dir: Path) -> Path:
+    if (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file():
+        return model_dir
+    log(f"generating the 'small' preset model into {model_dir}")
+    return make_tiny_model(model_dir, preset="small", seed=0, progress=log)
+
+
+def vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def make_engine(model_dir: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            cache=CacheConfig(kv_cache_bytes=1 << 30),
+            scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
+        )
+    )
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)]
+
+
+def machine_info() -> dict[str, Any]:
+    cpu_model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    info: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        # The machine is shared: the load average says how much others were running.
+        "loadavg_1_5_15": list(os.getloadavg()),
+        "git_commit": commit or None,
+    }
+    if "transformers" in sys.modules:
+        info["transformers_version"] = sys.modules["transformers"].__version__
+    return info
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# -- 1. throughput -------------------------------------------------------------------------
+
+
+def make_workload(sizes: Sizes, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt, requested output length) per request, deterministic from Random(0)."""
+    rng = random.Random(0)
+    lengths = [
+        (rng.randint(*sizes.prompt_len), rng.randint(*sizes.output_len))
+        for _ in range(sizes.num_prompts)
+    ]
+    return [(random_tokens(rng, p, vocab), o) for p, o in lengths]
+
+
+def run_tandem(model_dir: Path, workload: list[tuple[list[int], int]]) -> dict[str, Any]:
+    log("throughput: loading Tandem engine")
+    engine = make_engine(model_dir)
+    # One short request first, so one-time costs (allocator growth, kernel selection) are
+    # not billed to the timed run; HF gets the same courtesy.
+    engine.add_request("warmup", workload[0][0][:16], greedy(4))
+    while engine.has_unfinished():
+        engine.step()
+
+    log(f"throughput: Tandem, {len(workload)} requests added at once")
+    tokens: dict[str, list[int]] = {}
+    requests: list[Request] = []
+    t0 = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(workload):
+        requests.append(engine.add_request(f"r{i}", prompt, greedy(out_len)))
+        tokens[f"r{i}"] = []
+    steps = 0
+    last_log = t0
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        steps += 1
+        now = time.perf_counter()
+        if now - last_log >= 5.0:
+            done = sum(len(t) for t in tokens.values())
+            log(f"throughput: Tandem step {steps}, {done} tokens, {now - t0:.1f}s")
+            last_log = now
+    wall = time.perf_counter() - t0
+
+    for (_, out_len), req in zip(workload, requests, strict=True):
+        got = len(tokens[req.request_id])
+        if got != out_len:
+            raise RuntimeError(f"{req.request_id}: asked for {out_len} tokens, got {got}")
+    useful = sum(out_len for _, out_len in workload)
+    log(f"throughput: Tandem {useful} tokens in {wall:.1f}s = {useful / wall:.1f} tok/s")
+    result = {
+        "wall_s": wall,
+        "output_tokens": useful,
+        "tokens_per_s": useful / wall,
+        "steps": steps,
+        "preemptions": sum(r.num_preemptions for r in requests),
+        "tokens": tokens,  # for the agreement check; popped before the JSON is written
+    }
+    del engine
+    gc.collect()
+    return result
+
+
+def hf_generate(
+    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int, fixed_length: bool
+) -> list[list[int]]:
+    """Greedy HF generation, left-padded with an attention mask; returns new tokens only."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)  # pad id 0
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    kwargs: dict[str, Any] = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+    if fixed_length:
+        # Every row runs the batch's longest request: that is what static batching costs.
+        kwargs["min_new_tokens"] = new_tokens
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    return [row[width:].tolist() for row in out]
+
+
+def run_hf(model: Any, workload: list[tuple[list[int], int]], batch_size: int) -> dict[str, Any]:
+    log(f"throughput: HF generate, batch size {batch_size}")
+    t0 = time.perf_counter()
+    batches = []
+    for start in range(0, len(workload), batch_size):
+        batch = workload[start : start + batch_size]
+        longest = max(out_len for _, out_len in batch)
+        tb = time.perf_counter()
+        outs = hf_generate(model, [p for p, _ in batch], longest, fixed_length=True)
+        elapsed = time.perf_counter() - tb
+        if any(len(o) != longest for o in outs):
+            raise RuntimeError(f"HF generated {[len(o) for o in outs]}, expected {longest} each")
+        batches.append({"size": len(batch), "new_tokens": longest, "wall_s": elapsed})
+        log(
+            f"throughput: HF bs{batch_size} batch {len(batches)}: "
+            f"{len(batch)} x {longest} tokens in {elapsed:.1f}s"
+        )
+    wall = time.perf_counter() - t0
+    # Only each request's own requested tokens count; padding the batch to its longest
+    # request is waste that static batching pays for.
+    useful = sum(out_len for _, out_len in workload)
+    generated = sum(b["size"] * b["new_tokens"] for b in batches)
+    log(f"throughput: HF bs{batch_size} {useful} useful tokens in {wall:.1f}s")
+    return {
+        "batch_size": batch_size,
+        "wall_s": wall,
+        "output_tokens": useful,
+        "generated_tokens": generated,
+        "tokens_per_s": useful / wall,
+        "batches": batches,
+    }
+
+
+def check_agreement(
+    model: Any,
+    workload: list[tuple[list[int], int]],
+    tandem_tokens: dict[str, list[int]],
+    sizes: Sizes,
+    eos_ids: set[int],
+) -> dict[str, Any]:
+    """Tandem's greedy tokens vs HF's unpadded batch-1 greedy generation."""
+    rows = []
+    for i in range(sizes.agree_requests):
+        prompt, out_len = workload[i]
+        n = min(sizes.agree_tokens, out_len)
+        # No min_new_tokens: that would suppress EOS and change the argmax. HF may stop at
+        # EOS instead (Tandem ignores it), so compare the tokens HF did produce.
+        hf = hf_generate(model, [prompt], n, fixed_length=False)[0]
+        ours = tandem_tokens[f"r{i}"][: len(hf)]
+        stopped_early = len(hf) < n
+        ok = ours == hf and (not stopped_early or hf[-1] in eos_ids)
+        mismatch = next((j for j, (a, b) in enumerate(zip(ours, hf, strict=True)) if a != b), None)
+        rows.append({"request": f"r{i}", "compared": len(hf), "agree": ok, "first_diff": mismatch})
+        log(f"throughput: agreement r{i}: {len(hf)} tokens, agree={ok}")
+    return {"agree": "yes" if all(r["agree"] for r in rows) else "no", "requests": rows}
+
+
+def bench_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
+    workload = make_workload(sizes, vocab_size(model_dir))
+    tandem = run_tandem(model_dir, workload)
+    tandem_tokens = tandem.pop("tokens")
+
+    from transformers import AutoModelForCausalLM  # slow import: only this benchmark needs it
+
+    log("throughput: loading HF model")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    hf_generate(model, [workload[0][0][:16]], 4, fixed_length=True)  # warm-up, as for Tandem
+    hf_runs = [run_hf(model, workload, bs) for bs in sizes.hf_batch_sizes]
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    agreement = check_agreement(model, workload, tandem_tokens, sizes, eos_ids)
+    del model
+    gc.collect()
+
+    best = max(hf_runs, key=lambda r: r["tokens_per_s"])
+    ratio = tandem["tokens_per_s"] / best["tokens_per_s"]
+    prompt_lens = [len(p) for p, _ in workload]
+    return {
+        "workload": {
+            "num_prompts": len(workload),
+            "prompt_tokens": sum(prompt_lens),
+            "output_tokens": sum(o for _, o in workload),
+            "max_prompt_len": max(prompt_lens),
+            "max_output_len": max(o for _, o in workload),
+        },
+        "tandem": tandem,
+        "hf": hf_runs,
+        "best_hf_batch_size": best["batch_size"],
+        "ratio_vs_best_hf": ratio,
+        "target": TARGET_THROUGHPUT_RATIO,
+        "pass": ratio >= TARGET_THROUGHPUT_RATIO,
+        "correctness": agreement,
+    }
+
+
+# -- 2. roofline ---------------------------------------------------------------------------
+
+
+def copy_bandwidth(mib: int, reps: int) -> dict[str, Any]:
+    """Median time of copying one float32 tensor into another, as bytes copied per second."""
+    n = mib * MIB // 4
+    # Both initialized: untouched pages all map the shared zero page, which reads from cache.
+    src = torch.rand(n)
+    dst = torch.rand(n)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    del src, dst
+    return {"bytes": n * 4, "median_s": med, "bytes_per_s": n * 4 / med, "times_s": times}
+
+
+def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
+    log("roofline: loading Tandem engine")
+    engine = make_engine(model_dir)
+    weight_bytes = engine.model.weights.num_bytes()
+    embed = engine.model.weights.embed
+    prompt = random_tokens(random.Random(1), sizes.decode_prompt_len, vocab_size(model_dir))
+
+    log(f"roofline: copy bandwidth ({sizes.bw_mib} MiB x {sizes.bw_reps}), before")
+    bw_before = copy_bandwidth(sizes.bw_mib, sizes.bw_reps)
+    log(f"roofline: {bw_before['bytes_per_s'] / 1e9:.2f} GB/s")
+
+    engine.add_request("decode", prompt, greedy(sizes.decode_max_tokens))
+    engine.step()  # the prefill
+    for _ in range(sizes.decode_warmup_steps):
+        engine.step()
+    log(f"roofline: timing {sizes.decode_timed_steps} batch-1 decode steps")
+    times = []
+    for _ in range(sizes.decode_timed_steps):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t0)
+        if len(outs) != 1 or len(outs[0].new_token_ids) != 1:
+            raise RuntimeError(f"a timed decode step returned {outs}")
+    step = statistics.median(times)
+    log(f"roofline: median step {step * 1e3:.2f} ms")
+    engine.abort("decode")
+    del engine
+    gc.collect()
+
+    log("roofline: copy bandwidth, after")
+    bw_after = copy_bandwidth(sizes.bw_mib, sizes.bw_reps)
+    log(f"roofline: {bw_after['bytes_per_s'] / 1e9:.2f} GB/s")
+    # Mean of before/after: the decode timing sits between them, so slow drift in what
+    # others run on the machine averages out.
+    bw = (bw_before["bytes_per_s"] + bw_after["bytes_per_s"]) / 2
+    roofline = weight_bytes / bw
+    fraction = roofline / step
+    # Decode reads one row of the embedding table, not all of it.
+    touched = weight_bytes - embed.numel() * embed.element_size() + embed[0].nbytes
+    return {
+        "weight_bytes": weight_bytes,
+        "bandwidth_before": bw_before,
+        "bandwidth_after": bw_after,
+        "bandwidth_bytes_per_s": bw,
+        "roofline_step_s": roofline,
+        "step_s_median": step,
+        "step_s_p10": percentile(times, 0.1),
+        "step_s_p90": percentile(times, 0.9),
+        "step_times_s": times,
+        "fraction": fraction,
+        "target": TARGET_ROOFLINE_FRACTION,
+        "pass": fraction >= TARGET_ROOFLINE_FRACTION,
+        # Stricter readings of the same measurement, for context (not the target figure):
+        # STREAM counts a copy as read + write traffic (2x the bytes), and decode does not
+        # read the whole embedding table.
+        "alt_fraction_stream_convention": weight_bytes / (2 * bw) / step,
+        "alt_fraction_touched_bytes": touched / bw / step,
+        "touched_weight_bytes": touched,
+    }
+
+
+# -- 3. prefix -----------------------------------------------------------------------------
+
+
+def time_to_first_token(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[float, Request]:
+    """Seconds from add_request to the end of the step that returns rid's first token."""
+    t0 = time.perf_counter()
+    request = engine.add_request(rid, prompt, greedy(1))
+    first = None
+    while first is None:
+        if not engine.has_unfinished():
+            raise RuntimeError(f"{rid} finished without a first token")
+        for out in engine.step():
+            if out.request_id == rid and out.new_token_ids:
+                first = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return first - t0, request
+
+
+def bench_prefix(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
+    log("prefix: loading Tandem engine")
+    engine = make_engine(model_dir)
+    vocab = vocab_size(model_dir)
+    rng = random.Random(2)
+
+    def pair(engine: LLMEngine, tag: str) -> tuple[float, float, Request, Request]:
+        prefix = random_tokens(rng, sizes.prefix_len, vocab)
+        suffix_a = random_tokens(rng, sizes.suffix_len, vocab)
+        suffix_b = random_tokens(rng, sizes.suffix_len, vocab)
+        ttft_a, req_a = time_to_first_token(engine, f"{tag}-a", prefix + suffix_a)
+        ttft_b, req_b = time_to_first_token(engine, f"{tag}-b", prefix + suffix_b)
+        return ttft_a, ttft_b, req_a, req_b
+
+    # A discarded pair on its own prefix warms both paths (full prefill, cached prefix), so
+    # a cold first prefill does not inflate A and flatter the ratio.
+    pair(engine, "warmup")
+    trials = []
+    for i in range(sizes.prefix_trials):
+        ttft_a, ttft_b, req_a, req_b = pair(engine, f"t{i}")
+        trials.append(
+            {
+                "ttft_a_s": ttft_a,
+                "ttft_b_s": ttft_b,
+                "ratio": ttft_b / ttft_a,
+                "a_cached_tokens": req_a.num_cached_tokens,
+                "b_cached_tokens": req_b.num_cached_tokens,
+            }
+        )
+        log(
+            f"prefix: trial {i}: A {ttft_a * 1e3:.1f} ms, B {ttft_b * 1e3:.1f} ms "
+            f"(B cached {req_b.num_cached_tokens} tokens), ratio {ttft_b / ttft_a:.3f}"
+        )
+    del engine
+    gc.collect()
+    ratio = statistics.median(t["ratio"] for t in trials)
+    return {
+        "prefix_len": sizes.prefix_len,
+        "suffix_len": sizes.suffix_len,
+        "trials": trials,
+        "ttft_a_s_median": statistics.median(t["ttft_a_s"] for t in trials),
+        "ttft_b_s_median": statistics.median(t["ttft_b_s"] for t in trials),
+        "b_cached_tokens": [t["b_cached_tokens"] for t in trials],
+        "ratio_median": ratio,
+        "target": TARGET_TTFT_RATIO,
+        "pass": ratio <= TARGET_TTFT_RATIO,
+    }
+
+
+# -- reporting -----------------------------------------------------------------------------
+
+
+def result_path(results_dir: Path, name: str, quick: bool, ext: str = "json") -> Path:
+    return results_dir / f"{name}{'-quick' if quick else ''}.{ext}"
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write-then-rename: an interrupted run never leaves half a JSON file for the plot.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def markdown(name: str, r: dict[str, Any]) -> str:
+    if name == "throughput":
+        lines = [
+            "| system | wall (s) | output tokens/s |",
+            "|---|---:|---:|",
+            f"| Tandem (continuous batching) | {r['tandem']['wall_s']:.1f} "
+            f"| {r['tandem']['tokens_per_s']:.1f} |",
+        ]
+        for hf in r["hf"]:
+            lines.append(
+                f"| HF generate bs{hf['batch_size']} | {hf['wall_s']:.1f} "
+                f"| {hf['tokens_per_s']:.1f} |"
+            )
+        lines.append(
+            f"\nTandem / best HF (bs{r['best_hf_batch_size']}): **{r['ratio_vs_best_hf']:.2f}x** "
+            f"(target >= {r['target']:.0f}x: {verdict(r['pass'])}); "
+            f"greedy tokens agree with HF: {r['correctness']['agree']}"
+        )
+        return "\n".join(lines)
+    if name == "roofline":
+        return "\n".join(
+            [
+                "| weights (MiB) | copy bandwidth (GB/s) | roofline step (ms) "
+                "| measured step, median (ms) | fraction |",
+                "|---:|---:|---:|---:|---:|",
+                f"| {r['weight_bytes'] / MIB:.1f} | {r['bandwidth_bytes_per_s'] / 1e9:.2f} "
+                f"| {r['roofline_step_s'] * 1e3:.2f} | {r['step_s_median'] * 1e3:.2f} "
+                f"| **{r['fraction']:.2f}** ({verdict(r['pass'])}, target >= {r['target']}) |",
+            ]
+        )
+    lines = [
+        "| trial | TTFT A (ms) | TTFT B (ms) | B cached tokens | B / A |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for i, t in enumerate(r["trials"]):
+        lines.append(
+            f"| {i} | {t['ttft_a_s'] * 1e3:.1f} | {t['ttft_b_s'] * 1e3:.1f} "
+            f"| {t['b_cached_tokens']} | {t['ratio']:.3f} |"
+        )
+    lines.append(
+        f"\nmedian B / A: **{r['ratio_median']:.3f}** "
+        f"(target <= {r['target']}: {verdict(r['pass'])})"
+    )
+    return "\n".join(lines)
+
+
+def summary(results: dict[str, dict[str, Any]]) -> str:
+    lines = ["| figure | measured | target | result |", "|---|---:|---:|---|"]
+    if "throughput" in results:
+        r = results["throughput"]
+        lines.append(
+            f"| throughput, Tandem / best HF | {r['ratio_vs_best_hf']:.2f}x "
+            f"| >= {r['target']:.0f}x | {verdict(r['pass'])} |"
+        )
+    if "roofline" in results:
+        r = results["roofline"]
+        lines.append(
+            f"| batch-1 decode, roofline / step time | {r['fraction']:.2f} "
+            f"| >= {r['target']} | {verdict(r['pass'])} |"
+        )
+    if "prefix" in results:
+        r = results["prefix"]
+        lines.append(
+            f"| TTFT, cached prefix / uncached | {r['ratio_median']:.3f} "
+            f"| <= {r['target']} | {verdict(r['pass'])} |"
+        )
+    return "\n".join(lines)
+
+
+def bar_labels(ax: Any, bars: Any, fmt: str) -> None:
+    for bar in bars:
+        ax.annotate(
+            fmt.format(bar.get_height()),
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+
+
+def plot(results_dir: Path, quick: bool) -> Path | None:
+    """Three panels from the JSON files on disk, so a single-benchmark run keeps the others."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on servers and CI
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("plot: matplotlib is not installed (pip install -e '.[bench]'); skipping")
+        return None
+    data: dict[str, dict[str, Any]] = {}
+    for name in BENCHMARKS:
+        path = result_path(results_dir, name, quick)
+        if path.is_file():
+            data[name] = json.loads(path.read_text())["results"]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    ax = axes[0]
+    if "throughput" in data:
+        r = data["throughput"]
+        names = ["Tandem"] + [f"HF bs{h['batch_size']}" for h in r["hf"]]
+        values = [r["tandem"]["tokens_per_s"]] + [h["tokens_per_s"] for h in r["hf"]]
+        colors = ["tab:blue"] + ["tab:gray"] * len(r["hf"])
+        bar_labels(ax, ax.bar(names, values, color=colors), "{:.0f}")
+        n = r["workload"]["num_prompts"]
+        ax.set_title(f"Throughput, {n} requests\nTandem / best HF = {r['ratio_vs_best_hf']:.2f}x")
+        ax.set_ylabel("output tokens/s")
+    ax = axes[1]
+    if "roofline" in data:
+        r = data["roofline"]
+        values = [r["step_s_median"] * 1e3, r["roofline_step_s"] * 1e3]
+        bars = ax.bar(["measured step\n(median)", "memory roofline"], values)
+        bars[0].set_color("tab:blue")
+        bars[1].set_color("tab:gray")
+        bar_labels(ax, bars, "{:.2f} ms")
+        ax.set_title(f"Batch-1 decode step\nroofline / measured = {r['fraction']:.2f}")
+        ax.set_ylabel("ms per step")
+    ax = axes[2]
+    if "prefix" in data:
+        r = data["prefix"]
+        values = [r["ttft_a_s_median"] * 1e3, r["ttft_b_s_median"] * 1e3]
+        bars = ax.bar(["A: prefix uncached", "B: prefix cached"], values)
+        bars[0].set_color("tab:gray")
+        bars[1].set_color("tab:blue")
+        bar_labels(ax, bars, "{:.1f} ms")
+        # Individual trials as dots: three is few enough that the spread matters.
+        for x, key in ((0, "ttft_a_s"), (1, "ttft_b_s")):
+            ys = [t[key] * 1e3 for t in r["trials"]]
+            ax.scatter([x] * len(ys), ys, color="black", s=12, zorder=3)
+        ax.set_title(
+            f"TTFT, shared {r['prefix_len']}-token prefix\nmedian B / A = {r['ratio_median']:.3f}"
+        )
+        ax.set_ylabel("ms")
+    for ax, name in zip(axes, BENCHMARKS, strict=True):
+        if name not in data:
+            ax.text(0.5, 0.5, f"{name}: not run", ha="center", va="center")
+            ax.set_axis_off()
+    fig.suptitle("Tandem engine on CPU" + (" (--quick: not meaningful)" if quick else ""))
+    fig.tight_layout()
+    out = result_path(results_dir, "engine", quick, "png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    log(f"plot: wrote {out}")
+    return out
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("benchmark", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
+    parser.add_argument("--quick", action="store_true", help="tiny workloads (smoke test)")
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    args = parser.parse_args(argv)
+
+    sizes = QUICK if args.quick else FULL
+    model_dir = ensure_model(args.model_dir)
+    names = BENCHMARKS if args.benchmark == "all" else (args.benchmark,)
+    runners = {"throughput": bench_throughput, "roofline": bench_roofline, "prefix": bench_prefix}
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        log(f"== {name}{' (quick)' if args.quick else ''} ==")
+        t0 = time.perf_counter()
+        results[name] = runners[name](model_dir, sizes)
+        path = result_path(args.results_dir, name, args.quick)
+        write_json(
+            path,
+            {
+                "benchmark": name,
+                "quick": args.quick,
+                "command": " ".join(["python", "benchmarks/bench_engine.py", *sys.argv[1:]]),
+                "machine": machine_info(),
+                "sizes": asdict(sizes),
+                "model_dir": str(model_dir),
+                "duration_s": time.perf_counter() - t0,
+                "results": results[name],
+            },
+        )
+        log(f"{name}: wrote {path}")
+    plot(args.results_dir, args.quick)
+
+    suffix = " (--quick)" if args.quick else ""
+    for name in names:
+        print(f"### {name}{suffix}\n\n{markdown(name, results[name])}\n")
+    if len(names) > 1:
+        print(f"### summary\n\n{summary(results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

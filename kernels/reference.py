@@ -1,0 +1,56 @@
+"""Pure-torch reference of paged attention: slow, obvious, the ground truth for kernels.
+
+Each request's keys live in blocks named by its block table; token t of the request is at
+block_table[t // block_size], offset t % block_size:
+
+    block_table = [7, 2]          block 7              block 2
+    tokens      = 0..5   ->   [t0 t1 t2 t3]        [t4 t5 -- --]
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(
+    kv_layer: torch.Tensor, block_table: list[int], context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one request, token by token.
+
+    Args:
+        kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    Returns:
+        keys, values: [context_len, num_kv_heads, head_dim]
+    """
+    block_size = kv_layer.shape[2]
+    keys = [kv_layer[block_table[t // block_size], 0, t % block_size] for t in range(context_len)]
+    vals = [kv_layer[block_table[t // block_size], 1, t % block_size] for t in range(context_len)]
+    return torch.stack(keys), torch.stack(vals)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: list[int],
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a request's newest queries over its paged context.
+
+    Args:
+        q: [num_queries, num_q_heads, head_dim], the queries of the last num_queries
+            positions (context_len - num_queries ... context_len - 1).
+    Returns:
+        [num_queries, num_q_heads, head_dim], computed in float64 then cast back.
+    """
+    num_queries, num_q_heads, _ = q.shape
+    keys, vals = gather_context(kv_layer, block_table, context_len)
+    group = num_q_heads // keys.shape[1]
+    keys = keys.double().repeat_interleave(group, dim=1)  # [ctx, q_heads, dim]
+    vals = vals.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    q_pos = torch.arange(context_len - num_queries, context_len).unsqueeze(1)
+    visible = torch.arange(context_len).unsqueeze(0) <= q_pos  # [num_queries, ctx]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vals)
+    return out.to(q.dtype)

@@ -1,0 +1,108 @@
+"""Loading HF directories: sharded weights, and a clear error for every bad directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.model.config import ModelConfig
+from tandem.model.loader import load_model
+
+
+def copy_dir(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_the_same_weights(hf_model, tmp_path):
+    _, hf = hf_model("llama")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    model = load_model(tmp_path)
+    ref = hf.model.layers[1].mlp.down_proj.weight
+    torch.testing.assert_close(model.weights.layers[1].down, ref.t(), atol=0, rtol=0)
+
+
+def test_unsupported_architecture(hf_model, tmp_path):
+    d = copy_dir(hf_model("llama")[0], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        load_model(d)
+
+
+def test_unsupported_rope_scaling(hf_model, tmp_path):
+    d = copy_dir(hf_model("llama")[0], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg.pop("rope_parameters", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        load_model(d)
+
+
+def test_missing_directory_and_files(hf_model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    d = copy_dir(hf_model("llama")[0], tmp_path)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(d)
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(d)
+
+
+def test_corrupt_files(hf_model, tmp_path):
+    d = copy_dir(hf_model("llama")[0], tmp_path)
+    (d / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        load_model(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_model(d)
+
+
+def test_missing_and_misshapen_tensors(hf_model, tmp_path):
+    d = copy_dir(hf_model("llama")[0], tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        load_model(d)
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"up_proj.weight' has shape \(3, 3\)"):
+        load_model(d)
+
+
+def test_config_parsing_details(hf_model):
+    cfg = ModelConfig.from_dir(hf_model("qwen2")[0])
+    assert cfg.qkv_bias and not cfg.qk_norm and cfg.architecture == "Qwen2ForCausalLM"
+    cfg = ModelConfig.from_dir(hf_model("qwen3")[0])
+    assert cfg.qk_norm and cfg.head_dim == 24
+    cfg = ModelConfig.from_dir(hf_model("llama3-rope-tied")[0])
+    assert cfg.tie_word_embeddings and cfg.rope_scaling is not None
+    assert cfg.rope_scaling.rope_type == "llama3" and cfg.rope_theta == 500000.0
+    with pytest.raises(ValueError, match="missing required field 'hidden_size'"):
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "vocab_size": 4,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "hidden_act": "gelu",
+            }
+        )
