@@ -75,12 +75,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    engine = LLMEngine(
-        EngineConfig(
-            model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=args.kv_cache_mb << 20)
-        ),
-        progress=_progress_bar("loading weights"),
+    config = EngineConfig(
+        model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=args.kv_cache_mb << 20)
     )
+    try:
+        engine = LLMEngine(config, progress=_progress_bar("loading weights"))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: cannot load model: {exc}", file=sys.stderr)
+        return 2
     print(f"loaded {model_dir} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     prompts = list(args.prompt) or [sys.stdin.read()]
     if args.chat:
