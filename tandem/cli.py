@@ -64,10 +64,46 @@ def _sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     )
 
 
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    from tandem.client import TandemClient, TandemError
+
+    sampling = {
+        name: getattr(args, name)
+        for name in (
+            "max_tokens",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "seed",
+            "stop",
+            "ignore_eos",
+        )
+    }
+    prompts = list(args.prompt) or [sys.stdin.read()]
+    with TandemClient(args.router) as client:
+        for prompt in prompts:
+            kwargs = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {}
+            try:
+                for chunk in client.stream(None if args.chat else prompt, **kwargs, **sampling):
+                    out = (
+                        " ".join(map(str, chunk.token_ids)) + " " if args.token_ids else chunk.text
+                    )
+                    print(out, end="", flush=True)
+            except TandemError as exc:
+                print(f"\nerror: {exc}", file=sys.stderr)
+                return 2
+            print()
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.config import CacheConfig, EngineConfig
     from tandem.engine.engine import LLMEngine
 
+    if args.router:
+        return cmd_generate_remote(args)
     model_dir = Path(args.model) if args.model else ensure_default_model(DEFAULT_MODEL_DIR)
     try:
         params = _sampling_params(args)
@@ -106,27 +142,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    # Single-process for now: the router/prefill/decode processes come with the serving layer.
+    import signal
+
+    from tandem.client import TandemClient
+    from tandem.up import Cluster, UpConfig, wait_for_router
+
     model_dir = Path(args.model) if args.model else ensure_default_model(DEFAULT_MODEL_DIR)
-    ns = argparse.Namespace(
-        model=str(model_dir),
-        prompt=["The quick brown fox"],
-        max_tokens=32,
-        temperature=0.0,
-        top_k=None,
-        top_p=1.0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        seed=None,
-        stop=[],
-        ignore_eos=False,
-        chat=False,
-        token_ids=False,
-        kv_cache_mb=args.kv_cache_mb,
+    config = UpConfig(
+        model_dir=str(model_dir),
+        port=args.port,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        transport=args.transport,
+        kv_cache_bytes=args.kv_cache_mb << 20,
     )
-    print("demo request: 'The quick brown fox' (greedy, 32 tokens)", file=sys.stderr)
-    return cmd_generate(ns)
+    cluster = Cluster(config)
+    print(
+        f"starting redis, router, {config.num_prefill} prefill and {config.num_decode} decode "
+        "worker(s) ...",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    cluster.start()
+    try:
+        address = cluster.router_address
+        wait_for_router(address)
+        print(
+            f"ready in {time.perf_counter() - t0:.1f}s; logs in {cluster.run_dir}", file=sys.stderr
+        )
+        prompt = "The quick brown fox"
+        with TandemClient(address) as client:
+            result = client.generate(prompt, max_tokens=24, temperature=0.0)
+        how = "disaggregated" if result.disaggregated else "prefilled on the decode worker"
+        print(f"\ndemo: {prompt!r} -> {result.text!r}")
+        print(
+            f"      {result.completion_tokens} tokens, TTFT {result.first_token_ms:.1f} ms, "
+            f"total {result.total_ms:.1f} ms ({how})"
+        )
+        print(
+            f"""
+Tandem is serving {model_dir.name} on {address}. Call it:
+
+  python:  from tandem.client import TandemClient
+           print(TandemClient("{address}").generate("Hello", max_tokens=32).text)
+  cli:     .venv/bin/tandem generate --router {address} "Hello"
+  grpcurl: grpcurl -plaintext -d '{{"text": "Hello", "sampling": {{"max_tokens": 16}}}}' \\
+             {address} tandem.v1.Router/Generate
+
+Ctrl-C stops every process."""
+        )
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", file=sys.stderr)
+        cluster.stop()
+        print("stopped", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text in this process")
     g.add_argument("prompt", nargs="*", help="prompts (stdin when none)")
     g.add_argument("--model", help=f"model directory (default: {DEFAULT_MODEL_DIR})")
+    g.add_argument("--router", help="generate through a running router at host:port")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=None)
@@ -156,8 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-mb", type=int, default=256)
     g.set_defaults(func=cmd_generate)
 
-    u = sub.add_parser("up", help="start Tandem on embedded defaults")
+    u = sub.add_parser("up", help="start a local cluster: redis, router, prefill, decode")
     u.add_argument("--model", help="model directory (default: generated small model)")
+    u.add_argument("--port", type=int, default=50051, help="router port")
+    u.add_argument("--num-prefill", type=int, default=1)
+    u.add_argument("--num-decode", type=int, default=1)
+    u.add_argument("--transport", default="nixl", choices=["nixl", "local"])
     u.add_argument("--kv-cache-mb", type=int, default=256)
     u.set_defaults(func=cmd_up)
     return p

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +40,24 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     handed_off: bool = False
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits
+    # (logprob, top-n) of each new token, when the request asked for logprobs
+    logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] = field(
+        default_factory=list
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Load figures a worker publishes with its heartbeat."""
+
+    num_running: int
+    num_waiting: int
+    num_handed_off: int
+    queued_prefill_tokens: int
+    num_blocks: int
+    num_free_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,31 +163,51 @@ class LLMEngine:
                 f"request needs up to {cdiv(worst, self.kv.block_size)} KV blocks; the cache "
                 f"has {self.num_blocks}: lower max_tokens or the prompt length"
             )
-        return Request(
+        request = Request(
             request_id=request_id,
             prompt_token_ids=ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.clock(),
-            hand_off=self.config.role == EngineRole.PREFILL,
+            hand_off=self.config.role == EngineRole.PREFILL and not output_token_ids,
             output_token_ids=list(output_token_ids),
         )
+        if output_token_ids and request.generator is not None and not params.greedy:
+            # Continue the seeded stream where the worker that sampled those tokens left it.
+            advance_generator(request.generator, vocab, len(output_token_ids))
+        return request
 
     def add_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        output_token_ids: Sequence[int] = (),
+        num_emitted_chars: int | None = None,
     ) -> Request:
-        """Queue a request. Raises ValueError on bad input (see make_request)."""
-        request = self.make_request(request_id, prompt, params)
-        self._track(request)
+        """Queue a request. Raises ValueError on bad input (see make_request).
+
+        Args:
+            output_token_ids: tokens already generated elsewhere (a decode worker that
+                recomputes a handed-off prompt); generation continues after them.
+            num_emitted_chars: characters of their text already streamed (default: all).
+        """
+        request = self.make_request(request_id, prompt, params, output_token_ids)
+        self._track(request, num_emitted_chars)
         self.scheduler.add_request(request)
         return request
 
-    def _track(self, request: Request) -> None:
-        self._requests[request.request_id] = request
+    def _track(self, request: Request, num_emitted_chars: int | None = None) -> None:
+        rid = request.request_id
+        self._requests[rid] = request
         if self.tokenizer is not None:
-            self._detok[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids
-            )
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            self._detok[rid] = detok
+            if request.output_token_ids:
+                # Tokens produced elsewhere: their text was streamed by that worker.
+                detok.add(request.output_token_ids)
+                emitted = len(detok.text) if num_emitted_chars is None else num_emitted_chars
+                self._emitted[rid] = min(emitted, len(detok.text))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
@@ -200,6 +238,7 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         output_token_ids: Sequence[int],
         params: SamplingParams | None = None,
+        num_emitted_chars: int | None = None,
     ) -> tuple[list[int], int] | None:
         """Decode role: blocks for a prompt computed elsewhere.
 
@@ -209,17 +248,9 @@ class LLMEngine:
         if not output_token_ids:
             raise ValueError("output_token_ids must hold the prefill worker's first token")
         request = self.make_request(request_id, prompt_token_ids, params, output_token_ids)
-        if request.generator is not None and not request.sampling_params.greedy:
-            vocab = self.model.config.vocab_size
-            advance_generator(request.generator, vocab, len(request.output_token_ids))
         reserved = self.scheduler.reserve_kv(request)
         if reserved is not None:
-            self._track(request)
-            detok = self._detok.get(request_id)
-            if detok is not None:
-                # The prefill worker streamed these tokens' text already.
-                detok.add(request.output_token_ids)
-                self._emitted[request_id] = len(detok.text)
+            self._track(request, num_emitted_chars)
         return reserved
 
     def commit_kv(self, request_id: str) -> None:
@@ -244,11 +275,34 @@ class LLMEngine:
             rid = request.request_id
             new_ids = [] if ev.new_token_id is None else [ev.new_token_id]
             text = self._detokenize(request, new_ids, now)
+            lps = request.logprobs[-1:] if new_ids and request.logprobs else []
             if request.status == RequestStatus.HANDED_OFF:
-                outputs.append(RequestOutput(rid, new_ids, text, False, None, handed_off=True))
+                outputs.append(
+                    RequestOutput(
+                        rid,
+                        new_ids,
+                        text,
+                        False,
+                        None,
+                        handed_off=True,
+                        num_cached_tokens=request.num_cached_tokens or 0,
+                        logprobs=lps,
+                    )
+                )
                 continue
             finished = request.status.finished
-            outputs.append(RequestOutput(rid, new_ids, text, finished, request.finish_reason))
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    new_ids,
+                    text,
+                    finished,
+                    request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                    logprobs=lps,
+                )
+            )
             if finished:
                 self._forget(rid)
         return outputs
@@ -316,3 +370,17 @@ class LLMEngine:
 
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + len(sched.waiting_for_kv),
+            num_handed_off=len(sched.handed_off),
+            queued_prefill_tokens=sched.queued_prefill_tokens(),
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks,
+        )
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)

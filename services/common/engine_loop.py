@@ -1,0 +1,126 @@
+"""Runs an LLMEngine on its own thread and connects it to asyncio code.
+
+The engine is single-threaded by design. gRPC handlers (on the asyncio loop) never touch it
+directly: they send commands (`call`) that run between steps on the engine thread, and they
+receive each request's outputs on an asyncio queue. When the engine has no work the thread
+sleeps on its command queue, so an idle worker costs no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from tandem.engine.engine import LLMEngine, RequestOutput
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+# Outputs of one request; None marks the end of its stream (finished, handed off, aborted).
+OutputQueue = asyncio.Queue[RequestOutput | None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.loop = loop
+        self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, OutputQueue] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stopping = False
+        self._idle_hooks: list[Callable[[LLMEngine], None]] = []
+        self.num_steps = 0
+        self.last_step_s = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._commands.put((lambda e: None, Future()))
+        self._thread.join(timeout=10)
+
+    def add_hook(self, hook: Callable[[LLMEngine], None]) -> None:
+        """Run `hook(engine)` on the engine thread every loop turn (e.g. lease expiry)."""
+        self._idle_hooks.append(hook)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run fn(engine) on the engine thread between steps; its exception propagates."""
+        fut: Future[T] = Future()
+        self._commands.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def open_stream(self, request_id: str) -> OutputQueue:
+        """The queue that will receive `request_id`'s outputs (open before adding it)."""
+        q: OutputQueue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            block = not engine.has_unfinished()
+            try:
+                # Idle: wait for a command (with a timeout so hooks still run).
+                self._run_command(*self._commands.get(block=block, timeout=0.05))
+                while True:  # then drain whatever else is queued
+                    self._run_command(*self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            for hook in self._idle_hooks:
+                try:
+                    hook(engine)
+                except Exception:
+                    log.exception("engine hook failed")
+            if self._stopping or not engine.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except Exception:
+                log.exception("engine step failed; aborting its requests")
+                outputs = self._abort_all()
+            self.last_step_s = time.perf_counter() - t0
+            self.num_steps += 1
+            if outputs:
+                self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _run_command(self, fn: Callable[[LLMEngine], Any], fut: Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(self.engine))
+        except BaseException as exc:  # handed to the awaiting coroutine
+            fut.set_exception(exc)
+
+    def _abort_all(self) -> list[RequestOutput]:
+        outputs = []
+        for r in list(self.engine.scheduler.requests()):
+            self.engine.abort(r.request_id)
+            outputs.append(RequestOutput(r.request_id, [], "", True, "abort"))
+        return outputs
+
+    # -- asyncio loop ----------------------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is None:
+                continue
+            q.put_nowait(out)
+            if out.finished or out.handed_off:
+                q.put_nowait(None)
+                self._streams.pop(out.request_id, None)

@@ -1,0 +1,199 @@
+"""What prefill and decode workers share: config, engine, gRPC server, heartbeat, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.engine_loop import EngineLoop
+from services.common.registry import Heartbeat, Registry, WorkerInfo
+from tandem.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.transfer import KVTransport, make_transport
+from tandem.v1 import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker process. Flags of `python -m services.{prefill,decode}` map 1:1 to fields.
+
+    Attributes:
+        worker_id: unique name (also the NIXL agent name); default role-pid.
+        host, port: where the gRPC server listens (port 0: any free port).
+        advertise_host: host put in the registry (default: host).
+        model_dir: HuggingFace-style model directory.
+        redis_url: registry; empty = do not register (tests that dial workers directly).
+        transport: KV transport, "nixl" or "local".
+        lease_ttl_s: prefill: how long handed-off blocks stay pinned awaiting the reader.
+        kv_wait_s: decode: how long a hand-off may wait for free blocks before
+            RESOURCE_EXHAUSTED.
+        drain_timeout_s: on SIGTERM, how long to let in-flight requests finish.
+    """
+
+    model_dir: str
+    worker_id: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    redis_url: str = ""
+    transport: str = "nixl"
+    kv_cache_bytes: int = 256 << 20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 256
+    num_threads: int | None = None
+    lease_ttl_s: float = 10.0
+    kv_wait_s: float = 10.0
+    heartbeat_interval_s: float = 0.5
+    registry_ttl_s: float = 3.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("nixl", "local"):
+            raise ValueError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
+        for name in ("lease_ttl_s", "kv_wait_s", "heartbeat_interval_s", "registry_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def build_engine(config: WorkerConfig, role: EngineRole) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model_dir=config.model_dir,
+            role=role,
+            num_threads=config.num_threads,
+            cache=CacheConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes),
+            scheduler=SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+            ),
+        )
+    )
+
+
+class Worker:
+    """Base of PrefillServer and DecodeServer: owns engine loop, transport, server, heartbeat."""
+
+    role: EngineRole
+    service_names: tuple[str, ...] = ()
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or f"{self.role.value}-{os.getpid()}"
+        self.epoch = time.time_ns()
+        self.engine = engine or build_engine(config, self.role)
+        self.transport: KVTransport = make_transport(config.transport, self.worker_id)
+        self.transport.register(self.engine.kv_cache)
+        self.loop_runner: EngineLoop | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.address = ""
+        self.draining = False
+        self.num_active_rpcs = 0
+        self._heartbeat: Heartbeat | None = None
+        self._registry: Registry | None = None
+
+    @property
+    def loop(self) -> EngineLoop:
+        assert self.loop_runner is not None, "worker not started"
+        return self.loop_runner
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    def info(self) -> WorkerInfo:
+        s = self.engine.stats()  # racy read of counters: fine for load reporting
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role.value,
+            address=self.address,
+            model=self.engine.model_id,
+            epoch=self.epoch,
+            num_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            draining=self.draining,
+            updated_at=time.time(),
+        )
+
+    async def start(self) -> None:
+        self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop())
+        self.loop_runner.start()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.add_servicers(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await server.start()
+        self.server = server
+        self.address = f"{self.config.advertise_host or self.config.host}:{port}"
+        for name in (*self.service_names, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.redis_url:
+            self._registry = Registry(self.config.redis_url, ttl_s=self.config.registry_ttl_s)
+            self._heartbeat = Heartbeat(
+                self._registry, self.info, interval_s=self.config.heartbeat_interval_s
+            )
+            await self._heartbeat.start()
+        log.info("%s %s serving on %s", self.role.value, self.worker_id, self.address)
+
+    async def drain_and_stop(self) -> None:
+        """Stop admitting, let in-flight requests finish (bounded), deregister, stop."""
+        self.draining = True
+        for name in (*self.service_names, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.num_active_rpcs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._heartbeat is not None:
+            await self._heartbeat.stop(deregister=True)
+        if self._registry is not None:
+            await self._registry.close()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self.loop_runner is not None:
+            self.loop_runner.stop()
+        self.transport.close()
+
+    async def GetStats(
+        self, request: wpb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.WorkerStats:
+        def stats(e: LLMEngine) -> wpb.WorkerStats:
+            s = e.stats()
+            return wpb.WorkerStats(
+                worker_id=self.worker_id,
+                role=self.role.value,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                queued_prefill_tokens=s.queued_prefill_tokens,
+                num_blocks=s.num_blocks,
+                num_free_blocks=s.num_free_blocks,
+                num_pinned_requests=s.num_handed_off,
+                epoch=self.epoch,
+            )
+
+        return await self.loop.call(stats)
+
+    def check_admission(self, context: grpc.aio.ServicerContext) -> str | None:
+        """Why a new request must be refused right now, or None."""
+        if self.draining:
+            return "worker is draining"
+        return None

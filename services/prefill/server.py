@@ -1,0 +1,170 @@
+"""Prefill worker: the engine in prefill role behind the PrefillWorker gRPC service.
+
+A Prefill call runs the prompt to its first token. The prompt's blocks then stay pinned
+under a lease (id, epoch, expiry) until the decode worker confirms with ReleaseKv after
+reading them, or the lease expires; either way they return to the pool exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from services.common import convert
+from services.common.worker import Worker
+from tandem.config import EngineRole
+from tandem.engine.engine import LLMEngine
+from tandem.v1 import router_pb2 as rpb
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    request_id: str
+    expires_at: float  # time.time()
+
+
+class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
+    role = EngineRole.PREFILL
+    service_names = ("tandem.v1.PrefillWorker",)
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.leases: dict[str, Lease] = {}  # lease id -> lease; touched on the engine thread
+        self._progress_stop = threading.Event()
+        self._progress = threading.Thread(target=self._drive_transfers, daemon=True)
+        self.num_expired_leases = 0
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        wgrpc.add_PrefillWorkerServicer_to_server(self, server)
+
+    async def start(self) -> None:
+        await super().start()
+        self.loop.add_hook(self._expire_leases)
+        self._progress.start()
+
+    async def stop(self) -> None:
+        self._progress_stop.set()
+        await super().stop()
+        self._progress.join(timeout=5)
+
+    def _drive_transfers(self) -> None:
+        # NIXL without its own progress thread needs the owner to make progress while
+        # readers pull pinned blocks. Spin fast only while leases are outstanding.
+        while not self._progress_stop.is_set():
+            try:
+                self.transport.poll()
+            except Exception:
+                log.exception("transport poll failed")
+            self._progress_stop.wait(0.0005 if self.leases else 0.02)
+
+    def _expire_leases(self, engine: LLMEngine) -> None:
+        now = time.time()
+        for lease in [x for x in self.leases.values() if x.expires_at <= now]:
+            del self.leases[lease.lease_id]
+            engine.release(lease.request_id)
+            self.num_expired_leases += 1
+            log.warning("lease %s of %s expired unconfirmed", lease.lease_id, lease.request_id)
+
+    # -- RPCs ------------------------------------------------------------------------------
+
+    async def Prefill(
+        self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.PrefillResponse:
+        why = self.check_admission(context)
+        if why is not None:
+            await convert.abort_rpc(context, grpc.StatusCode.UNAVAILABLE, why)
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = convert.sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prompt = list(request.prompt_token_ids)
+        stream = self.loop.open_stream(rid)
+        self.num_active_rpcs += 1
+        handed_off = False
+        try:
+            try:
+                await self.loop.call(lambda e: e.add_request(rid, prompt, params))
+            except ValueError as exc:
+                await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            out = await stream.get()
+            assert out is not None
+            resp = wpb.PrefillResponse(
+                request_id=rid,
+                first_token_id=out.new_token_ids[0] if out.new_token_ids else 0,
+                text=out.new_text,
+                finished=out.finished,
+                finish_reason=convert.finish_reason_to_proto(out.finish_reason),
+            )
+
+            resp.num_cached_tokens = out.num_cached_tokens
+            resp.stop_reason = convert.stop_reason_to_proto(out.stop_reason)
+            if out.logprobs:
+                resp.logprobs.extend(convert.logprobs_to_proto(out.new_token_ids, out.logprobs))
+            if out.handed_off:
+                lease = Lease(uuid.uuid4().hex, rid, time.time() + self.config.lease_ttl_s)
+
+                def pin(e: LLMEngine) -> list[int]:
+                    self.leases[lease.lease_id] = lease
+                    return e.block_table(rid)
+
+                table = await self.loop.call(pin)
+                handed_off = True
+                remote = self.transport.export(table)
+                resp.kv.CopyFrom(
+                    convert.remote_kv_to_proto(
+                        remote,
+                        num_tokens=len(prompt),
+                        block_size=self.engine.kv.block_size,
+                        prefill_address=self.address,
+                        lease=wpb.Lease(
+                            lease_id=lease.lease_id,
+                            epoch=self.epoch,
+                            expires_at_unix_s=lease.expires_at,
+                        ),
+                    )
+                )
+            return resp
+        finally:
+            self.num_active_rpcs -= 1
+            self.loop.close_stream(rid)
+            if not handed_off:
+                # Cancelled, failed or finished at token 1: nothing may stay pinned.
+                await self.loop.call(lambda e: e.abort(rid))
+
+    async def ReleaseKv(
+        self, request: wpb.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.ReleaseKvResponse:
+        def release(e: LLMEngine) -> bool:
+            lease = self.leases.get(request.lease_id)
+            if lease is None or lease.request_id != request.request_id:
+                return False  # expired (blocks already freed) or not ours
+            if request.epoch != self.epoch:
+                return False  # expired (blocks already freed) or not ours
+            del self.leases[request.lease_id]
+            e.release(lease.request_id)
+            # Checked after removal: the blocks were pinned for the whole read only if the
+            # lease was still live when the reader finished, i.e. now.
+            return lease.expires_at > time.time()
+
+        return wpb.ReleaseKvResponse(valid=await self.loop.call(release))
+
+    async def Abort(
+        self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.AbortResponse:
+        def abort(e: LLMEngine) -> bool:
+            for lease in [x for x in self.leases.values() if x.request_id == request.request_id]:
+                del self.leases[lease.lease_id]
+            return e.abort(request.request_id)
+
+        return rpb.AbortResponse(found=await self.loop.call(abort))

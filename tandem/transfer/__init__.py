@@ -1,0 +1,49 @@
+"""KV cache transfer between engines: a reader pulls an owner's blocks into its own cache.
+
+    owner = make_transport("nixl", "prefill-0"); owner.register(kv_cache)
+    handle = owner.export(block_ids)                 # RemoteKV, sent to the reader
+    reader.read(handle, local_block_ids, notif=b"req-42")
+    owner.poll()                                     # -> [b"req-42"]: the blocks may be freed
+
+`"nixl"` moves data between processes (and hosts) with NIXL; `"local"` copies between engines
+of one process. Both honour the `KVTransport` contract in `tandem.transfer.base`.
+"""
+
+from __future__ import annotations
+
+from tandem.transfer.base import (
+    TRANSPORT_KINDS,
+    KVTransport,
+    RemoteKV,
+    TransferError,
+    coalesce,
+)
+from tandem.transfer.local import LocalTransport
+
+__all__ = [
+    "TRANSPORT_KINDS",
+    "KVTransport",
+    "LocalTransport",
+    "RemoteKV",
+    "TransferError",
+    "coalesce",
+    "make_transport",
+]
+
+
+def make_transport(kind: str, agent_name: str) -> KVTransport:
+    """A new, unregistered transport of `kind` ("nixl" or "local") named `agent_name`.
+
+    NIXL is imported only when asked for, so the local transport works without loading it.
+
+    Raises:
+        ValueError: unknown `kind` or empty `agent_name`.
+        TransferError: the NIXL agent could not be created.
+    """
+    if kind == "local":
+        return LocalTransport(agent_name)
+    if kind == "nixl":
+        from tandem.transfer.nixl import NixlTransport
+
+        return NixlTransport(agent_name)
+    raise ValueError(f"unknown transport kind {kind!r}; expected one of {TRANSPORT_KINDS}")

@@ -1,0 +1,351 @@
+"""The KV transfer contract shared by every transport.
+
+An engine's KV cache is one contiguous, block-major tensor
+`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, so block `b` is the byte range
+`[base_addr + b * block_bytes, base_addr + (b + 1) * block_bytes)`. The *owner* (a prefill worker)
+registers its cache and `export`s the blocks that hold a prompt as a `RemoteKV`; the *reader* (a
+decode worker) `read`s them into its own blocks (different ids) and, with the same call, tells
+the owner it is done via a notification that the owner collects with `poll`.
+
+`KVTransport` implements the argument checking and bookkeeping once; a transport supplies the
+data movement through the `_do_*` hooks, so every implementation fails the same way on misuse.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import ClassVar
+
+import torch
+
+TRANSPORT_KINDS = ("nixl", "local")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteKV:
+    """What an owner hands to a reader: enough to read `block_ids` out of its KV cache.
+
+    Attributes:
+        transport: kind of transport that exported it ("nixl" or "local"); a reader only
+            accepts handles of its own kind.
+        agent_name: the owner's agent name (unique in the deployment).
+        agent_metadata: opaque connection info of the owner; it changes when the owner
+            restarts, which is how a reader notices that its cached connection is stale.
+        base_addr: address of the owner's block 0 in the owner's address space.
+        block_bytes: bytes per block; must equal the reader's.
+        block_ids: the owner's blocks, in prompt order (may repeat; may be empty).
+    """
+
+    transport: str
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    block_bytes: int
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORT_KINDS:
+            raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
+        if not self.agent_name:
+            raise ValueError("agent_name must be a non-empty string")
+        if self.base_addr < 0:
+            raise ValueError(f"base_addr must be >= 0, got {self.base_addr}")
+        if self.block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {self.block_bytes}")
+        # Accept any sequence (a protobuf repeated field, a list) but store an immutable tuple so
+        # that the handle stays hashable and cannot change under a reader.
+        ids = tuple(int(b) for b in self.block_ids)
+        negative = [b for b in ids if b < 0]
+        if negative:
+            raise ValueError(f"block_ids must be >= 0, got {negative[:8]}")
+        object.__setattr__(self, "block_ids", ids)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes a full read of this handle moves."""
+        return len(self.block_ids) * self.block_bytes
+
+
+class TransferError(RuntimeError):
+    """A read could not complete: peer unknown, dead or restarted, timeout, or transport error.
+
+    The reader's destination blocks hold undefined data after this error; the owner's blocks are
+    untouched (reads never write to the owner).
+    """
+
+
+def coalesce(remote_ids: Sequence[int], local_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Group a block mapping into runs that are consecutive on both sides.
+
+    `remote_ids[i]` is copied to `local_ids[i]`. Returns `(remote_start, local_start, num_blocks)`
+    runs, in input order, such that for each run block `remote_start + k` maps to
+    `local_start + k` for `k < num_blocks`; a run only grows while *both* sides advance by one,
+    so the result is one descriptor per run and the runs reproduce the mapping exactly.
+
+    Raises:
+        ValueError: the sequences differ in length.
+    """
+    if len(remote_ids) != len(local_ids):
+        raise ValueError(
+            f"remote_ids and local_ids differ in length: {len(remote_ids)} != {len(local_ids)}"
+        )
+    runs: list[tuple[int, int, int]] = []
+    if not remote_ids:
+        return runs
+    run_remote, run_local, run_len = int(remote_ids[0]), int(local_ids[0]), 1
+    for r, loc in zip(remote_ids[1:], local_ids[1:], strict=True):
+        r, loc = int(r), int(loc)
+        if r == run_remote + run_len and loc == run_local + run_len:
+            run_len += 1
+        else:
+            runs.append((run_remote, run_local, run_len))
+            run_remote, run_local, run_len = r, loc, 1
+    runs.append((run_remote, run_local, run_len))
+    return runs
+
+
+class KVTransport(ABC):
+    """Moves KV blocks between engines' caches; one instance per engine (one agent).
+
+    Lifecycle: construct, `register` the KV cache once, then any number of `export` (owner),
+    `read` (reader) and `poll` (owner) calls, then `close`. A transport may be owner and reader
+    at once. Calling anything but `close` after `close`, or `export`/`read` before `register`,
+    raises RuntimeError.
+
+    Thread-safety: an instance must be used from one thread at a time; callers serialize.
+
+    Attributes:
+        agent_name: this agent's name, unique in the deployment.
+        last_num_descriptors: transfer descriptors the last `read` used (one per coalesced run);
+            exposed so that tests and metrics can see that coalescing happened.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, agent_name: str) -> None:
+        if not isinstance(agent_name, str) or not agent_name:
+            raise ValueError(f"agent_name must be a non-empty string, got {agent_name!r}")
+        self.agent_name = agent_name
+        self.last_num_descriptors = 0
+        self._kv: torch.Tensor | None = None
+        self._block_bytes = 0
+        self._closed = False
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def registered(self) -> bool:
+        """Whether `register` has been called."""
+        return self._kv is not None
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The registered KV cache tensor."""
+        return self._require_kv()
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the registered KV cache."""
+        return int(self._require_kv().shape[0])
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per block of the registered KV cache."""
+        self._require_kv()
+        return self._block_bytes
+
+    @property
+    def base_addr(self) -> int:
+        """Address of block 0 of the registered KV cache."""
+        return int(self._require_kv().data_ptr())
+
+    # -------------------------------------------------------------------------------- contract
+
+    def register(self, kv_cache: torch.Tensor) -> None:
+        """Register this engine's KV cache (block-major, dim 0 indexes blocks) for transfers.
+
+        Call once, before `export` or `read`. The tensor must stay alive and must not be
+        reallocated until `close`.
+
+        Raises:
+            ValueError: not a tensor, not contiguous, no block dimension, zero blocks or
+                empty blocks, or a cache is already registered.
+        """
+        self._check_open()
+        if not isinstance(kv_cache, torch.Tensor):
+            raise ValueError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+        if self._kv is not None:
+            raise ValueError(
+                f"agent {self.agent_name!r} already has a registered KV cache "
+                f"(shape {tuple(self._kv.shape)}); register() is called once"
+            )
+        if not kv_cache.is_contiguous():
+            raise ValueError(
+                f"kv_cache must be contiguous (shape {tuple(kv_cache.shape)}, "
+                f"stride {kv_cache.stride()}); blocks are addressed as byte ranges"
+            )
+        if kv_cache.dim() < 1 or kv_cache.shape[0] == 0 or kv_cache.numel() == 0:
+            raise ValueError(
+                f"kv_cache must have at least one non-empty block, got shape "
+                f"{tuple(kv_cache.shape)}"
+            )
+        block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        self._do_register(kv_cache)
+        # Only after the transport accepted it, so that a failed register can be retried.
+        self._kv = kv_cache
+        self._block_bytes = block_bytes
+
+    def export(self, block_ids: Sequence[int]) -> RemoteKV:
+        """Describe some of this engine's blocks for a reader.
+
+        Raises:
+            ValueError: a block id is out of range.
+            RuntimeError: nothing registered, or closed.
+        """
+        self._check_open()
+        num_blocks = self.num_blocks
+        ids = tuple(int(b) for b in block_ids)
+        bad = [b for b in ids if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"block ids out of range [0, {num_blocks}): {bad[:8]}")
+        return RemoteKV(
+            transport=self.kind,
+            agent_name=self.agent_name,
+            agent_metadata=self._metadata(),
+            base_addr=self.base_addr,
+            block_bytes=self._block_bytes,
+            block_ids=ids,
+        )
+
+    def read(
+        self,
+        remote: RemoteKV,
+        local_block_ids: Sequence[int],
+        notif: bytes = b"",
+        timeout_s: float = 10.0,
+    ) -> int:
+        """Copy `remote.block_ids[i]` into local block `local_block_ids[i]`, for all i; block.
+
+        Adjacent ids that are consecutive on both sides travel as one descriptor. After the data
+        has landed, `notif` (if non-empty) is delivered to the owner, whose `poll` returns it;
+        with no blocks to read, a non-empty `notif` is still delivered. The owner must keep
+        calling `poll` while reads may be in flight: some transports need the owner's progress
+        to connect or to deliver `notif`, and a read then waits for it (up to `timeout_s`).
+
+        Returns:
+            Bytes moved (`len(local_block_ids) * block_bytes`).
+
+        Raises:
+            ValueError: lengths differ, a local id is out of range or repeated, `remote` comes
+                from another kind of transport or has another block size, `notif` is not bytes,
+                or `timeout_s` is not positive.
+            TransferError: the peer is unknown, dead or restarted (stale `remote`), a remote
+                block is not in the peer's registered memory, the transport failed, or the
+                read did not finish within `timeout_s` (it is then cancelled).
+            RuntimeError: nothing registered, or closed.
+        """
+        self._check_open()
+        num_blocks = self.num_blocks
+        if not isinstance(remote, RemoteKV):
+            raise ValueError(f"remote must be a RemoteKV, got {type(remote).__name__}")
+        if remote.transport != self.kind:
+            raise ValueError(
+                f"remote was exported by a {remote.transport!r} transport; this one is "
+                f"{self.kind!r}"
+            )
+        if remote.block_bytes != self._block_bytes:
+            raise ValueError(
+                f"block size mismatch: remote blocks have {remote.block_bytes} bytes, local "
+                f"blocks {self._block_bytes}"
+            )
+        if not isinstance(notif, bytes):
+            raise ValueError(f"notif must be bytes, got {type(notif).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        local = [int(b) for b in local_block_ids]
+        if len(local) != len(remote.block_ids):
+            raise ValueError(
+                f"local_block_ids has {len(local)} blocks but remote.block_ids has "
+                f"{len(remote.block_ids)}"
+            )
+        bad = [b for b in local if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"local block ids out of range [0, {num_blocks}): {bad[:8]}")
+        if len(set(local)) != len(local):
+            # Two remote blocks into one local block is a caller bug, and the result would
+            # depend on the order in which the transport happens to complete descriptors.
+            raise ValueError(f"local_block_ids has repeated ids: {sorted(local)[:8]}...")
+        runs = coalesce(remote.block_ids, local)
+        self.last_num_descriptors = len(runs)
+        self._do_read(remote, runs, notif, timeout_s)
+        return len(local) * self._block_bytes
+
+    @abstractmethod
+    def poll(self) -> list[bytes]:
+        """Owner side: drive the transport's progress and return the notifications received
+        since the last call (in arrival order per reader). Cheap; call it regularly."""
+
+    @abstractmethod
+    def forget_peer(self, agent_name: str) -> None:
+        """Drop any cached connection to `agent_name` (e.g. it restarted); unknown names are
+        ignored. The next `read` from that peer reconnects with the metadata it carries."""
+
+    def close(self) -> None:
+        """Release the registration and every connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._do_close()
+        finally:
+            self._kv = None
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("registered" if self.registered else "new")
+        return f"{type(self).__name__}(agent_name={self.agent_name!r}, {state})"
+
+    # ---------------------------------------------------------------------- transport hooks
+
+    @abstractmethod
+    def _do_register(self, kv_cache: torch.Tensor) -> None:
+        """Make `kv_cache` (validated: contiguous, >= 1 non-empty block) readable by peers."""
+
+    @abstractmethod
+    def _metadata(self) -> bytes:
+        """This agent's current connection metadata (after registration)."""
+
+    @abstractmethod
+    def _do_read(
+        self, remote: RemoteKV, runs: list[tuple[int, int, int]], notif: bytes, timeout_s: float
+    ) -> None:
+        """Execute validated, coalesced runs (possibly none) and deliver `notif` if non-empty."""
+
+    @abstractmethod
+    def _do_close(self) -> None:
+        """Release transport resources; called once."""
+
+    # -------------------------------------------------------------------------------- helpers
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"transport {self.agent_name!r} is closed")
+
+    def _require_kv(self) -> torch.Tensor:
+        self._check_open()
+        if self._kv is None:
+            raise RuntimeError(f"transport {self.agent_name!r} has no KV cache; call register()")
+        return self._kv

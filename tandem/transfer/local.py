@@ -1,0 +1,117 @@
+"""In-process transport: owner and reader live in one Python process.
+
+Used by unit tests and by the embedded single-process deployment, where prefill and decode
+engines share an address space and a NIXL agent would only add overhead. Agents find each other
+through a module-level registry keyed by agent name; a read is a handful of tensor slice copies
+(one per coalesced run) done by the reader's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import deque
+
+import torch
+
+from tandem.transfer.base import KVTransport, RemoteKV, TransferError
+
+# agent name -> live transport. A newer transport with the same name replaces the older one,
+# which is how a "restarted" owner looks in one process: handles exported by the old instance
+# then fail with TransferError because their metadata no longer matches.
+_REGISTRY: dict[str, LocalTransport] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+class LocalTransport(KVTransport):
+    """`KVTransport` between engines of the same process.
+
+    Reads copy raw bytes (a byte view of each cache), so they never convert dtypes; both caches
+    may live on any device torch can copy between. Reads are synchronous: `timeout_s` is
+    accepted for contract compatibility but nothing can hang. Notifications land in the owner's
+    queue at the end of the read, and `poll` drains it (safe from another thread than the
+    reader's, so owner and reader engines may run on different threads).
+    """
+
+    kind = "local"
+
+    def __init__(self, agent_name: str) -> None:
+        super().__init__(agent_name)
+        # Unique per instance: plays the role of NIXL's agent metadata, so a handle exported
+        # before a "restart" is recognizably stale.
+        self._token = f"local:{agent_name}:{uuid.uuid4().hex}".encode()
+        self._notifs: deque[bytes] = deque()
+        self._rows: torch.Tensor | None = None  # [num_blocks, block_bytes] uint8 view
+        with _REGISTRY_LOCK:
+            _REGISTRY[agent_name] = self
+
+    def poll(self) -> list[bytes]:
+        """Drain and return the notifications delivered to this agent since the last call."""
+        self._check_open()
+        out: list[bytes] = []
+        while True:
+            try:
+                out.append(self._notifs.popleft())
+            except IndexError:
+                return out
+
+    def forget_peer(self, agent_name: str) -> None:
+        """No-op: peers are looked up in the registry on every read; nothing is cached."""
+        self._check_open()
+
+    # ---------------------------------------------------------------------- transport hooks
+
+    def _do_register(self, kv_cache: torch.Tensor) -> None:
+        self._rows = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], -1)
+
+    def _metadata(self) -> bytes:
+        return self._token
+
+    def _do_read(
+        self, remote: RemoteKV, runs: list[tuple[int, int, int]], notif: bytes, timeout_s: float
+    ) -> None:
+        with _REGISTRY_LOCK:
+            owner = _REGISTRY.get(remote.agent_name)
+        if owner is None:
+            raise TransferError(
+                f"unknown local agent {remote.agent_name!r} (closed or never created)"
+            )
+        if owner._token != remote.agent_metadata:
+            raise TransferError(
+                f"stale handle: agent {remote.agent_name!r} restarted since it exported these "
+                "blocks"
+            )
+        src = owner._rows
+        if src is None:
+            raise TransferError(f"agent {remote.agent_name!r} has no registered KV cache")
+        if remote.base_addr != src.data_ptr():
+            raise TransferError(
+                f"handle base_addr {remote.base_addr:#x} does not match agent "
+                f"{remote.agent_name!r}'s registered cache at {src.data_ptr():#x}"
+            )
+        if int(src.shape[1]) != remote.block_bytes:
+            raise TransferError(
+                f"handle says {remote.block_bytes}-byte blocks; agent {remote.agent_name!r} "
+                f"registered {int(src.shape[1])}-byte blocks"
+            )
+        owner_blocks = int(src.shape[0])
+        bad = [b for b in remote.block_ids if b >= owner_blocks]
+        if bad:
+            raise TransferError(
+                f"remote block ids out of agent {remote.agent_name!r}'s range "
+                f"[0, {owner_blocks}): {bad[:8]}"
+            )
+        dst = self._rows
+        assert dst is not None  # register() ran: the base class checked
+        for remote_start, local_start, n in runs:
+            dst[local_start : local_start + n].copy_(src[remote_start : remote_start + n])
+        if notif:
+            owner._notifs.append(notif)
+
+    def _do_close(self) -> None:
+        with _REGISTRY_LOCK:
+            # Only our own entry: a newer instance with the same name may have replaced us.
+            if _REGISTRY.get(self.agent_name) is self:
+                del _REGISTRY[self.agent_name]
+        self._rows = None
+        self._notifs.clear()

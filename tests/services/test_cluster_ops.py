@@ -1,0 +1,261 @@
+"""Operating the cluster: reflection with grpcurl, discovery, drain, `tandem up`, capacity."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.redis_server import RedisServer
+from tandem.client import TandemClient, TandemError
+from tandem.model.tiny import make_tiny_model
+
+KV_BYTES = 64 << 20
+GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("ops") / "tiny", preset="tiny")
+
+
+def spawn(module: str, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """Start `python -m module args`, wait for its READY line; return (process, address)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), f"{module} failed to start: {line!r}"
+    return proc, line.split()[-1]
+
+
+def stop(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+@pytest.fixture
+def redis_server_private():
+    with RedisServer() as server:
+        yield server
+
+
+def worker(role: str, model_dir: Path, redis_url: str, worker_id: str, *extra: str):
+    return spawn(
+        f"services.{role}",
+        "--model-dir",
+        str(model_dir),
+        "--redis-url",
+        redis_url,
+        "--worker-id",
+        worker_id,
+        "--kv-cache-bytes",
+        str(KV_BYTES),
+        "--heartbeat-interval-s",
+        "0.2",
+        "--registry-ttl-s",
+        "1.0",
+        *extra,
+    )
+
+
+def router(model_dir: Path, redis_url: str, *extra: str):
+    return spawn(
+        "services.router",
+        "--model-dir",
+        str(model_dir),
+        "--redis-url",
+        redis_url,
+        "--port",
+        "0",
+        "--worker-refresh-s",
+        "0.1",
+        *extra,
+    )
+
+
+def generate_until(client: TandemClient, predicate, timeout_s: float = 10.0, **kwargs):
+    """Send requests until one satisfies `predicate` (workers join asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = client.generate([5, 6, 7], max_tokens=2, **kwargs)
+            if predicate(result):
+                return result
+        except TandemError as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE:
+                raise
+        assert time.monotonic() < deadline, "condition never reached"
+        time.sleep(0.1)
+
+
+def test_grpcurl_lists_services_and_streams_generate(model_dir, redis_server_private):
+    url = redis_server_private.url
+    dec, _ = worker("decode", model_dir, url, "d0")
+    rtr, address = router(model_dir, url)
+    try:
+        with TandemClient(address) as client:
+            generate_until(client, lambda r: True)
+        listed = subprocess.run(
+            [GRPCURL, "-plaintext", address, "list"], capture_output=True, text=True, timeout=30
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert {"tandem.v1.Router", "grpc.health.v1.Health"} <= set(listed.stdout.split())
+        body = json.dumps({"text": "hello", "sampling": {"max_tokens": 4, "temperature": 0}})
+        call = subprocess.run(
+            [GRPCURL, "-plaintext", "-d", body, address, "tandem.v1.Router/Generate"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert call.returncode == 0, call.stderr
+        messages = [json.loads(m) for m in call.stdout.replace("}\n{", "}\x00{").split("\x00")]
+        assert "chunk" in messages[0] and "complete" in messages[-1]
+        assert messages[-1]["complete"]["usage"]["completionTokens"] == 4
+        health = subprocess.run(
+            [GRPCURL, "-plaintext", address, "grpc.health.v1.Health/Check"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert '"SERVING"' in health.stdout
+    finally:
+        stop(rtr, dec)
+
+
+def test_no_worker_is_unavailable_and_full_router_is_resource_exhausted(
+    model_dir, redis_server_private
+):
+    url = redis_server_private.url
+    rtr, address = router(model_dir, url, "--max-inflight", "1")
+    dec = None
+    try:
+        with TandemClient(address) as client:
+            with pytest.raises(TandemError) as err:
+                client.generate("hi", max_tokens=2)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "no decode worker" in err.value.message
+            dec, _ = worker("decode", model_dir, url, "d0")
+            generate_until(client, lambda r: True)
+            stream = client.stream([5] * 10, max_tokens=1500, ignore_eos=True)
+            next(stream)  # the only slot is taken
+            with pytest.raises(TandemError) as err:
+                client.generate("hi", max_tokens=2)
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_inflight" in err.value.message
+            stream.close()
+            generate_until(client, lambda r: True)  # the slot frees when the stream ends
+    finally:
+        stop(rtr, *([dec] if dec else []))
+
+
+def test_router_follows_joins_and_departures_and_drain_finishes_requests(
+    model_dir, redis_server_private
+):
+    url = redis_server_private.url
+    d0, _ = worker("decode", model_dir, url, "d0")
+    rtr, address = router(model_dir, url)
+    d1 = None
+    try:
+        with TandemClient(address) as client:
+            generate_until(client, lambda r: r.decode_worker == "d0")
+            results = []
+
+            def long_request() -> None:
+                results.append(client.generate([5] * 8, max_tokens=400, ignore_eos=True))
+
+            t = threading.Thread(target=long_request)
+            t.start()
+            time.sleep(0.3)  # the long request is running on d0, the only worker
+            d1, _ = worker("decode", model_dir, url, "d1")
+            # d1 joins without a router restart and, being idle, gets the next requests
+            generate_until(client, lambda r: r.decode_worker == "d1")
+            # SIGTERM: d0 stops admitting, finishes its in-flight request, deregisters
+            d0.send_signal(signal.SIGTERM)
+            t.join(timeout=120)
+            assert results and results[0].completion_tokens == 400
+            assert results[0].decode_worker == "d0"
+            assert d0.wait(timeout=30) == 0
+            for _ in range(5):
+                r = client.generate([5, 6], max_tokens=2)
+                assert r.completion_tokens == 2 and r.decode_worker == "d1"
+    finally:
+        stop(rtr, d0, *([d1] if d1 else []))
+
+
+def test_tandem_up_serves_and_ctrl_c_leaves_no_process(model_dir, tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "up",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--kv-cache-mb",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C stops every process" in line:
+            break
+    out = "".join(lines)
+    assert "demo:" in out and "Tandem is serving" in out
+    address = next(w for w in out.split() if w.startswith("127.0.0.1:"))
+    children = _children(proc.pid)
+    assert len(children) >= 4  # redis, router, prefill, decode
+    with TandemClient(address) as client:
+        assert client.generate("hello", max_tokens=3).completion_tokens == 3
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    time.sleep(0.5)
+    alive = [pid for pid in children if _alive(pid)]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -1,0 +1,272 @@
+"""The cluster as users meet it: real processes, real gRPC, real Redis, real NIXL.
+
+One cluster (Redis, router, 1 prefill, 1 decode) serves the whole module; tests that kill or
+restart processes start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tandem.client import AsyncTandemClient, TandemClient, TandemError
+from tandem.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.model.tiny import make_tiny_model
+from tandem.up import Cluster, UpConfig, wait_for_router
+from tandem.v1 import router_pb2 as rpb
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wgrpc
+
+KV_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "tiny", preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory) -> Iterator[Cluster]:
+    c = Cluster(
+        UpConfig(
+            model_dir=str(model_dir),
+            port=0,
+            kv_cache_bytes=KV_BYTES,
+            run_dir=str(tmp_path_factory.mktemp("run")),
+        )
+    )
+    c.start()
+    try:
+        wait_for_router(c.router_address)
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The single-process engine on the same weights and cache geometry."""
+    return LLMEngine(
+        EngineConfig(model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES))
+    )
+
+
+def worker_stub(cluster: Cluster, role: str):
+    line = next(c.ready_line for c in cluster.children if c.name == f"{role}-0")
+    address = line.split()[-1]
+    channel = grpc.insecure_channel(address)
+    stub_cls = wgrpc.PrefillWorkerStub if role == "prefill" else wgrpc.DecodeWorkerStub
+    return stub_cls(channel), address
+
+
+def assert_all_free(cluster: Cluster) -> None:
+    """Every block of both workers is free and no lease is outstanding (allowing a moment
+    for aborts that race with the end of the client's call)."""
+    deadline = time.monotonic() + 5
+    while True:
+        stats = [
+            worker_stub(cluster, r)[0].GetStats(wpb.GetStatsRequest())
+            for r in ("prefill", "decode")
+        ]
+        ok = all(s.num_free_blocks == s.num_blocks and s.num_pinned_requests == 0 for s in stats)
+        ok = ok and all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert ok, stats
+
+
+def test_concurrent_greedy_requests_match_the_single_process_engine(cluster, reference):
+    rng = random.Random(0)
+    cases = [
+        (rng.choices(range(5, 512), k=rng.randint(1, 200)), rng.randint(1, 24)) for _ in range(32)
+    ]
+    expected = reference.generate(
+        [p for p, _ in cases], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
+
+    async def run():
+        async with AsyncTandemClient(cluster.router_address) as client:
+            return await asyncio.gather(
+                *(
+                    client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True)
+                    for p, n in cases
+                )
+            )
+
+    results = asyncio.run(run())
+    for (prompt, n), got, want in zip(cases, results, expected, strict=True):
+        assert got.token_ids == want.token_ids[:n], f"prompt of {len(prompt)} tokens diverged"
+        assert got.finish_reason == "length"
+        assert got.completion_tokens == n
+    assert any(r.disaggregated for r in results) and not all(r.disaggregated for r in results)
+    assert_all_free(cluster)
+
+
+def test_text_streaming_and_usage(cluster, reference):
+    with TandemClient(cluster.router_address) as client:
+        chunks = list(client.stream("Once upon a time", max_tokens=12, temperature=0.0))
+        result = client.generate("Once upon a time", max_tokens=12, temperature=0.0)
+    [want] = reference.generate(
+        ["Once upon a time"], SamplingParams(max_tokens=12, temperature=0.0)
+    )
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids[: len(result.token_ids)]
+    assert "".join(c.text for c in chunks) == result.text
+    assert result.prompt_tokens == len(want.prompt_token_ids)
+    assert result.first_token_ms > 0 and result.total_ms >= result.first_token_ms
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompt": ""}, "prompt must not be empty"),
+        ({"prompt": [5] * 5000}, "context"),
+        ({"prompt": [5, 100000]}, "token_ids"),
+        ({"prompt": "hi", "temperature": -1.0}, "sampling.temperature"),
+        ({"prompt": "hi", "top_p": 0.0}, "sampling.top_p"),
+        ({"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids"),
+        ({"prompt": "hi", "model": "nope"}, "model"),
+        ({"messages": [{"role": "bogus", "content": "x"}]}, "chat"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(cluster, kwargs, field):
+    with TandemClient(cluster.router_address) as client, pytest.raises(TandemError) as err:
+        client.generate(**kwargs)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.message
+    assert_all_free(cluster)
+
+
+def test_client_cancel_mid_stream_frees_everything(cluster):
+    with TandemClient(cluster.router_address) as client:
+        stream = client.stub.Generate(
+            rpb.GenerateRequest(
+                token_ids=rpb.TokenIds(ids=list(range(5, 205))),
+                sampling=rpb.SamplingParams(max_tokens=2000, ignore_eos=True),
+            )
+        )
+        got = 0
+        for msg in stream:
+            got += len(msg.chunk.token_ids)
+            if got >= 5:
+                stream.cancel()
+                break
+    assert got >= 5
+    assert_all_free(cluster)
+
+
+def test_deadline_exceeded_frees_everything(cluster):
+    with (
+        TandemClient(cluster.router_address, timeout_s=0.3) as client,
+        pytest.raises(TandemError) as err,
+    ):
+        client.generate(list(range(5, 300)), max_tokens=1500, ignore_eos=True)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_all_free(cluster)
+
+
+def test_abort_rpc_ends_the_stream_with_abort(cluster):
+    async def run():
+        async with AsyncTandemClient(cluster.router_address) as client:
+            task = asyncio.create_task(
+                client.generate([5, 6, 7], request_id="to-abort", max_tokens=1500, ignore_eos=True)
+            )
+            await asyncio.sleep(0.5)
+            assert await client.abort("to-abort")
+            return await task
+
+    result = asyncio.run(run())
+    assert result.finish_reason == "abort"
+    assert 0 < len(result.token_ids) < 1500
+    assert_all_free(cluster)
+
+
+def test_tokenize_and_list_models(cluster, reference):
+    with TandemClient(cluster.router_address) as client:
+        assert client.tokenize("hello world") == reference.tokenize("hello world")
+        assert client.list_models() == [Path(reference.config.model_dir).name]
+
+
+# -- fail closed: the prefill worker dies between hand-off and lease confirmation -----------
+
+
+def start_worker(role: str, model_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            f"services.{role}",
+            "--model-dir",
+            str(model_dir),
+            "--kv-cache-bytes",
+            str(KV_BYTES),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), line
+    return proc, line.split()[-1]
+
+
+@pytest.mark.parametrize("failure", ["killed", "lapsed"])
+def test_decode_recomputes_when_the_lease_cannot_be_confirmed(model_dir, reference, failure):
+    prefill_args = ("--lease-ttl-s", "0.3") if failure == "lapsed" else ()
+    prefill, p_addr = start_worker("prefill", model_dir, *prefill_args)
+    decode, d_addr = start_worker("decode", model_dir)
+    try:
+        prompt = random.Random(9).choices(range(5, 512), k=150)
+        sampling = rpb.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        p_stub = wgrpc.PrefillWorkerStub(grpc.insecure_channel(p_addr))
+        first = p_stub.Prefill(
+            wpb.PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling)
+        )
+        assert first.kv.block_ids and not first.finished
+        if failure == "killed":
+            prefill.send_signal(signal.SIGKILL)
+            prefill.wait()
+        else:
+            time.sleep(0.6)  # let the lease lapse; the prefill worker frees the blocks
+        d_stub = wgrpc.DecodeWorkerStub(grpc.insecure_channel(d_addr))
+        tokens, complete = [first.first_token_id], None
+        for msg in d_stub.Decode(
+            wpb.DecodeRequest(
+                request_id="r",
+                prompt_token_ids=prompt,
+                output_token_ids=[first.first_token_id],
+                sampling=sampling,
+                kv=first.kv,
+            )
+        ):
+            if msg.WhichOneof("kind") == "chunk":
+                tokens += msg.chunk.token_ids
+            else:
+                complete = msg.complete
+        [want] = reference.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
+        assert tokens == want.token_ids
+        assert complete is not None and complete.recomputed
+        stats = d_stub.GetStats(wpb.GetStatsRequest())
+        assert stats.num_free_blocks == stats.num_blocks
+        if failure == "lapsed":
+            p_stats = p_stub.GetStats(wpb.GetStatsRequest())
+            assert p_stats.num_free_blocks == p_stats.num_blocks
+            assert p_stats.num_pinned_requests == 0
+    finally:
+        for proc in (prefill, decode):
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
