@@ -38,6 +38,7 @@ class UpConfig:
     num_decode: int = 1
     transport: str = "nixl"
     kv_cache_bytes: int = 256 << 20
+    disagg_min_uncached_tokens: int = 64  # router: shorter prompts skip the prefill worker
     redis_port: int = 0  # 0: a unix socket in the run directory
     run_dir: str = ""  # logs and sockets; default: a fresh temporary directory
     ready_timeout_s: float = 120.0

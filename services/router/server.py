@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,6 +46,8 @@ class RouterConfig:
         prefill_addresses, decode_addresses: static workers (tests, single-host setups).
         max_inflight: concurrent Generate calls before RESOURCE_EXHAUSTED.
         block_size: KV block size of the workers (prefix hashes are per block).
+        disagg_min_uncached_tokens: prompts with fewer uncached tokens are prefilled on the
+            decode worker (conditional disaggregation); 0 = always disaggregate.
     """
 
     model_dir: str
@@ -58,13 +60,17 @@ class RouterConfig:
     max_inflight: int = 256
     block_size: int = 16
     worker_refresh_s: float = 0.5
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    disagg_min_uncached_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
             raise ValueError(f"max_inflight must be positive, got {self.max_inflight}")
         if not self.redis_url and not self.decode_addresses:
             raise ValueError("need redis_url or decode_addresses to find workers")
+
+    @property
+    def routing(self) -> RoutingConfig:
+        return RoutingConfig(disagg_min_uncached_tokens=self.disagg_min_uncached_tokens)
 
 
 @dataclass(slots=True)
@@ -353,8 +359,13 @@ class RouterServer(rgrpc.RouterServicer):
                     )
             if not finished:
                 raise _Rejected(grpc.StatusCode.INTERNAL, "decode worker ended without a result")
-        except grpc.aio.AioRpcError as exc:
-            if active.aborted:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            # Abort() cancels the worker call; depending on where it lands that surfaces
+            # as CancelledError or as a CANCELLED status. A client's own cancel re-raises.
+            if not active.aborted:
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+            else:
                 finished = True
                 yield rpb.GenerateResponse(
                     request_id=rid,
@@ -363,6 +374,7 @@ class RouterServer(rgrpc.RouterServicer):
                     ),
                 )
                 return
+            assert isinstance(exc, grpc.aio.AioRpcError)
             code, message = _worker_error(exc)
             yield rpb.GenerateResponse(
                 request_id=rid, error=rpb.Error(code=code.value[0], message=message)
@@ -378,8 +390,8 @@ class RouterServer(rgrpc.RouterServicer):
             self._track_decode(placement, -1)
             if prefill_pending:
                 self._track_prefill(placement, -len(tokens))
-            if not finished:
-                # Client cancelled, deadline passed or a worker failed: stop both sides.
+            if not finished or active.aborted:
+                # Client cancelled, deadline passed, Abort, or a worker failed: stop both sides.
                 self._spawn(self._abort_workers(rid, placement))
 
     def _track_decode(self, placement: Placement, sign: int) -> None:

@@ -116,6 +116,8 @@ class KVTransport(ABC):
     raises RuntimeError.
 
     Thread-safety: an instance must be used from one thread at a time; callers serialize.
+    (Both implementations tolerate a progress thread that calls `poll` concurrently with the
+    other methods; see their docstrings.)
 
     Attributes:
         agent_name: this agent's name, unique in the deployment.

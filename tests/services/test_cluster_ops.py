@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -120,7 +121,9 @@ def test_grpcurl_lists_services_and_streams_generate(model_dir, redis_server_pri
         )
         assert listed.returncode == 0, listed.stderr
         assert {"tandem.v1.Router", "grpc.health.v1.Health"} <= set(listed.stdout.split())
-        body = json.dumps({"text": "hello", "sampling": {"max_tokens": 4, "temperature": 0}})
+        body = json.dumps(
+            {"text": "hello", "sampling": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}}
+        )
         call = subprocess.run(
             [GRPCURL, "-plaintext", "-d", body, address, "tandem.v1.Router/Generate"],
             capture_output=True,
@@ -130,7 +133,9 @@ def test_grpcurl_lists_services_and_streams_generate(model_dir, redis_server_pri
         assert call.returncode == 0, call.stderr
         messages = [json.loads(m) for m in call.stdout.replace("}\n{", "}\x00{").split("\x00")]
         assert "chunk" in messages[0] and "complete" in messages[-1]
-        assert messages[-1]["complete"]["usage"]["completionTokens"] == 4
+        assert messages[-1]["complete"]["usage"].get("completion_tokens") == 4, call.stdout
+        streamed = [t for m in messages if "chunk" in m for t in m["chunk"]["token_ids"]]
+        assert len(streamed) == 4
         health = subprocess.run(
             [GRPCURL, "-plaintext", address, "grpc.health.v1.Health/Check"],
             capture_output=True,
@@ -228,7 +233,7 @@ def test_tandem_up_serves_and_ctrl_c_leaves_no_process(model_dir, tmp_path):
             break
     out = "".join(lines)
     assert "demo:" in out and "Tandem is serving" in out
-    address = next(w for w in out.split() if w.startswith("127.0.0.1:"))
+    address = re.search(r"127\.0\.0\.1:\d+", out).group(0)  # type: ignore[union-attr]
     children = _children(proc.pid)
     assert len(children) >= 4  # redis, router, prefill, decode
     with TandemClient(address) as client:

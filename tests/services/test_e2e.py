@@ -256,7 +256,9 @@ def test_decode_recomputes_when_the_lease_cannot_be_confirmed(model_dir, referen
                 tokens += msg.chunk.token_ids
             else:
                 complete = msg.complete
-        [want] = reference.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
+        [want] = reference.generate(
+            [prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        )
         assert tokens == want.token_ids
         assert complete is not None and complete.recomputed
         stats = d_stub.GetStats(wpb.GetStatsRequest())
