@@ -1,0 +1,75 @@
+"""proto <-> core conversions round-trip, and bad values name their field."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common import convert
+from services.common.flags import parse_config
+from services.common.worker import WorkerConfig
+from tandem.engine.sampling import SamplingParams
+from tandem.transfer import RemoteKV
+from tandem.v1 import router_pb2 as rpb
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(),
+        SamplingParams(
+            max_tokens=7,
+            temperature=0.5,
+            top_k=3,
+            top_p=0.75,
+            min_p=0.125,
+            repetition_penalty=1.25,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            seed=42,
+            stop_token_ids=(1, 2),
+            stop=("a", "bc"),
+            ignore_eos=True,
+            logprobs=2,
+        ),
+        SamplingParams(temperature=0.0, logprobs=0),
+    ],
+)
+def test_sampling_round_trip(params) -> None:
+    assert convert.sampling_from_proto(convert.sampling_to_proto(params)) == params
+
+
+def test_unset_fields_take_defaults_and_bad_values_name_the_field() -> None:
+    assert convert.sampling_from_proto(rpb.SamplingParams()) == SamplingParams()
+    with pytest.raises(ValueError, match="^top_p"):
+        convert.sampling_from_proto(rpb.SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="^max_tokens"):
+        convert.sampling_from_proto(rpb.SamplingParams(max_tokens=0))
+
+
+def test_finish_reason_round_trip() -> None:
+    for reason in ("stop", "length", "abort", None):
+        assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) == reason
+
+
+def test_logprobs_round_trip() -> None:
+    entries = [(-0.5, ((3, -0.5), (4, -1.5))), (-2.0, ())]
+    msgs = convert.logprobs_to_proto([3, 9], entries)
+    assert convert.logprobs_from_proto(msgs) == entries
+
+
+def test_remote_kv_round_trip() -> None:
+    remote = RemoteKV("nixl", "prefill-0", b"\x00md", 4096, 1024, (3, 4, 9))
+    msg = convert.remote_kv_to_proto(remote, num_tokens=40, block_size=16)
+    assert convert.remote_kv_from_proto(msg) == remote
+    assert msg.num_tokens == 40 and msg.block_size == 16
+
+
+def test_flags_and_env_map_to_fields(monkeypatch) -> None:
+    monkeypatch.setenv("TANDEM_LEASE_TTL_S", "2.5")
+    cfg = parse_config(
+        WorkerConfig, ["--model-dir", "/m", "--transport", "local", "--num-threads", "1"]
+    )
+    assert cfg.model_dir == "/m" and cfg.transport == "local"
+    assert cfg.lease_ttl_s == 2.5 and cfg.num_threads == 1
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--model-dir", "/m", "--transport", "carrier-pigeon"])
