@@ -226,23 +226,31 @@ def test_tandem_up_serves_and_ctrl_c_leaves_no_process(model_dir, tmp_path):
         text=True,
     )
     assert proc.stdout is not None
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "Ctrl-C stops every process" in line:
-            break
-    out = "".join(lines)
-    assert "demo:" in out and "Tandem is serving" in out
-    address = re.search(r"127\.0\.0\.1:\d+", out).group(0)  # type: ignore[union-attr]
-    children = _children(proc.pid)
-    assert len(children) >= 4  # redis, router, prefill, decode
-    with TandemClient(address) as client:
-        assert client.generate("hello", max_tokens=3).completion_tokens == 3
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0
-    time.sleep(0.5)
-    alive = [pid for pid in children if _alive(pid)]
-    assert not alive, f"processes left behind: {alive}"
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops every process" in line:
+                break
+        out = "".join(lines)
+        assert "demo:" in out and "Tandem is serving" in out
+        address = re.search(r"127\.0\.0\.1:\d+", out).group(0)  # type: ignore[union-attr]
+        children = _children(proc.pid)
+        assert len(children) >= 4  # redis, router, prefill, decode
+        with TandemClient(address) as client:
+            assert client.generate("hello", max_tokens=3).completion_tokens == 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        time.sleep(0.5)
+        alive = [pid for pid in children if _alive(pid)]
+        assert not alive, f"processes left behind: {alive}"
+    finally:
+        if proc.poll() is None:  # a failed assertion must not leave a cluster running
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def _children(pid: int) -> list[int]:
