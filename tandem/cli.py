@@ -142,6 +142,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_PROMPTS = (
+    "The quick brown fox",
+    "Tandem splits serving in two: prefill workers compute a prompt's KV cache, decode "
+    "workers pull those blocks and stream the tokens, and a router pairs them for every "
+    "request so that long prompts never stall the tokens of short ones.",
+)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -175,15 +183,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(
             f"ready in {time.perf_counter() - t0:.1f}s; logs in {cluster.run_dir}", file=sys.stderr
         )
-        prompt = "The quick brown fox"
         with TandemClient(address) as client:
-            result = client.generate(prompt, max_tokens=24, temperature=0.0)
-        how = "disaggregated" if result.disaggregated else "prefilled on the decode worker"
-        print(f"\ndemo: {prompt!r} -> {result.text!r}")
-        print(
-            f"      {result.completion_tokens} tokens, TTFT {result.first_token_ms:.1f} ms, "
-            f"total {result.total_ms:.1f} ms ({how})"
-        )
+            for prompt in DEMO_PROMPTS:
+                result = client.generate(prompt, max_tokens=24, temperature=0.0)
+                how = (
+                    f"prefill on {result.prefill_worker}, KV pulled by {result.decode_worker}"
+                    if result.disaggregated
+                    else f"short prompt: prefilled and decoded on {result.decode_worker}"
+                )
+                shown = prompt if len(prompt) < 40 else prompt[:37] + "..."
+                print(f"\ndemo: {shown!r} ({result.prompt_tokens} tokens) -> {result.text!r}")
+                print(
+                    f"      {result.completion_tokens} tokens, "
+                    f"TTFT {result.first_token_ms:.1f} ms, total {result.total_ms:.1f} ms ({how})"
+                )
         print(
             f"""
 Tandem is serving {model_dir.name} on {address}. Call it:

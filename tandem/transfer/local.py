@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+import weakref
 from collections import deque
 
 import torch
@@ -18,8 +19,9 @@ from tandem.transfer.base import KVTransport, RemoteKV, TransferError
 
 # agent name -> live transport. A newer transport with the same name replaces the older one,
 # which is how a "restarted" owner looks in one process: handles exported by the old instance
-# then fail with TransferError because their metadata no longer matches.
-_REGISTRY: dict[str, LocalTransport] = {}
+# then fail with TransferError because their metadata no longer matches. Weak references: an
+# owner that is garbage collected without close() is gone too, and its cache is not kept alive.
+_REGISTRY: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.Lock()
 
 
