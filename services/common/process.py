@@ -32,3 +32,20 @@ async def run_until_signal(
     print(ready_line(), flush=True)
     await stop.wait()
     await drain()
+
+
+def run_worker(server_cls: type, role: str) -> None:
+    """Entry point of `python -m services.<role>`: flags -> WorkerConfig -> serve until stop."""
+    from services.common.flags import parse_config
+    from services.common.worker import WorkerConfig
+
+    config = parse_config(WorkerConfig, prog=f"python -m services.{role}")
+    setup_logging(role)
+
+    async def run() -> None:
+        server = server_cls(config)
+        await run_until_signal(
+            server.start, server.drain_and_stop, lambda: f"READY {role} {server.address}"
+        )
+
+    asyncio.run(run())

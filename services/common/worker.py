@@ -6,17 +6,21 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import convert
 from services.common.engine_loop import EngineLoop
 from services.common.registry import Heartbeat, Registry, WorkerInfo
 from tandem.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
 from tandem.transfer import KVTransport, make_transport
+from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
@@ -192,8 +196,17 @@ class Worker:
 
         return await self.loop.call(stats)
 
-    def check_admission(self, context: grpc.aio.ServicerContext) -> str | None:
-        """Why a new request must be refused right now, or None."""
+    async def admit(
+        self, request_id: str, sampling: rpb.SamplingParams, context: grpc.aio.ServicerContext
+    ) -> tuple[str, SamplingParams]:
+        """Accept a new request: (its id, its sampling params), or end the RPC with
+        UNAVAILABLE (draining) or INVALID_ARGUMENT (bad sampling params)."""
         if self.draining:
-            return "worker is draining"
-        return None
+            await convert.abort_rpc(
+                context, grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining"
+            )
+        try:
+            params = convert.sampling_from_proto(sampling)
+        except ValueError as exc:
+            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return request_id or uuid.uuid4().hex, params

@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -63,14 +62,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     async def Decode(
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeResponse]:
-        why = self.check_admission(context)
-        if why is not None:
-            await convert.abort_rpc(context, grpc.StatusCode.UNAVAILABLE, why)
-        rid = request.request_id or uuid.uuid4().hex
-        try:
-            params = convert.sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid, params = await self.admit(request.request_id, request.sampling, context)
         prompt = list(request.prompt_token_ids)
         outputs = list(request.output_token_ids)
         emitted = request.num_emitted_chars

@@ -2,26 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from services.common.flags import parse_config
-from services.common.process import run_until_signal, setup_logging
-from services.common.worker import WorkerConfig
+from services.common.process import run_worker
 from services.prefill.server import PrefillServer
 
-
-def main() -> None:
-    config = parse_config(WorkerConfig, prog="python -m services.prefill")
-    setup_logging("prefill")
-
-    async def run() -> None:
-        server = PrefillServer(config)
-        await run_until_signal(
-            server.start, server.drain_and_stop, lambda: f"READY prefill {server.address}"
-        )
-
-    asyncio.run(run())
-
-
 if __name__ == "__main__":
-    main()
+    run_worker(PrefillServer, "prefill")

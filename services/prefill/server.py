@@ -80,14 +80,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> wpb.PrefillResponse:
-        why = self.check_admission(context)
-        if why is not None:
-            await convert.abort_rpc(context, grpc.StatusCode.UNAVAILABLE, why)
-        rid = request.request_id or uuid.uuid4().hex
-        try:
-            params = convert.sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid, params = await self.admit(request.request_id, request.sampling, context)
         prompt = list(request.prompt_token_ids)
         stream = self.loop.open_stream(rid)
         self.num_active_rpcs += 1
