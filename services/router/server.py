@@ -25,7 +25,7 @@ from tandem.engine.prefix_hash import hash_blocks
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
-from tandem.routing import Placement, RoutingConfig, WorkerLoad, choose
+from tandem.routing import Placement, RouteRequest, RoutingConfig, WorkerLoad, choose
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.v1 import worker_pb2 as wpb
@@ -60,17 +60,24 @@ class RouterConfig:
     max_inflight: int = 256
     block_size: int = 16
     worker_refresh_s: float = 0.5
+    policy: str = "kv"
     disagg_min_uncached_tokens: int = 64
+    imbalance_threshold_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
             raise ValueError(f"max_inflight must be positive, got {self.max_inflight}")
         if not self.redis_url and not self.decode_addresses:
             raise ValueError("need redis_url or decode_addresses to find workers")
+        _ = self.routing  # validates the routing fields
 
     @property
     def routing(self) -> RoutingConfig:
-        return RoutingConfig(disagg_min_uncached_tokens=self.disagg_min_uncached_tokens)
+        return RoutingConfig(
+            policy=self.policy,
+            disagg_min_uncached_tokens=self.disagg_min_uncached_tokens,
+            imbalance_threshold_tokens=self.imbalance_threshold_tokens,
+        )
 
 
 @dataclass(slots=True)
@@ -107,6 +114,7 @@ class RouterServer(rgrpc.RouterServicer):
         self._watcher: WorkerWatcher | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.last_decisions: list[tuple[str, Placement]] = []
+        self._sequence = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -256,7 +264,9 @@ class RouterServer(rgrpc.RouterServicer):
         tokens, _ = self._validate(request)
         # Prefix hashes: what the KV-aware policy will look up (logged for now).
         hashes = hash_blocks(tokens, self.config.block_size, (self.model_id,))
-        placement = choose(len(tokens), self.workers(), self.config.routing)
+        self._sequence += 1
+        route = RouteRequest(len(tokens), self.config.block_size, None, self._sequence)
+        placement = choose(route, self.workers(), self.config.routing)
         if placement is None:
             raise _Rejected(grpc.StatusCode.UNAVAILABLE, "no decode worker available; retry later")
         log.debug("%s -> %s (%d blocks hashed)", rid, placement, len(hashes))

@@ -1,5 +1,12 @@
-"""Pure placement policy: choose(request, snapshot) -> Placement."""
+"""Pure placement policy: choose(request, workers, config) -> Placement."""
 
-from tandem.routing.policy import Placement, RoutingConfig, WorkerLoad, choose
+from tandem.routing.policy import (
+    POLICIES,
+    Placement,
+    RouteRequest,
+    RoutingConfig,
+    WorkerLoad,
+    choose,
+)
 
-__all__ = ["Placement", "RoutingConfig", "WorkerLoad", "choose"]
+__all__ = ["POLICIES", "Placement", "RouteRequest", "RoutingConfig", "WorkerLoad", "choose"]

@@ -1,29 +1,67 @@
-"""Placement: which (prefill, decode) pair serves a request. Pure: plain data in, plain out.
+"""Placement: which (prefill, decode) pair serves a request. Pure: plain data in and out.
 
-Least-loaded for now: prefill cost ~ queued prefill tokens (reported by the worker plus what
-this router sent since), decode cost ~ running + waiting requests. Conditional
-disaggregation: a prompt whose uncached part is short is prefilled on the decode worker,
-because shipping its KV would cost more than computing it there.
+Three policies (`RoutingConfig.policy`):
+  kv           cache affinity within a load band (below), the default
+  load         least loaded, ignoring caches
+  round_robin  rotate through workers (a baseline for benchmarks)
+
+The kv policy, for a request of `num_prompt_tokens` whose leading blocks are held by some
+workers (`overlap`, from the prefix index):
+  1. decode worker: least loaded (running + waiting + this router's in-flight requests) among
+     those with KV headroom for the prompt; ties go to the larger cached prefix, then to
+     more free blocks.
+  2. conditional disaggregation: if the decode worker's *uncached* part of the prompt is
+     below `disagg_min_uncached_tokens`, it prefills the prompt itself (shipping KV would
+     cost more than computing it).
+  3. prefill worker: among workers whose queued prefill tokens are within
+     `imbalance_threshold_tokens` of the least loaded one, pick the lowest
+     uncached tokens + queued tokens, i.e. affinity wins while loads are close and load
+     wins once the imbalance crosses the threshold. That guard also spreads a hot prefix:
+     once its holder is busier than the band, requests go to another worker, which then
+     caches the prefix too, and affinity splits the traffic between the holders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+POLICIES = ("kv", "load", "round_robin")
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    """Attributes:
-    disagg_min_uncached_tokens: prompts with fewer uncached tokens skip the prefill worker.
+    """Placement knobs (router flags of the same names).
+
+    Attributes:
+        policy: "kv", "load" or "round_robin".
+        disagg_min_uncached_tokens: prompts with fewer uncached tokens (on the chosen decode
+            worker) skip the prefill worker; 0 = always disaggregate.
+        imbalance_threshold_tokens: prefill workers whose queued prefill tokens exceed the
+            least loaded one's by more than this are not chosen for cache affinity.
+        min_free_block_fraction: a decode worker needs this fraction of its blocks free
+            beyond the prompt's needs to be preferred.
     """
 
+    policy: str = "kv"
     disagg_min_uncached_tokens: int = 64
+    imbalance_threshold_tokens: int = 2048
+    min_free_block_fraction: float = 0.05
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.disagg_min_uncached_tokens < 0:
             raise ValueError(
                 f"disagg_min_uncached_tokens must be >= 0, got {self.disagg_min_uncached_tokens}"
+            )
+        if self.imbalance_threshold_tokens < 0:
+            raise ValueError(
+                f"imbalance_threshold_tokens must be >= 0, got {self.imbalance_threshold_tokens}"
+            )
+        if not 0.0 <= self.min_free_block_fraction < 1.0:
+            raise ValueError(
+                f"min_free_block_fraction must be in [0, 1), got {self.min_free_block_fraction}"
             )
 
 
@@ -43,49 +81,114 @@ class WorkerLoad:
     inflight_requests: int = 0  # sent by this router, not yet finished
     inflight_prefill_tokens: int = 0
 
+    @property
+    def prefill_queue(self) -> int:
+        return self.queued_prefill_tokens + self.inflight_prefill_tokens
+
+    @property
+    def decode_load(self) -> int:
+        return max(self.num_running + self.num_waiting, self.inflight_requests)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """The request as placement sees it.
+
+    Attributes:
+        num_prompt_tokens: prompt length.
+        block_size: tokens per KV block (to turn cached blocks into tokens).
+        overlap: worker id -> leading blocks of the prompt it holds (prefix index lookup).
+        sequence: a counter the caller advances per request (round robin only).
+    """
+
+    num_prompt_tokens: int
+    block_size: int = 16
+    overlap: Mapping[str, int] | None = None
+    sequence: int = 0
+
+    def cached_tokens(self, worker_id: str) -> int:
+        blocks = (self.overlap or {}).get(worker_id, 0)
+        # The last prompt token is always computed, whatever the cache holds.
+        return min(blocks * self.block_size, max(self.num_prompt_tokens - 1, 0))
+
 
 @dataclass(frozen=True, slots=True)
 class Placement:
     decode: WorkerLoad
     prefill: WorkerLoad | None  # None: the decode worker prefills (colocated)
     reason: str
+    cached_tokens: int = 0  # prompt tokens the chosen prefilling worker already holds
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill is not None
 
 
-def _prefill_cost(w: WorkerLoad) -> tuple[int, str]:
-    return (w.queued_prefill_tokens + w.inflight_prefill_tokens, w.worker_id)
-
-
-def _decode_cost(w: WorkerLoad) -> tuple[int, int, str]:
-    load = max(w.num_running + w.num_waiting, w.inflight_requests)
-    return (load, -w.num_free_blocks, w.worker_id)
-
-
 def choose(
-    num_uncached_tokens: int, workers: Iterable[WorkerLoad], config: RoutingConfig
+    request: RouteRequest, workers: Iterable[WorkerLoad], config: RoutingConfig
 ) -> Placement | None:
-    """Pick the pair for a request with `num_uncached_tokens` to compute.
+    """Pick the pair for `request`. None when no decode worker is available (UNAVAILABLE).
 
-    Returns None when no decode worker is available (the caller answers UNAVAILABLE).
-    Ties break on worker id, so equal loads place deterministically.
+    Ties always break on worker id, so equal inputs place deterministically.
     """
-    live = [w for w in workers if not w.draining]
+    live = sorted((w for w in workers if not w.draining), key=lambda w: w.worker_id)
     decodes = [w for w in live if w.role == "decode"]
+    prefills = [w for w in live if w.role == "prefill"]
     if not decodes:
         return None
-    decode = min(decodes, key=_decode_cost)
-    if num_uncached_tokens < config.disagg_min_uncached_tokens:
+    if config.policy == "round_robin":
+        return _round_robin(request, decodes, prefills, config)
+    kv = config.policy == "kv"
+    decode = min(decodes, key=lambda w: _decode_key(w, request, kv, config))
+    local = request.cached_tokens(decode.worker_id) if kv else 0
+    uncached = request.num_prompt_tokens - local
+    if uncached < config.disagg_min_uncached_tokens:
         return Placement(
             decode,
             None,
-            f"{num_uncached_tokens} uncached tokens < "
-            f"{config.disagg_min_uncached_tokens}: prefill on decode",
+            f"{uncached} uncached tokens < {config.disagg_min_uncached_tokens}: "
+            f"prefill on {decode.worker_id}",
+            local,
         )
-    prefills = [w for w in live if w.role == "prefill"]
     if not prefills:
-        return Placement(decode, None, "no prefill worker: prefill on decode")
-    prefill = min(prefills, key=_prefill_cost)
-    return Placement(decode, prefill, "least loaded pair")
+        return Placement(decode, None, "no prefill worker: prefill on decode", local)
+    if not kv:
+        prefill = min(prefills, key=lambda w: w.prefill_queue)
+        return Placement(decode, prefill, f"least loaded: queue {prefill.prefill_queue}")
+    least = min(w.prefill_queue for w in prefills)
+    band = [w for w in prefills if w.prefill_queue - least <= config.imbalance_threshold_tokens]
+    prefill = min(
+        band,
+        key=lambda w: (
+            request.num_prompt_tokens - request.cached_tokens(w.worker_id) + w.prefill_queue
+        ),
+    )
+    cached = request.cached_tokens(prefill.worker_id)
+    skipped = len(prefills) - len(band)
+    reason = f"kv: {cached} cached tokens, queue {prefill.prefill_queue}"
+    if skipped:
+        reason += f" ({skipped} busier prefill worker(s) outside the imbalance band)"
+    return Placement(decode, prefill, reason, cached)
+
+
+def _decode_key(
+    w: WorkerLoad, request: RouteRequest, kv: bool, config: RoutingConfig
+) -> tuple[int, int, int, int]:
+    cached = request.cached_tokens(w.worker_id) if kv else 0
+    need = -(-(request.num_prompt_tokens - cached) // request.block_size)
+    spare = w.num_free_blocks - need - int(config.min_free_block_fraction * w.num_blocks)
+    short = 1 if w.num_blocks and spare < 0 else 0  # known to lack headroom: last resort
+    return (short, w.decode_load, -cached, -w.num_free_blocks)
+
+
+def _round_robin(
+    request: RouteRequest,
+    decodes: list[WorkerLoad],
+    prefills: list[WorkerLoad],
+    config: RoutingConfig,
+) -> Placement:
+    decode = decodes[request.sequence % len(decodes)]
+    if request.num_prompt_tokens < config.disagg_min_uncached_tokens or not prefills:
+        return Placement(decode, None, "round robin: prefill on decode")
+    prefill = prefills[request.sequence % len(prefills)]
+    return Placement(decode, prefill, "round robin")

@@ -4,58 +4,114 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.routing import RoutingConfig, WorkerLoad, choose
+from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
 
-CFG = RoutingConfig(disagg_min_uncached_tokens=64)
+CFG = RoutingConfig(disagg_min_uncached_tokens=64, imbalance_threshold_tokens=1000)
 
 
 def w(worker_id: str, role: str, **load) -> WorkerLoad:
+    load.setdefault("num_blocks", 1000)
+    load.setdefault("num_free_blocks", 1000)
     return WorkerLoad(worker_id=worker_id, role=role, address=f"{worker_id}:1", **load)
 
 
+def req(n: int, **overlap: int) -> RouteRequest:
+    return RouteRequest(n, block_size=16, overlap=overlap)
+
+
 def test_no_decode_worker_means_no_placement() -> None:
-    assert choose(100, [w("p0", "prefill")], CFG) is None
-    assert choose(100, [w("d0", "decode", draining=True)], CFG) is None
+    assert choose(req(100), [w("p0", "prefill")], CFG) is None
+    assert choose(req(100), [w("d0", "decode", draining=True)], CFG) is None
 
 
-def test_short_prompts_are_prefilled_on_the_decode_worker() -> None:
-    p = choose(63, [w("p0", "prefill"), w("d0", "decode")], CFG)
-    assert p is not None and not p.disaggregated and p.decode.worker_id == "d0"
-    assert "63 uncached tokens" in p.reason
-    p = choose(64, [w("p0", "prefill"), w("d0", "decode")], CFG)
-    assert p is not None and p.disaggregated and p.prefill is not None
+def test_conditional_disaggregation_on_the_uncached_length() -> None:
+    workers = [w("p0", "prefill"), w("d0", "decode")]
+    p = choose(req(63), workers, CFG)
+    assert p is not None and not p.disaggregated and "63 uncached tokens" in p.reason
+    p = choose(req(64), workers, CFG)
+    assert p is not None and p.disaggregated
+    # 1000 tokens, but 60 of its 62 full blocks are cached on the decode worker: 40 uncached
+    p = choose(req(1000, d0=60), workers, CFG)
+    assert p is not None and not p.disaggregated and p.cached_tokens == 960
+    # the load policy ignores caches, so the same request is disaggregated
+    p = choose(req(1000, d0=60), workers, RoutingConfig(policy="load"))
+    assert p is not None and p.disaggregated
 
 
-def test_without_prefill_workers_decode_prefills() -> None:
-    p = choose(1000, [w("d0", "decode")], CFG)
-    assert p is not None and not p.disaggregated and "no prefill worker" in p.reason
-
-
-def test_least_loaded_prefill_and_decode() -> None:
+def test_cache_affinity_wins_when_loads_are_close() -> None:
     workers = [
-        w("p0", "prefill", queued_prefill_tokens=500),
-        w("p1", "prefill", queued_prefill_tokens=100, inflight_prefill_tokens=300),
-        w("p2", "prefill", queued_prefill_tokens=450),
+        w("p0", "prefill", queued_prefill_tokens=0),
+        w("p1", "prefill", queued_prefill_tokens=600),  # within the 1000-token band
+        w("d0", "decode"),
+    ]
+    p = choose(req(1024, p1=60), workers, CFG)
+    assert p is not None and p.prefill is not None and p.prefill.worker_id == "p1"
+    assert p.cached_tokens == 960 and "960 cached tokens" in p.reason
+    # without a cached prefix the idle worker wins
+    p = choose(req(1024), workers, CFG)
+    assert p is not None and p.prefill is not None and p.prefill.worker_id == "p0"
+
+
+def test_load_wins_when_imbalance_crosses_the_threshold() -> None:
+    workers = [
+        w("p0", "prefill", queued_prefill_tokens=0),
+        w("p1", "prefill", queued_prefill_tokens=900, inflight_prefill_tokens=200),  # 1100
+        w("d0", "decode"),
+    ]
+    p = choose(req(1024, p1=60), workers, CFG)
+    assert p is not None and p.prefill is not None and p.prefill.worker_id == "p0"
+    assert "outside the imbalance band" in p.reason
+
+
+def test_hot_prefix_spreads_beyond_its_holder() -> None:
+    """Requests for one hot prefix pile onto its holder until the band is crossed, then
+    spill to the other worker; once both hold it, affinity splits them by load."""
+    queues = {"p0": 0, "p1": 0}
+    holders = {"p0"}
+    placed = []
+    for _ in range(40):
+        workers = [w(p, "prefill", queued_prefill_tokens=q) for p, q in queues.items()]
+        workers.append(w("d0", "decode"))
+        overlap = {p: 60 for p in holders}
+        p = choose(req(1024, **overlap), workers, CFG)
+        assert p is not None and p.prefill is not None
+        chosen = p.prefill.worker_id
+        placed.append(chosen)
+        queues[chosen] += 1024 - p.cached_tokens  # the work it queued
+        holders.add(chosen)  # after prefilling, it holds the prefix too
+    assert placed[0] == "p0" and "p1" in placed
+    assert abs(queues["p0"] - queues["p1"]) <= CFG.imbalance_threshold_tokens + 1024
+
+
+def test_decode_choice_load_then_headroom_then_cache() -> None:
+    workers = [
         w("d0", "decode", num_running=3),
         w("d1", "decode", num_running=1, num_waiting=1),
         w("d2", "decode", num_running=0, inflight_requests=4),
     ]
-    p = choose(200, workers, CFG)
-    assert p is not None and p.prefill is not None
-    assert p.prefill.worker_id == "p1"  # 400 < 450 < 500
-    assert p.decode.worker_id == "d1"  # 2 < 3 < 4 (router's in-flight count counts too)
-
-
-def test_ties_break_on_free_blocks_then_id() -> None:
-    workers = [
-        w("d1", "decode", num_free_blocks=10),
-        w("d0", "decode", num_free_blocks=10),
-        w("d2", "decode", num_free_blocks=50),
-    ]
-    p = choose(1, workers, CFG)
-    assert p is not None and p.decode.worker_id == "d2"
-    p = choose(1, workers[:2], CFG)
+    p = choose(req(10), workers, CFG)
+    assert p is not None and p.decode.worker_id == "d1"
+    # equal load: more cached prefix wins, then more free blocks
+    workers = [w("d0", "decode"), w("d1", "decode", num_free_blocks=900)]
+    p = choose(req(10, d1=0), workers, CFG)
     assert p is not None and p.decode.worker_id == "d0"
+    p = choose(req(100, d1=4), workers, CFG)
+    assert p is not None and p.decode.worker_id == "d1"
+    # a worker without room for the prompt is the last resort
+    workers = [w("d0", "decode", num_free_blocks=10), w("d1", "decode", num_running=5)]
+    p = choose(req(1000), workers, CFG)
+    assert p is not None and p.decode.worker_id == "d1"
+
+
+def test_round_robin_rotates() -> None:
+    workers = [w("p0", "prefill"), w("p1", "prefill"), w("d0", "decode"), w("d1", "decode")]
+    cfg = RoutingConfig(policy="round_robin")
+    got = []
+    for seq in range(4):
+        p = choose(RouteRequest(500, sequence=seq), workers, cfg)
+        assert p is not None and p.prefill is not None
+        got.append((p.prefill.worker_id, p.decode.worker_id))
+    assert got == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
 
 
 def test_draining_workers_are_skipped() -> None:
@@ -64,10 +120,19 @@ def test_draining_workers_are_skipped() -> None:
         w("d0", "decode"),
         w("d1", "decode", draining=True),
     ]
-    p = choose(500, workers, CFG)
+    p = choose(req(500), workers, CFG)
     assert p is not None and not p.disaggregated and p.decode.worker_id == "d0"
 
 
-def test_config_validation() -> None:
-    with pytest.raises(ValueError, match="disagg_min_uncached_tokens"):
-        RoutingConfig(disagg_min_uncached_tokens=-1)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("policy", "random"),
+        ("disagg_min_uncached_tokens", -1),
+        ("imbalance_threshold_tokens", -5),
+        ("min_free_block_fraction", 1.5),
+    ],
+)
+def test_config_validation(field, value) -> None:
+    with pytest.raises(ValueError, match=field):
+        RoutingConfig(**{field: value})
