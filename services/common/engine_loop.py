@@ -58,6 +58,13 @@ class EngineLoop:
         self._commands.put((fn, fut))
         return await asyncio.wrap_future(fut)
 
+    def post(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run fn(engine) on the engine thread between steps, without waiting for it
+        (errors are logged). For bookkeeping that must not wait out a long step."""
+        fut: Future[Any] = Future()
+        fut.add_done_callback(_log_failure)
+        self._commands.put((fn, fut))
+
     def open_stream(self, request_id: str) -> OutputQueue:
         """The queue that will receive `request_id`'s outputs (open before adding it)."""
         q: OutputQueue = asyncio.Queue()
@@ -124,3 +131,8 @@ class EngineLoop:
             if out.finished or out.handed_off:
                 q.put_nowait(None)
                 self._streams.pop(out.request_id, None)
+
+
+def _log_failure(fut: Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("posted engine command failed", exc_info=fut.exception())

@@ -105,7 +105,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             self.num_active_rpcs -= 1
             self.loop.close_stream(rid)
             # Cancelled or failed mid-stream: free everything this request holds here.
-            await self.loop.call(lambda e: e.abort(rid))
+            self.loop.post(lambda e: e.abort(rid))
 
     async def _add(
         self,

@@ -39,7 +39,10 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
-        self.leases: dict[str, Lease] = {}  # lease id -> lease; touched on the engine thread
+        # lease id -> lease. Guarded by a lock, not by the engine thread: confirming a lease
+        # must not wait for a long prefill step to end.
+        self.leases: dict[str, Lease] = {}
+        self._lease_lock = threading.Lock()
         self._progress_stop = threading.Event()
         self._progress = threading.Thread(target=self._drive_transfers, daemon=True)
         self.num_expired_leases = 0
@@ -69,8 +72,11 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
 
     def _expire_leases(self, engine: LLMEngine) -> None:
         now = time.time()
-        for lease in [x for x in self.leases.values() if x.expires_at <= now]:
-            del self.leases[lease.lease_id]
+        with self._lease_lock:
+            expired = [x for x in self.leases.values() if x.expires_at <= now]
+            for lease in expired:
+                del self.leases[lease.lease_id]
+        for lease in expired:
             engine.release(lease.request_id)
             self.num_expired_leases += 1
             log.warning("lease %s of %s expired unconfirmed", lease.lease_id, lease.request_id)
@@ -105,15 +111,12 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             if out.logprobs:
                 resp.logprobs.extend(convert.logprobs_to_proto(out.new_token_ids, out.logprobs))
             if out.handed_off:
+                # The engine pinned the blocks at hand-off; the lease bounds how long.
                 lease = Lease(uuid.uuid4().hex, rid, time.time() + self.config.lease_ttl_s)
-
-                def pin(e: LLMEngine) -> list[int]:
+                with self._lease_lock:
                     self.leases[lease.lease_id] = lease
-                    return e.block_table(rid)
-
-                table = await self.loop.call(pin)
                 handed_off = True
-                remote = self.transport.export(table)
+                remote = self.transport.export(out.block_ids)
                 resp.kv.CopyFrom(
                     convert.remote_kv_to_proto(
                         remote,
@@ -133,31 +136,28 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             self.loop.close_stream(rid)
             if not handed_off:
                 # Cancelled, failed or finished at token 1: nothing may stay pinned.
-                await self.loop.call(lambda e: e.abort(rid))
+                self.loop.post(lambda e: e.abort(rid))
 
     async def ReleaseKv(
         self, request: wpb.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> wpb.ReleaseKvResponse:
-        def release(e: LLMEngine) -> bool:
+        with self._lease_lock:
             lease = self.leases.get(request.lease_id)
             if lease is None or lease.request_id != request.request_id:
-                return False  # expired (blocks already freed) or not ours
+                return wpb.ReleaseKvResponse(valid=False)  # expired (blocks freed) or not ours
             if request.epoch != self.epoch:
-                return False  # expired (blocks already freed) or not ours
+                return wpb.ReleaseKvResponse(valid=False)
             del self.leases[request.lease_id]
-            e.release(lease.request_id)
-            # Checked after removal: the blocks were pinned for the whole read only if the
-            # lease was still live when the reader finished, i.e. now.
-            return lease.expires_at > time.time()
-
-        return wpb.ReleaseKvResponse(valid=await self.loop.call(release))
+            # The blocks were pinned for the whole read only if the lease is still live
+            # now that the reader has finished.
+            valid = lease.expires_at > time.time()
+        self.loop.post(lambda e: e.release(lease.request_id))
+        return wpb.ReleaseKvResponse(valid=valid)
 
     async def Abort(
         self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rpb.AbortResponse:
-        def abort(e: LLMEngine) -> bool:
+        with self._lease_lock:
             for lease in [x for x in self.leases.values() if x.request_id == request.request_id]:
                 del self.leases[lease.lease_id]
-            return e.abort(request.request_id)
-
-        return rpb.AbortResponse(found=await self.loop.call(abort))
+        return rpb.AbortResponse(found=await self.loop.call(lambda e: e.abort(request.request_id)))

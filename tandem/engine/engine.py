@@ -42,6 +42,7 @@ class RequestOutput:
     handed_off: bool = False
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits
+    block_ids: list[int] = field(default_factory=list)  # handed off: the pinned blocks
     # (logprob, top-n) of each new token, when the request asked for logprobs
     logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] = field(
         default_factory=list
@@ -286,6 +287,7 @@ class LLMEngine:
                         None,
                         handed_off=True,
                         num_cached_tokens=request.num_cached_tokens or 0,
+                        block_ids=self.block_table(rid),
                         logprobs=lps,
                     )
                 )
