@@ -58,6 +58,9 @@ class Result:
     disaggregated: bool = False
     prefill_worker: str = ""
     decode_worker: str = ""
+    route_reason: str = ""
+    route_cached_tokens: int = 0
+    index_degraded: bool = False
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
@@ -118,6 +121,9 @@ def _apply(result: Result, msg: rpb.GenerateResponse) -> Chunk | None:
         result.disaggregated = d.timings.disaggregated
         result.prefill_worker = d.timings.prefill_worker
         result.decode_worker = d.timings.decode_worker
+        result.route_reason = d.timings.route_reason
+        result.route_cached_tokens = d.timings.route_cached_tokens
+        result.index_degraded = d.timings.index_degraded
         return None
     if kind == "error":
         raise TandemError(grpc.StatusCode.UNKNOWN, msg.error.message)

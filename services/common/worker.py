@@ -15,10 +15,13 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import convert
 from services.common.engine_loop import EngineLoop
+from services.common.kv_events import KVEventPublisher
+from services.common.redis_index import RedisPrefixIndex
 from services.common.registry import Heartbeat, Registry, WorkerInfo
 from tandem.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
+from tandem.index import IndexUnavailable
 from tandem.transfer import KVTransport, make_transport
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
@@ -105,6 +108,8 @@ class Worker:
         self.draining = False
         self.num_active_rpcs = 0
         self._heartbeat: Heartbeat | None = None
+        self._index: RedisPrefixIndex | None = None
+        self._publisher: KVEventPublisher | None = None
         self._registry: Registry | None = None
 
     @property
@@ -149,6 +154,11 @@ class Worker:
         for name in (*self.service_names, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.redis_url:
+            self._index = RedisPrefixIndex(self.config.redis_url)
+            self._publisher = KVEventPublisher(
+                self._index, self.loop, self.worker_id, self.engine.model_id, self.epoch
+            )
+            self._publisher.start()
             self._registry = Registry(self.config.redis_url, ttl_s=self.config.registry_ttl_s)
             self._heartbeat = Heartbeat(
                 self._registry, self.info, interval_s=self.config.heartbeat_interval_s
@@ -167,6 +177,14 @@ class Worker:
         await self.stop()
 
     async def stop(self) -> None:
+        if self._publisher is not None:
+            await self._publisher.stop()
+        if self._index is not None:
+            try:
+                await self._index.remove_worker(self.worker_id)  # our cache dies with us
+            except IndexUnavailable:
+                pass
+            await self._index.close()
         if self._heartbeat is not None:
             await self._heartbeat.stop(deregister=True)
         if self._registry is not None:

@@ -20,9 +20,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import convert
+from services.common.redis_index import RedisPrefixIndex
 from services.common.registry import Registry, WorkerInfo, WorkerWatcher
 from tandem.engine.prefix_hash import hash_blocks
 from tandem.engine.sampling import SamplingParams
+from tandem.index import IndexUnavailable
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
 from tandem.routing import Placement, RouteRequest, RoutingConfig, WorkerLoad, choose
@@ -46,8 +48,12 @@ class RouterConfig:
         prefill_addresses, decode_addresses: static workers (tests, single-host setups).
         max_inflight: concurrent Generate calls before RESOURCE_EXHAUSTED.
         block_size: KV block size of the workers (prefix hashes are per block).
+        policy: placement policy, "kv" (cache-aware), "load" or "round_robin".
+        index_timeout_s: how long a prefix-index lookup may take before the request is
+            placed on load alone.
         disagg_min_uncached_tokens: prompts with fewer uncached tokens are prefilled on the
             decode worker (conditional disaggregation); 0 = always disaggregate.
+        imbalance_threshold_tokens: see tandem.routing.RoutingConfig.
     """
 
     model_dir: str
@@ -61,6 +67,7 @@ class RouterConfig:
     block_size: int = 16
     worker_refresh_s: float = 0.5
     policy: str = "kv"
+    index_timeout_s: float = 0.05
     disagg_min_uncached_tokens: int = 64
     imbalance_threshold_tokens: int = 2048
 
@@ -115,14 +122,18 @@ class RouterServer(rgrpc.RouterServicer):
         self._background: set[asyncio.Task[None]] = set()
         self.last_decisions: list[tuple[str, Placement]] = []
         self._sequence = 0
+        self._index: RedisPrefixIndex | None = None
+        self.index_degraded = False
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self.config.redis_url:
+            if self.config.policy == "kv":
+                self._index = RedisPrefixIndex(self.config.redis_url)
             self._registry = Registry(self.config.redis_url)
             self._watcher = WorkerWatcher(
-                self._registry, self.config.worker_refresh_s, on_change=self._log_change
+                self._registry, self.config.worker_refresh_s, on_change=self._on_workers_change
             )
             await self._watcher.start()
         server = grpc.aio.server()
@@ -148,15 +159,44 @@ class RouterServer(rgrpc.RouterServicer):
             await self._watcher.stop()
         if self._registry is not None:
             await self._registry.close()
+        if self._index is not None:
+            await self._index.close()
         for ch in self._channels.values():
             await ch.close()
 
-    @staticmethod
-    def _log_change(joined: list[WorkerInfo], left: list[str]) -> None:
+    def _on_workers_change(self, joined: list[WorkerInfo], left: list[str]) -> None:
         for w in joined:
             log.info("worker joined: %s (%s) at %s", w.worker_id, w.role, w.address)
         for worker_id in left:
             log.info("worker left: %s", worker_id)
+            if self._index is not None:  # its cache is gone; so are its index entries
+                self._spawn(self._forget_worker(worker_id))
+
+    async def _forget_worker(self, worker_id: str) -> None:
+        assert self._index is not None
+        try:
+            await self._index.remove_worker(worker_id)
+        except IndexUnavailable:
+            pass  # a restarted index does not know the worker either
+
+    async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:
+        """Leading cached blocks per worker, or None when the index cannot answer in time
+        (then placement uses load alone: no request fails because the index is down)."""
+        if self._index is None or not hashes:
+            return None
+        try:
+            overlap = await asyncio.wait_for(
+                self._index.lookup(self.model_id, hashes), self.config.index_timeout_s
+            )
+        except (IndexUnavailable, TimeoutError) as exc:
+            if not self.index_degraded:
+                log.warning("prefix index unavailable (%r): routing on load alone", exc)
+                self.index_degraded = True
+            return None
+        if self.index_degraded:
+            log.info("prefix index reachable again: cache-aware routing resumed")
+            self.index_degraded = False
+        return overlap
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -250,7 +290,7 @@ class RouterServer(rgrpc.RouterServicer):
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}") from None
         return tokens, params
 
-    def _admit(self, request: rpb.GenerateRequest, rid: str) -> tuple[list[int], Placement]:
+    async def _admit(self, request: rpb.GenerateRequest, rid: str) -> tuple[list[int], Placement]:
         """Validate and place a request. Raises _Rejected with the status to return."""
         if rid in self._active:
             raise _Rejected(
@@ -262,14 +302,24 @@ class RouterServer(rgrpc.RouterServicer):
                 f"router has {len(self._active)} requests in flight (max_inflight); retry later",
             )
         tokens, _ = self._validate(request)
-        # Prefix hashes: what the KV-aware policy will look up (logged for now).
+        # The same chained hashes the workers publish (tandem.engine.prefix_hash).
         hashes = hash_blocks(tokens, self.config.block_size, (self.model_id,))
+        overlap = await self._lookup(hashes)
         self._sequence += 1
-        route = RouteRequest(len(tokens), self.config.block_size, None, self._sequence)
+        route = RouteRequest(len(tokens), self.config.block_size, overlap, self._sequence)
         placement = choose(route, self.workers(), self.config.routing)
         if placement is None:
             raise _Rejected(grpc.StatusCode.UNAVAILABLE, "no decode worker available; retry later")
-        log.debug("%s -> %s (%d blocks hashed)", rid, placement, len(hashes))
+        log.info(
+            "route %s: %d tokens, %d blocks, overlap %s -> prefill %s, decode %s (%s)",
+            rid,
+            len(tokens),
+            len(hashes),
+            overlap if overlap is not None else "n/a",
+            placement.prefill.worker_id if placement.prefill else "-",
+            placement.decode.worker_id,
+            placement.reason,
+        )
         return tokens, placement
 
     # -- RPCs ------------------------------------------------------------------------------
@@ -280,7 +330,7 @@ class RouterServer(rgrpc.RouterServicer):
         t_start = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
         try:
-            tokens, placement = self._admit(request, rid)
+            tokens, placement = await self._admit(request, rid)
         except _Rejected as rej:
             await convert.abort_rpc(context, rej.code, rej.message)
         active = self._active[rid] = _Active(placement)
@@ -293,6 +343,9 @@ class RouterServer(rgrpc.RouterServicer):
             disaggregated=placement.disaggregated,
             prefill_worker=placement.prefill.worker_id if placement.prefill else "",
             decode_worker=placement.decode.worker_id,
+            route_reason=placement.reason,
+            route_cached_tokens=placement.cached_tokens,
+            index_degraded=self.index_degraded,
         )
         usage = rpb.Usage(prompt_tokens=len(tokens))
         finished = False

@@ -71,6 +71,10 @@ class BlockPool:
         """Free blocks in eviction order (first evicted first)."""
         return list(self._free)
 
+    def cached_hashes(self) -> list[int]:
+        """Every prefix hash the pool can serve right now (used and free cached blocks)."""
+        return list(self._cached)
+
     def get_cached_block(self, block_hash: int) -> int | None:
         """The block holding the prefix `block_hash`, used or free, if any."""
         return self._cached.get(block_hash)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tandem.config import EngineConfig, EngineRole
+from tandem.engine.block_pool import KVEvent
 from tandem.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.engine.kv_manager import KVCacheManager, cdiv
 from tandem.engine.request import Request, RequestStatus
@@ -372,6 +373,16 @@ class LLMEngine:
 
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
+
+    def enable_kv_events(self) -> None:
+        """Record prefix-cache stored/removed events for `take_kv_events` (cluster index)."""
+        self.kv.pool.record_events = True
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.take_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.kv.pool.cached_hashes()
 
     def stats(self) -> EngineStats:
         sched = self.scheduler

@@ -125,7 +125,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "first_token_ms", "total_ms", "disaggregated", "prefill_worker", "decode_worker", "kv_transfer_ms")
+    __slots__ = ("queue_ms", "first_token_ms", "total_ms", "disaggregated", "prefill_worker", "decode_worker", "kv_transfer_ms", "route_reason", "route_cached_tokens", "index_degraded")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,9 @@ class Timings(_message.Message):
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_DEGRADED_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     first_token_ms: float
     total_ms: float
@@ -140,7 +143,10 @@ class Timings(_message.Message):
     prefill_worker: str
     decode_worker: str
     kv_transfer_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., disaggregated: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
+    route_reason: str
+    route_cached_tokens: int
+    index_degraded: bool
+    def __init__(self, queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., disaggregated: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., route_reason: _Optional[str] = ..., route_cached_tokens: _Optional[int] = ..., index_degraded: _Optional[bool] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "stop_reason", "usage", "timings")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -27,3 +31,79 @@ def redis_url(redis_server: RedisServer) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+KV_BYTES = 64 << 20
+
+
+def spawn(module: str, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """Start `python -m module args`, wait for its READY line; return (process, address)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), f"{module} failed to start: {line!r}"
+    return proc, line.split()[-1]
+
+
+def stop(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def worker(role: str, model_dir: Path, redis_url: str, worker_id: str, *extra: str):
+    return spawn(
+        f"services.{role}",
+        "--model-dir",
+        str(model_dir),
+        "--redis-url",
+        redis_url,
+        "--worker-id",
+        worker_id,
+        "--kv-cache-bytes",
+        str(KV_BYTES),
+        "--heartbeat-interval-s",
+        "0.2",
+        "--registry-ttl-s",
+        "1.0",
+        *extra,
+    )
+
+
+def router(model_dir: Path, redis_url: str, *extra: str):
+    return spawn(
+        "services.router",
+        "--model-dir",
+        str(model_dir),
+        "--redis-url",
+        redis_url,
+        "--port",
+        "0",
+        "--worker-refresh-s",
+        "0.1",
+        *extra,
+    )
+
+
+@pytest.fixture
+def redis_server_private() -> Iterator[RedisServer]:
+    """A Redis of the test's own (for tests that kill or restart it)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def procs() -> SimpleNamespace:
+    """Start service processes: procs.worker(role, model_dir, redis_url, id, *flags),
+    procs.router(model_dir, redis_url, *flags) -> (process, address); procs.stop(*p)."""
+    return SimpleNamespace(spawn=spawn, worker=worker, router=router, stop=stop)

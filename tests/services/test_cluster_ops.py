@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.redis_server import RedisServer
 from tandem.client import TandemClient, TandemError
 from tandem.model.tiny import make_tiny_model
 
@@ -27,71 +26,6 @@ GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("ops") / "tiny", preset="tiny")
-
-
-def spawn(module: str, *args: str) -> tuple[subprocess.Popen[str], str]:
-    """Start `python -m module args`, wait for its READY line; return (process, address)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), f"{module} failed to start: {line!r}"
-    return proc, line.split()[-1]
-
-
-def stop(*procs: subprocess.Popen[str]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-@pytest.fixture
-def redis_server_private():
-    with RedisServer() as server:
-        yield server
-
-
-def worker(role: str, model_dir: Path, redis_url: str, worker_id: str, *extra: str):
-    return spawn(
-        f"services.{role}",
-        "--model-dir",
-        str(model_dir),
-        "--redis-url",
-        redis_url,
-        "--worker-id",
-        worker_id,
-        "--kv-cache-bytes",
-        str(KV_BYTES),
-        "--heartbeat-interval-s",
-        "0.2",
-        "--registry-ttl-s",
-        "1.0",
-        *extra,
-    )
-
-
-def router(model_dir: Path, redis_url: str, *extra: str):
-    return spawn(
-        "services.router",
-        "--model-dir",
-        str(model_dir),
-        "--redis-url",
-        redis_url,
-        "--port",
-        "0",
-        "--worker-refresh-s",
-        "0.1",
-        *extra,
-    )
 
 
 def generate_until(client: TandemClient, predicate, timeout_s: float = 30.0, **kwargs):
@@ -109,7 +43,8 @@ def generate_until(client: TandemClient, predicate, timeout_s: float = 30.0, **k
         time.sleep(0.1)
 
 
-def test_grpcurl_lists_services_and_streams_generate(model_dir, redis_server_private):
+def test_grpcurl_lists_services_and_streams_generate(procs, model_dir, redis_server_private):
+    worker, router, stop = procs.worker, procs.router, procs.stop
     url = redis_server_private.url
     dec, _ = worker("decode", model_dir, url, "d0")
     rtr, address = router(model_dir, url)
@@ -148,8 +83,9 @@ def test_grpcurl_lists_services_and_streams_generate(model_dir, redis_server_pri
 
 
 def test_no_worker_is_unavailable_and_full_router_is_resource_exhausted(
-    model_dir, redis_server_private
+    procs, model_dir, redis_server_private
 ):
+    worker, router, stop = procs.worker, procs.router, procs.stop
     url = redis_server_private.url
     rtr, address = router(model_dir, url, "--max-inflight", "1")
     dec = None
@@ -174,8 +110,9 @@ def test_no_worker_is_unavailable_and_full_router_is_resource_exhausted(
 
 
 def test_router_follows_joins_and_departures_and_drain_finishes_requests(
-    model_dir, redis_server_private
+    procs, model_dir, redis_server_private
 ):
+    worker, router, stop = procs.worker, procs.router, procs.stop
     url = redis_server_private.url
     d0, _ = worker("decode", model_dir, url, "d0")
     rtr, address = router(model_dir, url)

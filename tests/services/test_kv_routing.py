@@ -1,0 +1,94 @@
+"""KV-aware placement with real workers, a real Redis index, and Redis dying mid-run."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.redis_server import RedisServer
+from tandem.client import TandemClient, TandemError
+from tandem.model.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("kv") / "tiny", preset="tiny")
+
+
+@pytest.fixture
+def redis_private() -> Iterator[RedisServer]:
+    with RedisServer(port=0) as server:
+        yield server
+
+
+def until(predicate, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} never reached"
+        time.sleep(0.2)
+
+
+def test_shared_prefix_follows_the_cache_and_survives_redis_dying(procs, model_dir, redis_private):
+    worker, router, stop = procs.worker, procs.router, procs.stop
+    url = redis_private.url
+    started = [
+        worker("prefill", model_dir, url, "p0")[0],
+        worker("prefill", model_dir, url, "p1")[0],
+        worker("decode", model_dir, url, "d0")[0],
+    ]
+    # Always disaggregate, so the prefill worker's cache affinity is what is tested (with the
+    # default threshold the decode worker, which holds the pulled prefix too, would prefill).
+    rtr, address = router(model_dir, url, "--disagg-min-uncached-tokens", "0")
+    started.append(rtr)
+    rng = random.Random(0)
+    prefix = rng.choices(range(5, 512), k=160)  # 10 blocks of 16
+
+    def ask(client: TandemClient, suffix_len: int = 8):
+        prompt = prefix + rng.choices(range(5, 512), k=suffix_len)
+        return client.generate(prompt, max_tokens=2, temperature=0.0)
+
+    try:
+        with TandemClient(address, timeout_s=60) as client:
+            until(lambda: _ok(client), what="router ready")
+            first = ask(client)
+            assert first.disaggregated and first.route_cached_tokens == 0
+            # once the prefill worker's events reach the index, the prefix routes to it
+            second = until(
+                lambda: (r := ask(client)).route_cached_tokens >= 160 and r,
+                what="cache-aware placement",
+            )
+            assert second.prefill_worker == first.prefill_worker
+            assert second.cached_prompt_tokens >= 160  # the worker really reused the blocks
+            assert "kv:" in second.route_reason
+
+            redis_private.kill()
+            # no request fails while the index and registry are down: load-only placement
+            degraded = [ask(client) for _ in range(3)]
+            assert all(r.completion_tokens == 2 for r in degraded)
+            assert all(r.index_degraded and r.route_cached_tokens == 0 for r in degraded)
+
+            redis_private.restart()
+            # workers re-register and resync their caches; routing is KV-aware again
+            again = until(
+                lambda: (r := ask(client)).route_cached_tokens >= 160 and r,
+                timeout_s=60,
+                what="KV-aware routing after Redis came back",
+            )
+            assert not again.index_degraded
+            assert again.prefill_worker == first.prefill_worker
+    finally:
+        stop(*started)
+
+
+def _ok(client: TandemClient) -> bool:
+    try:
+        return client.generate([5, 6, 7], max_tokens=1).completion_tokens == 1
+    except TandemError:
+        return False
