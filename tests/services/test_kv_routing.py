@@ -92,3 +92,38 @@ def _ok(client: TandemClient) -> bool:
         return client.generate([5, 6, 7], max_tokens=1).completion_tokens == 1
     except TandemError:
         return False
+
+
+def test_two_routers_see_the_same_index_and_workers(procs, model_dir, redis_private):
+    worker, router, stop = procs.worker, procs.router, procs.stop
+    url = redis_private.url
+    started = [
+        worker("prefill", model_dir, url, "p0")[0],
+        worker("prefill", model_dir, url, "p1")[0],
+        worker("decode", model_dir, url, "d0")[0],
+    ]
+    r1, a1 = router(model_dir, url, "--disagg-min-uncached-tokens", "0")
+    r2, a2 = router(model_dir, url, "--disagg-min-uncached-tokens", "0")
+    started += [r1, r2]
+    rng = random.Random(1)
+    prefix = rng.choices(range(5, 512), k=96)
+    try:
+        with TandemClient(a1, timeout_s=60) as c1, TandemClient(a2, timeout_s=60) as c2:
+            until(lambda: _ok(c1) and _ok(c2), what="routers ready")
+            # router 1 places the first request; its prefill worker now holds the prefix
+            first = c1.generate(prefix + [7, 8], max_tokens=1, temperature=0.0)
+            # router 2 never saw that request, yet it routes the prefix to the same worker
+            second = until(
+                lambda: (
+                    (r := c2.generate(prefix + [9], max_tokens=1)).route_cached_tokens >= 96 and r
+                ),
+                what="router 2 sees router 1's placement in the index",
+            )
+            assert second.prefill_worker == first.prefill_worker
+            # and both routers know the same workers (a request for each lands on d0)
+            assert {
+                c1.generate([5, 6], max_tokens=1).decode_worker,
+                c2.generate([5, 6], max_tokens=1).decode_worker,
+            } == {"d0"}
+    finally:
+        stop(*started)
