@@ -113,6 +113,8 @@ class Cluster:
                 cfg.host,
                 "--port",
                 str(cfg.port),
+                "--disagg-min-uncached-tokens",
+                str(cfg.disagg_min_uncached_tokens),
             ],
             "READY",
         )

@@ -91,12 +91,26 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                     await self._add(context, rid, prompt, params, outputs, emitted)
             else:
                 await self._add(context, rid, prompt, params, outputs, emitted or None)
-            while True:
+            ended = False
+            while not ended:
                 out = await stream.get()
                 if out is None:
                     break
-                if out.new_token_ids or out.new_text:
-                    yield wpb.DecodeResponse(request_id=rid, chunk=self._chunk(out))
+                # Coalesce: tokens that piled up while the client was slow (or while this
+                # loop was busy) travel as one message; per-message cost dominates here.
+                chunk = self._chunk(out)
+                while not out.finished and not stream.empty():
+                    nxt = stream.get_nowait()
+                    if nxt is None:
+                        ended = True
+                        break
+                    out = nxt
+                    more = self._chunk(out)
+                    chunk.token_ids.extend(more.token_ids)
+                    chunk.text += more.text
+                    chunk.logprobs.extend(more.logprobs)
+                if chunk.token_ids or chunk.text:
+                    yield wpb.DecodeResponse(request_id=rid, chunk=chunk)
                 if out.finished:
                     complete.finish_reason = convert.finish_reason_to_proto(out.finish_reason)
                     complete.stop_reason = convert.stop_reason_to_proto(out.stop_reason)
