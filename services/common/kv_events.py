@@ -17,7 +17,7 @@ import logging
 
 from services.common.engine_loop import EngineLoop
 from tandem.engine.engine import LLMEngine
-from tandem.index import ApplyResult, EventBatch, IndexUnavailable, PrefixIndex
+from tandem.index import ApplyResult, EventBatch, IndexFull, IndexUnavailable, PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,12 @@ class KVEventPublisher:
                 if self._warned:
                     log.info("prefix index reachable again")
                     self._warned = False
+            except IndexFull as exc:
+                # A 65th worker for one model: routers cannot see this cache, but serving
+                # goes on; retry rarely in case a slot frees up.
+                log.error("prefix index has no slot for %s (%s)", self.worker_id, exc)
+                self._need_snapshot = True
+                await asyncio.sleep(30 * self.retry_s)
             except IndexUnavailable as exc:
                 if not self._warned:
                     log.warning("prefix index unreachable (%s); will resync when it returns", exc)

@@ -21,7 +21,8 @@ Operations:
   table always matches the bitmaps even while slots are being reused. The client then walks
   the bitmasks with a running AND of "workers still holding every block so far"; a worker's
   count is the index of the first block whose bit is clear. The parsed slot table is cached
-  by its raw bytes.
+  by its raw bytes. The MGET goes through `_LookupClient` (plain asyncio streams and a RESP
+  reader specialised for this reply), ~4x cheaper than redis-py's pure-Python parser.
 - `apply`: ONE `EVALSHA` of `_APPLY`: check the worker's model, epoch and seq, then per stored
   hash SADD to the worker's set and (if new) SETBIT; per removed hash SREM and (if it was
   there) clear the bit, deleting the key when no bit is left (BITCOUNT 0); record the seq.
@@ -35,8 +36,11 @@ Operations:
 
 Every update is one Lua script, so it is atomic: a lookup sees a batch entirely or not at all.
 The scripts name keys they derive (a worker's blocks), so this needs a standalone Redis or
-Valkey, not a cluster. Scripts run for O(events) time; a snapshot of n blocks blocks Redis
-for roughly n microseconds (see benchmarks/bench_index.py).
+Valkey, not a cluster. A script costs a few microseconds per block it touches, and Redis runs
+nothing else meanwhile: an event batch is cheap, but snapshotting or removing a worker with
+20k cached blocks holds Redis for ~50-130 ms on the 2-core benchmark machine
+(benchmarks/bench_index.py); lookups wait that long. Splitting those into chunks is future
+work.
 
 Recovery: Redis is soft state. When it restarts empty, `tandem:index:workers` is gone, so each
 worker's next batch finds no record and gets NEED_SNAPSHOT; its snapshot restores its
@@ -393,21 +397,28 @@ class _Connection:
     def close(self) -> None:
         self._writer.close()
 
+    async def aclose(self) -> None:
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass  # the peer hung up first: closed either way
+
 
 class _LookupClient:
     """The lookup's MGET on plain asyncio streams with a small RESP2 reader.
 
-    Why not redis-py: without hiredis its pure-Python parser spends ~3 us per array element
-    (one readline/readexactly await each), so an MGET of 257 keys costs ~0.8 ms of client CPU
-    against ~0.2 ms here, where the whole reply is parsed from one buffer (measured on the
-    benchmark machine; see benchmarks/bench_index.py). Only plain TCP and unix-socket URLs
-    with optional username/password/db are supported (`for_url` returns None otherwise and
-    the index uses redis-py).
+    Why not redis-py: without hiredis (not installed here) its pure-Python parser awaits a
+    readline/readexactly per array element, so a 256-block lookup takes ~1.0 ms at p50
+    against ~0.28 ms with this client, which parses the whole reply from one buffer (both
+    measured by benchmarks/bench_index.py on the same machine). Only plain TCP and
+    unix-socket URLs with optional username/password/db are spoken (`for_url` returns None
+    otherwise, and the index then looks up through redis-py).
 
     Connections are pooled (up to `max_idle` kept), one request in flight each. A request
-    that fails on a pooled connection before any reply is retried once on a new one, which
-    rides out a connection killed by a Redis restart; a connection whose request failed or
-    was cancelled is closed, never reused.
+    that meets a dead pooled connection is resent on the next pooled or a new one (MGET is
+    read-only, so resending is safe), which rides out connections killed by a Redis restart;
+    a connection whose request failed or was cancelled midway is closed, never reused.
     """
 
     def __init__(self, connect_kwargs: dict[str, Any], timeout_s: float, max_idle: int) -> None:
@@ -477,10 +488,11 @@ class _LookupClient:
         else:
             conn.close()
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close the idle connections (in-flight ones close when their request ends)."""
         idle, self._idle = self._idle, []
         for conn in idle:
-            conn.close()
+            await conn.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -647,5 +659,5 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def close(self) -> None:
         if self._lookup_client is not None:
-            self._lookup_client.close()
+            await self._lookup_client.aclose()
         await self._redis.aclose()

@@ -223,7 +223,9 @@ class PrefixIndex(ABC):
 
         Returns APPLIED, or DUPLICATE (nothing changed) when the index already has a newer
         state of this worker: an older epoch, or the same epoch with a larger seq. Raises
-        IndexFull when the worker is new to `model` and the model has no free slot."""
+        IndexFull, changing nothing, when the worker is new to `model` and the model already
+        has MAX_WORKERS_PER_MODEL workers. Blocks the worker keeps stay visible to lookups
+        throughout (only the difference is applied)."""
 
     @abstractmethod
     async def lookup(self, model: str, chain: Sequence[int]) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""The `PrefixIndex` contract, run against every implementation: in-memory and Redis.
+"""The `PrefixIndex` contract, run against every implementation: in-memory, and Redis with
+lookups through its lean MGET client (the default) or through redis-py.
 
 Each test body is an async function taking a fresh, empty index; `check` creates the index
 inside the test's own event loop (the Redis client binds to it) and closes it afterwards. The
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,7 +19,12 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from services.common.redis_index import RedisPrefixIndex, _leading_counts
+from services.common.redis_index import (
+    RedisPrefixIndex,
+    _encode_command,
+    _leading_counts,
+    _parse_reply,
+)
 from services.common.redis_server import RedisServer
 from tandem.index import (
     MAX_WORKERS_PER_MODEL,
@@ -39,16 +46,20 @@ Body = Callable[[PrefixIndex], Awaitable[None]]
 Check = Callable[[Body], None]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-py-lookup"])
 def check(request: pytest.FixtureRequest) -> Iterator[Check]:
-    """Runs a test body against a fresh index of the parametrized kind."""
+    """Runs a test body against a fresh index of the parametrized kind: in-memory, Redis
+    with its lean lookup client (the default), or Redis with lookups through redis-py."""
     if request.param == "memory":
         make: Callable[[], PrefixIndex] = MemoryPrefixIndex
     else:
         url: str = request.getfixturevalue("redis_url")
+        fast = request.param == "redis"
 
         def make() -> PrefixIndex:
-            return RedisPrefixIndex(url)
+            index = RedisPrefixIndex(url, fast_lookup=fast)
+            assert index.fast_lookup is fast
+            return index
 
     def run(body: Body) -> None:
         async def main() -> None:
@@ -67,6 +78,13 @@ async def _join(index: PrefixIndex, worker: str, hashes: list[int], model: str =
     """First contact: a worker's first batch asks for a snapshot, which it sends."""
     assert await index.apply(EventBatch(worker, model, 1, 1, tuple(hashes))) is NEED_SNAPSHOT
     assert await index.snapshot(worker, model, 1, 1, hashes) is APPLIED
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 # -- events -> index -> lookup ------------------------------------------------------------
@@ -504,6 +522,81 @@ def test_redis_leading_counts_decoding() -> None:
     assert _leading_counts([None, full], names) == {}
 
 
+def test_redis_reply_parser_handles_every_split() -> None:
+    reply = b"*4\r\n$2\r\nab\r\n$-1\r\n$0\r\n\r\n$3\r\n\r\n\n\r\n"
+    # A reply cut anywhere is incomplete (None), never misparsed.
+    for cut in range(len(reply)):
+        assert _parse_reply(reply[:cut]) is None, cut
+    assert _parse_reply(reply) == ([b"ab", None, b"", b"\r\n\n"], len(reply))
+    assert _parse_reply(b"+OK\r\n") == (b"OK", 5)
+    assert _parse_reply(b":-7\r\n") == (-7, 5)
+    error = _parse_reply(b"-ERR nope\r\n")
+    assert error is not None and isinstance(error[0], redis.ResponseError)
+    assert _encode_command([b"GET", b"k"]) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+
+
+def test_redis_lookup_client_speaks_auth_and_db() -> None:
+    with RedisServer(port=_free_port()) as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.config_set("requirepass", "s3cret")
+        admin.close()
+        url = server.url.replace("redis://", "redis://:s3cret@") + "/3"
+
+        async def body() -> None:
+            index = RedisPrefixIndex(url)
+            assert index.fast_lookup
+            try:
+                await _join(index, "a", [1, 2])
+                assert await index.lookup("m", [1, 2]) == {"a": 2}
+            finally:
+                await index.close()
+            bad = RedisPrefixIndex(url.replace("s3cret", "wrong"))
+            try:
+                with pytest.raises(IndexUnavailable):
+                    await bad.lookup("m", [1])
+            finally:
+                await bad.close()
+
+        asyncio.run(body())
+        client = redis.Redis.from_url(url)
+        try:
+            assert client.dbsize() > 0  # everything landed in db 3
+            client.select(0)
+            assert client.dbsize() == 0
+        finally:
+            client.close()
+
+
+def test_redis_tls_urls_fall_back_to_redis_py_lookups() -> None:
+    async def body() -> None:
+        index = RedisPrefixIndex("rediss://localhost:1")  # connects lazily
+        assert not index.fast_lookup
+        await index.close()
+
+    asyncio.run(body())
+
+
+def test_redis_cancelled_lookup_leaves_the_client_usable(redis_url: str) -> None:
+    async def body() -> None:
+        index = RedisPrefixIndex(redis_url)
+        try:
+            await _join(index, "a", list(range(1, 257)))
+            for delay in (0, 0, 0.0001, 0.001):
+                task = asyncio.create_task(index.lookup("m", list(range(1, 257))))
+                await asyncio.sleep(delay)
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                # A connection cancelled mid-reply is dropped, so no stale reply is read.
+                assert await index.lookup("m", [1, 2, 3]) == {"a": 3}
+        finally:
+            await index.close()
+
+    asyncio.run(body())
+
+
 def test_redis_leaves_no_keys_behind(redis_url: str) -> None:
     async def body() -> None:
         index = RedisPrefixIndex(redis_url)
@@ -534,6 +627,9 @@ def test_redis_restart_needs_snapshot_and_snapshot_restores() -> None:
                 await _join(index, "a", [1, 2, 3])
                 await _join(index, "b", [1, 2])
                 assert await index.apply(EventBatch("a", "m", 1, 2, stored=(4,))) is APPLIED
+                # Several pooled lookup connections, all of which the restart kills.
+                many = await asyncio.gather(*(index.lookup("m", [1, 2]) for _ in range(8)))
+                assert many == [{"a": 2, "b": 2}] * 8
 
                 server.restart()  # comes back empty, and without our scripts
 
