@@ -11,6 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread in the test process: tests assert no timings, and a 2-thread OpenMP
+# pool on a loaded 2-core CI machine was seen to hang inside a tiny matmul (worker processes
+# started by tests keep their own defaults).
+torch.set_num_threads(1)
 
 # Tiny decoder shapes per family; each exercises a different code path of the model.
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {

@@ -11,8 +11,8 @@ from tandem.model.llama import LlamaModel
 
 # Decode rows are split into groups of similar context length, each padded to its own
 # longest row; a group holds at least this many rows (fewer groups = fewer kernel calls).
-MIN_DECODE_GROUP_ROWS = 16
-MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP_ROWS = 8
+MAX_DECODE_GROUPS = 8
 
 
 class ModelRunner:

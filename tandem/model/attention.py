@@ -197,13 +197,15 @@ class TorchAttention:
             # Query i sits at position ctx - num_new + i and sees keys at positions <= that.
             q_pos = torch.arange(ctx - num_new, ctx).unsqueeze(1)
             mask, causal = torch.arange(ctx).unsqueeze(0) <= q_pos, False
+        # A leading batch dimension of 1 lets SDPA pick its fused CPU kernel (3-D inputs
+        # take the slow unfused path).
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [q_heads, num_new, dim]
-            keys.transpose(0, 1),  # [kv_heads, ctx, dim]
-            values.transpose(0, 1),
+            q.transpose(0, 1).unsqueeze(0),  # [1, q_heads, num_new, dim]
+            keys.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, ctx, dim]
+            values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=causal,
             scale=scale,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1)
