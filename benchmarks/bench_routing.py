@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -47,14 +47,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import (  # noqa: E402
     FIRST_ORDINARY_ID,
     RequestSpec,
+    RouterTarget,
     RunResult,
     Sla,
     _run,
     percentile,
+    write_markdown_section,
 )
 
 from services.common.registry import Registry  # noqa: E402
-from tandem.client import AsyncTandemClient, Result  # noqa: E402
 from tandem.up import Cluster, UpConfig, wait_for_router  # noqa: E402
 from tandem.v1 import worker_pb2 as wpb  # noqa: E402
 from tandem.v1 import worker_pb2_grpc as wgrpc  # noqa: E402
@@ -124,35 +125,6 @@ def make_specs(
         out = shape.randint(*sizes.output_len)
         specs.append(RequestSpec(i, t, prefixes[p] + ids(suffix_rng, q), out, f"prefix{p}"))
     return specs
-
-
-class PolicyTarget:
-    """One router; keeps what the router reports about each request (placement, cache)."""
-
-    def __init__(self, policy: str, address: str) -> None:
-        self.name = policy
-        self.client = AsyncTandemClient(address)
-
-    async def stream(self, spec: RequestSpec, info: dict[str, Any]) -> AsyncIterator[int]:
-        result = Result()
-        async for chunk in self.client.stream(
-            spec.prompt,
-            result=result,
-            max_tokens=spec.max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-        ):
-            yield len(chunk.token_ids)
-        info.update(
-            disaggregated=result.disaggregated,
-            prefill_worker=result.prefill_worker,
-            decode_worker=result.decode_worker,
-            cached_prompt_tokens=result.cached_prompt_tokens,
-            route_cached_tokens=result.route_cached_tokens,
-        )
-
-    async def close(self) -> None:
-        await self.client.close()
 
 
 # -- processes -----------------------------------------------------------------------------
@@ -347,11 +319,11 @@ def queue_stats(samples: dict[str, list[tuple[float, int]]]) -> dict[str, Any]:
 # -- the runs ------------------------------------------------------------------------------
 
 
-async def _send(target: PolicyTarget, specs: list[RequestSpec], concurrency: int) -> RunResult:
+async def _send(target: RouterTarget, specs: list[RequestSpec], concurrency: int) -> RunResult:
     return await _run(target, specs, concurrency, closed_loop=False)
 
 
-async def warm_up(targets: dict[str, PolicyTarget], sizes: Sizes) -> None:
+async def warm_up(targets: dict[str, RouterTarget], sizes: Sizes) -> None:
     """Short unique prompts through each router: channels, torch's first calls. They share
     no prefix with anything measured."""
     for i, t in enumerate(targets.values()):
@@ -360,7 +332,7 @@ async def warm_up(targets: dict[str, PolicyTarget], sizes: Sizes) -> None:
 
 
 async def bench_shared(
-    targets: dict[str, PolicyTarget], sizes: Sizes, prefill_ids: list[str]
+    targets: dict[str, RouterTarget], sizes: Sizes, prefill_ids: list[str]
 ) -> dict[str, Any]:
     per_round: dict[str, list[RunResult]] = {p: [] for p in targets}
     rounds = []
@@ -388,7 +360,7 @@ async def bench_shared(
 
 
 async def bench_skew(
-    targets: dict[str, PolicyTarget], sizes: Sizes, prefill: dict[str, str]
+    targets: dict[str, RouterTarget], sizes: Sizes, prefill: dict[str, str]
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, policy in enumerate(targets):
@@ -417,7 +389,7 @@ async def bench_skew(
 
 
 async def run_all(routers: dict[str, str], sizes: Sizes, prefill: dict[str, str]) -> dict[str, Any]:
-    targets = {p: PolicyTarget(p, a) for p, a in routers.items()}
+    targets = {p: RouterTarget(a, name=p) for p, a in routers.items()}
     try:
         await warm_up(targets, sizes)
         shared = await bench_shared(targets, sizes, list(prefill))
@@ -624,19 +596,6 @@ def section_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown_section(body: str) -> None:
-    """Append this section to BENCHMARKS.md, or replace it when a previous run wrote it."""
-    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    if start < 0:
-        new = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        tail = text[nxt + 1 :] if nxt >= 0 else ""
-        new = text[:start] + body.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
-    BENCHMARKS_MD.write_text(new)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="small sizes; BENCHMARKS.md untouched")
@@ -661,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = section_markdown(report)
     print(md)
     if not args.quick:
-        write_markdown_section(md)
+        write_markdown_section(BENCHMARKS_MD, SECTION, md)
         log(f"updated '{SECTION}' in {BENCHMARKS_MD}")
     log(f"done in {report['wall_s']:.0f} s")
     return 0

@@ -64,6 +64,7 @@ from loadgen import (
     markdown_table,
     percentile,
     run_workload,
+    write_markdown_section,
 )
 
 from tandem.model.tiny import make_tiny_model
@@ -899,19 +900,6 @@ def _goodput_bars(ax: Any, data: dict[str, Any]) -> None:
     ax.legend(fontsize=8, loc="upper left")
 
 
-def write_markdown_section(body: str) -> None:
-    """Replace (or append) this benchmark's section of BENCHMARKS.md, leaving the rest."""
-    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    if start < 0:
-        new = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
-    else:
-        nxt = text.find("\n## ", start + len(SECTION))
-        tail = text[nxt + 1 :] if nxt >= 0 else ""
-        new = text[:start] + body.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
-    BENCHMARKS_MD.write_text(new)
-
-
 def section_markdown(report: dict[str, Any], notes: str) -> str:
     parts = [
         SECTION,
@@ -970,7 +958,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.replot.resolve() == DEFAULT_RESULTS_DIR / "serving.json"
             and not args.no_markdown_file
         ):
-            write_markdown_section(body)
+            write_markdown_section(BENCHMARKS_MD, SECTION, body)
         return 0
     sizes = QUICK if args.quick else FULL
     if args.decode_threads:
@@ -1011,7 +999,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         and args.results_dir.resolve() == DEFAULT_RESULTS_DIR
         and not args.no_markdown_file
     ):
-        write_markdown_section(body)
+        write_markdown_section(BENCHMARKS_MD, SECTION, body)
         log(f"updated the '{SECTION}' section of {BENCHMARKS_MD}")
     failed = sum(
         o["overall"][m]["num_failed"] for o in report.get("overhead", []) for m in (DIRECT, ROUTER)

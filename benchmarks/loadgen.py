@@ -169,8 +169,8 @@ def _sampling_kwargs(spec: RequestSpec) -> dict[str, Any]:
 class RouterTarget:
     """The public API, through the router (tandem.client)."""
 
-    def __init__(self, address: str) -> None:
-        self.name = f"router {address}"
+    def __init__(self, address: str, name: str = "") -> None:
+        self.name = name or f"router {address}"
         self.client = AsyncTandemClient(address)
 
     async def stream(self, spec: RequestSpec, info: dict[str, Any]) -> AsyncIterator[int]:
@@ -182,6 +182,7 @@ class RouterTarget:
             prefill_worker=result.prefill_worker,
             decode_worker=result.decode_worker,
             cached_prompt_tokens=result.cached_prompt_tokens,
+            route_cached_tokens=result.route_cached_tokens,
             router_ttft_ms=result.first_token_ms,
         )
 
@@ -537,3 +538,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_markdown_section(path: Path, section: str, body: str) -> None:
+    """Replace (or append) the section titled `section` in the markdown file at `path`,
+    leaving every other section as it is."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(section)
+    if start < 0:
+        new = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
+    else:
+        nxt = text.find("\n## ", start + len(section))
+        tail = text[nxt + 1 :] if nxt >= 0 else ""
+        new = text[:start] + body.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
+    path.write_text(new)
