@@ -48,39 +48,36 @@ def ensure_default_model(model_dir: Path, preset: str = "small") -> Path:
     return make_tiny_model(model_dir, preset=preset, progress=lambda m: print(m, file=sys.stderr))
 
 
+# `tandem generate` flags that are SamplingParams fields (same names, local or remote).
+_SAMPLING_FLAGS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    kwargs = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
+    kwargs["stop"] = tuple(args.stop)
+    return kwargs
+
+
 def _sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from tandem.engine.sampling import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    return SamplingParams(**_sampling_kwargs(args))  # type: ignore[arg-type]
 
 
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     from tandem.client import TandemClient, TandemError
 
-    sampling = {
-        name: getattr(args, name)
-        for name in (
-            "max_tokens",
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "seed",
-            "stop",
-            "ignore_eos",
-        )
-    }
+    sampling = _sampling_kwargs(args)
     prompts = list(args.prompt) or [sys.stdin.read()]
     with TandemClient(args.router) as client:
         for prompt in prompts:
