@@ -21,8 +21,8 @@ up: install
 	$(BIN)/tandem up
 
 lint: install
-	$(BIN)/ruff check tandem kernels tests benchmarks
-	$(BIN)/mypy tandem kernels
+	$(BIN)/ruff check tandem kernels services tests benchmarks
+	$(BIN)/mypy tandem kernels services
 
 unit: install
 	$(BIN)/pytest -q

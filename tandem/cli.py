@@ -1,4 +1,4 @@
-"""`tandem` command line: make-tiny-model, generate, up."""
+"""`tandem` command line: make-tiny-model, generate, up, ctl, sim."""
 
 from __future__ import annotations
 
@@ -152,6 +152,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    import shlex
     import signal
 
     from tandem.client import TandemClient
@@ -165,6 +166,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         num_decode=args.num_decode,
         transport=args.transport,
         kv_cache_bytes=args.kv_cache_mb << 20,
+        autoscale=args.autoscale,
+        admin_port=args.admin_port,
+        controller_args=tuple(shlex.split(args.controller_args)),
     )
     cluster = Cluster(config)
     print(
@@ -206,6 +210,12 @@ Tandem is serving {model_dir.name} on {address}. Call it:
 
 Ctrl-C stops every process."""
         )
+        if cluster.controller_address:
+            print(
+                f"The ratio controller scales workers; watch and tune it with:\n"
+                f"  .venv/bin/tandem ctl --address {cluster.controller_address} status",
+                file=sys.stderr,
+            )
         signal.signal(signal.SIGTERM, _raise_interrupt)
         while True:
             signal.pause()
@@ -253,7 +263,26 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--num-decode", type=int, default=1)
     u.add_argument("--transport", default="nixl", choices=["nixl", "local"])
     u.add_argument("--kv-cache-mb", type=int, default=256)
+    u.add_argument(
+        "--autoscale", action="store_true", help="run the ratio controller: add/remove workers"
+    )
+    u.add_argument("--admin-port", type=int, default=50061, help="controller admin API port")
+    u.add_argument(
+        "--controller-args",
+        default="",
+        help="controller flags (python -m services.controller --help), e.g. '--max-prefill 4'",
+    )
     u.set_defaults(func=cmd_up)
+
+    from tandem.ctl import add_parser as add_ctl_parser
+
+    add_ctl_parser(sub)
+    try:
+        from tandem.sim.cli import add_parser as add_sim_parser
+    except ImportError:  # the simulator is optional
+        pass
+    else:
+        add_sim_parser(sub)
     return p
 
 

@@ -2,6 +2,8 @@
 
     redis  <-  prefill worker(s), decode worker(s)   (register + heartbeat)
     router ->  follows the registry, serves tandem.v1.Router on --port
+    controller (--autoscale, in this process) -> starts and stops workers, serves
+               tandem.v1.Admin on --admin-port for `tandem ctl`
 
 Every child dies with this process (PR_SET_PDEATHSIG), and Ctrl-C stops them in order:
 router first (no new requests), then workers (they drain), then Redis.
@@ -9,6 +11,7 @@ router first (no new requests), then workers (they drain), then Redis.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -42,6 +45,9 @@ class UpConfig:
     redis_port: int = 0  # 0: a unix socket in the run directory
     run_dir: str = ""  # logs and sockets; default: a fresh temporary directory
     ready_timeout_s: float = 120.0
+    autoscale: bool = False  # run the ratio controller with the local actuator
+    admin_port: int = 50061  # the controller's admin API (with autoscale)
+    controller_args: tuple[str, ...] = ()  # ControllerConfig flags, e.g. ("--max-prefill", "4")
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -65,7 +71,14 @@ class Cluster:
     children: list[Child] = field(default_factory=list)
     redis_url: str = ""
     router_address: str = ""
+    controller_address: str = ""
     run_dir: Path = Path()
+    _worker_args: list[str] = field(default_factory=list)
+    _next_index: dict[str, int] = field(default_factory=dict)
+    _stopping: set[str] = field(default_factory=set)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _controller_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+    _controller_thread: threading.Thread | None = None
 
     def start(self) -> None:
         import tempfile
@@ -80,7 +93,7 @@ class Cluster:
         )
         redis = self._spawn("redis", ["services.common.redis_server", *redis_args], " at ")
         self.redis_url = redis.ready_line.rsplit(" at ", 1)[1].strip()
-        common = [
+        self._worker_args = [
             "--model-dir",
             cfg.model_dir,
             "--redis-url",
@@ -90,16 +103,12 @@ class Cluster:
             "--kv-cache-bytes",
             str(cfg.kv_cache_bytes),
         ]
-        workers = [
-            (f"{role}-{i}", role)
+        started = [
+            self._spawn_worker(role)
             for role, n in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode))
-            for i in range(n)
+            for _ in range(n)
         ]
-        for name, role in workers:
-            self._spawn(
-                name, [f"services.{role}", *common, "--worker-id", name], "READY", wait=False
-            )
-        for child in self.children[1:]:
+        for child in started:
             self._wait_ready(child, "READY")
         router = self._spawn(
             "router",
@@ -119,6 +128,100 @@ class Cluster:
             "READY",
         )
         self.router_address = router.ready_line.split()[-1]
+        if cfg.autoscale:
+            self._start_controller()
+
+    # -- worker processes (also the local actuator's ProcessPool) ------------------------
+
+    def _spawn_worker(self, role: str) -> Child:
+        with self._lock:
+            i = self._next_index.get(role, 0)
+            self._next_index[role] = i + 1
+            name = f"{role}-{i}"
+            args = [f"services.{role}", *self._worker_args, "--worker-id", name]
+            return self._spawn(name, args, "READY", wait=False)
+
+    def workers(self, role: str) -> list[Child]:
+        """Running workers of a role, oldest first, not counting those told to stop."""
+        with self._lock:
+            return [
+                c
+                for c in self.children
+                if c.name.startswith(role + "-")
+                and c.name not in self._stopping
+                and c.proc.poll() is None
+            ]
+
+    def count(self, role: str) -> int:
+        return len(self.workers(role))
+
+    def add_worker(self, role: str) -> None:
+        child = self._spawn_worker(role)
+        print(f"autoscale: started {child.name}", file=sys.stderr)
+
+    def remove_worker(self, role: str) -> None:
+        """SIGTERM the newest worker of `role`: it drains its requests, then exits."""
+        with self._lock:
+            victims = self.workers(role)
+            if not victims:
+                return
+            child = victims[-1]
+            self._stopping.add(child.name)
+        child.proc.send_signal(signal.SIGTERM)
+        print(f"autoscale: draining {child.name}", file=sys.stderr)
+        threading.Thread(target=self._reap, args=(child,), daemon=True).start()
+
+    def _reap(self, child: Child) -> None:
+        child.proc.wait()
+        with self._lock:
+            if child in self.children:
+                self.children.remove(child)
+            self._stopping.discard(child.name)
+
+    def _start_controller(self) -> None:
+        from services.common.flags import parse_config
+        from services.controller.actuators import LocalActuator
+        from services.controller.config import ControllerConfig
+        from services.controller.server import Controller
+
+        config = parse_config(
+            ControllerConfig,
+            [
+                *self.config.controller_args,
+                "--redis-url", self.redis_url,
+                "--actuator", "local",
+                "--host", self.config.host,
+                "--port", str(self.config.admin_port),
+                "--metrics-port", "0",
+            ],
+            prog="tandem up --controller-args",
+        )  # fmt: skip
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def serve() -> None:
+            stop = asyncio.Event()
+            controller = Controller(config, LocalActuator(self))
+            try:
+                await controller.start()
+            except BaseException as exc:
+                failure.append(exc)
+                ready.set()
+                return
+            self.controller_address = controller.address
+            self._controller_stop = (asyncio.get_running_loop(), stop)
+            ready.set()
+            await stop.wait()
+            await controller.stop()
+
+        self._controller_thread = threading.Thread(
+            target=asyncio.run, args=(serve(),), name="controller", daemon=True
+        )
+        self._controller_thread.start()
+        ready.wait()
+        if failure:
+            self.stop()
+            raise RuntimeError(f"controller did not start: {failure[0]}")
 
     def _spawn(self, name: str, module_args: list[str], ready: str, wait: bool = True) -> Child:
         log_path = self.run_dir / f"{name}.log"
@@ -150,8 +253,18 @@ class Cluster:
         child.ready_line = found[0]
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM in reverse start order (router, workers, redis), then SIGKILL stragglers."""
-        for child in reversed(self.children):
+        """Stop the controller, then SIGTERM in reverse start order (router, workers, redis),
+        then SIGKILL stragglers."""
+        if self._controller_stop is not None:
+            loop, event = self._controller_stop
+            loop.call_soon_threadsafe(event.set)
+            self._controller_stop = None
+            if self._controller_thread is not None:
+                self._controller_thread.join(timeout=10)
+        with self._lock:
+            rank = {"router": 0, "redis": 2}
+            children = sorted(reversed(self.children), key=lambda c: rank.get(c.name, 1))
+        for child in children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
                 try:
@@ -159,7 +272,8 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     child.proc.kill()
                     child.proc.wait()
-        self.children.clear()
+        with self._lock:
+            self.children.clear()
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]

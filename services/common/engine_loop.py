@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -21,6 +22,41 @@ from tandem.engine.engine import LLMEngine, RequestOutput
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+class StepMeter:
+    """Rolling load figures of the engine thread over the last `period_s`: the fraction of
+    time spent in steps, tokens computed per second and the mean step time. Written by the
+    engine thread, read by the heartbeat (a lock keeps the two consistent)."""
+
+    def __init__(self, period_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        if period_s <= 0:
+            raise ValueError(f"period_s must be > 0, got {period_s}")
+        self.period_s = period_s
+        self._clock = clock
+        self._started = clock()
+        self._steps: deque[tuple[float, float, int]] = deque()  # (end, duration_s, tokens)
+        self._lock = threading.Lock()
+
+    def record(self, duration_s: float, num_tokens: int) -> None:
+        with self._lock:
+            self._steps.append((self._clock(), duration_s, num_tokens))
+
+    def read(self) -> tuple[float, float, float]:
+        """(busy fraction in [0, 1], tokens per second, mean step ms; 0 when idle)."""
+        now = self._clock()
+        start = now - self.period_s
+        with self._lock:
+            while self._steps and self._steps[0][0] <= start:
+                self._steps.popleft()
+            steps = list(self._steps)
+        span = min(self.period_s, max(now - self._started, 1e-3))
+        # A step that began before the window counts only its part inside it.
+        busy = sum(min(dur, end - start) for end, dur, _ in steps)
+        tokens = sum(n for _, _, n in steps)
+        step_ms = 1e3 * sum(dur for _, dur, _ in steps) / len(steps) if steps else 0.0
+        return min(1.0, busy / span), tokens / span, step_ms
+
 
 # Outputs of one request; None marks the end of its stream (finished, handed off, aborted).
 OutputQueue = asyncio.Queue[RequestOutput | None]
@@ -39,6 +75,7 @@ class EngineLoop:
         self._idle_hooks: list[Callable[[LLMEngine], None]] = []
         self.num_steps = 0
         self.last_step_s = 0.0
+        self.meter = StepMeter()
 
     def start(self) -> None:
         self._thread.start()
@@ -95,6 +132,7 @@ class EngineLoop:
             if self._stopping or not engine.has_unfinished():
                 continue
             t0 = time.perf_counter()
+            tokens_before = engine.num_tokens_computed
             try:
                 outputs = engine.step()
             except Exception:
@@ -102,6 +140,7 @@ class EngineLoop:
                 outputs = self._abort_all()
             self.last_step_s = time.perf_counter() - t0
             self.num_steps += 1
+            self.meter.record(self.last_step_s, engine.num_tokens_computed - tokens_before)
             if outputs:
                 self.loop.call_soon_threadsafe(self._dispatch, outputs)
 

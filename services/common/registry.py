@@ -43,11 +43,16 @@ _INT_FIELDS = (
     "queued_prefill_tokens",
 )
 _COUNT_FIELDS = _INT_FIELDS[1:]  # everything but epoch is a count and cannot be negative
+_RATE_FIELDS = ("busy_frac", "tokens_per_s", "step_ms")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
     """What one worker advertises: identity, address, and load at `updated_at`.
+
+    `busy_frac`, `tokens_per_s` and `step_ms` are the engine's rolling load over the last few
+    seconds (fraction of time in steps, tokens computed per second, mean step time); the
+    ratio controller fits its throughput model from them.
 
     `epoch` identifies the incarnation (e.g. start time in ns): a worker that restarts under the
     same `worker_id` gets a new epoch, and watchers report it as a departure plus a join since
@@ -68,6 +73,9 @@ class WorkerInfo:
     num_running: int = 0
     num_waiting: int = 0
     queued_prefill_tokens: int = 0
+    busy_frac: float = 0.0
+    tokens_per_s: float = 0.0
+    step_ms: float = 0.0
     draining: bool = False
     updated_at: float = 0.0
 
@@ -86,6 +94,10 @@ class WorkerInfo:
         for name in _COUNT_FIELDS:
             if getattr(self, name) < 0:
                 raise ValueError(f"WorkerInfo.{name} must be >= 0, got {getattr(self, name)}")
+        for name in _RATE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"WorkerInfo.{name} must be a number >= 0, got {value!r}")
         if not isinstance(self.draining, bool):
             raise ValueError(f"WorkerInfo.draining must be a bool, got {self.draining!r}")
         if not isinstance(self.updated_at, int | float) or isinstance(self.updated_at, bool):

@@ -122,6 +122,7 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         s = self.engine.stats()  # racy read of counters: fine for load reporting
+        busy, tps, step_ms = self.loop_runner.meter.read() if self.loop_runner else (0, 0, 0)
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.role.value,
@@ -133,6 +134,9 @@ class Worker:
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             queued_prefill_tokens=s.queued_prefill_tokens,
+            busy_frac=round(busy, 4),
+            tokens_per_s=round(tps, 1),
+            step_ms=round(step_ms, 2),
             draining=self.draining,
             updated_at=time.time(),
         )

@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha import reflection
 from services.common import convert
 from services.common.redis_index import RedisPrefixIndex
 from services.common.registry import Registry, WorkerInfo, WorkerWatcher
+from services.common.request_log import RequestLog
+from tandem.control import RequestSample
 from tandem.engine.prefix_hash import hash_blocks
 from tandem.engine.sampling import SamplingParams
 from tandem.index import IndexUnavailable
@@ -124,6 +126,7 @@ class RouterServer(rgrpc.RouterServicer):
         self._sequence = 0
         self._index: RedisPrefixIndex | None = None
         self.index_degraded = False
+        self._request_log: RequestLog | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -136,6 +139,8 @@ class RouterServer(rgrpc.RouterServicer):
                 self._registry, self.config.worker_refresh_s, on_change=self._on_workers_change
             )
             await self._watcher.start()
+            self._request_log = RequestLog(self.config.redis_url, self.model_id)
+            await self._request_log.start()
         server = grpc.aio.server()
         rgrpc.add_RouterServicer_to_server(self, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -161,6 +166,8 @@ class RouterServer(rgrpc.RouterServicer):
             await self._registry.close()
         if self._index is not None:
             await self._index.close()
+        if self._request_log is not None:
+            await self._request_log.stop()
         for ch in self._channels.values():
             await ch.close()
 
@@ -380,16 +387,7 @@ class RouterServer(rgrpc.RouterServicer):
                 )
                 if first.finished:
                     finished = True
-                    timings.total_ms = (time.perf_counter() - t_start) * 1e3
-                    yield rpb.GenerateResponse(
-                        request_id=rid,
-                        complete=rpb.Complete(
-                            finish_reason=first.finish_reason,
-                            stop_reason=first.stop_reason,
-                            usage=usage,
-                            timings=timings,
-                        ),
-                    )
+                    yield self._complete(rid, first, usage, timings, t_start)
                     return
                 decode_req.output_token_ids.append(first.first_token_id)
                 decode_req.num_emitted_chars = len(first.text)
@@ -409,17 +407,8 @@ class RouterServer(rgrpc.RouterServicer):
                     if not placement.disaggregated:
                         usage.cached_prompt_tokens = done.num_cached_tokens
                     timings.kv_transfer_ms = done.kv_transfer_ms
-                    timings.total_ms = (time.perf_counter() - t_start) * 1e3
                     finished = True
-                    yield rpb.GenerateResponse(
-                        request_id=rid,
-                        complete=rpb.Complete(
-                            finish_reason=done.finish_reason,
-                            stop_reason=done.stop_reason,
-                            usage=usage,
-                            timings=timings,
-                        ),
-                    )
+                    yield self._complete(rid, done, usage, timings, t_start)
             if not finished:
                 raise _Rejected(grpc.StatusCode.INTERNAL, "decode worker ended without a result")
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
@@ -456,6 +445,40 @@ class RouterServer(rgrpc.RouterServicer):
             if not finished or active.aborted:
                 # Client cancelled, deadline passed, Abort, or a worker failed: stop both sides.
                 self._spawn(self._abort_workers(rid, placement))
+
+    def _complete(
+        self,
+        rid: str,
+        result: wpb.PrefillResponse | wpb.DecodeComplete,
+        usage: rpb.Usage,
+        timings: rpb.Timings,
+        t_start: float,
+    ) -> rpb.GenerateResponse:
+        """The final message of a finished request; its timings also go to the controller."""
+        timings.total_ms = (time.perf_counter() - t_start) * 1e3
+        if self._request_log is not None:
+            n = usage.completion_tokens
+            itl = (timings.total_ms - timings.first_token_ms) / (n - 1) if n > 1 else 0.0
+            self._request_log.record(
+                RequestSample(
+                    t=time.time(),
+                    ttft_ms=timings.first_token_ms,
+                    itl_ms=itl,
+                    prompt_tokens=usage.prompt_tokens,
+                    output_tokens=n,
+                    cached_tokens=usage.cached_prompt_tokens,
+                    disaggregated=timings.disaggregated,
+                )
+            )
+        return rpb.GenerateResponse(
+            request_id=rid,
+            complete=rpb.Complete(
+                finish_reason=result.finish_reason,
+                stop_reason=result.stop_reason,
+                usage=usage,
+                timings=timings,
+            ),
+        )
 
     def _track_decode(self, placement: Placement, sign: int) -> None:
         d = placement.decode.worker_id

@@ -115,6 +115,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text streamed so far
         self.num_steps = 0
+        self.num_tokens_computed = 0  # prompt + generated tokens run through the model
 
     # -- requests --------------------------------------------------------------------------
 
@@ -271,6 +272,7 @@ class LLMEngine:
         samples = self.runner.execute(out)
         now = self.clock()
         self.num_steps += 1
+        self.num_tokens_computed += out.num_batched_tokens
         outputs = []
         for ev in self.scheduler.update(out, samples, now):
             request = ev.request

@@ -1,0 +1,42 @@
+"""`python -m services.controller --redis-url URL --actuator kubernetes ...`
+(flags = ControllerConfig)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from services.common.flags import parse_config
+from services.common.process import run_until_signal, setup_logging
+from services.controller.actuators import Actuator, KubernetesActuator, NoActuator
+from services.controller.config import ControllerConfig
+from services.controller.server import Controller
+
+
+def make_actuator(config: ControllerConfig) -> Actuator:
+    if config.actuator == "kubernetes":
+        return KubernetesActuator(
+            config.namespace,
+            {"prefill": config.prefill_deployment, "decode": config.decode_deployment},
+            config.kubeconfig,
+        )
+    if config.actuator == "local":
+        sys.exit("--actuator local runs inside `tandem up --autoscale`, not on its own")
+    return NoActuator()
+
+
+def main() -> None:
+    config = parse_config(ControllerConfig, prog="python -m services.controller")
+    setup_logging("controller")
+
+    async def run() -> None:
+        controller = Controller(config, make_actuator(config))
+        await run_until_signal(
+            controller.start, controller.stop, lambda: f"READY controller {controller.address}"
+        )
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

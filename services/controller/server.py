@@ -1,0 +1,433 @@
+"""The ratio controller service: observe, decide, act, explain.
+
+Every `interval_s`:
+  1. read the workers' heartbeats (load stats) from the registry and the request timings the
+     routers appended to the Redis stream since the last tick; keep the last `window_s`;
+  2. ask the actuator how many replicas each role has been given;
+  3. run tandem.control.decide() on that window;
+  4. apply a changed target through the actuator (a failure is logged, kept in the status,
+     and retried on the next tick).
+The admin gRPC API (tandem.v1.Admin) shows status and the last decisions with their reasons,
+pins a manual ratio, changes the SLA targets, and returns to automatic control. Settings an
+operator changes are kept in Redis, so a restarted controller keeps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from redis.exceptions import RedisError
+
+from services.common import convert
+from services.common.registry import Registry, WorkerInfo
+from services.common.request_log import RequestLogReader
+from services.controller.actuators import Actuator, ActuatorError
+from services.controller.config import ControllerConfig
+from tandem.control import (
+    ROLES,
+    SLA,
+    ControlState,
+    Decision,
+    Observation,
+    RequestSample,
+    WorkerSample,
+    decide,
+    percentile,
+)
+from tandem.v1 import admin_pb2 as apb
+from tandem.v1 import admin_pb2_grpc as agrpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "tandem.v1.Admin"
+SETTINGS_PREFIX = "tandem:control:settings:"
+_REDIS_DOWN = (RedisError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A decision as taken, and whether the actuator managed to apply it."""
+
+    decision: Decision
+    applied: bool
+    error: str = ""
+
+
+def sample_of(info: WorkerInfo, t: float) -> WorkerSample:
+    return WorkerSample(
+        t=t,
+        worker_id=info.worker_id,
+        role=info.role,
+        busy_frac=info.busy_frac,
+        tokens_per_s=info.tokens_per_s,
+        step_ms=info.step_ms,
+        num_running=info.num_running,
+        num_waiting=info.num_waiting,
+        queued_prefill_tokens=info.queued_prefill_tokens,
+        num_blocks=info.num_blocks,
+        num_free_blocks=info.num_free_blocks,
+        draining=info.draining,
+    )
+
+
+def meets(sample: RequestSample, sla: SLA) -> bool:
+    return sample.ttft_ms <= sla.ttft_p90_ms and (
+        sample.output_tokens <= 1 or sample.itl_ms <= sla.itl_p90_ms
+    )
+
+
+class Controller(agrpc.AdminServicer):
+    def __init__(self, config: ControllerConfig, actuator: Actuator) -> None:
+        self.config = config
+        self.actuator = actuator
+        self.sla = config.sla
+        self.state = ControlState()
+        self.decisions: deque[Record] = deque(maxlen=100)
+        self.last_error = ""
+        self.address = ""
+        self.model_id = config.model_id
+        self._workers: deque[WorkerSample] = deque()
+        self._requests: deque[RequestSample] = deque()
+        self._latest: list[WorkerInfo] = []
+        self._current: dict[str, int] = {}
+        self._tick_lock = asyncio.Lock()
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._redis: aioredis.Redis | None = None
+        self._registry: Registry | None = None
+        self._reader: RequestLogReader | None = None
+        self._metrics: _Metrics | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, run_loop: bool = True) -> None:
+        if self.config.redis_url:
+            self._redis = aioredis.Redis.from_url(self.config.redis_url, socket_timeout=2.0)
+            self._registry = Registry(self.config.redis_url)
+            await self._load_settings()
+        server = grpc.aio.server()
+        agrpc.add_AdminServicer_to_server(self, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        self.address = f"{self.config.host}:{port}"
+        for name in (SERVICE_NAME, ""):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port:
+            self._metrics = _Metrics(self.config.host, self.config.metrics_port)
+        if run_loop:
+            self._task = asyncio.create_task(self._run(), name="controller")
+        log.info(
+            "controller on %s (actuator %s, every %.1f s, window %.0f s)",
+            self.address, self.actuator.name, self.config.interval_s, self.config.window_s,
+        )  # fmt: skip
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._registry is not None:
+            await self._registry.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("controller tick failed")
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.config.interval_s)
+                return
+            except TimeoutError:
+                pass
+
+    # -- one decision ------------------------------------------------------------------------
+
+    async def tick(self) -> Record | None:
+        """Observe, decide and act once. None when there was nothing to decide on (Redis or
+        the actuator unreachable: the error is in the status)."""
+        async with self._tick_lock:
+            now = time.time()
+            try:
+                await self._observe(now)
+                self._current = await self.actuator.current(self._live_counts())
+            except (ActuatorError, *_REDIS_DOWN) as exc:
+                self._fail(f"observe: {exc}")
+                return None
+            obs = Observation(
+                now=now,
+                replicas=dict(self._current),
+                workers=list(self._workers),
+                requests=list(self._requests),
+                sla=self.sla,
+            )
+            before = self.state
+            decision, self.state = decide(obs, self.config.control, before)
+            record = Record(decision, applied=True)
+            if decision.changed:
+                log.info("decision: %s", decision.summary())
+                try:
+                    await self.actuator.scale(decision.target)
+                    self._current = dict(decision.target)
+                except ActuatorError as exc:
+                    self._fail(f"scale: {exc}")
+                    record = Record(decision, applied=False, error=str(exc))
+                    # Not applied: forget the change so the next tick retries at once.
+                    self.state = replace(
+                        self.state, last_change=before.last_change, low_since=before.low_since
+                    )
+                else:
+                    self.last_error = ""
+            else:
+                self.last_error = ""
+            self.decisions.appendleft(record)
+            if self._metrics is not None:
+                self._metrics.update(self, record)
+            return record
+
+    async def _observe(self, now: float) -> None:
+        if self._registry is None:
+            return
+        infos = await self._registry.list_workers(model=self.model_id or None)
+        if not self.model_id and infos:
+            self.model_id = infos[0].model
+        self._latest = [w for w in infos if w.model == self.model_id]
+        self._workers.extend(sample_of(w, now) for w in self._latest)
+        if self._reader is None and self.model_id and self._redis is not None:
+            self._reader = RequestLogReader(self._redis, self.model_id)
+        if self._reader is not None:
+            self._requests.extend(await self._reader.read_new())
+        horizon = now - self.config.window_s
+        while self._workers and self._workers[0].t < horizon:
+            self._workers.popleft()
+        while self._requests and self._requests[0].t < horizon:
+            self._requests.popleft()
+
+    def _live_counts(self) -> dict[str, int]:
+        return {r: sum(1 for w in self._latest if w.role == r and not w.draining) for r in ROLES}
+
+    def _fail(self, message: str) -> None:
+        if message != self.last_error:
+            log.warning("controller: %s", message)
+        self.last_error = message
+
+    # -- settings (kept in Redis so a restarted controller keeps them) ---------------------
+
+    def _settings_key(self) -> str:
+        return SETTINGS_PREFIX + (self.model_id or "_")
+
+    async def _load_settings(self) -> None:
+        assert self._redis is not None
+        try:
+            raw: Any = await self._redis.hgetall(self._settings_key())
+        except _REDIS_DOWN as exc:
+            log.warning("cannot load operator settings from Redis (%s); using flags", exc)
+            return
+        f = {k.decode(): v.decode() for k, v in raw.items()}
+        try:
+            if "ttft_p90_ms" in f:
+                self.sla = SLA(float(f["ttft_p90_ms"]), float(f["itl_p90_ms"]))
+            if f.get("pinned"):
+                p, d = (int(x) for x in f["pinned"].split(":"))
+                self.state = replace(self.state, pinned=(p, d))
+        except (ValueError, KeyError) as exc:
+            log.warning("ignoring malformed operator settings %r: %s", f, exc)
+            return
+        if f:
+            log.info("operator settings from Redis: SLA %s, pinned %s", self.sla, self.state.pinned)
+
+    async def _save_settings(self) -> None:
+        if self._redis is None:
+            return
+        pinned = self.state.pinned
+        mapping = {
+            "ttft_p90_ms": repr(self.sla.ttft_p90_ms),
+            "itl_p90_ms": repr(self.sla.itl_p90_ms),
+            "pinned": f"{pinned[0]}:{pinned[1]}" if pinned else "",
+        }
+        try:
+            await self._redis.hset(self._settings_key(), mapping=mapping)  # type: ignore[arg-type]
+        except _REDIS_DOWN as exc:
+            self._fail(f"could not save operator settings to Redis: {exc}")
+
+    # -- admin API -----------------------------------------------------------------------
+
+    def status(self) -> apb.StatusResponse:
+        last = self.decisions[0] if self.decisions else None
+        reqs = list(self._requests)
+        itls = [r.itl_ms for r in reqs if r.output_tokens > 1]
+        enough = self.config.min_requests
+        roles = []
+        for role in ROLES:
+            lo, hi = self.config.control.bounds(role)
+            roles.append(
+                apb.RoleStatus(
+                    role=role,
+                    current=self._current.get(role, 0),
+                    desired=last.decision.target[role] if last else self._current.get(role, 0),
+                    live=self._live_counts()[role],
+                    draining=sum(1 for w in self._latest if w.role == role and w.draining),
+                    min=lo,
+                    max=hi,
+                    reason=last.decision.reasons[role] if last else "no decision yet",
+                )
+            )
+        return apb.StatusResponse(
+            mode="manual" if self.state.pinned else "auto",
+            roles=roles,
+            sla=apb.Sla(ttft_p90_ms=self.sla.ttft_p90_ms, itl_p90_ms=self.sla.itl_p90_ms),
+            window_requests=len(reqs),
+            sla_attainment=(
+                sum(meets(r, self.sla) for r in reqs) / len(reqs) if reqs else math.nan
+            ),
+            ttft_p90_ms=(
+                percentile([r.ttft_ms for r in reqs], 90) if len(reqs) >= enough else math.nan
+            ),
+            itl_p90_ms=percentile(itls, 90) if len(itls) >= enough else math.nan,
+            actuator=self.actuator.name,
+            last_error=self.last_error,
+            last_decision_unix=last.decision.t if last else 0.0,
+        )
+
+    async def Status(
+        self, request: apb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> apb.StatusResponse:
+        return self.status()
+
+    async def Explain(
+        self, request: apb.ExplainRequest, context: grpc.aio.ServicerContext
+    ) -> apb.ExplainResponse:
+        if request.limit < 0:
+            await convert.abort_rpc(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"limit: must be >= 0, got {request.limit}",
+            )
+        limit = request.limit or 5
+        return apb.ExplainResponse(
+            decisions=[
+                apb.DecisionRecord(
+                    unix_time=r.decision.t,
+                    current=r.decision.current,
+                    target=r.decision.target,
+                    reasons=r.decision.reasons,
+                    figures=r.decision.figures,
+                    applied=r.applied,
+                    error=r.error,
+                )
+                for r in list(self.decisions)[:limit]
+            ]
+        )
+
+    async def SetRatio(
+        self, request: apb.SetRatioRequest, context: grpc.aio.ServicerContext
+    ) -> apb.StatusResponse:
+        for role, value in (("prefill", request.prefill), ("decode", request.decode)):
+            lo, hi = self.config.control.bounds(role)
+            if not lo <= value <= hi:
+                await convert.abort_rpc(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{role}: {value} is outside [{lo}, {hi}] (the controller's min_{role} "
+                    f"and max_{role})",
+                )
+        self.state = replace(self.state, pinned=(request.prefill, request.decode))
+        log.info("operator pinned prefill:decode at %d:%d", request.prefill, request.decode)
+        await self._save_settings()
+        await self.tick()
+        return self.status()
+
+    async def SetSla(
+        self, request: apb.SetSlaRequest, context: grpc.aio.ServicerContext
+    ) -> apb.StatusResponse:
+        sla = request.sla
+        if not sla.HasField("ttft_p90_ms") and not sla.HasField("itl_p90_ms"):
+            await convert.abort_rpc(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "sla: set ttft_p90_ms and/or itl_p90_ms"
+            )
+        try:
+            self.sla = SLA(
+                ttft_p90_ms=sla.ttft_p90_ms
+                if sla.HasField("ttft_p90_ms")
+                else self.sla.ttft_p90_ms,
+                itl_p90_ms=sla.itl_p90_ms if sla.HasField("itl_p90_ms") else self.sla.itl_p90_ms,
+            )
+        except ValueError as exc:
+            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, f"sla.{exc}")
+        log.info("operator set SLA targets: %s", self.sla)
+        await self._save_settings()
+        return self.status()
+
+    async def Auto(
+        self, request: apb.AutoRequest, context: grpc.aio.ServicerContext
+    ) -> apb.StatusResponse:
+        self.state = replace(self.state, pinned=None)
+        log.info("operator returned the controller to automatic control")
+        await self._save_settings()
+        await self.tick()
+        return self.status()
+
+
+class _Metrics:
+    """Prometheus /metrics: replica counts, SLA attainment and decisions."""
+
+    def __init__(self, host: str, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.replicas = Gauge(
+            "tandem_controller_replicas",
+            "Workers per role: current (asked for), desired (last decision), live.",
+            ["role", "kind"],
+            registry=self.registry,
+        )
+        self.attainment = Gauge(
+            "tandem_controller_sla_attainment",
+            "Fraction of the window's requests that met both SLA targets.",
+            registry=self.registry,
+        )
+        self.decisions = Counter(
+            "tandem_controller_decisions",
+            "Decisions that changed a role's replica count.",
+            ["role", "applied"],
+            registry=self.registry,
+        )
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def update(self, controller: Controller, record: Record) -> None:
+        status = controller.status()
+        for r in status.roles:
+            self.replicas.labels(r.role, "current").set(r.current)
+            self.replicas.labels(r.role, "desired").set(r.desired)
+            self.replicas.labels(r.role, "live").set(r.live)
+        self.attainment.set(status.sla_attainment)
+        d = record.decision
+        for role in ROLES:
+            if d.current[role] != d.target[role]:
+                self.decisions.labels(role, str(record.applied).lower()).inc()
+
+    def close(self) -> None:
+        self._server.shutdown()

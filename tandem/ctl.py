@@ -1,0 +1,122 @@
+"""`tandem ctl`: watch and tune the ratio controller through its admin API (tandem.v1.Admin).
+
+tandem ctl status                       current/desired workers, SLA attainment, reasons
+tandem ctl explain [-n 5]               the last decisions with their model figures
+tandem ctl set-ratio P D                pin P prefill and D decode workers
+tandem ctl set-sla --ttft-p90 MS --itl-p90 MS
+tandem ctl auto                         back to automatic control
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+DEFAULT_ADDRESS = "127.0.0.1:50061"
+
+
+def format_status(s: Any) -> str:
+    def ms(v: float) -> str:
+        return "n/a" if math.isnan(v) else f"{v:.0f} ms"
+
+    attainment = "n/a" if math.isnan(s.sla_attainment) else f"{100 * s.sla_attainment:.1f}%"
+    lines = [
+        f"mode: {s.mode}    actuator: {s.actuator}    SLA: TTFT p90 <= "
+        f"{s.sla.ttft_p90_ms:.0f} ms, ITL p90 <= {s.sla.itl_p90_ms:.0f} ms",
+        f"window: {s.window_requests} requests, SLA attainment {attainment}, "
+        f"TTFT p90 {ms(s.ttft_p90_ms)}, ITL p90 {ms(s.itl_p90_ms)}",
+        "",
+        f"{'role':<8} {'current':>7} {'desired':>7} {'live':>4} {'draining':>8}  "
+        f"{'bounds':<8} reason",
+    ]
+    for r in s.roles:
+        lines.append(
+            f"{r.role:<8} {r.current:>7} {r.desired:>7} {r.live:>4} {r.draining:>8}  "
+            f"{f'[{r.min}, {r.max}]':<8} {r.reason}"
+        )
+    if s.last_error:
+        lines.append(f"\nlast error: {s.last_error}")
+    return "\n".join(lines)
+
+
+def format_decisions(resp: Any) -> str:
+    if not resp.decisions:
+        return "no decisions yet"
+    out = []
+    for d in resp.decisions:
+        when = time.strftime("%H:%M:%S", time.localtime(d.unix_time))
+        change = ", ".join(
+            f"{role} {d.current[role]}"
+            + (f" -> {d.target[role]}" if d.target[role] != d.current[role] else "")
+            for role in ("prefill", "decode")
+        )
+        state = "" if d.applied else f"  NOT APPLIED: {d.error}"
+        out.append(f"{when}  {change}{state}")
+        for role in ("prefill", "decode"):
+            out.append(f"    {role}: {d.reasons[role]}")
+        if d.figures:
+            figs = ", ".join(f"{k}={v:.4g}" for k, v in sorted(d.figures.items()))
+            out.append(f"    figures: {figs}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tandem.v1 import admin_pb2 as apb
+    from tandem.v1 import admin_pb2_grpc as agrpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = agrpc.AdminStub(channel)
+        try:
+            if args.action == "status":
+                print(format_status(stub.Status(apb.StatusRequest(), timeout=args.timeout)))
+            elif args.action == "explain":
+                resp = stub.Explain(apb.ExplainRequest(limit=args.n), timeout=args.timeout)
+                print(format_decisions(resp))
+            elif args.action == "set-ratio":
+                req = apb.SetRatioRequest(prefill=args.prefill, decode=args.decode)
+                print(format_status(stub.SetRatio(req, timeout=args.timeout)))
+            elif args.action == "set-sla":
+                sla = apb.Sla()
+                if args.ttft_p90 is not None:
+                    sla.ttft_p90_ms = args.ttft_p90
+                if args.itl_p90 is not None:
+                    sla.itl_p90_ms = args.itl_p90
+                print(format_status(stub.SetSla(apb.SetSlaRequest(sla=sla), timeout=args.timeout)))
+            else:
+                print(format_status(stub.Auto(apb.AutoRequest(), timeout=args.timeout)))
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
+                print(
+                    f"error: cannot reach the controller at {args.address} ({exc.details()}); "
+                    "is `tandem up --autoscale` or `python -m services.controller` running?",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"error: {code.name}: {exc.details()}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    c = sub.add_parser("ctl", help="watch and tune the ratio controller", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    c.add_argument("--address", default=DEFAULT_ADDRESS, help="controller admin API host:port")
+    c.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    actions = c.add_subparsers(dest="action", required=True)
+    actions.add_parser("status", help="current and desired workers, SLA attainment")
+    e = actions.add_parser("explain", help="the last decisions with reasons and figures")
+    e.add_argument("-n", type=int, default=5, help="how many decisions")
+    r = actions.add_parser("set-ratio", help="pin a prefill:decode ratio")
+    r.add_argument("prefill", type=int)
+    r.add_argument("decode", type=int)
+    s = actions.add_parser("set-sla", help="change the SLA targets")
+    s.add_argument("--ttft-p90", type=float, help="TTFT p90 target, ms")
+    s.add_argument("--itl-p90", type=float, help="ITL p90 target, ms")
+    actions.add_parser("auto", help="return to automatic control")
+    c.set_defaults(func=run)

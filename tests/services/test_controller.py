@@ -1,0 +1,279 @@
+"""The ratio controller service against a real Redis: heartbeat stats and router timings in,
+decisions out through an actuator, and the admin gRPC API (over a socket) that operators
+use through `tandem ctl`."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Mapping
+
+import grpc
+import pytest
+
+from services.common.registry import Registry, WorkerInfo
+from services.common.request_log import RequestLog, RequestLogReader
+from services.controller.actuators import ActuatorError, NoActuator
+from services.controller.config import ControllerConfig
+from services.controller.server import Controller
+from tandem.control import RequestSample
+from tandem.ctl import format_decisions, format_status
+from tandem.v1 import admin_pb2 as apb
+from tandem.v1 import admin_pb2_grpc as agrpc
+
+MODEL = "m"
+
+
+def config(redis_url: str, **kw: object) -> ControllerConfig:
+    base: dict[str, object] = dict(
+        redis_url=redis_url, model_id=MODEL, port=0, metrics_port=0, interval_s=60.0,
+        window_s=60.0, min_requests=5, scale_up_cooldown_s=0, ttft_p90_ms=500, itl_p90_ms=100,
+    )  # fmt: skip
+    base.update(kw)
+    return ControllerConfig(**base)  # type: ignore[arg-type]
+
+
+def info(worker_id: str, role: str, **stats: object) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id, role=role, address=f"{worker_id}:1", model=MODEL, epoch=1,
+        num_blocks=1000, num_free_blocks=900, **stats,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+async def prefill_heavy(registry: Registry, log: RequestLog) -> None:
+    """One saturated prefill worker with a backlog, one lightly loaded decode worker, and
+    requests whose TTFT misses the 500 ms target."""
+    await registry.register(
+        info("p0", "prefill", busy_frac=1.0, tokens_per_s=2000.0, step_ms=80.0,
+             queued_prefill_tokens=6000)
+    )  # fmt: skip
+    await registry.register(
+        info("d0", "decode", busy_frac=1.0, tokens_per_s=200.0, step_ms=20.0, num_running=4)
+    )
+    for _ in range(10):
+        log.record(RequestSample(time.time(), 1500.0, 20.0, 1000, 32, disaggregated=True))
+    await log.flush()
+
+
+class FlakyActuator(NoActuator):
+    """A NoActuator whose scale() fails while `broken` (a cluster API outage)."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = False
+        self.calls: list[dict[str, int]] = []
+
+    async def scale(self, target: Mapping[str, int]) -> None:
+        self.calls.append(dict(target))
+        if self.broken:
+            raise ActuatorError("kubernetes: patch deployments/x/scale: 503 Service Unavailable")
+        await super().scale(target)
+
+
+def test_request_log_round_trip(redis_url: str) -> None:
+    async def body() -> None:
+        import redis.asyncio as aioredis
+
+        raw = aioredis.Redis.from_url(redis_url)
+        reader = RequestLogReader(raw, MODEL)
+        log = RequestLog(redis_url, MODEL)
+        log.record(RequestSample(1.0, 10.0, 2.0, 5, 3))  # before the reader's first read
+        await log.flush()
+        assert await reader.read_new() == []  # the first read only marks the position
+        samples = [RequestSample(2.0 + i, 100.0 + i, 5.5, 64, 8, 16, i % 2 == 0) for i in range(3)]
+        for s in samples:
+            log.record(s)
+        await log.flush()
+        assert await reader.read_new() == samples
+        assert await reader.read_new() == []
+        await raw.xadd("tandem:requests:" + MODEL, {"t": "x"})  # garbage is skipped
+        log.record(samples[0])
+        await log.flush()
+        assert await reader.read_new() == [samples[0]]
+        await log.stop()
+        await raw.aclose()
+
+    asyncio.run(body())
+
+
+def test_request_log_buffers_while_redis_is_down() -> None:
+    async def body() -> None:
+        log = RequestLog("redis://127.0.0.1:1", MODEL, max_buffer=3)  # nothing listens
+        for i in range(5):
+            log.record(RequestSample(float(i), 1.0, 1.0, 1, 1))
+        await log.flush()  # fails quietly and keeps the newest 3
+        assert [s.t for s in log._buffer] == [2.0, 3.0, 4.0]
+
+    asyncio.run(body())
+
+
+def test_controller_scales_prefill_from_heartbeats_and_timings(redis_url: str) -> None:
+    async def body() -> None:
+        registry = Registry(redis_url, ttl_s=30)
+        log = RequestLog(redis_url, MODEL)
+        controller = Controller(config(redis_url), NoActuator())
+        await controller.start(run_loop=False)
+        first = await controller.tick()  # positions the request reader
+        # No workers yet: the counts are raised to the bounds' minimum of one per role.
+        assert first is not None and first.decision.target == {"prefill": 1, "decode": 1}
+        assert first.decision.reasons["prefill"] == "0 outside bounds [1, 8]"
+        await prefill_heavy(registry, log)
+        record = await controller.tick()
+        assert record is not None and record.applied
+        d = record.decision
+        # 2000 tok/s computed + 6000 queued over the 0.5 s TTFT target = 14000 tok/s of
+        # demand against 2000 tok/s per worker at 70%: 10 workers wanted, +2 per step.
+        assert d.current == {"prefill": 1, "decode": 1}
+        assert d.target == {"prefill": 3, "decode": 1}
+        assert d.reasons["prefill"].startswith("scale up 1 -> 3: demand 14000 tok/s")
+        assert "TTFT p90 1500 ms > SLA 500 ms" in d.reasons["prefill"]
+        status = controller.status()
+        assert status.mode == "auto" and status.actuator == "none"
+        assert status.window_requests == 10
+        assert status.sla_attainment == 0.0  # every request missed the TTFT target
+        assert status.ttft_p90_ms == 1500.0
+        assert [(r.role, r.current, r.desired, r.live) for r in status.roles] == [
+            ("prefill", 3, 3, 1),
+            ("decode", 1, 1, 1),
+        ]
+        await controller.stop()
+        await log.stop()
+        await registry.close()
+
+    asyncio.run(body())
+
+
+def test_actuator_failure_is_reported_and_retried(redis_url: str) -> None:
+    async def body() -> None:
+        registry = Registry(redis_url, ttl_s=30)
+        log = RequestLog(redis_url, MODEL)
+        actuator = FlakyActuator()
+        cfg = config(redis_url, scale_up_cooldown_s=3600)  # a retry must not wait for it
+        controller = Controller(cfg, actuator)
+        await controller.start(run_loop=False)
+        for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
+            await registry.register(info(worker_id, role))  # idle: no change, no cooldown
+        assert (await controller.tick()).decision.changed is False  # type: ignore[union-attr]
+        actuator.broken = True
+        await prefill_heavy(registry, log)
+        failed = await controller.tick()
+        assert failed is not None and not failed.applied
+        assert "503 Service Unavailable" in failed.error
+        assert "503" in controller.status().last_error
+        actuator.broken = False
+        retried = await controller.tick()  # at once, despite the hour-long cooldown
+        assert retried is not None and retried.applied
+        assert actuator.calls == [{"prefill": 3, "decode": 1}] * 2
+        assert controller.status().last_error == ""
+        await controller.stop()
+        await log.stop()
+        await registry.close()
+
+    asyncio.run(body())
+
+
+def test_admin_api_over_grpc(redis_url: str) -> None:
+    async def body() -> None:
+        registry = Registry(redis_url, ttl_s=30)
+        log = RequestLog(redis_url, MODEL)
+        controller = Controller(config(redis_url), NoActuator())
+        await controller.start(run_loop=False)
+        await controller.tick()
+        await prefill_heavy(registry, log)
+        await controller.tick()
+        async with grpc.aio.insecure_channel(controller.address) as channel:
+            stub = agrpc.AdminStub(channel)
+            status = await stub.Status(apb.StatusRequest())
+            text = format_status(status)
+            assert "mode: auto" in text and "prefill" in text and "scale up 1 -> 3" in text
+            explained = await stub.Explain(apb.ExplainRequest(limit=1))
+            assert len(explained.decisions) == 1
+            d = explained.decisions[0]
+            assert dict(d.target) == {"prefill": 3, "decode": 1} and d.applied
+            assert d.figures["prefill_capacity_tps"] == pytest.approx(2000.0)
+            assert "prefill 1 -> 3" in format_decisions(explained)
+
+            pinned = await stub.SetRatio(apb.SetRatioRequest(prefill=2, decode=4))
+            assert pinned.mode == "manual"
+            assert [(r.role, r.desired) for r in pinned.roles] == [("prefill", 2), ("decode", 4)]
+            assert pinned.roles[0].reason == "pinned by operator at 2"
+
+            for bad, field in ((apb.SetRatioRequest(prefill=9, decode=1), "prefill: 9"),
+                               (apb.SetRatioRequest(prefill=1, decode=0), "decode: 0")):  # fmt: skip
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.SetRatio(bad)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert field in (err.value.details() or "") and "max_" in (err.value.details() or "")
+
+            sla = await stub.SetSla(apb.SetSlaRequest(sla=apb.Sla(itl_p90_ms=50.0)))
+            assert (sla.sla.ttft_p90_ms, sla.sla.itl_p90_ms) == (500.0, 50.0)
+            for bad_sla in (apb.Sla(), apb.Sla(ttft_p90_ms=-1)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.SetSla(apb.SetSlaRequest(sla=bad_sla))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Explain(apb.ExplainRequest(limit=-1))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        # A restarted controller keeps the operator's pin and SLA (kept in Redis).
+        await controller.stop()
+        again = Controller(config(redis_url), NoActuator())
+        await again.start(run_loop=False)
+        assert again.state.pinned == (2, 4)
+        assert (again.sla.ttft_p90_ms, again.sla.itl_p90_ms) == (500.0, 50.0)
+        async with grpc.aio.insecure_channel(again.address) as channel:
+            auto = await agrpc.AdminStub(channel).Auto(apb.AutoRequest())
+            assert auto.mode == "auto"
+        assert again.state.pinned is None
+        await again.stop()
+        await log.stop()
+        await registry.close()
+
+    asyncio.run(body())
+
+
+def test_status_before_any_traffic_says_so(redis_url: str) -> None:
+    async def body() -> None:
+        controller = Controller(config(redis_url), NoActuator())
+        await controller.start(run_loop=False)
+        status = controller.status()
+        assert math.isnan(status.sla_attainment) and math.isnan(status.ttft_p90_ms)
+        assert "n/a" in format_status(status)
+        assert status.roles[0].reason == "no decision yet"
+        await controller.stop()
+
+    asyncio.run(body())
+
+
+def test_metrics_endpoint_exposes_replicas(redis_url: str) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def body() -> str:
+        registry = Registry(redis_url, ttl_s=30)
+        log = RequestLog(redis_url, MODEL)
+        controller = Controller(config(redis_url, metrics_port=port), NoActuator())
+        await controller.start(run_loop=False)
+        await controller.tick()
+        await prefill_heavy(registry, log)
+        await controller.tick()
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read())
+        await controller.stop()
+        await log.stop()
+        await registry.close()
+        return text.decode()
+
+    text = asyncio.run(body())
+    assert 'tandem_controller_replicas{kind="desired",role="prefill"} 3.0' in text
+    assert "tandem_controller_sla_attainment 0.0" in text
+    # prefill: 0 -> 1 (bounds, first tick) and 1 -> 3; decode: 0 -> 1.
+    assert 'tandem_controller_decisions_total{applied="true",role="prefill"} 2.0' in text
+    assert 'tandem_controller_decisions_total{applied="true",role="decode"} 1.0' in text
