@@ -1,0 +1,47 @@
+"""The engine loop's rolling load figures, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.engine_loop import StepMeter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_busy_fraction_tokens_and_step_time_over_the_period() -> None:
+    clock = Clock()
+    meter = StepMeter(period_s=5.0, clock=clock)
+    assert meter.read() == (0.0, 0.0, 0.0)  # idle
+    clock.now += 10
+    for _ in range(10):  # 10 steps of 0.2 s computing 50 tokens each, back to back
+        clock.now += 0.2
+        meter.record(0.2, 50)
+    busy, tps, step_ms = meter.read()
+    assert busy == pytest.approx(2.0 / 5.0)
+    assert tps == pytest.approx(500 / 5.0)
+    assert step_ms == pytest.approx(200.0)
+    clock.now += 4.9  # only the last step ended inside the window, 0.1 s of it
+    busy, tps, _ = meter.read()
+    assert busy == pytest.approx(0.1 / 5.0, abs=1e-9)
+    assert tps == pytest.approx(50 / 5.0)
+    clock.now += 1.0
+    assert meter.read() == (0.0, 0.0, 0.0)
+
+
+def test_a_young_meter_divides_by_its_age_not_the_full_period() -> None:
+    clock = Clock()
+    meter = StepMeter(period_s=5.0, clock=clock)
+    clock.now += 1.0
+    meter.record(1.0, 100)  # busy the whole first second
+    busy, tps, _ = meter.read()
+    assert busy == pytest.approx(1.0)
+    assert tps == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="period_s"):
+        StepMeter(period_s=0)
