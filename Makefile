@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint unit bench clean
+.PHONY: install up test lint unit bench clean deploy-tools
 
 # torch==2.13.0 (CPU) is pinned in pyproject.toml and installed in the same pip command as
 # transformers, so pip never pulls the multi-GB CUDA build.
@@ -24,7 +24,13 @@ lint: install
 	$(BIN)/ruff check tandem kernels services tests benchmarks
 	$(BIN)/mypy tandem kernels services
 
-unit: install
+# The Kubernetes/Helm tests use a real kube-apiserver + etcd and the real helm binary. Both are
+# built/installed once into /var/cache/tandem (outside the clone; ~10 min cold, then instant).
+deploy-tools:
+	scripts/ensure-kube.sh
+	scripts/ensure-helm.sh
+
+unit: install deploy-tools
 	$(BIN)/pytest -q
 
 test: lint unit

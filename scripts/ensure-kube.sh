@@ -15,6 +15,7 @@ command -v go >/dev/null || need_apt+=(golang-go)
 command -v etcd >/dev/null || need_apt+=(etcd-server)
 command -v rsync >/dev/null || need_apt+=(rsync)
 command -v jq >/dev/null || need_apt+=(jq)
+command -v openssl >/dev/null || need_apt+=(openssl)  # the tests' service-account key pair
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "ensure-kube: apt-get install ${need_apt[*]}" >&2
     export DEBIAN_FRONTEND=noninteractive

@@ -75,6 +75,7 @@ def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
         wait_for("a second prefill worker", lambda: cluster.count("prefill") == 2, 120)
         status = admin.Status(apb.StatusRequest())
         assert [r.desired for r in status.roles] == [2, 1]
+        assert status.window_requests > 0  # the router's timings reach the controller
         ups = [
             d for d in admin.Explain(apb.ExplainRequest(limit=100)).decisions
             if d.target["prefill"] > d.current["prefill"]

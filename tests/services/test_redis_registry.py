@@ -233,7 +233,10 @@ def test_foreground_cli_runs_until_sigterm() -> None:
 
 
 def test_worker_info_json_round_trip_and_validation() -> None:
-    info = worker("p0", num_blocks=10, num_free_blocks=4, draining=True, updated_at=12.5)
+    info = worker(
+        "p0", num_blocks=10, num_free_blocks=4, draining=True, updated_at=12.5,
+        busy_frac=0.5, tokens_per_s=1234.5, step_ms=20.25,
+    )  # fmt: skip
     assert WorkerInfo.from_json(info.to_json()) == info
     assert WorkerInfo.from_json(info.to_json().encode()) == info
     # Newer workers may add fields; older readers ignore them.
@@ -252,6 +255,10 @@ def test_worker_info_json_round_trip_and_validation() -> None:
         worker("p0", num_running=-1)
     with pytest.raises(ValueError, match="worker_id"):
         worker("")
+    with pytest.raises(ValueError, match="busy_frac"):
+        worker("p0", busy_frac=-0.1)
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        worker("p0", tokens_per_s="fast")
 
 
 # -- Registry --------------------------------------------------------------------------

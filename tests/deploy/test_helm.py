@@ -1,0 +1,525 @@
+"""deploy/helm/tandem rendered by the real helm 3: lint, Kubernetes schemas, the values
+schema against the config dataclasses, RBAC, env, probes and API versions per cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.common.flags import parse_config
+from services.common.worker import WorkerConfig
+from services.controller.config import ControllerConfig
+from services.router.server import RouterConfig
+from tests.deploy.helm import (
+    CHART,
+    GPU_VALUES,
+    Helm,
+    HelmError,
+    containers,
+    env_of,
+    find,
+    kubernetes_validate,
+    one,
+)
+
+# component -> (its config dataclass, the fields the chart sets itself and why).
+CONFIGS: dict[str, type] = {
+    "router": RouterConfig,
+    "prefill": WorkerConfig,
+    "decode": WorkerConfig,
+    "controller": ControllerConfig,
+}
+CHART_CONTROLLED: dict[type, dict[str, str]] = {
+    RouterConfig: {
+        "host": "0.0.0.0",
+        "port": "router.port",
+        "redis_url": "bundled or external Redis",
+        "model_dir": "model.dir",
+        "prefill_addresses": "not rendered: workers are found through Redis",
+        "decode_addresses": "not rendered: workers are found through Redis",
+    },
+    WorkerConfig: {
+        "host": "0.0.0.0",
+        "port": "<role>.port",
+        "advertise_host": "the pod IP",
+        "worker_id": "the pod name",
+        "redis_url": "bundled or external Redis",
+        "model_dir": "model.dir",
+    },
+    ControllerConfig: {
+        "host": "0.0.0.0",
+        "port": "controller.port",
+        "metrics_port": "controller.metricsPort",
+        "redis_url": "bundled or external Redis",
+        "namespace": "the release namespace",
+        "prefill_deployment": "the chart's prefill Deployment",
+        "decode_deployment": "the chart's decode Deployment",
+        "kubeconfig": "empty: in-cluster credentials",
+    },
+}
+NOT_RENDERED = {"prefill_addresses", "decode_addresses"}
+# Non-default values for the round trip values -> env -> parse_config (large integers and
+# fractions are where YAML -> Go -> env text goes wrong).
+NON_DEFAULTS: dict[str, dict[str, Any]] = {
+    "router": {"max_inflight": 7, "policy": "load", "index_timeout_s": 0.025, "model_id": "m"},
+    "prefill": {"kv_cache_bytes": 4294967296, "num_threads": 4, "lease_ttl_s": 2.5},
+    "decode": {"kv_cache_bytes": 12884901888, "transport": "local", "drain_timeout_s": 100.5},
+    "controller": {"target_utilization": 0.55, "max_decode": 12, "actuator": "none"},
+}
+RELEASE, NAMESPACE = "tandem", "tandem"
+
+
+def _name(component: str, release: str = RELEASE) -> str:
+    return f"{release}-{component}" if "tandem" in release else f"{release}-tandem-{component}"
+
+
+def _component(obj: dict[str, Any]) -> str:
+    return str(obj["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
+def _workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _schema() -> dict[str, Any]:
+    return dict(json.loads((CHART / "values.schema.json").read_text()))
+
+
+def _json_type(tp: Any) -> str | list[str]:
+    args = typing.get_args(tp)
+    if type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return [str(_json_type(inner)), "null"]
+    return {int: "integer", float: "number", str: "string", bool: "boolean"}[tp]
+
+
+# -- lint and Kubernetes schemas -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)]], ids=["default", "gpu"])
+def test_lint_strict(helm: Helm, values: list[str]) -> None:
+    proc = helm.run("lint", "--strict", str(CHART), *values)
+    assert "0 chart(s) failed" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)]], ids=["default", "gpu"])
+def test_render_passes_kubernetes_validate(helm: Helm, values: list[str]) -> None:
+    manifest = helm.template(*values)
+    proc = kubernetes_validate(manifest, "1.30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "WARN" not in proc.stdout + proc.stderr  # every kind had a schema to check against
+    assert proc.stdout.count("passed for resource") == len(list(yaml.safe_load_all(manifest)))
+
+
+def test_kube_1_20_render_passes_kubernetes_validate(helm: Helm) -> None:
+    # kubernetes-validate's oldest schemas are 1.25, which has no policy/v1beta1: the 1.20
+    # PDBs are checked by the 1.20 API server in test_kube.py instead.
+    objects = helm.render("--kube-version", "1.20.2")
+    rest = [o for o in objects if o["kind"] != "PodDisruptionBudget"]
+    proc = kubernetes_validate(yaml.safe_dump_all(rest), "1.25")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "WARN" not in proc.stdout + proc.stderr
+
+
+# -- API versions and probes per cluster version ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kube_version", "pdb_api", "native_grpc"),
+    [
+        ("1.20.2", "policy/v1beta1", False),
+        ("1.23.5", "policy/v1", False),
+        ("1.24.0", "policy/v1", True),
+        (None, "policy/v1", True),  # helm's default
+    ],
+)
+def test_pdb_version_and_probe_kind_follow_the_cluster(
+    helm: Helm, kube_version: str | None, pdb_api: str, native_grpc: bool
+) -> None:
+    objects = helm.render(*(["--kube-version", kube_version] if kube_version else []))
+    pdbs = find(objects, "PodDisruptionBudget")
+    assert sorted(p["metadata"]["name"] for p in pdbs) == sorted(
+        _name(c) for c in ("router", "prefill", "decode")
+    )
+    assert {p["apiVersion"] for p in pdbs} == {pdb_api}
+    for pdb in pdbs:
+        deployment = one(objects, "Deployment", pdb["metadata"]["name"])
+        assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+
+    probed = [o for o in _workloads(objects) if _component(o) != "redis"]
+    assert sorted(_component(o) for o in probed) == ["controller", "decode", "prefill", "router"]
+    for workload in probed:
+        (container,) = containers(workload)
+        port = container["ports"][0]["containerPort"]
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            probe = container[kind]
+            if native_grpc:
+                assert probe["grpc"] == {"port": port}
+                assert "exec" not in probe
+            else:
+                command = probe["exec"]["command"]
+                assert command[:5] == [
+                    "python",
+                    "-m",
+                    "services.common.healthcheck",
+                    "--port",
+                    str(port),
+                ]
+                assert float(command[command.index("--timeout-s") + 1]) < probe["timeoutSeconds"]
+                assert "grpc" not in probe
+
+
+# -- values.schema.json ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("router.replicas=three", "router.replicas: Invalid type. Expected: integer"),
+        ("router.config.bogus=1", "Additional property bogus is not allowed"),
+        ("router.config.host=0.0.0.0", "Additional property host is not allowed"),
+        ("prefill.config.worker_id=w", "Additional property worker_id is not allowed"),
+        ("controller.config.namespace=x", "Additional property namespace is not allowed"),
+        ("decode.config.kv_cache_bytes=-1", "decode.config.kv_cache_bytes: Must be greater"),
+        ("router.config.policy=random", "router.config.policy: router.config.policy must be one"),
+        ("controller.config.actuator=k8s", "controller.config.actuator must be one of"),
+        ("prefill.port=0", "prefill.port: Must be greater than or equal to 1"),
+        ("routr.replicas=2", "Additional property routr is not allowed"),
+    ],
+)
+def test_schema_rejects_bad_values(helm: Helm, flag: str, message: str) -> None:
+    with pytest.raises(HelmError) as exc:
+        helm.template("--set", flag)
+    assert "don't meet the specifications of the schema" in str(exc.value)
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("component", list(CONFIGS))
+def test_schema_config_properties_are_the_dataclass_fields(component: str) -> None:
+    """A field added to a config dataclass fails here until the chart knows it: either as
+    a `<component>.config` property or as a chart-controlled field."""
+    cls = CONFIGS[component]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    controlled = set(CHART_CONTROLLED[cls])
+    assert controlled <= fields, f"chart controls fields {cls.__name__} lacks"
+    config = _schema()["properties"][component]["properties"]["config"]
+    assert config["additionalProperties"] is False
+    assert set(config["properties"]) == fields - controlled
+
+    hints = typing.get_type_hints(cls)
+    for name, prop in config["properties"].items():
+        assert prop["type"] == _json_type(hints[name]), name
+
+
+@pytest.mark.parametrize("component", list(CONFIGS))
+def test_config_values_round_trip_through_env(
+    helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, component: str
+) -> None:
+    """Every settable field, written in a values file, reaches the process as the value it
+    was given: values -> TANDEM_* env -> services.common.flags.parse_config."""
+    cls = CONFIGS[component]
+    config = {
+        f.name: f.default
+        for f in dataclasses.fields(cls)
+        if f.name not in CHART_CONTROLLED[cls] and f.default is not None
+    }
+    config.update(NON_DEFAULTS[component])
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({component: {"config": config}}))
+    objects = helm.render("-f", str(values))
+    (container,) = containers(one(objects, "Deployment", _name(component)))
+    env = env_of(container)
+    for key in config:
+        assert f"TANDEM_{key.upper()}" in env, key
+
+    for name in list(os.environ):
+        if name.startswith("TANDEM_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith("TANDEM_"):
+            # Downward-API values are the kubelet's to fill in.
+            monkeypatch.setenv(name, value if isinstance(value, str) else "from-the-pod")
+    parsed: Any = parse_config(cls, argv=[])
+    for key, value in config.items():
+        assert getattr(parsed, key) == value, key
+
+
+def test_every_rendered_tandem_env_is_a_field_of_its_dataclass(helm: Helm) -> None:
+    for values in ([], ["-f", str(GPU_VALUES)], ["--set", "controller.config.max_step=3"]):
+        objects = helm.render(*values)
+        seen = set()
+        for workload in _workloads(objects):
+            component = _component(workload)
+            for container in containers(workload) + (
+                workload["spec"]["template"]["spec"].get("initContainers") or []
+            ):
+                names = [n for n in env_of(container) if n.startswith("TANDEM_")]
+                if component == "redis" or container["name"] == "make-model":
+                    assert names == []
+                    continue
+                fields = {f.name for f in dataclasses.fields(CONFIGS[component])}
+                for name in names:
+                    assert name.removeprefix("TANDEM_").lower() in fields, (component, name)
+                assert len(names) == len(set(names)), f"{component}: duplicate env"
+                chart_set = set(CHART_CONTROLLED[CONFIGS[component]]) - NOT_RENDERED
+                assert {f"TANDEM_{f.upper()}" for f in chart_set} <= set(names), component
+                seen.add(component)
+        assert seen == {"router", "prefill", "decode", "controller"}
+
+
+# -- RBAC --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("release", ["tandem", "prod"])
+def test_role_allows_only_get_and_patch_on_the_two_worker_scales(helm: Helm, release: str) -> None:
+    objects = helm.render(release=release, namespace="serving")
+    prefill, decode = _name("prefill", release), _name("decode", release)
+    controller = _name("controller", release)
+    assert one(objects, "Deployment", prefill) and one(objects, "Deployment", decode)
+    (role,) = find(objects, "Role")
+    assert role["metadata"]["name"] == controller
+    assert role["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments/scale"],
+            "resourceNames": [prefill, decode],
+            "verbs": ["get", "patch"],
+        }
+    ]
+    assert find(objects, "ClusterRole") == [] and find(objects, "ClusterRoleBinding") == []
+    (binding,) = find(objects, "RoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": controller,
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": controller, "namespace": "serving"}
+    ]
+    one(objects, "ServiceAccount", controller)
+    deployment = one(objects, "Deployment", controller)
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == controller
+    env = env_of(containers(deployment)[0])
+    assert env["TANDEM_PREFILL_DEPLOYMENT"] == prefill
+    assert env["TANDEM_DECODE_DEPLOYMENT"] == decode
+    assert env["TANDEM_NAMESPACE"] == "serving"
+    assert env["TANDEM_KUBECONFIG"] == ""
+    assert env["TANDEM_ACTUATOR"] == "kubernetes"
+    # No other pod gets API credentials.
+    for workload in _workloads(objects):
+        if workload is not deployment:
+            assert workload["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+# -- workers -----------------------------------------------------------------------------------
+
+
+def test_worker_pods(helm: Helm) -> None:
+    objects = helm.render("--set-json", "decode.config.drain_timeout_s=100.5")
+    for role, drain in (("prefill", 30), ("decode", 100.5)):
+        deployment = one(objects, "Deployment", _name(role))
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = env_of(container)
+        assert container["command"] == ["python", "-m", f"services.{role}"]
+        assert env["TANDEM_HOST"] == "0.0.0.0"
+        assert env["TANDEM_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["TANDEM_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["TANDEM_PORT"] == str(container["ports"][0]["containerPort"])
+        assert env["TANDEM_MODEL_DIR"] == "/models/tandem-tiny-small"
+        assert pod["terminationGracePeriodSeconds"] > drain
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in container[
+            "volumeMounts"
+        ]
+        # The controller owns the worker counts: a manifest replica count would make every
+        # `helm upgrade` undo its decisions.
+        assert "replicas" not in deployment["spec"]
+    assert one(objects, "Deployment", _name("router"))["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize(
+    "flags", [["--set", "controller.enabled=false"], ["--set", "controller.config.actuator=none"]]
+)
+def test_fixed_worker_counts_without_the_kubernetes_actuator(helm: Helm, flags: list[str]) -> None:
+    objects = helm.render(*flags, "--set", "prefill.replicas=3", "--set", "decode.replicas=5")
+    assert one(objects, "Deployment", _name("prefill"))["spec"]["replicas"] == 3
+    assert one(objects, "Deployment", _name("decode"))["spec"]["replicas"] == 5
+
+
+def test_model_volume_from_values(helm: Helm, tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "dir": "/weights/llama",
+                    "mountPath": "/weights",
+                    "volume": {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}},
+                }
+            }
+        )
+    )
+    objects = helm.render("-f", str(values))
+    for component in ("router", "prefill", "decode"):
+        pod = one(objects, "Deployment", _name(component))["spec"]["template"]["spec"]
+        assert "initContainers" not in pod  # nothing to generate
+        assert pod["volumes"] == [
+            {"name": "model", "persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}
+        ]
+        assert env_of(pod["containers"][0])["TANDEM_MODEL_DIR"] == "/weights/llama"
+    with pytest.raises(HelmError, match="model.dir .* must lie under model.mountPath"):
+        helm.template("--set", "model.dir=/elsewhere/llama")
+
+
+def test_gpu_values(helm: Helm) -> None:
+    objects = helm.render("-f", str(GPU_VALUES))
+    for role in ("prefill", "decode"):
+        pod = one(objects, "Deployment", _name(role))["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        limits = container["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1
+        assert any(key.startswith("rdma/") for key in limits)
+        env = env_of(container)
+        assert env["UCX_TLS"].startswith("rc")
+        assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert pod["nodeSelector"]
+        drain = float(env["TANDEM_DRAIN_TIMEOUT_S"])
+        assert pod["terminationGracePeriodSeconds"] > drain
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod[
+            "volumes"
+        ]
+    router = containers(one(objects, "Deployment", _name("router")))[0]
+    assert not any(name.startswith("UCX_") for name in env_of(router))
+    assert "nvidia.com/gpu" not in json.dumps(router)
+
+
+# -- Redis -------------------------------------------------------------------------------------
+
+
+def _redis_urls(objects: list[dict[str, Any]]) -> dict[str, str]:
+    urls = {}
+    for workload in _workloads(objects):
+        env = env_of(containers(workload)[0])
+        if "TANDEM_REDIS_URL" in env:
+            urls[_component(workload)] = env["TANDEM_REDIS_URL"]
+    return urls
+
+
+def test_bundled_redis(helm: Helm) -> None:
+    objects = helm.render()
+    statefulset = one(objects, "StatefulSet", _name("redis"))
+    service = one(objects, "Service", _name("redis"))
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert containers(statefulset)[0]["image"] == "redis:7.2"
+    port = service["spec"]["ports"][0]["port"]
+    url = f"redis://{_name('redis')}:{port}/0"
+    assert _redis_urls(objects) == dict.fromkeys(["router", "prefill", "decode", "controller"], url)
+
+
+def test_external_redis(helm: Helm) -> None:
+    url = "rediss://cache.example.com:6380/2"
+    objects = helm.render("--set", "redis.enabled=false", "--set", f"redis.url={url}")
+    assert find(objects, "StatefulSet") == []
+    assert [o for o in objects if _component(o) == "redis"] == []
+    assert _redis_urls(objects) == dict.fromkeys(["router", "prefill", "decode", "controller"], url)
+    with pytest.raises(HelmError, match="redis.url is required when redis.enabled is false"):
+        helm.template("--set", "redis.enabled=false")
+    with pytest.raises(HelmError, match="not both"):
+        helm.template("--set", f"redis.url={url}")
+
+
+# -- network policy ----------------------------------------------------------------------------
+
+
+def test_network_policies(helm: Helm) -> None:
+    objects = helm.render()
+    release = {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": RELEASE}
+    workers = {
+        "key": "app.kubernetes.io/component",
+        "operator": "In",
+        "values": ["prefill", "decode"],
+    }
+    policies = {p["metadata"]["name"]: p["spec"] for p in find(objects, "NetworkPolicy")}
+    assert set(policies) == {_name(c) for c in ("router", "workers", "controller", "redis")}
+    for spec in policies.values():
+        assert spec["policyTypes"] == ["Ingress"]
+
+    # Clients reach the router's port only, from anywhere.
+    assert policies[_name("router")]["ingress"] == [{"ports": [{"port": 50051, "protocol": "TCP"}]}]
+    # Release pods reach the workers' gRPC ports; workers reach each other on any port.
+    worker_policy = policies[_name("workers")]
+    assert worker_policy["podSelector"] == {"matchLabels": release, "matchExpressions": [workers]}
+    from_release, from_workers = worker_policy["ingress"]
+    assert from_release == {
+        "from": [{"podSelector": {"matchLabels": release}}],
+        "ports": [{"port": 50052, "protocol": "TCP"}, {"port": 50053, "protocol": "TCP"}],
+    }
+    assert from_workers == {
+        "from": [{"podSelector": {"matchLabels": release, "matchExpressions": [workers]}}]
+    }
+    # Controller and Redis: this release's pods only, on their ports.
+    (controller_rule,) = policies[_name("controller")]["ingress"]
+    assert controller_rule["from"] == [{"podSelector": {"matchLabels": release}}]
+    assert [p["port"] for p in controller_rule["ports"]] == [50061, 9090]
+    (redis_rule,) = policies[_name("redis")]["ingress"]
+    assert redis_rule == {
+        "from": [{"podSelector": {"matchLabels": release}}],
+        "ports": [{"port": 6379, "protocol": "TCP"}],
+    }
+    # Every pod of the release carries the labels the rules select on.
+    for workload in _workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert release.items() <= labels.items()
+
+
+def test_network_policy_peers_from_values(helm: Helm, tmp_path: Path) -> None:
+    monitoring = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    clients = {"podSelector": {"matchLabels": {"role": "frontend"}}}
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        yaml.safe_dump({"networkPolicy": {"routerFrom": [clients], "metricsFrom": [monitoring]}})
+    )
+    objects = helm.render("-f", str(values))
+    router = one(objects, "NetworkPolicy", _name("router"))["spec"]
+    assert router["ingress"][0]["from"] == [clients]
+    controller = one(objects, "NetworkPolicy", _name("controller"))["spec"]
+    assert controller["ingress"][1] == {
+        "from": [monitoring],
+        "ports": [{"port": 9090, "protocol": "TCP"}],
+    }
+    assert find(helm.render("--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
+
+
+# -- ServiceMonitor ----------------------------------------------------------------------------
+
+
+def test_service_monitor(helm: Helm) -> None:
+    assert find(helm.render(), "ServiceMonitor") == []
+    with pytest.raises(HelmError, match="does not serve monitoring.coreos.com/v1 ServiceMonitor"):
+        helm.template("--set", "controller.serviceMonitor.enabled=true")
+
+    objects = helm.render(
+        "--set",
+        "controller.serviceMonitor.enabled=true",
+        "--api-versions",
+        "monitoring.coreos.com/v1/ServiceMonitor",
+    )
+    monitor = one(objects, "ServiceMonitor", _name("controller"))
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    service = one(objects, "Service", _name("controller"))
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert {"name": "metrics", "port": 9090} in [
+        {"name": p["name"], "port": p["port"]} for p in service["spec"]["ports"]
+    ]
