@@ -193,3 +193,35 @@ def test_controller_without_the_role_reports_403_and_changes_nothing(
             proc.wait(timeout=30)
     assert "needs get/patch on deployments/scale" in error
     assert replicas(kube, "tandem-prefill") == before
+
+
+def test_actuator_retries_a_409_from_a_concurrent_scale(
+    kube: KubeCluster, release: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The actuator computes its patch from a resourceVersion that an operator's `kubectl
+    scale` has made stale: the API server answers 409, the actuator re-reads and wins."""
+    from kubernetes import client
+
+    from services.controller.actuators import KubernetesActuator
+
+    actuator = KubernetesActuator(
+        NS, {"prefill": "tandem-prefill", "decode": "tandem-decode"}, str(kube.admin_kubeconfig)
+    )
+    have, stale_version = actuator._read("decode")
+    with kube.api_client() as api:  # the operator scales in between
+        client.AppsV1Api(api).patch_namespaced_deployment_scale(
+            "tandem-decode", NS, {"spec": {"replicas": have + 1}}
+        )
+    reads: list[str] = []
+    real_read = actuator._read
+
+    def read_stale_first(role: str) -> tuple[int, str]:
+        reads.append(role)
+        return (have, stale_version) if len(reads) == 1 else real_read(role)
+
+    actuator._read = read_stale_first  # type: ignore[method-assign]
+    with caplog.at_level("WARNING"):
+        actuator._scale_one("decode", have + 3)
+    assert "changed under us (409)" in caplog.text
+    assert len(reads) == 2
+    assert replicas(kube, "tandem-decode") == have + 3
