@@ -1,21 +1,25 @@
-"""Prefix-aware routing (issue 4): kv vs round_robin vs load placement on one cluster.
+"""Prefix-aware routing (issue 4): kv vs round_robin vs load placement.
 
     .venv/bin/python benchmarks/bench_routing.py [--quick]
 
-One `tandem up` cluster (Redis, 2 prefill workers, 1 decode worker, 1 torch thread each) and
-three extra router processes on it, one per policy, all with `--disagg-min-uncached-tokens 0`
-so every request is disaggregated and the prefill placement is what is measured.
+Each policy gets a fresh `tandem up` cluster with its defaults (Redis, 2 prefill workers,
+1 decode worker, 256 MiB of KV cache each; 1 torch thread per worker on this 2-core machine)
+and a router started with `--policy P` and otherwise default flags, so every policy sees the
+same cold caches and the same requests, one after the other.
 
 (1) Shared prefixes, like a fleet of assistants: N system prompts of L tokens, each request
-    one of them (uniformly) plus a short unique question, short greedy outputs. Rounds run
-    A B C A B C over the same Poisson arrivals; each policy has its own prompt salt (its own
-    system prompts), kept across its rounds, so no policy finds another's prefixes cached and
-    round 1 of each starts cold. Reports TTFT, prefix hit rate (sum of prompt tokens the
-    prefill worker found cached / sum of prompt tokens, and the fraction of requests with a
-    hit) and throughput.
-(2) Skewed: one prefix takes `hot_share` of the traffic. The prefill workers' GetStats
-    (queued_prefill_tokens) is sampled every 50 ms during the run; reports per-worker mean
-    and peak queue depth and the max/mean ratio across workers, plus where the work went.
+    one of them (uniformly) plus a short unique question, short greedy outputs, Poisson
+    arrivals; `rounds` rounds of the same prompts. The router's defaults include conditional
+    disaggregation (`--disagg-min-uncached-tokens 64`): the kv policy knows what the decode
+    worker has cached and lets it prefill a short uncached tail itself; round_robin and load
+    know no caches and disaggregate every long prompt. Reports TTFT, prefix hit rate (prompt
+    tokens found cached by whichever worker prefilled / prompt tokens, and the fraction of
+    requests with a hit), throughput, and where requests were prefilled.
+(2) Skewed: one prefix takes `hot_share` of the traffic, on 3 prefill workers (a third joins
+    the cluster; with two, the larger queue can never exceed twice the mean) through a second
+    router with `--disagg-min-uncached-tokens 0`, so every request goes to a prefill worker
+    and their queues are what is measured. GetStats (queued_prefill_tokens) is sampled every
+    50 ms; reports per-worker mean and peak queue depth and the max/mean ratio.
 
 Writes benchmarks/results/routing[-quick].{json,png}; the full run also rewrites the
 "## Prefix-aware routing (issue 4)" section of BENCHMARKS.md.
@@ -66,7 +70,6 @@ BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
 SECTION = "## Prefix-aware routing (issue 4)"
 MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
 POLICIES = ("kv", "round_robin", "load")
-KV_CACHE_BYTES = 1 << 30  # per worker: every policy's prefixes fit side by side
 VOCAB = 8192
 SLA = Sla(ttft_ms=2000.0, itl_p90_ms=100.0)  # loadgen's summary wants one; not a target here
 
@@ -78,12 +81,12 @@ def log(msg: str) -> None:
 @dataclass(frozen=True, slots=True)
 class Sizes:
     num_prefixes: int = 8
-    prefix_len: int = 512  # 1024 overloaded this shared 2-core machine at any useful rate
+    prefix_len: int = 1024
     question_len: tuple[int, int] = (16, 32)
     output_len: tuple[int, int] = (8, 16)
     rounds: int = 2
     per_round: int = 32
-    rate: float = 0.5
+    rate: float = 0.4
     concurrency: int = 16
     skew_requests: int = 40
     skew_rate: float = 2.0  # high enough that prefill queues form
@@ -135,11 +138,11 @@ def _die_with_parent() -> None:
 
 
 class RouterProc:
-    """`python -m services.router --policy P` against the cluster's Redis."""
+    """`python -m services.router --policy P [flags]` against a cluster's Redis."""
 
-    def __init__(self, policy: str, redis_url: str, log_dir: Path) -> None:
+    def __init__(self, policy: str, redis_url: str, log_dir: Path, *flags: str) -> None:
         self.policy = policy
-        self.log_path = log_dir / f"router-{policy}.log"
+        self.log_path = log_dir / f"router-{policy}{'-'.join(('', *flags))}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [
@@ -154,9 +157,8 @@ class RouterProc:
                 "0",
                 "--policy",
                 policy,
-                "--disagg-min-uncached-tokens",
-                "0",
-            ],
+                *flags,
+            ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
@@ -323,81 +325,61 @@ async def _send(target: RouterTarget, specs: list[RequestSpec], concurrency: int
     return await _run(target, specs, concurrency, closed_loop=False)
 
 
-async def warm_up(targets: dict[str, RouterTarget], sizes: Sizes) -> None:
-    """Short unique prompts through each router: channels, torch's first calls. They share
-    no prefix with anything measured."""
-    for i, t in enumerate(targets.values()):
-        specs = make_specs(replace(sizes, prefix_len=16), sizes.warmup, 100.0, 900 + i, 900 + i)
-        await _run(t, specs, 2, closed_loop=True)
+async def warm_up(target: RouterTarget, sizes: Sizes) -> None:
+    """Short unique prompts: channels, torch's first calls. They share no prefix with anything
+    measured."""
+    specs = make_specs(replace(sizes, prefix_len=16), sizes.warmup, 100.0, 900, 900)
+    await _run(target, specs, 2, closed_loop=True)
 
 
 async def bench_shared(
-    targets: dict[str, RouterTarget], sizes: Sizes, prefill_ids: list[str]
-) -> dict[str, Any]:
-    per_round: dict[str, list[RunResult]] = {p: [] for p in targets}
-    rounds = []
-    for rnd in range(sizes.rounds):
-        for k, policy in enumerate(targets):
-            specs = make_specs(sizes, sizes.per_round, sizes.rate, seed=rnd, salt=k + 1)
-            log(f"(1) round {rnd + 1}/{sizes.rounds}: {policy}, {len(specs)} requests")
-            res = await _send(targets[policy], specs, sizes.concurrency)
-            per_round[policy].append(res)
+    address: str, policy: str, sizes: Sizes, prefill_ids: list[str]
+) -> tuple[RunResult, list[dict[str, Any]]]:
+    target = RouterTarget(address, name=policy)
+    rounds, results = [], []
+    try:
+        await warm_up(target, sizes)
+        for rnd in range(sizes.rounds):
+            specs = make_specs(sizes, sizes.per_round, sizes.rate, seed=rnd, salt=1)
+            log(f"(1) {policy}: round {rnd + 1}/{sizes.rounds}, {len(specs)} requests")
+            res = await _send(target, specs, sizes.concurrency)
+            results.append(res)
             st = routing_stats(res, prefill_ids)
             rounds.append({"round": rnd + 1, "policy": policy, **st})
             log(
                 f"    TTFT p50 {st['ttft_ms']['p50']:.0f} ms, p90 {st['ttft_ms']['p90']:.0f} ms, "
                 f"hit {st['token_hit_rate']:.0%} ({st['request_hit_fraction']:.0%} of reqs), "
+                f"disaggregated {st['disaggregated_fraction']:.0%}, "
                 f"ok {st['num_ok']}/{st['num_requests']}"
             )
-    merged = {p: RunResult.concat(rs) for p, rs in per_round.items()}
-    return {
-        "policies": {p: routing_stats(r, prefill_ids) for p, r in merged.items()},
-        "rounds": rounds,
-        "ttfts_ms": {
-            p: sorted(x.ttft_s * 1e3 for x in r.records if x.ok) for p, r in merged.items()
-        },
-    }
+    finally:
+        await target.close()
+    return RunResult.concat(results), rounds
 
 
 async def bench_skew(
-    targets: dict[str, RouterTarget], sizes: Sizes, prefill: dict[str, str]
+    address: str, policy: str, sizes: Sizes, prefill: dict[str, str]
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, policy in enumerate(targets):
-        specs = make_specs(
-            sizes,
-            sizes.skew_requests,
-            sizes.skew_rate,
-            seed=100,
-            salt=10 + k,
-            hot_share=sizes.hot_share,
-        )
-        log(f"(2) skewed: {policy}, {len(specs)} requests")
-        sampler = QueueSampler(prefill)
-        sampler.start()
-        res = await _send(targets[policy], specs, sizes.concurrency)
-        await sampler.stop()
-        st = routing_stats(res, list(prefill))
-        q = queue_stats(sampler.samples)
-        out[policy] = {**st, "queue": q, "queue_series": sampler.samples}
-        log(
-            f"    TTFT p50 {st['ttft_ms']['p50']:.0f} ms, queue mean max/mean "
-            f"{_ratio(q['max_over_mean'])}, peak max/mean {_ratio(q['peak_max_over_mean'])}, "
-            f"per worker {st['per_prefill_worker']}"
-        )
-    return out
-
-
-async def run_all(routers: dict[str, str], sizes: Sizes, prefill: dict[str, str]) -> dict[str, Any]:
-    targets = {p: RouterTarget(a, name=p) for p, a in routers.items()}
+    target = RouterTarget(address, name=policy)
+    specs = make_specs(
+        sizes, sizes.skew_requests, sizes.skew_rate, seed=100, salt=10, hot_share=sizes.hot_share
+    )
+    log(f"(2) skewed: {policy}, {len(specs)} requests on {len(prefill)} prefill workers")
+    sampler = QueueSampler(prefill)
+    sampler.start()
     try:
-        await warm_up(targets, sizes)
-        shared = await bench_shared(targets, sizes, list(prefill))
-        skew = await bench_skew(targets, sizes, prefill)
+        res = await _send(target, specs, sizes.concurrency)
     finally:
-        for t in targets.values():
-            await t.close()
-    return {"shared": shared, "skew": skew}
+        await sampler.stop()
+        await target.close()
+    st = routing_stats(res, list(prefill))
+    q = queue_stats(sampler.samples)
+    log(
+        f"    TTFT p50 {st['ttft_ms']['p50']:.0f} ms, queue mean max/mean "
+        f"{_ratio(q['max_over_mean'])}, peak max/mean {_ratio(q['peak_max_over_mean'])}, "
+        f"per worker {st['per_prefill_worker']}"
+    )
+    return {**st, "queue": q, "queue_series": sampler.samples}
 
 
 async def _prefill_workers(redis_url: str) -> dict[str, str]:
@@ -408,42 +390,62 @@ async def _prefill_workers(redis_url: str) -> dict[str, str]:
         await reg.close()
 
 
-def run(sizes: Sizes, log_dir: Path) -> dict[str, Any]:
-    os.environ["TANDEM_NUM_THREADS"] = "1"  # one torch thread per worker on 2 cores
+def run_policy(policy: str, sizes: Sizes, log_dir: Path) -> dict[str, Any]:
+    """(1) and (2) for one policy on a fresh cluster."""
     cluster = Cluster(
         UpConfig(
-            model_dir=str(MODEL_DIR),
-            port=0,
-            num_prefill=2,
-            num_decode=1,
-            kv_cache_bytes=KV_CACHE_BYTES,
-            disagg_min_uncached_tokens=0,
-            run_dir=str(log_dir),
+            model_dir=str(MODEL_DIR), port=0, num_prefill=2, num_decode=1, run_dir=str(log_dir)
         )
     )
     routers: list[RouterProc] = []
     try:
-        log("starting the cluster (2 prefill + 1 decode)")
+        log(f"{policy}: starting a cluster (2 prefill + 1 decode, tandem up defaults)")
         cluster.start()
         wait_for_router(cluster.router_address)
-        routers = [RouterProc(p, cluster.redis_url, log_dir) for p in POLICIES]
-        for r in routers:
-            r.wait_ready()
-            wait_for_router(r.address)
+        routers.append(RouterProc(policy, cluster.redis_url, log_dir))
+        routers[-1].wait_ready()
+        wait_for_router(routers[-1].address)
         prefill = asyncio.run(_prefill_workers(cluster.redis_url))
-        log(f"routers {[(r.policy, r.address) for r in routers]}, prefill {prefill}")
-        time.sleep(1.0)  # let every router's watcher see all workers
-        data = asyncio.run(run_all({r.policy: r.address for r in routers}, sizes, prefill))
+        time.sleep(1.0)  # the router's watcher sees every worker
+        merged, rounds = asyncio.run(bench_shared(routers[0].address, policy, sizes, list(prefill)))
+
+        log(f"{policy}: adding a third prefill worker and a router that always disaggregates")
+        cluster.add_worker("prefill")
+        routers.append(
+            RouterProc(policy, cluster.redis_url, log_dir, "--disagg-min-uncached-tokens", "0")
+        )
+        routers[-1].wait_ready()
+        wait_for_router(routers[-1].address)
+        while len(prefill := asyncio.run(_prefill_workers(cluster.redis_url))) < 3:
+            time.sleep(0.5)
+        time.sleep(1.5)  # every router's watcher sees it
+        skew = asyncio.run(bench_skew(routers[1].address, policy, sizes, prefill))
         # A worker that misses heartbeats (a starved CPU) "leaves": routers drop its index
-        # entries. Count it, since it costs the kv policy its affinity for a while.
-        data["worker_left_events"] = {
-            r.policy: r.log_path.read_text().count("worker left") for r in routers
-        }
-        return data
+        # entries, which costs the kv policy its affinity for a while. Count those events.
+        left = sum(r.log_path.read_text().count("worker left") for r in routers)
+        return {"merged": merged, "rounds": rounds, "skew": skew, "worker_left_events": left,
+                "prefill_ids": list(prefill)[:2]}  # fmt: skip
     finally:
         for r in routers:
             r.stop()
         cluster.stop()
+
+
+def run(sizes: Sizes, log_dir: Path) -> dict[str, Any]:
+    os.environ["TANDEM_NUM_THREADS"] = "1"  # one torch thread per worker on 2 cores
+    per = {p: run_policy(p, sizes, log_dir / p) for p in POLICIES}
+    return {
+        "shared": {
+            "policies": {p: routing_stats(d["merged"], d["prefill_ids"]) for p, d in per.items()},
+            "rounds": [r for d in per.values() for r in d["rounds"]],
+            "ttfts_ms": {
+                p: sorted(x.ttft_s * 1e3 for x in d["merged"].records if x.ok)
+                for p, d in per.items()
+            },
+        },
+        "skew": {p: d["skew"] for p, d in per.items()},
+        "worker_left_events": {p: d["worker_left_events"] for p, d in per.items()},
+    }
 
 
 # -- output --------------------------------------------------------------------------------
@@ -522,12 +524,15 @@ def section_markdown(report: dict[str, Any]) -> str:
         report["command"],
         "```",
         "",
-        f"Machine: {report['machine']}. Model `small` (12 layers, fp32). One cluster: Redis, "
-        "2 prefill + 1 decode workers (1 torch thread each), and one router per policy on it, "
-        "all with `--disagg-min-uncached-tokens 0`: every request is disaggregated, so the "
-        "prefill placement is what differs. Rounds alternate policies (kv, round_robin, load, "
-        "kv, ...) over the same Poisson arrivals; each policy has its own system prompts "
-        "(prompt salt), so nothing one policy cached helps another, and each starts cold.",
+        f"Machine: {report['machine']}. Model `small` (12 layers, fp32). Each policy runs on "
+        "a fresh `tandem up` cluster with its defaults (Redis, 2 prefill + 1 decode workers, "
+        "256 MiB of KV cache each, 1 torch thread each) behind a router started with "
+        "`--policy P` and default flags, so all three see the same cold caches and the same "
+        "requests. The defaults include conditional disaggregation (prompts with fewer than "
+        "64 *uncached* tokens are prefilled by the decode worker): the kv policy knows what "
+        "the decode worker holds, so once it has pulled a system prompt's KV it prefills later "
+        "questions on that prompt itself; round_robin and load know no caches and send every "
+        "long prompt to a prefill worker.",
         "",
         f"### (1) Shared prefixes: {sz['num_prefixes']} system prompts x {sz['prefix_len']} "
         f"tokens, questions {sz['question_len'][0]}-{sz['question_len'][1]} tokens, outputs "
@@ -535,7 +540,7 @@ def section_markdown(report: dict[str, Any]) -> str:
         f"{sz['rounds']} x {sz['per_round']} requests per policy at {sz['rate']} req/s",
         "",
         "| policy | ok | TTFT p50 / p90 (ms) | prompt tokens cached | requests with a hit "
-        "| out tok/s | req/s | requests on prefill-0 / prefill-1 |",
+        "| out tok/s | req/s | requests prefilled on prefill-0 / prefill-1 / decode |",
         "|" + "---|" * 8,
     ]
     for p, s in pol.items():
@@ -545,7 +550,8 @@ def section_markdown(report: dict[str, Any]) -> str:
             f"| {_f(s['ttft_ms']['p50'])} / {_f(s['ttft_ms']['p90'])} "
             f"| {s['token_hit_rate']:.1%} | {s['request_hit_fraction']:.1%} "
             f"| {_f(s['throughput_tok_s'], 1)} | {_f(s['request_rate'], 2)} "
-            f"| {' / '.join(str(v['requests']) for v in w.values())} |"
+            f"| {' / '.join(str(v['requests']) for v in w.values())} / "
+            f"{s['num_ok'] - sum(v['requests'] for v in w.values())} |"
         )
     lines += [
         "",
@@ -572,12 +578,15 @@ def section_markdown(report: dict[str, Any]) -> str:
         f"### (2) Skewed: {sz['hot_share']:.0%} of requests on one system prompt, "
         f"{sz['skew_requests']} requests per policy at {sz['skew_rate']} req/s",
         "",
-        "Queue depth = the prefill workers' `queued_prefill_tokens` (GetStats, every 50 ms). "
-        "max/mean = the larger worker's time-averaged queue over the mean of the two "
-        "(with 2 workers it cannot exceed 2.0, so the peaks are shown too).",
+        "A third prefill worker joins the cluster for this part (with two, the larger queue "
+        "cannot exceed twice the mean). Queue depth = the prefill workers' "
+        "`queued_prefill_tokens` (GetStats, every 50 ms). max/mean (mean) = the largest "
+        "worker's time-averaged queue over the mean across workers; max/mean (peak) the same "
+        "for peak queues. Target: no worker's queue above 2x the mean.",
         "",
-        "| policy | TTFT p50 / p90 (ms) | requests P0 / P1 | prompt tokens computed P0 / P1 "
-        "| mean queue P0 / P1 | peak queue P0 / P1 | max/mean (mean) | max/mean (peak) |",
+        "| policy | TTFT p50 / p90 (ms) | requests per worker | prompt tokens computed per "
+        "worker | mean queue per worker | peak queue per worker | max/mean (mean) "
+        "| max/mean (peak) |",
         "|" + "---|" * 8,
     ]
     for p, s in report["skew"].items():

@@ -157,7 +157,7 @@ class Cluster:
 
     def add_worker(self, role: str) -> None:
         child = self._spawn_worker(role)
-        print(f"autoscale: started {child.name}", file=sys.stderr)
+        print(f"started {child.name}", file=sys.stderr)
 
     def remove_worker(self, role: str) -> None:
         """SIGTERM the newest worker of `role`: it drains its requests, then exits."""
@@ -168,7 +168,7 @@ class Cluster:
             child = victims[-1]
             self._stopping.add(child.name)
         child.proc.send_signal(signal.SIGTERM)
-        print(f"autoscale: draining {child.name}", file=sys.stderr)
+        print(f"draining {child.name}", file=sys.stderr)
         threading.Thread(target=self._reap, args=(child,), daemon=True).start()
 
     def _reap(self, child: Child) -> None:

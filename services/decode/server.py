@@ -112,6 +112,9 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 if chunk.token_ids or chunk.text:
                     yield wpb.DecodeResponse(request_id=rid, chunk=chunk)
                 if out.finished:
+                    # Prompt tokens this worker found in its own prefix cache (with pulled KV,
+                    # the part it did not need to read; without, the part it did not prefill).
+                    complete.num_cached_tokens = out.num_cached_tokens
                     complete.finish_reason = convert.finish_reason_to_proto(out.finish_reason)
                     complete.stop_reason = convert.stop_reason_to_proto(out.stop_reason)
                     yield wpb.DecodeResponse(request_id=rid, complete=complete)

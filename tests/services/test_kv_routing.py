@@ -87,6 +87,50 @@ def test_shared_prefix_follows_the_cache_and_survives_redis_dying(procs, model_d
         stop(*started)
 
 
+def test_decode_worker_holding_the_prefix_prefills_the_tail_itself(procs, model_dir, redis_url):
+    """Conditional disaggregation on *uncached* tokens: once the decode worker has pulled a
+    prompt's KV, a request sharing that prefix with a short new tail is prefilled on the decode
+    worker, from its cache, with no prefill hop or transfer; outputs stay exact."""
+    worker, router, stop = procs.worker, procs.router, procs.stop
+    started = [
+        worker("prefill", model_dir, redis_url, "p0")[0],
+        worker("decode", model_dir, redis_url, "d0")[0],
+    ]
+    rtr, address = router(model_dir, redis_url)  # default: --disagg-min-uncached-tokens 64
+    started.append(rtr)
+    rng = random.Random(1)
+    prefix = rng.choices(range(5, 512), k=320)  # 20 blocks of 16
+    try:
+        with TandemClient(address, timeout_s=60) as client:
+            until(lambda: _ok(client), what="router ready")
+            first = client.generate(prefix + [7, 8, 9], max_tokens=4, temperature=0.0)
+            assert first.disaggregated and first.prefill_worker == "p0"
+            tail = rng.choices(range(5, 512), k=20)
+
+            def on_decode():
+                r = client.generate(prefix + tail, max_tokens=4, temperature=0.0)
+                return r if not r.disaggregated else None
+
+            local = until(on_decode, what="the decode worker's cache to reach the index")
+            assert local.decode_worker == "d0"
+            assert local.route_cached_tokens >= 320
+            assert local.cached_prompt_tokens >= 320  # prefilled from d0's own cache
+            assert "prefill on d0" in local.route_reason
+            # A different long prompt still goes to the prefill worker.
+            other = client.generate(rng.choices(range(5, 512), k=200), max_tokens=2)
+            assert other.disaggregated and other.cached_prompt_tokens == 0
+    finally:
+        stop(*started)
+
+    # The same prompt on a single engine gives the same tokens.
+    from tandem.config import EngineConfig
+    from tandem.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir)))
+    [ref] = engine.generate([prefix + tail], SamplingParams(max_tokens=4, temperature=0.0))
+    assert local.token_ids == ref.token_ids
+
+
 def _ok(client: TandemClient) -> bool:
     try:
         return client.generate([5, 6, 7], max_tokens=1).completion_tokens == 1
