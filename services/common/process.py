@@ -1,4 +1,4 @@
-"""Process plumbing shared by the service entry points: logging, signals, run-until-stop."""
+"""Process plumbing shared by the services: logging, signals, run-until-stop, gRPC server."""
 
 from __future__ import annotations
 
@@ -7,6 +7,11 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 
 def setup_logging(name: str) -> None:
@@ -49,3 +54,29 @@ def run_worker(server_cls: type, role: str) -> None:
         )
 
     asyncio.run(run())
+
+
+async def start_grpc_server(
+    host: str,
+    port: int,
+    service_names: tuple[str, ...],
+    add_servicers: Callable[[grpc.aio.Server], None],
+    health_servicer: health.aio.HealthServicer,
+    options: list[tuple[str, Any]] | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Start an aio server with our services, gRPC health (SERVING) and reflection.
+
+    Returns (server, bound port); port 0 picks a free one. Raises RuntimeError when the
+    address cannot be bound."""
+    server = grpc.aio.server(options=options)
+    add_servicers(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port}")
+    await server.start()
+    for name in (*service_names, ""):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -10,12 +10,12 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from services.common import convert
 from services.common.engine_loop import EngineLoop
 from services.common.kv_events import KVEventPublisher
+from services.common.process import start_grpc_server
 from services.common.redis_index import RedisPrefixIndex
 from services.common.registry import Heartbeat, Registry, WorkerInfo
 from tandem.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
@@ -144,19 +144,15 @@ class Worker:
     async def start(self) -> None:
         self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop())
         self.loop_runner.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        self.add_servicers(server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        names = (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
-        await server.start()
-        self.server = server
+        self.server, port = await start_grpc_server(
+            self.config.host,
+            self.config.port,
+            self.service_names,
+            self.add_servicers,
+            self.health,
+            options=[("grpc.so_reuseport", 0)],
+        )
         self.address = f"{self.config.advertise_host or self.config.host}:{port}"
-        for name in (*self.service_names, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.redis_url:
             self._index = RedisPrefixIndex(self.config.redis_url)
             self._publisher = KVEventPublisher(

@@ -24,11 +24,11 @@ from typing import Any
 
 import grpc
 import redis.asyncio as aioredis
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from redis.exceptions import RedisError
 
 from services.common import convert
+from services.common.process import start_grpc_server
 from services.common.registry import Registry, WorkerInfo
 from services.common.request_log import RequestLogReader
 from services.controller.actuators import Actuator, ActuatorError
@@ -116,20 +116,14 @@ class Controller(agrpc.AdminServicer):
             self._redis = aioredis.Redis.from_url(self.config.redis_url, socket_timeout=2.0)
             self._registry = Registry(self.config.redis_url)
             await self._load_settings()
-        server = grpc.aio.server()
-        agrpc.add_AdminServicer_to_server(self, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        self._server, port = await start_grpc_server(
+            self.config.host,
+            self.config.port,
+            (SERVICE_NAME,),
+            lambda server: agrpc.add_AdminServicer_to_server(self, server),
+            self._health,
         )
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
-        await server.start()
-        self._server = server
         self.address = f"{self.config.host}:{port}"
-        for name in (SERVICE_NAME, ""):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port:
             self._metrics = _Metrics(self.config.host, self.config.metrics_port)
         if run_loop:

@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from services.common import convert
+from services.common.process import start_grpc_server
 from services.common.redis_index import RedisPrefixIndex
 from services.common.registry import Registry, WorkerInfo, WorkerWatcher
 from services.common.request_log import RequestLog
@@ -141,20 +141,14 @@ class RouterServer(rgrpc.RouterServicer):
             await self._watcher.start()
             self._request_log = RequestLog(self.config.redis_url, self.model_id)
             await self._request_log.start()
-        server = grpc.aio.server()
-        rgrpc.add_RouterServicer_to_server(self, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        self.server, port = await start_grpc_server(
+            self.config.host,
+            self.config.port,
+            (SERVICE_NAME,),
+            lambda server: rgrpc.add_RouterServicer_to_server(self, server),
+            self.health,
         )
-        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        if port == 0:
-            raise RuntimeError(f"cannot listen on {self.config.host}:{self.config.port}")
-        await server.start()
-        self.server = server
         self.address = f"{self.config.host}:{port}"
-        for name in (SERVICE_NAME, ""):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("router serving %s on %s", self.model_id, self.address)
 
     async def stop(self) -> None:
