@@ -275,14 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(func=cmd_up)
 
     from tandem.ctl import add_parser as add_ctl_parser
+    from tandem.sim.cli import add_parser as add_sim_parser
 
     add_ctl_parser(sub)
-    try:
-        from tandem.sim.cli import add_parser as add_sim_parser
-    except ImportError:  # the simulator is optional
-        pass
-    else:
-        add_sim_parser(sub)
+    add_sim_parser(sub)
     return p
 
 

@@ -3,7 +3,7 @@ chart's `controller.config` values, as TANDEM_* env) map 1:1 to fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tandem.control import SLA, ControlConfig
 
@@ -51,6 +51,9 @@ class ControllerConfig:
     scale_down_stable_s: float = 60.0
     max_step: int = 2
     min_requests: int = 20
+    prefill_backlog_s: float = 0.0
+    decode_backlog_s: float = 0.0
+    max_down_step: int = 1
 
     def __post_init__(self) -> None:
         if self.actuator not in ACTUATORS:
@@ -64,19 +67,8 @@ class ControllerConfig:
 
     @property
     def control(self) -> ControlConfig:
-        return ControlConfig(
-            min_prefill=self.min_prefill,
-            max_prefill=self.max_prefill,
-            min_decode=self.min_decode,
-            max_decode=self.max_decode,
-            target_utilization=self.target_utilization,
-            hysteresis=self.hysteresis,
-            scale_up_cooldown_s=self.scale_up_cooldown_s,
-            scale_down_cooldown_s=self.scale_down_cooldown_s,
-            scale_down_stable_s=self.scale_down_stable_s,
-            max_step=self.max_step,
-            min_requests=self.min_requests,
-        )
+        """The policy's knobs: every ControlConfig field has a flag of the same name here."""
+        return ControlConfig(**{f.name: getattr(self, f.name) for f in fields(ControlConfig)})
 
     @property
     def sla(self) -> SLA:

@@ -9,11 +9,16 @@ The model, per role, fitted from the window:
 
   prefill  capacity C = tokens/s a worker computes while busy (sum tokens_per_s / sum
            busy_frac over busy samples); demand D = tokens/s computed now plus the queued
-           backlog spread over the TTFT target. want = ceil(D / (C * target_utilization)).
+           backlog spread over max(TTFT target, prefill_backlog_s).
+           want = ceil(D / (C * target_utilization)).
   decode   step time is modelled as step_ms = a + b * batch (least squares over
            (num_running, step_ms) samples); the batch a worker can carry is the largest
            whose predicted step fits the ITL target, capped by its KV blocks; demand is the
-           number of running + waiting sequences. want = ceil(demand / (batch * target_util)).
+           number of running + waiting sequences. want = ceil(demand / (batch * target_util)),
+           or, with decode_backlog_s > 0, the count that generates the token demand
+           (`decode_token_demand`) within that batch (`decode_workers_for`). Scale-down
+           always checks the token rate: fewer workers run bigger, slower batches, so the
+           same load holds more sequences (Little's law).
 
 Then corrections from what users saw: the fitted decode model is scaled by measured / predicted
 ITL, and a TTFT (ITL) p90 above the SLA while prefill (decode) is busy asks for one more worker
@@ -24,9 +29,9 @@ Turning `want` into a replica count, per role:
   - up: at once, at most `max_step` per decision, not within `scale_up_cooldown_s` of the
     role's last change;
   - down: only when even a stricter utilization target (target * (1 - hysteresis)) would
-    need fewer workers, continuously for `scale_down_stable_s`, one worker at a time, not
-    within `scale_down_cooldown_s` of the last change, and only when no worker of the role
-    is still draining from the previous scale-down.
+    need fewer workers, continuously for `scale_down_stable_s`, at most `max_down_step`
+    workers at a time (default 1), not within `scale_down_cooldown_s` of the last change,
+    and only when no worker of the role is still draining from the previous scale-down.
 A short burst therefore scales up and stays up until the load has been low for a while, and
 input that flaps between high and low does not make the count oscillate.
 
@@ -70,6 +75,15 @@ class ControlConfig:
         scale_down_stable_s: how long the load must stay low before a scale-down.
         max_step: most workers added to one role per decision.
         min_requests: requests needed in the window before SLA percentiles are trusted.
+        prefill_backlog_s: queued prefill tokens are planned to clear within
+            max(TTFT target, this); 0 keeps the TTFT target. A worker added now serves only
+            after it has started, so clearing a burst's queue within the TTFT target is
+            not something added workers can do; asking for it overshoots.
+        decode_backlog_s: 0 sizes decode scale-up by sequences (running + waiting over
+            the batch capacity). > 0 sizes it by token rate (see `decode_token_demand`):
+            sequences waiting for KV are planned to be served within this many seconds
+            instead of all being seated at once.
+        max_down_step: most workers removed from one role per decision.
     """
 
     min_prefill: int = 1
@@ -83,6 +97,9 @@ class ControlConfig:
     scale_down_stable_s: float = 60.0
     max_step: int = 2
     min_requests: int = 20
+    prefill_backlog_s: float = 0.0
+    decode_backlog_s: float = 0.0
+    max_down_step: int = 1
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -104,6 +121,11 @@ class ControlConfig:
             raise ValueError(f"max_step must be >= 1, got {self.max_step}")
         if self.min_requests < 1:
             raise ValueError(f"min_requests must be >= 1, got {self.min_requests}")
+        for name in ("prefill_backlog_s", "decode_backlog_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_down_step < 1:
+            raise ValueError(f"max_down_step must be >= 1, got {self.max_down_step}")
 
     def bounds(self, role: str) -> tuple[int, int]:
         if role == "prefill":
@@ -207,8 +229,13 @@ def _by_tick(samples: Sequence[WorkerSample]) -> list[list[WorkerSample]]:
     return [ticks[t] for t in sorted(ticks)]
 
 
-def fit_prefill(samples: Sequence[WorkerSample], sla: SLA) -> tuple[float | None, float, float]:
-    """(capacity tokens/s per busy worker or None, demand tokens/s, mean busy fraction)."""
+def fit_prefill(
+    samples: Sequence[WorkerSample], sla: SLA, backlog_s: float = 0.0
+) -> tuple[float | None, float, float]:
+    """(capacity tokens/s per busy worker or None, demand tokens/s, mean busy fraction).
+
+    Demand is the rate computed plus the queued backlog planned to clear within
+    max(TTFT target, backlog_s)."""
     busy = [s for s in samples if s.busy_frac >= 0.05]
     capacity = sum(s.tokens_per_s for s in busy) / sum(s.busy_frac for s in busy) if busy else None
     ticks = _by_tick(samples)
@@ -216,35 +243,91 @@ def fit_prefill(samples: Sequence[WorkerSample], sla: SLA) -> tuple[float | None
         return capacity, 0.0, 0.0
     rate = sum(sum(s.tokens_per_s for s in tick) for tick in ticks) / len(ticks)
     backlog = sum(s.queued_prefill_tokens for s in ticks[-1])
-    demand = rate + backlog / (sla.ttft_p90_ms / 1e3)
+    demand = rate + backlog / max(sla.ttft_p90_ms / 1e3, backlog_s)
     mean_busy = sum(s.busy_frac for s in samples) / len(samples)
     return capacity, demand, mean_busy
 
 
-def fit_decode_step(samples: Sequence[WorkerSample]) -> tuple[float, float] | None:
-    """Least-squares (a, b) of step_ms = a + b * num_running over busy decode samples.
+def fit_decode_step(samples: Sequence[WorkerSample]) -> tuple[tuple[float, float], bool] | None:
+    """Least-squares (a, b) of step_ms = a + b * num_running over busy decode samples, and
+    whether the slope is well determined. None when idle.
 
-    With a single batch size seen (no slope to fit) it assumes no fixed cost, a = 0, which
-    overestimates the per-sequence cost: the safe side for scaling. None when idle."""
+    A slope needs batch sizes that differ enough (by at least 2 sequences and a quarter of
+    the mean); with nearly equal batches the fit is noise. Then it assumes no fixed cost,
+    a = 0, b = mean step / mean batch, which overestimates the per-sequence cost (the safe
+    side for scaling), and reports the fit as not well determined, so that `decide` keeps
+    an earlier, well-determined model when it has one."""
     points = [(s.num_running, s.step_ms) for s in samples if s.num_running > 0 and s.step_ms > 0]
     if not points:
         return None
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx > 0:
+    spread = max(x for x, _ in points) - min(x for x, _ in points)
+    if spread >= max(2.0, 0.25 * mx):
+        sxx = sum((x - mx) ** 2 for x, _ in points)
         b = sum((x - mx) * (y - my) for x, y in points) / sxx
         a = my - b * mx
         if b > 0 and a >= 0:
-            return a, b
-    return 0.0, my / mx
+            return (a, b), True
+    return (0.0, my / mx), False
 
 
 def _want(demand: float, per_worker: float | None, utilization: float) -> int | None:
     if per_worker is None or per_worker <= 0:
         return None
     return math.ceil(demand / (per_worker * utilization) - 1e-9)
+
+
+def decode_token_rate(
+    ticks: Sequence[Sequence[WorkerSample]], step_model: tuple[float, float]
+) -> float:
+    """Tokens/s the decode workers generate, mean over the ticks, from each worker's batch
+    and the fitted step time (one token per sequence per step)."""
+    a, b = step_model
+    total = 0.0
+    for tick in ticks:
+        total += sum(1e3 * s.num_running / (a + b * s.num_running) for s in tick if s.num_running)
+    return total / len(ticks) if ticks else 0.0
+
+
+def decode_token_demand(
+    ticks: Sequence[Sequence[WorkerSample]],
+    step_model: tuple[float, float],
+    mean_output_tokens: float,
+    backlog_s: float,
+) -> float:
+    """Tokens/s decode has to generate: what it generates now, plus the growth of the
+    sequences waiting for KV (arrivals it does not keep up with), plus the waiting
+    sequences' tokens spread over `backlog_s`."""
+    rate = decode_token_rate(ticks, step_model)
+    waiting = sum(s.num_waiting for s in ticks[-1]) if ticks else 0
+    if len(ticks) >= 2:
+        span = ticks[-1][0].t - ticks[0][0].t
+        growth = (waiting - sum(s.num_waiting for s in ticks[0])) / span
+        rate += max(0.0, growth) * mean_output_tokens
+    return rate + waiting * mean_output_tokens / backlog_s
+
+
+def decode_workers_for(
+    token_rate: float, step_model: tuple[float, float], max_batch: float, waiting: float = 0.0
+) -> int:
+    """Fewest decode workers that generate `token_rate` tokens/s (and seat `waiting` more
+    sequences) with at most `max_batch` sequences each.
+
+    Fewer workers mean bigger batches, slower steps and so more sequences in flight for the
+    same rate (Little's law): with step_ms = a + b * B and C sequences on n workers,
+    R = 1000 * C / (a + b * C / n), so C(n) = (R * a / 1000) / (1 - R * b / (1000 * n)),
+    and n workers cannot keep up at all when R * b / 1000 >= n. Dividing today's sequence
+    count by the batch capacity instead predicts that a smaller count fits, shrinks, finds
+    the batches grown, and scales back up: an oscillation."""
+    a, b = step_model
+    n = 1
+    while True:
+        load = token_rate * b / 1e3 / n
+        if load < 1 and (token_rate * a / 1e3 / (1 - load) + waiting) / n <= max_batch + 1e-9:
+            return n
+        n += 1
 
 
 def decide(
@@ -262,13 +345,19 @@ def decide(
     figures: dict[str, float] = {}
 
     # -- prefill model ------------------------------------------------------------------
-    capacity, p_demand, p_busy = fit_prefill(prefill_samples, sla)
+    capacity, p_demand, p_busy = fit_prefill(prefill_samples, sla, config.prefill_backlog_s)
     capacity = capacity if capacity is not None else state.prefill_capacity_tps
     figures.update(prefill_demand_tps=p_demand, prefill_busy=p_busy)
     if capacity is not None:
         figures["prefill_capacity_tps"] = capacity
     # -- decode model -------------------------------------------------------------------
-    step_model = fit_decode_step(decode_samples) or state.decode_step_model
+    fitted = fit_decode_step(decode_samples)
+    if fitted is None:
+        step_model = state.decode_step_model
+    elif fitted[1] or state.decode_step_model is None:
+        step_model = fitted[0]
+    else:  # too little spread in batch sizes to fit a slope: keep the last good model
+        step_model = state.decode_step_model
     d_ticks = _by_tick(decode_samples)
     d_demand = (
         sum(sum(s.num_running + s.num_waiting for s in tick) for tick in d_ticks) / len(d_ticks)
@@ -306,15 +395,30 @@ def decide(
                 batch_cap = min(batch_cap, max(1.0, min(s.num_blocks for s in kv) / per_seq))
         figures["decode_batch_capacity"] = batch_cap
 
+    low_util = config.target_utilization * (1 - config.hysteresis)
     want_up = {
         "prefill": _want(p_demand, capacity, config.target_utilization),
         "decode": _want(d_demand, batch_cap, config.target_utilization),
     }
-    low_util = config.target_utilization * (1 - config.hysteresis)
-    want_down = {
-        "prefill": _want(p_demand, capacity, low_util),
-        "decode": _want(d_demand, batch_cap, low_util),
-    }
+    want_down = {"prefill": _want(p_demand, capacity, low_util), "decode": None}
+    if step_model is not None and batch_cap is not None:
+        # Down: the count that carries today's token rate (sequence counts grow when workers
+        # go, see decode_workers_for), never fewer than the sequence count alone says.
+        waiting = sum(sum(s.num_waiting for s in t) for t in d_ticks) / max(1, len(d_ticks))
+        rate = decode_token_rate(d_ticks, step_model)
+        want_down["decode"] = max(
+            _want(d_demand, batch_cap, low_util) or 0,
+            decode_workers_for(rate, step_model, batch_cap * low_util, waiting) if d_ticks else 0,
+        )
+        outputs = [r.output_tokens for r in obs.requests if r.output_tokens > 1]
+        if config.decode_backlog_s > 0 and d_ticks and outputs:
+            mean_out = sum(outputs) / len(outputs)
+            demand_tps = decode_token_demand(d_ticks, step_model, mean_out, config.decode_backlog_s)
+            figures["decode_demand_tps"] = demand_tps
+            figures["decode_mean_output_tokens"] = mean_out
+            want_up["decode"] = decode_workers_for(
+                demand_tps, step_model, batch_cap * config.target_utilization
+            )
     why_model = {
         "prefill": (
             f"demand {p_demand:.0f} tok/s vs {capacity:.0f} tok/s per worker"
@@ -323,6 +427,11 @@ def decide(
         ),
         "decode": (
             f"{d_demand:.1f} sequences vs {batch_cap:.1f} per worker within ITL"
+            + (
+                f", {figures['decode_demand_tps']:.0f} tok/s to generate"
+                if "decode_demand_tps" in figures
+                else ""
+            )
             if batch_cap is not None
             else "no busy decode samples yet"
         ),
@@ -421,5 +530,5 @@ def _scale_role(
             f"hold {cur}: {why}; in scale-down cooldown "
             f"({since_change:.0f}/{config.scale_down_cooldown_s:.0f} s)"
         )
-    new = max(lo, cur - 1)
+    new = max(lo, down, cur - config.max_down_step)
     return new, f"scale down {cur} -> {new}: {why}; needs {max(lo, down)}"

@@ -122,7 +122,7 @@ class RooflineCost:
     link_bytes_per_s: float = 50e9 * 0.8
     link_latency_s: float = 2e-3
     prefill_token_budget: int = 8192
-    max_num_seqs: int = 512
+    max_num_seqs: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 < self.mfu <= 1 or not 0 < self.bw_efficiency <= 1:

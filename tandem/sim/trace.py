@@ -7,8 +7,11 @@ requests; the same seed gives the same list.
 Presets (`preset(name, scale)`), for an 8B model on Hopper GPUs at scale "gpu" and for the
 CPU engine's small model at scale "cpu" (lengths and rates shrunk to what it serves):
   stationary  one mix at a constant rate: chat, long-document and long-generation requests
-  shifting    prefill-heavy (long prompts, short outputs) and decode-heavy (short prompts,
-              long outputs) phases, 5 minutes each, with a mixed phase between them
+              (gpu: 100 req/s, about 6 prefill + 2 decode H200s)
+  shifting    prefill-heavy (long prompts, short outputs), mixed and decode-heavy (short
+              prompts, long outputs) phases of 5 minutes each, repeating; each phase needs
+              3-4 H200s, but prefill-heavy needs ~3 prefill + 1 decode and decode-heavy
+              ~1 prefill + 3 decode
   bursty      the stationary mix with 30-60 s bursts of 2.5x the rate
 """
 
@@ -151,15 +154,16 @@ _CHAT = RequestClass(0.5, (200, 1200), (100, 400))
 _DOCUMENT = RequestClass(0.3, (2000, 6000), (50, 200))
 _GENERATION = RequestClass(0.2, (100, 400), (400, 1000))
 _PREFILL_HEAVY = (RequestClass(1.0, (3000, 9000), (16, 96)),)
-_DECODE_HEAVY = (RequestClass(1.0, (100, 600), (400, 1200)),)
+_DECODE_HEAVY = (RequestClass(1.0, (100, 400), (600, 1600)),)
 _MIXED = (_CHAT, _DOCUMENT, _GENERATION)
 
-# CPU scale (the small model at ~300 prompt tokens/s per worker): lengths like the serving
-# benchmark's classes.
+# CPU scale (the small model: ~316 prompt tokens/s and ~170 generated tokens/s per worker
+# within a 100 ms ITL): lengths like the serving benchmark's classes, prompts short enough
+# to prefill within the 2.5 s TTFT target.
 _CPU_CHAT = RequestClass(0.5, (64, 256), (32, 96))
-_CPU_DOCUMENT = RequestClass(0.3, (512, 1024), (8, 32))
+_CPU_DOCUMENT = RequestClass(0.3, (256, 512), (8, 32))
 _CPU_GENERATION = RequestClass(0.2, (16, 64), (96, 192))
-_CPU_PREFILL_HEAVY = (RequestClass(1.0, (512, 1536), (4, 16)),)
+_CPU_PREFILL_HEAVY = (RequestClass(1.0, (256, 640), (4, 16)),)
 _CPU_DECODE_HEAVY = (RequestClass(1.0, (16, 96), (128, 256)),)
 _CPU_MIXED = (_CPU_CHAT, _CPU_DOCUMENT, _CPU_GENERATION)
 
@@ -172,9 +176,9 @@ def preset(name: str, scale: str = "gpu", rate_scale: float = 1.0) -> TraceSpec:
         raise ValueError(f"rate_scale must be positive, got {rate_scale}")
     gpu = scale == "gpu"
     mixed = _MIXED if gpu else _CPU_MIXED
-    base = 30.0 if gpu else 0.8
+    base = 100.0 if gpu else 4.0
     if name in ("stationary", "bursty"):
-        phases = (Phase("mixed", 3600.0, base * rate_scale, mixed),)
+        phases: tuple[Phase, ...] = (Phase("mixed", 3600.0, base * rate_scale, mixed),)
         bursts: tuple[Burst, ...] = ()
         if name == "bursty":
             bursts = tuple(
@@ -187,7 +191,7 @@ def preset(name: str, scale: str = "gpu", rate_scale: float = 1.0) -> TraceSpec:
         decode_heavy = _DECODE_HEAVY if gpu else _CPU_DECODE_HEAVY
         # Rates are set so each phase needs a similar number of workers in total, with the
         # split between roles turned around.
-        p_rate, d_rate, m_rate = (8.0, 40.0, 30.0) if gpu else (0.35, 2.0, 0.8)
+        p_rate, d_rate, m_rate = (12.0, 70.0, 30.0) if gpu else (0.8, 4.0, 3.0)
         phases = (
             Phase("prefill-heavy", 300.0, p_rate * rate_scale, prefill_heavy),
             Phase("mixed", 300.0, m_rate * rate_scale, mixed),

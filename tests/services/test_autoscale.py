@@ -45,8 +45,13 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float) -> float:
 def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
     cluster = Cluster(
         UpConfig(
-            model_dir=str(small_model_dir), port=0, num_prefill=1, num_decode=1,
-            autoscale=True, admin_port=0, controller_args=CONTROLLER_ARGS,
+            model_dir=str(small_model_dir),
+            port=0,
+            num_prefill=1,
+            num_decode=1,
+            autoscale=True,
+            admin_port=0,
+            controller_args=CONTROLLER_ARGS,
         )  # fmt: skip
     )
     cluster.start()

@@ -281,3 +281,18 @@ def test_metrics_endpoint_exposes_replicas(redis_url: str) -> None:
     # prefill: 0 -> 1 (bounds, first tick) and 1 -> 3; decode: 0 -> 1.
     assert 'tandem_controller_decisions_total{applied="true",role="prefill"} 2.0' in text
     assert 'tandem_controller_decisions_total{applied="true",role="decode"} 1.0' in text
+
+
+def test_every_policy_knob_is_a_controller_flag() -> None:
+    """ControllerConfig flattens ControlConfig into flags (and Helm values): a knob added to
+    the policy must appear here, with the same default."""
+    import dataclasses
+
+    from tandem.control import ControlConfig
+
+    ours = {f.name: f.default for f in dataclasses.fields(ControllerConfig)}
+    for f in dataclasses.fields(ControlConfig):
+        assert f.name in ours, f"ControllerConfig lacks a flag for ControlConfig.{f.name}"
+        assert ours[f.name] == f.default, f.name
+    cfg = ControllerConfig(prefill_backlog_s=10.0, max_down_step=2)
+    assert (cfg.control.prefill_backlog_s, cfg.control.max_down_step) == (10.0, 2)
