@@ -248,29 +248,26 @@ def fit_prefill(
     return capacity, demand, mean_busy
 
 
-def fit_decode_step(samples: Sequence[WorkerSample]) -> tuple[tuple[float, float], bool] | None:
-    """Least-squares (a, b) of step_ms = a + b * num_running over busy decode samples, and
-    whether the slope is well determined. None when idle.
+def fit_decode_step(samples: Sequence[WorkerSample]) -> tuple[float, float] | None:
+    """Least-squares (a, b) of step_ms = a + b * num_running over busy decode samples.
 
-    A slope needs batch sizes that differ enough (by at least 2 sequences and a quarter of
-    the mean); with nearly equal batches the fit is noise. Then it assumes no fixed cost,
-    a = 0, b = mean step / mean batch, which overestimates the per-sequence cost (the safe
-    side for scaling), and reports the fit as not well determined, so that `decide` keeps
-    an earlier, well-determined model when it has one."""
+    With a single batch size seen, or a fit that makes no physical sense (b <= 0 or a < 0:
+    noise from nearly equal batches), it assumes no fixed cost, a = 0, b = mean step / mean
+    batch, which overestimates the per-sequence cost: the safe side for scaling. None when
+    idle."""
     points = [(s.num_running, s.step_ms) for s in samples if s.num_running > 0 and s.step_ms > 0]
     if not points:
         return None
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
-    spread = max(x for x, _ in points) - min(x for x, _ in points)
-    if spread >= max(2.0, 0.25 * mx):
-        sxx = sum((x - mx) ** 2 for x, _ in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx > 0:
         b = sum((x - mx) * (y - my) for x, y in points) / sxx
         a = my - b * mx
         if b > 0 and a >= 0:
-            return (a, b), True
-    return (0.0, my / mx), False
+            return a, b
+    return 0.0, my / mx
 
 
 def _want(demand: float, per_worker: float | None, utilization: float) -> int | None:
@@ -351,13 +348,7 @@ def decide(
     if capacity is not None:
         figures["prefill_capacity_tps"] = capacity
     # -- decode model -------------------------------------------------------------------
-    fitted = fit_decode_step(decode_samples)
-    if fitted is None:
-        step_model = state.decode_step_model
-    elif fitted[1] or state.decode_step_model is None:
-        step_model = fitted[0]
-    else:  # too little spread in batch sizes to fit a slope: keep the last good model
-        step_model = state.decode_step_model
+    step_model = fit_decode_step(decode_samples) or state.decode_step_model
     d_ticks = _by_tick(decode_samples)
     d_demand = (
         sum(sum(s.num_running + s.num_waiting for s in tick) for tick in d_ticks) / len(d_ticks)
