@@ -296,3 +296,35 @@ def test_every_policy_knob_is_a_controller_flag() -> None:
         assert ours[f.name] == f.default, f.name
     cfg = ControllerConfig(prefill_backlog_s=10.0, max_down_step=2)
     assert (cfg.control.prefill_backlog_s, cfg.control.max_down_step) == (10.0, 2)
+
+
+def test_tandem_ctl_command_line(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tandem ctl ...` as an operator types it, against a controller on a real socket."""
+    from tandem.cli import main as cli
+
+    async def body() -> list[int]:
+        controller = Controller(config(redis_url), NoActuator())
+        await controller.start(run_loop=False)
+        await controller.tick()
+        ctl = ["ctl", "--address", controller.address]
+        codes = [
+            await asyncio.to_thread(cli, [*ctl, "set-ratio", "2", "3"]),
+            await asyncio.to_thread(cli, [*ctl, "status"]),
+            await asyncio.to_thread(cli, [*ctl, "set-sla", "--ttft-p90", "800"]),
+            await asyncio.to_thread(cli, [*ctl, "explain", "-n", "1"]),
+            await asyncio.to_thread(cli, [*ctl, "auto"]),
+            await asyncio.to_thread(cli, [*ctl, "set-ratio", "0", "3"]),  # below min_prefill
+        ]
+        await controller.stop()
+        codes.append(await asyncio.to_thread(cli, [*ctl, "status"]))  # nobody listens now
+        return codes
+
+    codes = asyncio.run(body())
+    out, err = capsys.readouterr()
+    assert codes == [0, 0, 0, 0, 0, 2, 2]
+    assert "mode: manual" in out and "pinned by operator at 2" in out
+    assert "TTFT p90 <= 800 ms" in out
+    assert "prefill 1 -> 2" in out  # explain: the pinned decision
+    assert "mode: auto" in out
+    assert "error: INVALID_ARGUMENT: prefill: 0 is outside [1, 8]" in err
+    assert "cannot reach the controller" in err
