@@ -129,7 +129,8 @@ def choose(
 ) -> Placement | None:
     """Pick the pair for `request`. None when no decode worker is available (UNAVAILABLE).
 
-    Ties always break on worker id, so equal inputs place deterministically.
+    Equal inputs place deterministically: ties break on worker id, except that the load
+    policy rotates (by `request.sequence`) among equally loaded prefill workers.
     """
     live = sorted((w for w in workers if not w.draining), key=lambda w: w.worker_id)
     decodes = [w for w in live if w.role == "decode"]
@@ -153,7 +154,11 @@ def choose(
     if not prefills:
         return Placement(decode, None, "no prefill worker: prefill on decode", local)
     if not kv:
-        prefill = min(prefills, key=lambda w: w.prefill_queue)
+        # Rotate among equally loaded workers: at low load every queue reads 0, and a fixed
+        # tie-break would send everything to one worker.
+        least = min(w.prefill_queue for w in prefills)
+        tied = [w for w in prefills if w.prefill_queue == least]
+        prefill = tied[request.sequence % len(tied)]
         return Placement(decode, prefill, f"least loaded: queue {prefill.prefill_queue}")
     least = min(w.prefill_queue for w in prefills)
     band = [w for w in prefills if w.prefill_queue - least <= config.imbalance_threshold_tokens]

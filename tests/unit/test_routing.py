@@ -38,6 +38,22 @@ def test_conditional_disaggregation_on_the_uncached_length() -> None:
     assert p is not None and p.disaggregated
 
 
+def test_load_policy_spreads_ties_and_prefers_the_shorter_queue() -> None:
+    load = RoutingConfig(policy="load")
+    idle = [w("p0", "prefill"), w("p1", "prefill"), w("p2", "prefill"), w("d0", "decode")]
+    chosen = [
+        choose(RouteRequest(500, sequence=i), idle, load).prefill.worker_id  # type: ignore[union-attr]
+        for i in range(6)
+    ]
+    assert chosen == ["p0", "p1", "p2", "p0", "p1", "p2"]
+    busy = [w("p0", "prefill", queued_prefill_tokens=300), *idle[1:]]
+    chosen = [
+        choose(RouteRequest(500, sequence=i), busy, load).prefill.worker_id  # type: ignore[union-attr]
+        for i in range(4)
+    ]
+    assert chosen == ["p1", "p2", "p1", "p2"]
+
+
 def test_cache_affinity_wins_when_loads_are_close() -> None:
     workers = [
         w("p0", "prefill", queued_prefill_tokens=0),
