@@ -629,9 +629,9 @@ def section_markdown(report: dict[str, Any], smaller: dict[str, Any] | None = No
         "0.88 were measured in two full runs the same day). A hit's TTFT is the same for every "
         "policy: the ~24-token question prefilled over the cached prompt, on the decode worker "
         "(kv) or on a prefill worker (the others). With smaller caches (1b) round_robin keeps "
-        "missing (compare the round 2 hit rates), and its TTFT p50 rises as far as its median "
-        "request is a miss: 0.51 and 0.70 of it in two runs. The 0.5 target is not met in the "
-        "issue's setting, where caches hold every prompt.",
+        "missing (compare the round 2 hit rates) and the kv / round_robin TTFT p50 ratio falls, "
+        "to 0.51 and 0.70 in two runs. The 0.5 target is not met in the issue's setting, "
+        "where caches hold every prompt.",
         "",
     ]
     lines += [
