@@ -17,18 +17,16 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import machine  # benchmarks/machine.py
 import torch
 
 from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -154,39 +152,13 @@ def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    info: dict[str, Any] = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
+    extra: dict[str, Any] = {
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        # The machine is shared: the load average says how much others were running.
-        "loadavg_1_5_15": list(os.getloadavg()),
-        "git_commit": commit or None,
     }
     if "transformers" in sys.modules:
-        info["transformers_version"] = sys.modules["transformers"].__version__
-    return info
+        extra["transformers_version"] = sys.modules["transformers"].__version__
+    return machine.machine_info(**extra)
 
 
 class Stopwatch:

@@ -35,8 +35,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
-import platform
 import random
 import socket
 import statistics
@@ -44,10 +42,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import machine  # benchmarks/machine.py
 import redis
 
 from services.common.redis_index import RedisPrefixIndex
@@ -268,23 +266,7 @@ def server_info(url: str) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu_model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "python": platform.python_version(),
-        "redis_py": redis.__version__,
-        "platform": platform.platform(),
-        "loadavg_1_5_15": list(os.getloadavg()),
-    }
+    return machine.machine_info(redis_py=redis.__version__)
 
 
 async def run(url: str, work: Workload, queries: list[list[int]], args: Any) -> dict[str, Any]:

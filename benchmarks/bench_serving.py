@@ -36,7 +36,6 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 import pstats
 import signal
 import statistics
@@ -47,11 +46,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
+import machine
 from loadgen import (
     DecodeTarget,
     RequestClass,
@@ -689,25 +688,7 @@ def _disagg_brief(s: dict[str, Any], cpu: dict[str, float]) -> dict[str, Any]:
 def machine_info() -> dict[str, Any]:
     import torch
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = ""
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "torch_version": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_1_5_15": list(os.getloadavg()),
-        "git_commit": commit,
-    }
+    return machine.machine_info(torch_version=torch.__version__)
 
 
 def overhead_markdown(o: dict[str, Any]) -> str:

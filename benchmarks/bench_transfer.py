@@ -32,18 +32,17 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import machine  # benchmarks/machine.py
 import torch
 
 from tandem.transfer import RemoteKV, coalesce
@@ -266,27 +265,10 @@ def measure(
 
 
 def machine_info(torch_threads: int) -> dict[str, Any]:
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
-    return {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "torch_version": torch.__version__,
-        "torch_threads": torch_threads,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        # The machine is shared: the load average says how much others were running.
-        "loadavg_1_5_15": list(os.getloadavg()),
-        "ucx_nixl_env": env,
-    }
+    return machine.machine_info(
+        torch_version=torch.__version__, torch_threads=torch_threads, ucx_nixl_env=env
+    )
 
 
 def markdown(cases: Sequence[Case]) -> str:
