@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any
 
+from tandem.control import ROLES
+
 DEFAULT_ADDRESS = "127.0.0.1:50061"
 
 
@@ -51,11 +53,11 @@ def format_decisions(resp: Any) -> str:
         change = ", ".join(
             f"{role} {d.current[role]}"
             + (f" -> {d.target[role]}" if d.target[role] != d.current[role] else "")
-            for role in ("prefill", "decode")
+            for role in ROLES
         )
         state = "" if d.applied else f"  NOT APPLIED: {d.error}"
         out.append(f"{when}  {change}{state}")
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             out.append(f"    {role}: {d.reasons[role]}")
         if d.figures:
             figs = ", ".join(f"{k}={v:.4g}" for k, v in sorted(d.figures.items()))

@@ -79,15 +79,10 @@ def sample_of(info: WorkerInfo, t: float) -> WorkerSample:
     )
 
 
-def meets(sample: RequestSample, sla: SLA) -> bool:
-    return sample.ttft_ms <= sla.ttft_p90_ms and (
-        sample.output_tokens <= 1 or sample.itl_ms <= sla.itl_p90_ms
-    )
-
-
 class Controller(agrpc.AdminServicer):
     def __init__(self, config: ControllerConfig, actuator: Actuator) -> None:
         self.config = config
+        self.control = config.control
         self.actuator = actuator
         self.sla = config.sla
         self.state = ControlState()
@@ -179,7 +174,7 @@ class Controller(agrpc.AdminServicer):
                 sla=self.sla,
             )
             before = self.state
-            decision, self.state = decide(obs, self.config.control, before)
+            decision, self.state = decide(obs, self.control, before)
             record = Record(decision, applied=True)
             if decision.changed:
                 log.info("decision: %s", decision.summary())
@@ -193,9 +188,7 @@ class Controller(agrpc.AdminServicer):
                     self.state = replace(
                         self.state, last_change=before.last_change, low_since=before.low_since
                     )
-                else:
-                    self.last_error = ""
-            else:
+            if record.applied:
                 self.last_error = ""
             self.decisions.appendleft(record)
             if self._metrics is not None:
@@ -274,15 +267,16 @@ class Controller(agrpc.AdminServicer):
         reqs = list(self._requests)
         itls = [r.itl_ms for r in reqs if r.output_tokens > 1]
         enough = self.config.min_requests
+        live = self._live_counts()
         roles = []
         for role in ROLES:
-            lo, hi = self.config.control.bounds(role)
+            lo, hi = self.control.bounds(role)
             roles.append(
                 apb.RoleStatus(
                     role=role,
                     current=self._current.get(role, 0),
                     desired=last.decision.target[role] if last else self._current.get(role, 0),
-                    live=self._live_counts()[role],
+                    live=live[role],
                     draining=sum(1 for w in self._latest if w.role == role and w.draining),
                     min=lo,
                     max=hi,
@@ -295,7 +289,10 @@ class Controller(agrpc.AdminServicer):
             sla=apb.Sla(ttft_p90_ms=self.sla.ttft_p90_ms, itl_p90_ms=self.sla.itl_p90_ms),
             window_requests=len(reqs),
             sla_attainment=(
-                sum(meets(r, self.sla) for r in reqs) / len(reqs) if reqs else math.nan
+                sum(self.sla.met(r.ttft_ms, r.itl_ms if r.output_tokens > 1 else 0.0) for r in reqs)
+                / len(reqs)
+                if reqs
+                else math.nan
             ),
             ttft_p90_ms=(
                 percentile([r.ttft_ms for r in reqs], 90) if len(reqs) >= enough else math.nan
@@ -340,7 +337,7 @@ class Controller(agrpc.AdminServicer):
         self, request: apb.SetRatioRequest, context: grpc.aio.ServicerContext
     ) -> apb.StatusResponse:
         for role, value in (("prefill", request.prefill), ("decode", request.decode)):
-            lo, hi = self.config.control.bounds(role)
+            lo, hi = self.control.bounds(role)
             if not lo <= value <= hi:
                 await convert.abort_rpc(
                     context,

@@ -60,6 +60,11 @@ class SLA:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
+    def met(self, ttft_ms: float, itl_ms: float) -> bool:
+        """Whether one request met both targets: its TTFT, and its mean inter-token latency
+        (0 for a single-token output)."""
+        return ttft_ms <= self.ttft_p90_ms and itl_ms <= self.itl_p90_ms
+
 
 @dataclass(frozen=True, slots=True)
 class ControlConfig:

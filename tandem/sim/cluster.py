@@ -448,8 +448,7 @@ class Cluster:
                 status == FINISHED
                 and ttft is not None
                 and itl is not None
-                and ttft * 1e3 <= sla.ttft_p90_ms
-                and itl * 1e3 <= sla.itl_p90_ms
+                and sla.met(ttft * 1e3, itl * 1e3)
             )
             records.append(
                 RequestRecord(
