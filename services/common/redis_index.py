@@ -68,17 +68,15 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from tandem.index.base import (
-    EPOCH_LIMIT,
     MAX_WORKERS_PER_MODEL,
-    SEQ_LIMIT,
     ApplyResult,
     EventBatch,
     IndexFull,
     IndexUnavailable,
     PrefixIndex,
     check_hashes,
-    check_int,
     check_name,
+    check_snapshot,
 )
 
 T = TypeVar("T")
@@ -592,11 +590,7 @@ class RedisPrefixIndex(PrefixIndex):
     async def snapshot(
         self, worker_id: str, model: str, epoch: int, seq: int, hashes: Iterable[int]
     ) -> ApplyResult:
-        check_name("worker_id", worker_id)
-        check_name("model", model)
-        check_int("epoch", epoch, 0, EPOCH_LIMIT)
-        check_int("seq", seq, 0, SEQ_LIMIT)
-        unique = tuple(dict.fromkeys(check_hashes("hashes", hashes)))
+        unique = check_snapshot(worker_id, model, epoch, seq, hashes)
         tag_hex = self._model_keys(model).tag_hex
         args: list[Any] = [worker_id, tag_hex, str(epoch), str(seq), *_pack(unique)]
         code = int(await self._call("snapshot", self._snapshot_script(args=args)))

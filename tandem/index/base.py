@@ -108,6 +108,18 @@ def check_hashes(what: str, values: Iterable[int]) -> tuple[int, ...]:
     return out
 
 
+def check_snapshot(
+    worker_id: str, model: str, epoch: int, seq: int, hashes: Iterable[int]
+) -> tuple[int, ...]:
+    """Validate `PrefixIndex.snapshot`'s arguments (ValueError naming the bad one) and
+    return its hashes without duplicates, in first-seen order."""
+    check_name("worker_id", worker_id)
+    check_name("model", model)
+    check_int("epoch", epoch, 0, EPOCH_LIMIT)
+    check_int("seq", seq, 0, SEQ_LIMIT)
+    return tuple(dict.fromkeys(check_hashes("hashes", hashes)))
+
+
 @dataclass(frozen=True, slots=True)
 class EventBatch:
     """The prefix-cache changes of one worker over one scheduler step.

@@ -12,16 +12,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.index.base import (
-    EPOCH_LIMIT,
     MAX_WORKERS_PER_MODEL,
-    SEQ_LIMIT,
     ApplyResult,
     EventBatch,
     IndexFull,
     PrefixIndex,
     check_hashes,
-    check_int,
     check_name,
+    check_snapshot,
 )
 
 
@@ -73,11 +71,7 @@ class MemoryPrefixIndex(PrefixIndex):
     async def snapshot(
         self, worker_id: str, model: str, epoch: int, seq: int, hashes: Iterable[int]
     ) -> ApplyResult:
-        check_name("worker_id", worker_id)
-        check_name("model", model)
-        check_int("epoch", epoch, 0, EPOCH_LIMIT)
-        check_int("seq", seq, 0, SEQ_LIMIT)
-        new = set(check_hashes("hashes", hashes))
+        new = set(check_snapshot(worker_id, model, epoch, seq, hashes))
         w = self._workers.get(worker_id)
         if w is not None and (epoch, seq) < (w.epoch, w.seq):
             return ApplyResult.DUPLICATE  # the index already has a newer state
