@@ -56,6 +56,10 @@ class RouterConfig:
         disagg_min_uncached_tokens: prompts with fewer uncached tokens are prefilled on the
             decode worker (conditional disaggregation); 0 = always disaggregate.
         imbalance_threshold_tokens: see tandem.routing.RoutingConfig.
+        affinity_blocks: a prompt's prefix key (its home prefill worker when no worker
+            caches it, see tandem.routing) is the chained hash of this many leading blocks,
+            or of all full blocks of a shorter prompt. Deep enough to tell apart system
+            prompts that open with the same boilerplate; 16 blocks = 256 tokens.
     """
 
     model_dir: str
@@ -72,10 +76,13 @@ class RouterConfig:
     index_timeout_s: float = 0.05
     disagg_min_uncached_tokens: int = 64
     imbalance_threshold_tokens: int = 2048
+    affinity_blocks: int = 16
 
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
             raise ValueError(f"max_inflight must be positive, got {self.max_inflight}")
+        if self.affinity_blocks <= 0:
+            raise ValueError(f"affinity_blocks must be positive, got {self.affinity_blocks}")
         if not self.redis_url and not self.decode_addresses:
             raise ValueError("need redis_url or decode_addresses to find workers")
         _ = self.routing  # validates the routing fields
@@ -307,7 +314,8 @@ class RouterServer(rgrpc.RouterServicer):
         hashes = hash_blocks(tokens, self.config.block_size, (self.model_id,))
         overlap = await self._lookup(hashes)
         self._sequence += 1
-        route = RouteRequest(len(tokens), self.config.block_size, overlap, self._sequence)
+        key = hashes[min(len(hashes), self.config.affinity_blocks) - 1] if hashes else None
+        route = RouteRequest(len(tokens), self.config.block_size, overlap, self._sequence, key)
         placement = choose(route, self.workers(), self.config.routing)
         if placement is None:
             raise _Rejected(grpc.StatusCode.UNAVAILABLE, "no decode worker available; retry later")

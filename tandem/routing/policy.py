@@ -19,10 +19,17 @@ workers (`overlap`, from the prefix index):
      wins once the imbalance crosses the threshold. That guard also spreads a hot prefix:
      once its holder is busier than the band, requests go to another worker, which then
      caches the prefix too, and affinity splits the traffic between the holders.
+  4. ties (typically a prefix nobody holds, at low load) go to the prefix's *home*: the
+     worker ranked first for `request.prefix_key` by rendezvous hashing. Each prefix so
+     has one preferred prefill worker, the same in every router and after an eviction,
+     and the prompts of a fleet are split between the workers' caches instead of all
+     landing on the first worker (or on every worker in turn). Requests without a key
+     rotate by `request.sequence`.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -98,13 +105,18 @@ class RouteRequest:
         num_prompt_tokens: prompt length.
         block_size: tokens per KV block (to turn cached blocks into tokens).
         overlap: worker id -> leading blocks of the prompt it holds (prefix index lookup).
-        sequence: a counter the caller advances per request (round robin only).
+        sequence: a counter the caller advances per request (round robin, and ties
+            without a prefix key).
+        prefix_key: identifies the prompt's leading blocks (the router passes the chained
+            hash of block `affinity_blocks`, or of the last full block of a shorter
+            prompt); None for prompts shorter than one block.
     """
 
     num_prompt_tokens: int
     block_size: int = 16
     overlap: Mapping[str, int] | None = None
     sequence: int = 0
+    prefix_key: int | None = None
 
     def cached_tokens(self, worker_id: str) -> int:
         blocks = (self.overlap or {}).get(worker_id, 0)
@@ -162,18 +174,40 @@ def choose(
         return Placement(decode, prefill, f"least loaded: queue {prefill.prefill_queue}")
     least = min(w.prefill_queue for w in prefills)
     band = [w for w in prefills if w.prefill_queue - least <= config.imbalance_threshold_tokens]
-    prefill = min(
-        band,
-        key=lambda w: (
-            request.num_prompt_tokens - request.cached_tokens(w.worker_id) + w.prefill_queue
-        ),
-    )
+    costs = {
+        w.worker_id: request.num_prompt_tokens
+        - request.cached_tokens(w.worker_id)
+        + w.prefill_queue
+        for w in band
+    }
+    best = min(costs.values())
+    tied = [w for w in band if costs[w.worker_id] == best]
+    prefill = _home(tied, request)
     cached = request.cached_tokens(prefill.worker_id)
     skipped = len(prefills) - len(band)
     reason = f"kv: {cached} cached tokens, queue {prefill.prefill_queue}"
+    if len(tied) > 1:
+        reason += f", prefix home among {len(tied)} tied"
     if skipped:
         reason += f" ({skipped} busier prefill worker(s) outside the imbalance band)"
     return Placement(decode, prefill, reason, cached)
+
+
+def home_rank(prefix_key: int, worker_id: str) -> int:
+    """Rendezvous weight of `worker_id` for a prefix: stable across processes and hosts
+    (Python's hash() of a str is salted per process, so two routers would disagree)."""
+    digest = hashlib.blake2b(f"{prefix_key}/{worker_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _home(tied: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
+    """The tied worker a prefix prefers; without a key, rotate by the request counter."""
+    if len(tied) == 1:
+        return tied[0]
+    if request.prefix_key is None:
+        return tied[request.sequence % len(tied)]
+    key = request.prefix_key
+    return max(tied, key=lambda w: home_rank(key, w.worker_id))
 
 
 def _decode_key(

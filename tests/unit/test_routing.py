@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
+from tandem.routing.policy import home_rank
 
 CFG = RoutingConfig(disagg_min_uncached_tokens=64, imbalance_threshold_tokens=1000)
 
@@ -97,6 +102,59 @@ def test_hot_prefix_spreads_beyond_its_holder() -> None:
         holders.add(chosen)  # after prefilling, it holds the prefix too
     assert placed[0] == "p0" and "p1" in placed
     assert abs(queues["p0"] - queues["p1"]) <= CFG.imbalance_threshold_tokens + 1024
+
+
+def _prefill_for(key: int | None, workers: list[WorkerLoad], seq: int = 0, **overlap: int) -> str:
+    p = choose(RouteRequest(1024, 16, overlap, seq, key), workers, CFG)
+    assert p is not None and p.prefill is not None
+    return p.prefill.worker_id
+
+
+def test_uncached_prefix_goes_to_its_home() -> None:
+    """With nothing cached and equal loads, each prefix has one home prefill worker: the same
+    for every request counter and every order the workers are listed in (two routers agree),
+    and the prefixes of a fleet are split between the workers."""
+    idle = [w("p0", "prefill"), w("p1", "prefill"), w("p2", "prefill"), w("d0", "decode")]
+    homes = {}
+    for key in range(60):
+        homes[key] = _prefill_for(key, idle)
+        assert _prefill_for(key, idle[::-1], seq=7) == homes[key]
+        assert max(idle[:3], key=lambda x: home_rank(key, x.worker_id)).worker_id == homes[key]
+    counts = {p: list(homes.values()).count(p) for p in ("p0", "p1", "p2")}
+    assert all(10 <= c <= 30 for c in counts.values()), counts
+    # A worker leaving moves only the prefixes that lived on it (rendezvous hashing).
+    without_p2 = [x for x in idle if x.worker_id != "p2"]
+    for key, home in homes.items():
+        if home != "p2":
+            assert _prefill_for(key, without_p2) == home
+
+
+def test_home_is_the_same_in_every_process() -> None:
+    """Routers are separate processes with their own str-hash salts; they must agree."""
+    code = "from tandem.routing.policy import home_rank; print(home_rank(12345, 'prefill-0'))"
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert outs == {str(home_rank(12345, "prefill-0"))}
+
+
+def test_home_only_breaks_ties() -> None:
+    idle = [w("p0", "prefill"), w("p1", "prefill"), w("d0", "decode")]
+    key = next(k for k in range(100) if _prefill_for(k, idle) == "p1")
+    # a cached prefix elsewhere wins over the home
+    assert _prefill_for(key, idle, p0=10) == "p0"
+    # so does a shorter queue, within the imbalance band
+    busy_home = [w("p0", "prefill"), w("p1", "prefill", queued_prefill_tokens=16), idle[2]]
+    assert _prefill_for(key, busy_home) == "p0"
+    # without a key (a prompt shorter than a block), ties rotate
+    assert [_prefill_for(None, idle, seq=s) for s in range(4)] == ["p0", "p1", "p0", "p1"]
 
 
 def test_decode_choice_load_then_headroom_then_cache() -> None:
