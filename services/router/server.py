@@ -55,7 +55,7 @@ class RouterConfig:
             placed on load alone.
         disagg_min_uncached_tokens: prompts with fewer uncached tokens are prefilled on the
             decode worker (conditional disaggregation); 0 = always disaggregate.
-        imbalance_threshold_tokens: see tandem.routing.RoutingConfig.
+        imbalance_threshold_tokens, cache_weight: see tandem.routing.RoutingConfig.
         affinity_blocks: a prompt's prefix key (its home prefill worker when no worker
             caches it, see tandem.routing) is the chained hash of this many leading blocks,
             or of all full blocks of a shorter prompt. Deep enough to tell apart system
@@ -76,6 +76,7 @@ class RouterConfig:
     index_timeout_s: float = 0.05
     disagg_min_uncached_tokens: int = 64
     imbalance_threshold_tokens: int = 2048
+    cache_weight: float = 2.0
     affinity_blocks: int = 16
 
     def __post_init__(self) -> None:
@@ -93,6 +94,7 @@ class RouterConfig:
             policy=self.policy,
             disagg_min_uncached_tokens=self.disagg_min_uncached_tokens,
             imbalance_threshold_tokens=self.imbalance_threshold_tokens,
+            cache_weight=self.cache_weight,
         )
 
 

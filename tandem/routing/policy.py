@@ -15,10 +15,13 @@ workers (`overlap`, from the prefix index):
      cost more than computing it).
   3. prefill worker: among workers whose queued prefill tokens are within
      `imbalance_threshold_tokens` of the least loaded one, pick the lowest
-     uncached tokens + queued tokens, i.e. affinity wins while loads are close and load
-     wins once the imbalance crosses the threshold. That guard also spreads a hot prefix:
-     once its holder is busier than the band, requests go to another worker, which then
-     caches the prefix too, and affinity splits the traffic between the holders.
+     `cache_weight` x uncached tokens + queued tokens, i.e. affinity wins while loads are
+     close and load wins once the imbalance crosses the threshold. An uncached token
+     weighs more than a queued one (default 2x): computing a prefix on a second worker
+     costs not only this request's time but also the prefix it evicts there. The band
+     also spreads a hot prefix: once its holder is busier than the band, requests go to
+     another worker, which then caches the prefix too, and affinity splits the traffic
+     between the holders.
   4. ties (typically a prefix nobody holds, at low load) go to the prefix's *home*: the
      worker ranked first for `request.prefix_key` by rendezvous hashing. Each prefix so
      has one preferred prefill worker, the same in every router and after an eviction,
@@ -48,12 +51,18 @@ class RoutingConfig:
             least loaded one's by more than this are not chosen for cache affinity.
         min_free_block_fraction: a decode worker needs this fraction of its blocks free
             beyond the prompt's needs to be preferred.
+        cache_weight: how many queued prefill tokens one uncached prompt token is worth when
+            choosing the prefill worker (>= 1). 1 picks the soonest prefill for this
+            request alone; more keeps a prefix on the worker that holds it while that
+            worker's queue is up to (cache_weight - 1) x the prompt longer, instead of
+            copying it onto a second worker and evicting what that one held.
     """
 
     policy: str = "kv"
     disagg_min_uncached_tokens: int = 64
     imbalance_threshold_tokens: int = 2048
     min_free_block_fraction: float = 0.05
+    cache_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -66,6 +75,8 @@ class RoutingConfig:
             raise ValueError(
                 f"imbalance_threshold_tokens must be >= 0, got {self.imbalance_threshold_tokens}"
             )
+        if self.cache_weight < 1.0:
+            raise ValueError(f"cache_weight must be >= 1, got {self.cache_weight}")
         if not 0.0 <= self.min_free_block_fraction < 1.0:
             raise ValueError(
                 f"min_free_block_fraction must be in [0, 1), got {self.min_free_block_fraction}"
@@ -175,8 +186,8 @@ def choose(
     least = min(w.prefill_queue for w in prefills)
     band = [w for w in prefills if w.prefill_queue - least <= config.imbalance_threshold_tokens]
     costs = {
-        w.worker_id: request.num_prompt_tokens
-        - request.cached_tokens(w.worker_id)
+        w.worker_id: config.cache_weight
+        * (request.num_prompt_tokens - request.cached_tokens(w.worker_id))
         + w.prefill_queue
         for w in band
     }

@@ -73,6 +73,24 @@ def test_cache_affinity_wins_when_loads_are_close() -> None:
     assert p is not None and p.prefill is not None and p.prefill.worker_id == "p0"
 
 
+def test_cache_weight_keeps_a_prefix_on_its_holder() -> None:
+    """The holder's queue is 1100 tokens, the other worker idle: recomputing the prompt there
+    is sooner for this request (1024 vs 16 + 1100 tokens), but copies the prefix."""
+    workers = [
+        w("p0", "prefill"),
+        w("p1", "prefill", queued_prefill_tokens=1100),
+        w("d0", "decode"),
+    ]
+    greedy = RoutingConfig(disagg_min_uncached_tokens=64, cache_weight=1.0)
+    p = choose(req(1040, p1=64), workers, greedy)
+    assert p is not None and p.prefill is not None and p.prefill.worker_id == "p0"
+    p = choose(req(1040, p1=64), workers, RoutingConfig(cache_weight=2.0))
+    assert p is not None and p.prefill is not None and p.prefill.worker_id == "p1"
+    # a few cached blocks do not pull a request onto a long queue
+    p = choose(req(1040, p1=12), workers, RoutingConfig(cache_weight=2.0))
+    assert p is not None and p.prefill is not None and p.prefill.worker_id == "p0"
+
+
 def test_load_wins_when_imbalance_crosses_the_threshold() -> None:
     workers = [
         w("p0", "prefill", queued_prefill_tokens=0),
@@ -205,6 +223,7 @@ def test_draining_workers_are_skipped() -> None:
         ("disagg_min_uncached_tokens", -1),
         ("imbalance_threshold_tokens", -5),
         ("min_free_block_fraction", 1.5),
+        ("cache_weight", 0.5),
     ],
 )
 def test_config_validation(field, value) -> None:
