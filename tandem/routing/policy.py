@@ -27,7 +27,8 @@ workers (`overlap`, from the prefix index):
      has one preferred prefill worker, the same in every router and after an eviction,
      and the prompts of a fleet are split between the workers' caches instead of all
      landing on the first worker (or on every worker in turn). Requests without a key
-     rotate by `request.sequence`.
+     (shorter than one block, so below any sensible disaggregation threshold; the
+     simulator's, which carry no tokens) take the first tied worker by id.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ class RouteRequest:
         num_prompt_tokens: prompt length.
         block_size: tokens per KV block (to turn cached blocks into tokens).
         overlap: worker id -> leading blocks of the prompt it holds (prefix index lookup).
-        sequence: a counter the caller advances per request (round robin, and ties
-            without a prefix key).
+        sequence: a counter the caller advances per request (round robin, and the load
+            policy's ties).
         prefix_key: identifies the prompt's leading blocks (the router passes the chained
             hash of block `affinity_blocks`, or of the last full block of a shorter
             prompt); None for prompts shorter than one block.
@@ -212,11 +213,9 @@ def home_rank(prefix_key: int, worker_id: str) -> int:
 
 
 def _home(tied: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
-    """The tied worker a prefix prefers; without a key, rotate by the request counter."""
-    if len(tied) == 1:
+    """The tied worker a prefix prefers; without a key, the first by worker id."""
+    if len(tied) == 1 or request.prefix_key is None:
         return tied[0]
-    if request.prefix_key is None:
-        return tied[request.sequence % len(tied)]
     key = request.prefix_key
     return max(tied, key=lambda w: home_rank(key, w.worker_id))
 

@@ -171,8 +171,8 @@ def test_home_only_breaks_ties() -> None:
     # so does a shorter queue, within the imbalance band
     busy_home = [w("p0", "prefill"), w("p1", "prefill", queued_prefill_tokens=16), idle[2]]
     assert _prefill_for(key, busy_home) == "p0"
-    # without a key (a prompt shorter than a block), ties rotate
-    assert [_prefill_for(None, idle, seq=s) for s in range(4)] == ["p0", "p1", "p0", "p1"]
+    # without a key (a prompt shorter than a block), the first by id
+    assert [_prefill_for(None, idle, seq=s) for s in range(4)] == ["p0"] * 4
 
 
 def test_decode_choice_load_then_headroom_then_cache() -> None:
