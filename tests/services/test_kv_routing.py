@@ -11,7 +11,9 @@ import pytest
 
 from services.common.redis_server import RedisServer
 from tandem.client import TandemClient, TandemError
+from tandem.engine.prefix_hash import hash_blocks
 from tandem.model.tiny import make_tiny_model
+from tandem.routing.policy import home_rank
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +166,18 @@ def test_two_routers_see_the_same_index_and_workers(procs, model_dir, redis_priv
                 what="router 2 sees router 1's placement in the index",
             )
             assert second.prefill_worker == first.prefill_worker
+            # A prompt nobody caches goes to its home prefill worker, the same one whichever
+            # router places it: rendezvous hashing of the chained hash of its first 16 blocks.
+            homed = 0
+            for i in range(6):
+                prompt = rng.choices(range(5, 512), k=320)
+                key = hash_blocks(prompt, 16, (model_dir.name,))[15]
+                home = max(("p0", "p1"), key=lambda w: home_rank(key, w))
+                r = (c1 if i % 2 else c2).generate(prompt, max_tokens=1)
+                if "prefix home" in r.route_reason:  # the two workers' loads were equal
+                    assert r.prefill_worker == home, r.route_reason
+                    homed += 1
+            assert homed >= 3
             # and both routers know the same workers (a request for each lands on d0)
             assert {
                 c1.generate([5, 6], max_tokens=1).decode_worker,
