@@ -76,10 +76,18 @@ STARTING, LIVE, DRAINING, REMOVED = "starting", "live", "draining", "removed"
 class Worker:
     role = ""
 
-    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, created_s: float) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        cost: CostModel,
+        clock: Clock,
+        created_s: float,
+        on_idle: Callable[[Worker], None],
+    ) -> None:
         self.worker_id = worker_id
         self.cost = cost
         self.clock = clock
+        self.on_idle = on_idle  # called when a draining worker may have emptied
         self.state = STARTING
         self.created_s = created_s
         self.removed_s: float | None = None
@@ -98,6 +106,10 @@ class Worker:
     def report(self, now: float, period_s: float) -> WorkerSample:
         raise NotImplementedError
 
+    def _notify_if_drained(self) -> None:
+        if self.state == DRAINING and self.is_empty():
+            self.on_idle(self)
+
 
 class PrefillWorker(Worker):
     role = "prefill"
@@ -111,9 +123,8 @@ class PrefillWorker(Worker):
         on_prefilled: Callable[[SimRequest, float], None],
         on_idle: Callable[[Worker], None],
     ) -> None:
-        super().__init__(worker_id, cost, clock, created_s)
+        super().__init__(worker_id, cost, clock, created_s, on_idle)
         self.on_prefilled = on_prefilled
-        self.on_idle = on_idle  # called when a draining worker may have emptied
         self.queue: deque[SimRequest] = deque()
         self.queued_tokens = 0  # uncomputed prompt tokens of everything queued
         self._step: list[tuple[SimRequest, int]] | None = None
@@ -172,8 +183,7 @@ class PrefillWorker(Worker):
             self._busy_since = None
         for req in finished:
             self.on_prefilled(req, now)
-        if self.state == DRAINING and self.is_empty():
-            self.on_idle(self)
+        self._notify_if_drained()
 
     def report(self, now: float, period_s: float) -> WorkerSample:
         if self._busy_since is not None:
@@ -213,9 +223,8 @@ class DecodeWorker(Worker):
         on_finished: Callable[[SimRequest, float], None],
         on_idle: Callable[[Worker], None],
     ) -> None:
-        super().__init__(worker_id, cost, clock, created_s)
+        super().__init__(worker_id, cost, clock, created_s, on_idle)
         self.on_finished = on_finished
-        self.on_idle = on_idle  # called when a draining worker may have emptied
         self.num_blocks = cost.num_kv_blocks
         self.free_blocks = self.num_blocks
         self.waiting: deque[SimRequest] = deque()  # for KV blocks
@@ -329,8 +338,7 @@ class DecodeWorker(Worker):
             heapq.heappush(batch, (req.finish_step, req.request_id, req))
         if not batch:
             self.step_s = 0.0
-            if self.state == DRAINING and self.is_empty():
-                self.on_idle(self)
+            self._notify_if_drained()
             return
         self.step_s = self.cost.decode_step_s(len(batch), self.context)
         if colocated:
