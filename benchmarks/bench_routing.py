@@ -23,9 +23,9 @@ requests, one after the other.
 (2) Skewed: one prefix takes `hot_share` of the traffic, on 3 prefill workers (a third joins
     the last, 256 MiB, cluster; with two, the larger queue can never exceed twice the mean)
     through a second router with `--disagg-min-uncached-tokens 0`, so every request goes to
-    a prefill worker and their queues are what is measured. GetStats (queued_prefill_tokens)
-    is sampled every 50 ms; reports per-worker mean and peak queue depth and the max/mean
-    ratio.
+    a prefill worker and their queues are what is measured: a worker's queue is the prompt
+    tokens sent to it and not yet prefilled (`outstanding_prefill`, from the requests);
+    reports per-worker time-weighted mean and peak queue and the max/mean ratio.
 
 Writes benchmarks/results/routing[-quick].{json,png}; the full run also rewrites the
 "## Prefix-aware routing (issue 4)" section of BENCHMARKS.md.
@@ -280,12 +280,12 @@ def outstanding_prefill(
         if w not in events or r.get("error") or not r.get("ttft_ms"):
             continue
         work = r["prompt_tokens"] - r.get("cached_prompt_tokens", 0)
-        start = r.get("send_s", r["arrival_s"])
+        start = r["send_s"]
         events[w] += [(start, work), (start + r["ttft_ms"] / 1e3, -work)]
     series = {}
     for w, evs in events.items():
         level, pts = 0, [(0.0, 0)]
-        for t, d in sorted(evs, key=lambda e: (e[0], e[1])):  # a finish before a start
+        for t, d in sorted(evs):  # at equal times a finish (< 0) before a start
             level += d
             pts.append((t, level))
         series[w] = pts
@@ -364,19 +364,19 @@ async def bench_shared(
 
 
 async def bench_skew(
-    address: str, policy: str, sizes: Sizes, prefill: dict[str, str]
+    address: str, policy: str, sizes: Sizes, prefill_ids: list[str]
 ) -> dict[str, Any]:
     target = RouterTarget(address, name=policy)
     specs = make_specs(
         sizes, sizes.skew_requests, sizes.skew_rate, seed=100, salt=10, hot_share=sizes.hot_share
     )
-    log(f"(2) skewed: {policy}, {len(specs)} requests on {len(prefill)} prefill workers")
+    log(f"(2) skewed: {policy}, {len(specs)} requests on {len(prefill_ids)} prefill workers")
     try:
         res = await _send(target, specs, sizes.concurrency)
     finally:
         await target.close()
-    st = routing_stats(res, list(prefill))
-    series = outstanding_prefill(st["requests"], list(prefill))
+    st = routing_stats(res, prefill_ids)
+    series = outstanding_prefill(st["requests"], prefill_ids)
     q = queue_stats(series)
     log(
         f"    TTFT p50 {st['ttft_ms']['p50']:.0f} ms, queue mean max/mean "
@@ -386,10 +386,10 @@ async def bench_skew(
     return {**st, "queue": q, "queue_series": series}
 
 
-async def _prefill_workers(redis_url: str) -> dict[str, str]:
+async def _prefill_worker_ids(redis_url: str) -> list[str]:
     reg = Registry(redis_url)
     try:
-        return {w.worker_id: w.address for w in await reg.list_workers(role="prefill")}
+        return [w.worker_id for w in await reg.list_workers(role="prefill")]
     finally:
         await reg.close()
 
@@ -416,11 +416,11 @@ def run_policy(
         routers.append(RouterProc(policy, cluster.redis_url, log_dir))
         routers[-1].wait_ready()
         wait_for_router(routers[-1].address)
-        prefill = asyncio.run(_prefill_workers(cluster.redis_url))
+        prefill = asyncio.run(_prefill_worker_ids(cluster.redis_url))
         time.sleep(1.0)  # the router's watcher sees every worker
-        merged, rounds = asyncio.run(bench_shared(routers[0].address, policy, sizes, list(prefill)))
+        merged, rounds = asyncio.run(bench_shared(routers[0].address, policy, sizes, prefill))
         if not skew:
-            return {"merged": merged, "rounds": rounds, "prefill_ids": list(prefill)}
+            return {"merged": merged, "rounds": rounds, "prefill_ids": prefill}
 
         log(f"{policy}: adding a third prefill worker and a router that always disaggregates")
         cluster.add_worker("prefill")
@@ -429,7 +429,7 @@ def run_policy(
         )
         routers[-1].wait_ready()
         wait_for_router(routers[-1].address)
-        while len(prefill := asyncio.run(_prefill_workers(cluster.redis_url))) < 3:
+        while len(prefill := asyncio.run(_prefill_worker_ids(cluster.redis_url))) < 3:
             time.sleep(0.5)
         time.sleep(1.5)  # every router's watcher sees it
         skewed = asyncio.run(bench_skew(routers[1].address, policy, sizes, prefill))
@@ -437,7 +437,7 @@ def run_policy(
         # entries, which costs the kv policy its affinity for a while. Count those events.
         left = sum(r.log_path.read_text().count("worker left") for r in routers)
         return {"merged": merged, "rounds": rounds, "skew": skewed, "worker_left_events": left,
-                "prefill_ids": list(prefill)[:2]}  # fmt: skip
+                "prefill_ids": prefill[:2]}  # fmt: skip
     finally:
         for r in routers:
             r.stop()

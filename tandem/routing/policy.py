@@ -154,7 +154,8 @@ def choose(
     """Pick the pair for `request`. None when no decode worker is available (UNAVAILABLE).
 
     Equal inputs place deterministically: ties break on worker id, except that the load
-    policy rotates (by `request.sequence`) among equally loaded prefill workers.
+    policy rotates (by `request.sequence`) among equally loaded prefill workers and the kv
+    policy sends a keyed request to its prefix's home among tied prefill workers.
     """
     live = sorted((w for w in workers if not w.draining), key=lambda w: w.worker_id)
     decodes = [w for w in live if w.role == "decode"]
@@ -198,7 +199,7 @@ def choose(
     cached = request.cached_tokens(prefill.worker_id)
     skipped = len(prefills) - len(band)
     reason = f"kv: {cached} cached tokens, queue {prefill.prefill_queue}"
-    if len(tied) > 1:
+    if len(tied) > 1 and request.prefix_key is not None:
         reason += f", prefix home among {len(tied)} tied"
     if skipped:
         reason += f" ({skipped} busier prefill worker(s) outside the imbalance band)"
