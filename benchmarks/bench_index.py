@@ -48,8 +48,8 @@ from typing import Any
 import machine  # benchmarks/machine.py
 import redis
 
-from services.common.redis_index import RedisPrefixIndex
-from services.common.redis_server import RedisServer
+from services.common.redis.index import RedisPrefixIndex
+from services.common.redis.server import RedisServer
 from tandem.index import ApplyResult, EventBatch
 from tandem.index.base import leading_counts_reference
 

@@ -64,8 +64,8 @@ from loadgen import (  # noqa: E402
 )
 from machine import machine_info  # noqa: E402
 
-from services.common.registry import Registry  # noqa: E402
-from tandem.up import Cluster, UpConfig, wait_for_router  # noqa: E402
+from services.common.redis.registry import Registry  # noqa: E402
+from services.up import Cluster, UpConfig, wait_for_router  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"

@@ -66,8 +66,8 @@ from loadgen import (
     write_markdown_section,
 )
 
+from services.up import Cluster, UpConfig, wait_for_router
 from tandem.model.tiny import make_tiny_model
-from tandem.up import Cluster, UpConfig, wait_for_router
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"

@@ -155,8 +155,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     import shlex
     import signal
 
+    from services.up import Cluster, UpConfig, wait_for_router
     from tandem.client import TandemClient
-    from tandem.up import Cluster, UpConfig, wait_for_router
 
     model_dir = Path(args.model) if args.model else ensure_default_model(DEFAULT_MODEL_DIR)
     config = UpConfig(

@@ -39,23 +39,6 @@ async def run_until_signal(
     await drain()
 
 
-def run_worker(server_cls: type, role: str) -> None:
-    """Entry point of `python -m services.<role>`: flags -> WorkerConfig -> serve until stop."""
-    from services.common.flags import parse_config
-    from services.common.worker import WorkerConfig
-
-    config = parse_config(WorkerConfig, prog=f"python -m services.{role}")
-    setup_logging(role)
-
-    async def run() -> None:
-        server = server_cls(config)
-        await run_until_signal(
-            server.start, server.drain_and_stop, lambda: f"READY {role} {server.address}"
-        )
-
-    asyncio.run(run())
-
-
 async def start_grpc_server(
     host: str,
     port: int,

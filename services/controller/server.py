@@ -29,8 +29,8 @@ from redis.exceptions import RedisError
 
 from services.common import convert
 from services.common.process import start_grpc_server
-from services.common.registry import Registry, WorkerInfo
-from services.common.request_log import RequestLogReader
+from services.common.redis.registry import Registry, WorkerInfo
+from services.common.redis.request_log import RequestLogReader
 from services.controller.actuators import Actuator, ActuatorError
 from services.controller.config import ControllerConfig
 from tandem.control import (

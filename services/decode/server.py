@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common import convert
-from services.common.worker import Worker
+from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.engine import RequestOutput
 from tandem.engine.sampling import SamplingParams

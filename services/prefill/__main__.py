@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.process import run_worker
+from services.common.worker.shell import run_worker
 from services.prefill.server import PrefillServer
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import convert
-from services.common.worker import Worker
+from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.engine import LLMEngine
 from tandem.v1 import router_pb2 as rpb

@@ -20,9 +20,9 @@ from grpc_health.v1 import health
 
 from services.common import convert
 from services.common.process import start_grpc_server
-from services.common.redis_index import RedisPrefixIndex
-from services.common.registry import Registry, WorkerInfo, WorkerWatcher
-from services.common.request_log import RequestLog
+from services.common.redis.index import RedisPrefixIndex
+from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
+from services.common.redis.request_log import RequestLog
 from tandem.control import RequestSample
 from tandem.engine.prefix_hash import hash_blocks
 from tandem.engine.sampling import SamplingParams

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from services.common.flags import parse_config
-from services.common.worker import WorkerConfig
+from services.common.worker.shell import WorkerConfig
 from services.controller.config import ControllerConfig
 from services.router.server import RouterConfig
 from tests.deploy.helm import (

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.redis_server import RedisServer
-from services.common.registry import Registry, WorkerInfo
-from services.common.request_log import RequestLog
+from services.common.redis.registry import Registry, WorkerInfo
+from services.common.redis.request_log import RequestLog
+from services.common.redis.server import RedisServer
 from tandem.control import RequestSample
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc

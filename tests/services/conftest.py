@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from services.common.redis_server import RedisServer
+from services.common.redis.server import RedisServer
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.up import Cluster, UpConfig
 from tandem.client import TandemClient, TandemError
 from tandem.model.tiny import make_tiny_model
-from tandem.up import Cluster, UpConfig
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 

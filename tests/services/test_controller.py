@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import grpc
 import pytest
 
-from services.common.registry import Registry, WorkerInfo
-from services.common.request_log import RequestLog, RequestLogReader
+from services.common.redis.registry import Registry, WorkerInfo
+from services.common.redis.request_log import RequestLog, RequestLogReader
 from services.controller.actuators import ActuatorError, NoActuator
 from services.controller.config import ControllerConfig
 from services.controller.server import Controller

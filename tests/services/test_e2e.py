@@ -18,12 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.up import Cluster, UpConfig, wait_for_router
 from tandem.client import AsyncTandemClient, TandemClient, TandemError
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.model.tiny import make_tiny_model
-from tandem.up import Cluster, UpConfig, wait_for_router
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc

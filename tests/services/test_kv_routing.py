@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.redis_server import RedisServer
+from services.common.redis.server import RedisServer
 from tandem.client import TandemClient, TandemError
 from tandem.engine.prefix_hash import hash_blocks
 from tandem.model.tiny import make_tiny_model

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from services.common.redis_index import (
+from services.common.redis.index import (
     RedisPrefixIndex,
     _encode_command,
     _leading_counts,
     _parse_reply,
 )
-from services.common.redis_server import RedisServer
+from services.common.redis.server import RedisServer
 from tandem.index import (
     MAX_WORKERS_PER_MODEL,
     ApplyResult,

@@ -6,7 +6,7 @@ import pytest
 
 from services.common import convert
 from services.common.flags import parse_config
-from services.common.worker import WorkerConfig
+from services.common.worker.shell import WorkerConfig
 from tandem.engine.sampling import SamplingParams
 from tandem.transfer import RemoteKV
 from tandem.v1 import router_pb2 as rpb

@@ -5,7 +5,7 @@ persistence off, waits until it answers PING, and tears it down again. The child
 parent's life with `PR_SET_PDEATHSIG`, so a SIGKILLed test runner or `tandem up` never leaves an
 orphaned server behind.
 
-Run one in the foreground with `python -m services.common.redis_server [--port N]`.
+Run one in the foreground with `python -m services.common.redis.server [--port N]`.
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ class RedisServer:
 def main(argv: list[str] | None = None) -> int:
     """Run one server in the foreground until SIGINT/SIGTERM; print its URL first."""
     parser = argparse.ArgumentParser(
-        prog="python -m services.common.redis_server",
+        prog="python -m services.common.redis.server",
         description="Run a throwaway Redis/Valkey server (no persistence) in the foreground.",
     )
     parser.add_argument("--port", type=int, default=None, help="TCP port (default: unix socket)")

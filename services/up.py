@@ -91,7 +91,7 @@ class Cluster:
             if cfg.redis_port
             else ["--unix-socket", str(self.run_dir / "redis.sock")]
         )
-        redis = self._spawn("redis", ["services.common.redis_server", *redis_args], " at ")
+        redis = self._spawn("redis", ["services.common.redis.server", *redis_args], " at ")
         self.redis_url = redis.ready_line.rsplit(" at ", 1)[1].strip()
         self._worker_args = [
             "--model-dir",

@@ -13,11 +13,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from services.common import convert
-from services.common.engine_loop import EngineLoop
-from services.common.kv_events import KVEventPublisher
-from services.common.process import start_grpc_server
-from services.common.redis_index import RedisPrefixIndex
-from services.common.registry import Heartbeat, Registry, WorkerInfo
+from services.common.flags import parse_config
+from services.common.process import run_until_signal, setup_logging, start_grpc_server
+from services.common.redis.index import RedisPrefixIndex
+from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
+from services.common.worker.engine_loop import EngineLoop
+from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
@@ -228,3 +229,17 @@ class Worker:
         except ValueError as exc:
             await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return request_id or uuid.uuid4().hex, params
+
+
+def run_worker(server_cls: type[Worker], role: str) -> None:
+    """Entry point of `python -m services.<role>`: flags -> WorkerConfig -> serve until stop."""
+    config = parse_config(WorkerConfig, prog=f"python -m services.{role}")
+    setup_logging(role)
+
+    async def run() -> None:
+        server = server_cls(config)
+        await run_until_signal(
+            server.start, server.drain_and_stop, lambda: f"READY {role} {server.address}"
+        )
+
+    asyncio.run(run())
