@@ -45,6 +45,7 @@ from typing import Any
 import machine  # benchmarks/machine.py
 import torch
 
+from services.common.process import configure_native_libraries
 from tandem.transfer import RemoteKV, coalesce
 from tandem.transfer.nixl import NixlTransport, advise_hugepages
 
@@ -88,6 +89,8 @@ def owner_contents(num_blocks: int) -> torch.Tensor:
 def owner_main(conn: Connection, num_blocks: int, hugepages: bool) -> None:
     """Prefill side: register the cache, serve export requests, poll() in between."""
     torch.set_num_threads(1)
+    # The environment is inherited from main(); this quiets NIXL's logger in this process.
+    configure_native_libraries()
     transport = NixlTransport(OWNER_NAME, hugepages=hugepages)
     transport.register(owner_contents(num_blocks))
     conn.send(("ready", transport.hugepage_bytes))
@@ -361,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     hugepages = not args.no_hugepages
+    # Before the owner process starts (it inherits the environment): the UCX settings the
+    # figures in BENCHMARKS.md were measured with, as in the services.
+    configure_native_libraries()
     owner = OwnerProcess(owner_blocks, hugepages)
     reader = NixlTransport(READER_NAME, hugepages=hugepages)
     try:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tandem.config import CacheConfig
+
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "tandem-tiny-small"
 
 
@@ -96,7 +98,7 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tandem.config import CacheConfig, EngineConfig
+    from tandem.config import EngineConfig
     from tandem.engine.engine import LLMEngine
 
     if args.router:
@@ -109,7 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     config = EngineConfig(
-        model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=args.kv_cache_mb << 20)
+        model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=_kv_cache_bytes(args))
     )
     try:
         engine = LLMEngine(config, progress=_progress_bar("loading weights"))
@@ -151,6 +153,16 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    # The field's own name, as the services' flags; --kv-cache-mb is the old spelling.
+    parser.add_argument("--kv-cache-bytes", type=int, default=CacheConfig().kv_cache_bytes)
+    parser.add_argument("--kv-cache-mb", type=int, default=None, help="(old spelling) MiB")
+
+
+def _kv_cache_bytes(args: argparse.Namespace) -> int:
+    return int(args.kv_cache_mb) << 20 if args.kv_cache_mb is not None else int(args.kv_cache_bytes)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     import shlex
     import signal
@@ -165,7 +177,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
         transport=args.transport,
-        kv_cache_bytes=args.kv_cache_mb << 20,
+        kv_cache_bytes=_kv_cache_bytes(args),
         autoscale=args.autoscale,
         admin_port=args.admin_port,
         controller_args=tuple(shlex.split(args.controller_args)),
@@ -253,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     g.add_argument("--token-ids", action="store_true", help="print token ids, not text")
-    g.add_argument("--kv-cache-mb", type=int, default=256)
+    _add_kv_cache_flags(g)
     g.set_defaults(func=cmd_generate)
 
     u = sub.add_parser("up", help="start a local cluster: redis, router, prefill, decode")
@@ -262,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--num-prefill", type=int, default=1)
     u.add_argument("--num-decode", type=int, default=1)
     u.add_argument("--transport", default="nixl", choices=["nixl", "local"])
-    u.add_argument("--kv-cache-mb", type=int, default=256)
+    _add_kv_cache_flags(u)
     u.add_argument(
         "--autoscale", action="store_true", help="run the ratio controller: add/remove workers"
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; routers and workers must agree
+
 
 class EngineRole(StrEnum):
     """What part of a request's life an engine runs."""
@@ -29,8 +31,8 @@ class CacheConfig:
         enable_prefix_caching: reuse full blocks whose prefix hash matches.
     """
 
-    block_size: int = 16
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_bytes: int = 256 << 20
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 

@@ -1,14 +1,18 @@
-"""proto <-> core conversions. Proto types never travel past this module's callers."""
+"""proto <-> core conversions. Proto types never travel past this module's callers.
+
+One conversion per hop: the router turns the public request into a `RequestSpec`, and the
+worker requests are built from it (`prefill_request_to_proto`, `decode_request_to_proto`);
+each worker turns its request back into a `RequestSpec` with `spec_from_proto`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn
 
-import grpc
-
+from tandem.engine.engine import RequestOutput
+from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import SamplingParams
-from tandem.transfer import RemoteKV
+from tandem.transfer import KVHandoff, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 
@@ -122,9 +126,93 @@ def remote_kv_from_proto(msg: wpb.KvHandle) -> RemoteKV:
     )
 
 
-async def abort_rpc(
-    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
-) -> NoReturn:
-    """End the RPC with a status (context.abort raises; this tells the type checker so)."""
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")
+def prefill_response_to_proto(request_id: str, out: RequestOutput) -> wpb.PrefillResponse:
+    """A prefill worker's answer: token 1 and how the request ended there (the KV hand-off,
+    when there is one, is added by the caller)."""
+    msg = wpb.PrefillResponse(
+        request_id=request_id,
+        first_token_id=out.new_token_ids[0] if out.new_token_ids else 0,
+        text=out.new_text,
+        finished=out.finished,
+        finish_reason=finish_reason_to_proto(out.finish_reason),
+        num_cached_tokens=out.num_cached_tokens,
+        stop_reason=stop_reason_to_proto(out.stop_reason),
+    )
+    if out.logprobs:
+        msg.logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
+    return msg
+
+
+def chunk_to_proto(outs: Sequence[RequestOutput]) -> rpb.Chunk:
+    """One streamed chunk carrying the new tokens of consecutive outputs of a request."""
+    chunk = rpb.Chunk()
+    for out in outs:
+        chunk.token_ids.extend(out.new_token_ids)
+        chunk.text += out.new_text
+        if out.logprobs:
+            chunk.logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
+    return chunk
+
+
+def handoff_to_proto(handoff: KVHandoff) -> wpb.KvHandle:
+    return remote_kv_to_proto(
+        handoff.remote,
+        num_tokens=handoff.num_tokens,
+        block_size=handoff.block_size,
+        prefill_address=handoff.owner_address,
+        lease=wpb.Lease(
+            lease_id=handoff.lease_id,
+            epoch=handoff.epoch,
+            expires_at_unix_s=handoff.expires_at,
+        ),
+    )
+
+
+def handoff_from_proto(msg: wpb.KvHandle) -> KVHandoff:
+    return KVHandoff(
+        remote=remote_kv_from_proto(msg),
+        block_size=msg.block_size,
+        num_tokens=msg.num_tokens,
+        owner_address=msg.prefill_address,
+        lease_id=msg.lease.lease_id,
+        epoch=msg.lease.epoch,
+        expires_at=msg.lease.expires_at_unix_s,
+    )
+
+
+def spec_from_proto(
+    msg: wpb.PrefillRequest | wpb.DecodeRequest, request_id: str, timeout_s: float | None
+) -> RequestSpec:
+    """A worker's request as the core sees it. Raises ValueError naming a bad field."""
+    return RequestSpec(
+        request_id=request_id,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        params=sampling_from_proto(msg.sampling),
+        timeout_s=timeout_s,
+    )
+
+
+def prefill_request_to_proto(spec: RequestSpec, decode_worker: str) -> wpb.PrefillRequest:
+    return wpb.PrefillRequest(
+        request_id=spec.request_id,
+        prompt_token_ids=spec.prompt_token_ids,
+        sampling=sampling_to_proto(spec.params),
+        decode_worker=decode_worker,
+    )
+
+
+def decode_request_to_proto(
+    spec: RequestSpec, prefilled: wpb.PrefillResponse | None = None
+) -> wpb.DecodeRequest:
+    """The decode worker's request: the whole prompt without `prefilled` (it prefills
+    itself), else token 1, the text already streamed and the KV hand-off."""
+    msg = wpb.DecodeRequest(
+        request_id=spec.request_id,
+        prompt_token_ids=spec.prompt_token_ids,
+        sampling=sampling_to_proto(spec.params),
+    )
+    if prefilled is not None:
+        msg.output_token_ids.append(prefilled.first_token_id)
+        msg.num_emitted_chars = len(prefilled.text)
+        msg.kv.CopyFrom(prefilled.kv)
+    return msg

@@ -1,25 +1,50 @@
-"""Process plumbing shared by the services: logging, signals, run-until-stop, gRPC server."""
+"""Process plumbing shared by the services: logging and native library settings, signals,
+run-until-stop, gRPC server."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem.transfer.nixl import UCX_ENV_DEFAULTS
+
 
 def setup_logging(name: str) -> None:
+    """Log to stderr as `name`, and configure the native libraries (every service calls this
+    first, before it creates a KV transport)."""
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    configure_native_libraries()
+
+
+def configure_native_libraries(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Set up UCX and NIXL for this process; call it before creating a NIXL transport.
+
+    UCX reads its settings from the environment when an agent creates its backend, so
+    `UCX_ENV_DEFAULTS` (what the NIXL transport is tuned for) must be in `environ` before the
+    transport is created; a value already set wins, so a deployment can override each one.
+    Child processes started afterwards inherit them. NIXL logs every agent creation at INFO
+    on stdout: its logger is set to WARNING unless NIXL_LOG_LEVEL is set (NIXL applies that
+    level itself).
+    """
+    for key, value in UCX_ENV_DEFAULTS.items():
+        environ.setdefault(key, value)
+    if not environ.get("NIXL_LOG_LEVEL"):
+        # Importing nixl configures this logger at INFO, which would undo an earlier setLevel;
+        # the import of tandem.transfer.nixl above has run by the time this is called.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 async def run_until_signal(

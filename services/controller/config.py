@@ -1,9 +1,11 @@
 """The controller process's config. Flags of `python -m services.controller` (and the Helm
-chart's `controller.config` values, as TANDEM_* env) map 1:1 to fields."""
+chart's `controller.config` values, as TANDEM_* env) map 1:1 to leaf fields: the nested
+`sla` and `control` configs are flattened by services.common.flags (`--ttft-p90-ms`,
+`--max-prefill`, TANDEM_MAX_PREFILL, ...)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
 from tandem.control import SLA, ControlConfig
 
@@ -22,8 +24,8 @@ class ControllerConfig:
     namespace, prefill_deployment, decode_deployment: the Deployments it scales.
     kubeconfig: path of a kubeconfig; empty = in-cluster service-account credentials.
     interval_s: how often it decides. window_s: how much history each decision sees.
-    ttft_p90_ms, itl_p90_ms: SLA targets (tunable at run time with `tandem ctl set-sla`).
-    The rest are tandem.control.ControlConfig fields of the same names.
+    sla: the SLA targets at start (tunable at run time with `tandem ctl set-sla`).
+    control: the policy's knobs.
     """
 
     redis_url: str = ""
@@ -38,22 +40,8 @@ class ControllerConfig:
     kubeconfig: str = ""
     interval_s: float = 5.0
     window_s: float = 60.0
-    ttft_p90_ms: float = 2000.0
-    itl_p90_ms: float = 200.0
-    min_prefill: int = 1
-    max_prefill: int = 8
-    min_decode: int = 1
-    max_decode: int = 8
-    target_utilization: float = 0.7
-    hysteresis: float = 0.2
-    scale_up_cooldown_s: float = 30.0
-    scale_down_cooldown_s: float = 120.0
-    scale_down_stable_s: float = 60.0
-    max_step: int = 2
-    min_requests: int = 20
-    prefill_backlog_s: float = 0.0
-    decode_backlog_s: float = 0.0
-    max_down_step: int = 1
+    sla: SLA = field(default_factory=SLA)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
     def __post_init__(self) -> None:
         if self.actuator not in ACTUATORS:
@@ -63,13 +51,3 @@ class ControllerConfig:
                 f"need interval_s > 0 and window_s >= interval_s, got {self.interval_s}, "
                 f"{self.window_s}"
             )
-        _ = self.control, self.sla  # validates those fields
-
-    @property
-    def control(self) -> ControlConfig:
-        """The policy's knobs: every ControlConfig field has a flag of the same name here."""
-        return ControlConfig(**{f.name: getattr(self, f.name) for f in fields(ControlConfig)})
-
-    @property
-    def sla(self) -> SLA:
-        return SLA(ttft_p90_ms=self.ttft_p90_ms, itl_p90_ms=self.itl_p90_ms)

@@ -2,7 +2,8 @@
 
 Every `interval_s`:
   1. read the workers' heartbeats (load stats) from the registry and the request timings the
-     routers appended to the Redis stream since the last tick; keep the last `window_s`;
+     routers appended to the Redis stream since the last tick; keep the last `window_s`
+     (tandem.control.SampleWindow, the same window the simulator keeps);
   2. ask the actuator how many replicas each role has been given;
   3. run tandem.control.decide() on that window;
   4. apply a changed target through the actuator (a failure is logged, kept in the status,
@@ -27,7 +28,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health
 from redis.exceptions import RedisError
 
-from services.common import convert
+from services.common.errors import invalid_argument, rpc
 from services.common.process import start_grpc_server
 from services.common.redis.registry import Registry, WorkerInfo
 from services.common.redis.request_log import RequestLogReader
@@ -40,6 +41,7 @@ from tandem.control import (
     Decision,
     Observation,
     RequestSample,
+    SampleWindow,
     WorkerSample,
     decide,
     percentile,
@@ -90,8 +92,8 @@ class Controller(agrpc.AdminServicer):
         self.last_error = ""
         self.address = ""
         self.model_id = config.model_id
-        self._workers: deque[WorkerSample] = deque()
-        self._requests: deque[RequestSample] = deque()
+        self._workers = SampleWindow[WorkerSample](config.window_s)
+        self._requests = SampleWindow[RequestSample](config.window_s)
         self._latest: list[WorkerInfo] = []
         self._current: dict[str, int] = {}
         self._tick_lock = asyncio.Lock()
@@ -207,11 +209,8 @@ class Controller(agrpc.AdminServicer):
             self._reader = RequestLogReader(self._redis, self.model_id)
         if self._reader is not None:
             self._requests.extend(await self._reader.read_new())
-        horizon = now - self.config.window_s
-        while self._workers and self._workers[0].t < horizon:
-            self._workers.popleft()
-        while self._requests and self._requests[0].t < horizon:
-            self._requests.popleft()
+        self._workers.prune(now)
+        self._requests.prune(now)
 
     def _live_counts(self) -> dict[str, int]:
         return {r: sum(1 for w in self._latest if w.role == r and not w.draining) for r in ROLES}
@@ -266,7 +265,7 @@ class Controller(agrpc.AdminServicer):
         last = self.decisions[0] if self.decisions else None
         reqs = list(self._requests)
         itls = [r.itl_ms for r in reqs if r.output_tokens > 1]
-        enough = self.config.min_requests
+        enough = self.control.min_requests
         live = self._live_counts()
         roles = []
         for role in ROLES:
@@ -303,20 +302,18 @@ class Controller(agrpc.AdminServicer):
             last_decision_unix=last.decision.t if last else 0.0,
         )
 
+    @rpc
     async def Status(
         self, request: apb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> apb.StatusResponse:
         return self.status()
 
+    @rpc
     async def Explain(
         self, request: apb.ExplainRequest, context: grpc.aio.ServicerContext
     ) -> apb.ExplainResponse:
         if request.limit < 0:
-            await convert.abort_rpc(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"limit: must be >= 0, got {request.limit}",
-            )
+            raise invalid_argument(f"limit: must be >= 0, got {request.limit}")
         limit = request.limit or 5
         return apb.ExplainResponse(
             decisions=[
@@ -333,15 +330,14 @@ class Controller(agrpc.AdminServicer):
             ]
         )
 
+    @rpc
     async def SetRatio(
         self, request: apb.SetRatioRequest, context: grpc.aio.ServicerContext
     ) -> apb.StatusResponse:
         for role, value in (("prefill", request.prefill), ("decode", request.decode)):
             lo, hi = self.control.bounds(role)
             if not lo <= value <= hi:
-                await convert.abort_rpc(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                raise invalid_argument(
                     f"{role}: {value} is outside [{lo}, {hi}] (the controller's min_{role} "
                     f"and max_{role})",
                 )
@@ -351,14 +347,13 @@ class Controller(agrpc.AdminServicer):
         await self.tick()
         return self.status()
 
+    @rpc
     async def SetSla(
         self, request: apb.SetSlaRequest, context: grpc.aio.ServicerContext
     ) -> apb.StatusResponse:
         sla = request.sla
         if not sla.HasField("ttft_p90_ms") and not sla.HasField("itl_p90_ms"):
-            await convert.abort_rpc(
-                context, grpc.StatusCode.INVALID_ARGUMENT, "sla: set ttft_p90_ms and/or itl_p90_ms"
-            )
+            raise invalid_argument("sla: set ttft_p90_ms and/or itl_p90_ms")
         try:
             self.sla = SLA(
                 ttft_p90_ms=sla.ttft_p90_ms
@@ -367,11 +362,12 @@ class Controller(agrpc.AdminServicer):
                 itl_p90_ms=sla.itl_p90_ms if sla.HasField("itl_p90_ms") else self.sla.itl_p90_ms,
             )
         except ValueError as exc:
-            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, f"sla.{exc}")
+            raise invalid_argument(f"sla.{exc}") from None
         log.info("operator set SLA targets: %s", self.sla)
         await self._save_settings()
         return self.status()
 
+    @rpc
     async def Auto(
         self, request: apb.AutoRequest, context: grpc.aio.ServicerContext
     ) -> apb.StatusResponse:

@@ -1,10 +1,11 @@
 """Decode worker: the engine in decode role behind the DecodeWorker gRPC service.
 
-With a KV handle, Decode reserves local blocks, pulls the prompt's KV from the prefill
-worker (NIXL READ, contiguous runs coalesced), then confirms the lease. Only a confirmed
-lease proves the blocks were pinned for the whole read; anything else (lapsed lease, dead
-prefill worker, failed read) discards the copy and recomputes the prompt here: fail closed.
-Without a handle, the prompt is prefilled here (conditional disaggregation).
+With a KV hand-off, Decode reserves local blocks, pulls the prompt's KV from the prefill
+worker (`tandem.transfer.plan_read`: only blocks it does not cache itself; NIXL READ,
+contiguous runs coalesced), then confirms the lease. Only a confirmed lease proves the
+blocks were pinned for the whole read; anything else (lapsed lease, dead prefill worker,
+failed read) discards the copy and recomputes the prompt here: fail closed. Without a
+hand-off, the prompt is prefilled here (conditional disaggregation).
 """
 
 from __future__ import annotations
@@ -13,22 +14,33 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import grpc
 
 from services.common import convert
+from services.common.errors import invalid_argument, resource_exhausted, rpc
+from services.common.worker.engine_loop import output_batches
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
-from tandem.engine.engine import RequestOutput
-from tandem.engine.sampling import SamplingParams
-from tandem.transfer import TransferError
+from tandem.engine.request import RequestSpec
+from tandem.transfer import KVHandoff, TransferError, plan_read
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
+
+
+class Pulled(NamedTuple):
+    """Outcome of a KV pull. committed: the request joined the batch with the pulled KV."""
+
+    committed: bool
+    num_cached_tokens: int  # prompt tokens this worker already held (not read)
+    num_bytes: int
+    transfer_ms: float
 
 
 class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
@@ -59,11 +71,12 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
 
     # -- RPCs ------------------------------------------------------------------------------
 
+    @rpc
     async def Decode(
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeResponse]:
-        rid, params = await self.admit(request.request_id, request.sampling, context)
-        prompt = list(request.prompt_token_ids)
+        spec = self.admit(request, context)
+        rid = spec.request_id
         outputs = list(request.output_token_ids)
         emitted = request.num_emitted_chars
         stream = self.loop.open_stream(rid)
@@ -72,51 +85,28 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         try:
             if request.HasField("kv"):
                 if not outputs:
-                    await convert.abort_rpc(
-                        context,
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        "output_token_ids must hold token 1",
-                    )
-                try:
-                    ok = await self._pull_kv(
-                        rid, prompt, outputs, emitted, params, request.kv, complete
-                    )
-                except _InvalidArgument as exc:
-                    await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                except _ResourceExhausted as exc:
-                    await convert.abort_rpc(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-                if not ok:
+                    raise invalid_argument("output_token_ids must hold token 1")
+                handoff = convert.handoff_from_proto(request.kv)
+                pulled = await self._pull_kv(spec, outputs, emitted, handoff)
+                complete.kv_transfer_ms = pulled.transfer_ms
+                complete.kv_transfer_bytes = pulled.num_bytes
+                if not pulled.committed:
                     self.num_recomputed += 1
                     complete.recomputed = True
-                    await self._add(context, rid, prompt, params, outputs, emitted)
+                    await self.add_request(spec, outputs, emitted)
             else:
-                await self._add(context, rid, prompt, params, outputs, emitted or None)
-            ended = False
-            while not ended:
-                out = await stream.get()
-                if out is None:
-                    break
-                # Coalesce: tokens that piled up while the client was slow (or while this
-                # loop was busy) travel as one message; per-message cost dominates here.
-                chunk = self._chunk(out)
-                while not out.finished and not stream.empty():
-                    nxt = stream.get_nowait()
-                    if nxt is None:
-                        ended = True
-                        break
-                    out = nxt
-                    more = self._chunk(out)
-                    chunk.token_ids.extend(more.token_ids)
-                    chunk.text += more.text
-                    chunk.logprobs.extend(more.logprobs)
+                await self.add_request(spec, outputs, emitted or None)
+            async for batch in output_batches(stream):
+                chunk = convert.chunk_to_proto(batch)
                 if chunk.token_ids or chunk.text:
                     yield wpb.DecodeResponse(request_id=rid, chunk=chunk)
-                if out.finished:
+                last = batch[-1]
+                if last.finished:
                     # Prompt tokens this worker found in its own prefix cache (with pulled KV,
                     # the part it did not need to read; without, the part it did not prefill).
-                    complete.num_cached_tokens = out.num_cached_tokens
-                    complete.finish_reason = convert.finish_reason_to_proto(out.finish_reason)
-                    complete.stop_reason = convert.stop_reason_to_proto(out.stop_reason)
+                    complete.num_cached_tokens = last.num_cached_tokens
+                    complete.finish_reason = convert.finish_reason_to_proto(last.finish_reason)
+                    complete.stop_reason = convert.stop_reason_to_proto(last.stop_reason)
                     yield wpb.DecodeResponse(request_id=rid, complete=complete)
         finally:
             self.num_active_rpcs -= 1
@@ -124,79 +114,45 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             # Cancelled or failed mid-stream: free everything this request holds here.
             self.loop.post(lambda e: e.abort(rid))
 
-    async def _add(
-        self,
-        context: grpc.aio.ServicerContext,
-        rid: str,
-        prompt: list[int],
-        params: SamplingParams,
-        outputs: list[int],
-        emitted: int | None,
-    ) -> None:
-        try:
-            await self.loop.call(lambda e: e.add_request(rid, prompt, params, outputs, emitted))
-        except ValueError as exc:
-            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-    @staticmethod
-    def _chunk(out: RequestOutput) -> rpb.Chunk:
-        chunk = rpb.Chunk(token_ids=out.new_token_ids, text=out.new_text)
-        if out.logprobs:
-            chunk.logprobs.extend(convert.logprobs_to_proto(out.new_token_ids, out.logprobs))
-        return chunk
-
     async def _pull_kv(
-        self,
-        rid: str,
-        prompt: list[int],
-        outputs: list[int],
-        emitted: int,
-        params: SamplingParams,
-        kv: wpb.KvHandle,
-        complete: wpb.DecodeComplete,
-    ) -> bool:
-        """Reserve, read, confirm. True: the request joined the batch with pulled KV."""
-        deadline = time.monotonic() + self.config.kv_wait_s
-        while True:
-            try:
-                reserved = await self.loop.call(
-                    lambda e: e.reserve_kv(rid, prompt, outputs, params, emitted)
-                )
-            except ValueError as exc:
-                raise _InvalidArgument(str(exc)) from None
-            if reserved is not None:
-                break
-            if time.monotonic() > deadline:
-                raise _ResourceExhausted(
-                    f"no free KV blocks for a {len(prompt)}-token prompt after "
-                    f"{self.config.kv_wait_s:.0f}s"
-                )
-            await asyncio.sleep(0.01)
-        table, num_cached = reserved
-        bs = self.engine.kv.block_size
-        first = num_cached // bs
-        num_blocks = -(-len(prompt) // bs)
-        complete.num_cached_tokens = num_cached
-        remote_ids = list(kv.block_ids[first:num_blocks])
-        local_ids = table[first:num_blocks]
-        t0 = time.perf_counter()
+        self, spec: RequestSpec, outputs: Sequence[int], emitted: int, handoff: KVHandoff
+    ) -> Pulled:
+        """Reserve, read, confirm. Raises ServiceError when the request cannot be served
+        here (invalid, or no free blocks within kv_wait_s)."""
+        rid, prompt = spec.request_id, list(spec.prompt_token_ids)
         try:
-            if len(kv.block_ids) < num_blocks or kv.block_size != bs:
-                raise TransferError(
-                    f"KV handle has {len(kv.block_ids)} blocks of {kv.block_size} tokens; "
-                    f"need {num_blocks} of {bs}"
+            reserved = await self.loop.call_until(
+                lambda e: e.reserve_kv(rid, prompt, outputs, spec.params, emitted),
+                self.config.kv_wait_s,
+            )
+        except ValueError as exc:
+            raise invalid_argument(str(exc)) from None
+        if reserved is None:
+            raise resource_exhausted(
+                f"no free KV blocks for a {len(prompt)}-token prompt after "
+                f"{self.config.kv_wait_s:.0f}s"
+            )
+        table, num_cached = reserved
+        num_bytes, transfer_ms, t0 = 0, 0.0, time.perf_counter()
+        try:
+            plan = plan_read(
+                handoff.remote.block_ids,
+                handoff.block_size,
+                table,
+                num_cached,
+                len(prompt),
+                self.engine.kv.block_size,
+            )
+            if plan.remote_block_ids:
+                remote = dataclasses.replace(handoff.remote, block_ids=plan.remote_block_ids)
+                local_ids, tag = list(plan.local_block_ids), handoff.lease_id.encode()
+                num_bytes = await asyncio.get_running_loop().run_in_executor(
+                    self._xfer, lambda: self.transport.read(remote, local_ids, tag)
                 )
-            if remote_ids:
-                remote = convert.remote_kv_from_proto(kv)
-                lease_tag = kv.lease.lease_id.encode()
-                remote = dataclasses.replace(remote, block_ids=tuple(remote_ids))
-                complete.kv_transfer_bytes = await asyncio.get_running_loop().run_in_executor(
-                    self._xfer, lambda: self.transport.read(remote, local_ids, lease_tag)
-                )
-            complete.kv_transfer_ms = (time.perf_counter() - t0) * 1e3
-            resp = await self._prefill_stub(kv.prefill_address).ReleaseKv(
+            transfer_ms = (time.perf_counter() - t0) * 1e3
+            resp = await self._prefill_stub(handoff.owner_address).ReleaseKv(
                 wpb.ReleaseKvRequest(
-                    request_id=rid, lease_id=kv.lease.lease_id, epoch=kv.lease.epoch
+                    request_id=rid, lease_id=handoff.lease_id, epoch=handoff.epoch
                 ),
                 timeout=5.0,
             )
@@ -206,19 +162,12 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             valid = False
         if not valid:
             await self.loop.call(lambda e: e.abort(rid))  # drop the reserved blocks unread
-            return False
-        await self.loop.call(lambda e: e.commit_kv(rid))
-        return True
+        else:
+            await self.loop.call(lambda e: e.commit_kv(rid))
+        return Pulled(valid, num_cached, num_bytes, transfer_ms)
 
+    @rpc
     async def Abort(
         self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rpb.AbortResponse:
         return rpb.AbortResponse(found=await self.loop.call(lambda e: e.abort(request.request_id)))
-
-
-class _InvalidArgument(ValueError):
-    pass
-
-
-class _ResourceExhausted(RuntimeError):
-    pass

@@ -1,36 +1,29 @@
 """Prefill worker: the engine in prefill role behind the PrefillWorker gRPC service.
 
 A Prefill call runs the prompt to its first token. The prompt's blocks then stay pinned
-under a lease (id, epoch, expiry) until the decode worker confirms with ReleaseKv after
-reading them, or the lease expires; either way they return to the pool exactly once.
+under a lease until the decode worker confirms with ReleaseKv after reading them, or the
+lease expires; either way they return to the pool exactly once. The lease rules live in
+`tandem.transfer.lease.LeaseTable`; this file wires them to the engine and the RPCs.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-import uuid
-from dataclasses import dataclass
 
 import grpc
 
 from services.common import convert
+from services.common.errors import rpc
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.engine import LLMEngine
+from tandem.transfer import KVHandoff, LeaseTable
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    lease_id: str
-    request_id: str
-    expires_at: float  # time.time()
 
 
 class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
@@ -39,10 +32,9 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
-        # lease id -> lease. Guarded by a lock, not by the engine thread: confirming a lease
-        # must not wait for a long prefill step to end.
-        self.leases: dict[str, Lease] = {}
-        self._lease_lock = threading.Lock()
+        # Confirming a lease takes the table's own lock, not the engine thread: it must not
+        # wait for a long prefill step to end.
+        self.leases = LeaseTable(self.config.lease_ttl_s, self.epoch)
         self._progress_stop = threading.Event()
         self._progress = threading.Thread(target=self._drive_transfers, daemon=True)
         self.num_expired_leases = 0
@@ -68,68 +60,44 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                 self.transport.poll()
             except Exception:
                 log.exception("transport poll failed")
-            self._progress_stop.wait(0.0005 if self.leases else 0.02)
+            self._progress_stop.wait(0.0005 if len(self.leases) else 0.02)
 
     def _expire_leases(self, engine: LLMEngine) -> None:
-        now = time.time()
-        with self._lease_lock:
-            expired = [x for x in self.leases.values() if x.expires_at <= now]
-            for lease in expired:
-                del self.leases[lease.lease_id]
-        for lease in expired:
+        for lease in self.leases.expire():
             engine.release(lease.request_id)
             self.num_expired_leases += 1
             log.warning("lease %s of %s expired unconfirmed", lease.lease_id, lease.request_id)
 
     # -- RPCs ------------------------------------------------------------------------------
 
+    @rpc
     async def Prefill(
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> wpb.PrefillResponse:
-        rid, params = await self.admit(request.request_id, request.sampling, context)
-        prompt = list(request.prompt_token_ids)
+        spec = self.admit(request, context)
+        rid = spec.request_id
         stream = self.loop.open_stream(rid)
         self.num_active_rpcs += 1
         handed_off = False
         try:
-            try:
-                await self.loop.call(lambda e: e.add_request(rid, prompt, params))
-            except ValueError as exc:
-                await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self.add_request(spec)
             out = await stream.get()
             assert out is not None
-            resp = wpb.PrefillResponse(
-                request_id=rid,
-                first_token_id=out.new_token_ids[0] if out.new_token_ids else 0,
-                text=out.new_text,
-                finished=out.finished,
-                finish_reason=convert.finish_reason_to_proto(out.finish_reason),
-            )
-
-            resp.num_cached_tokens = out.num_cached_tokens
-            resp.stop_reason = convert.stop_reason_to_proto(out.stop_reason)
-            if out.logprobs:
-                resp.logprobs.extend(convert.logprobs_to_proto(out.new_token_ids, out.logprobs))
+            resp = convert.prefill_response_to_proto(rid, out)
             if out.handed_off:
                 # The engine pinned the blocks at hand-off; the lease bounds how long.
-                lease = Lease(uuid.uuid4().hex, rid, time.time() + self.config.lease_ttl_s)
-                with self._lease_lock:
-                    self.leases[lease.lease_id] = lease
+                lease = self.leases.grant(rid)
                 handed_off = True
-                remote = self.transport.export(out.block_ids)
-                resp.kv.CopyFrom(
-                    convert.remote_kv_to_proto(
-                        remote,
-                        num_tokens=len(prompt),
-                        block_size=self.engine.kv.block_size,
-                        prefill_address=self.address,
-                        lease=wpb.Lease(
-                            lease_id=lease.lease_id,
-                            epoch=self.epoch,
-                            expires_at_unix_s=lease.expires_at,
-                        ),
-                    )
+                handoff = KVHandoff(
+                    remote=self.transport.export(out.block_ids),
+                    block_size=self.engine.kv.block_size,
+                    num_tokens=spec.num_prompt_tokens,
+                    owner_address=self.address,
+                    lease_id=lease.lease_id,
+                    epoch=lease.epoch,
+                    expires_at=lease.expires_at,
                 )
+                resp.kv.CopyFrom(convert.handoff_to_proto(handoff))
             return resp
         finally:
             self.num_active_rpcs -= 1
@@ -138,26 +106,19 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                 # Cancelled, failed or finished at token 1: nothing may stay pinned.
                 self.loop.post(lambda e: e.abort(rid))
 
+    @rpc
     async def ReleaseKv(
         self, request: wpb.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> wpb.ReleaseKvResponse:
-        with self._lease_lock:
-            lease = self.leases.get(request.lease_id)
-            if lease is None or lease.request_id != request.request_id:
-                return wpb.ReleaseKvResponse(valid=False)  # expired (blocks freed) or not ours
-            if request.epoch != self.epoch:
-                return wpb.ReleaseKvResponse(valid=False)
-            del self.leases[request.lease_id]
-            # The blocks were pinned for the whole read only if the lease is still live
-            # now that the reader has finished.
-            valid = lease.expires_at > time.time()
-        self.loop.post(lambda e: e.release(lease.request_id))
-        return wpb.ReleaseKvResponse(valid=valid)
+        answer = self.leases.confirm(request.lease_id, request.request_id, request.epoch)
+        if answer.release is not None:
+            rid = answer.release
+            self.loop.post(lambda e: e.release(rid))
+        return wpb.ReleaseKvResponse(valid=answer.valid)
 
+    @rpc
     async def Abort(
         self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rpb.AbortResponse:
-        with self._lease_lock:
-            for lease in [x for x in self.leases.values() if x.request_id == request.request_id]:
-                del self.leases[lease.lease_id]
+        self.leases.revoke(request.request_id)
         return rpb.AbortResponse(found=await self.loop.call(lambda e: e.abort(request.request_id)))

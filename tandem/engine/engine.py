@@ -23,7 +23,7 @@ from tandem.config import EngineConfig, EngineRole
 from tandem.engine.block_pool import KVEvent
 from tandem.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.engine.kv_manager import KVCacheManager, cdiv
-from tandem.engine.request import Request, RequestStatus
+from tandem.engine.request import Request, RequestStatus, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
@@ -145,18 +145,8 @@ class LLMEngine:
             ids = self.tokenize(prompt) if prompt else []
         else:
             ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
         vocab = self.model.config.vocab_size
-        for name, seq in (("prompt", ids), ("output_token_ids", output_token_ids)):
-            bad = [t for t in seq if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids outside [0, {vocab}): {bad[:5]}")
-        if len(ids) + len(output_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids) + len(output_token_ids)} tokens; the model's context "
-                f"(max_model_len) is {self.max_model_len}, leaving no room to generate"
-            )
+        check_prompt(ids, vocab, self.max_model_len, output_token_ids)
         params.validate_for_vocab(vocab)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -35,6 +36,61 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+def check_prompt(
+    prompt_token_ids: Sequence[int],
+    vocab_size: int,
+    max_model_len: int,
+    output_token_ids: Sequence[int] = (),
+) -> None:
+    """The prompt rules every hop applies (the router before placing, the engine before
+    queueing): not empty, ids inside the vocabulary, room left in the context to generate.
+
+    Raises:
+        ValueError: naming the rule and the values.
+    """
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    for name, seq in (("prompt", prompt_token_ids), ("output_token_ids", output_token_ids)):
+        bad = [t for t in seq if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    num_tokens = len(prompt_token_ids) + len(output_token_ids)
+    if num_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt has {num_tokens} tokens; the model's context (max_model_len) is "
+            f"{max_model_len}, leaving no room to generate"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """What a client asked for, validated once at the edge and carried unchanged through
+    every hop (router -> prefill -> decode); each worker builds its `Request` from it.
+
+    Attributes:
+        request_id: unique among the requests in flight.
+        prompt_token_ids: the tokenized prompt (chat template applied).
+        params: sampling parameters.
+        model: the model it was addressed to.
+        timeout_s: time left to the client's deadline when it arrived; None = no deadline.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    model: str = ""
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must not be empty")
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """Pure placement policy: choose(request, workers, config) -> Placement."""
 
+from tandem.routing.inflight import Dispatch, InflightLoad
 from tandem.routing.policy import (
     POLICIES,
     Placement,
@@ -7,6 +8,17 @@ from tandem.routing.policy import (
     RoutingConfig,
     WorkerLoad,
     choose,
+    prefix_key,
 )
 
-__all__ = ["POLICIES", "Placement", "RouteRequest", "RoutingConfig", "WorkerLoad", "choose"]
+__all__ = [
+    "POLICIES",
+    "Dispatch",
+    "InflightLoad",
+    "Placement",
+    "RouteRequest",
+    "RoutingConfig",
+    "WorkerLoad",
+    "choose",
+    "prefix_key",
+]

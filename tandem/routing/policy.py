@@ -34,7 +34,7 @@ workers (`overlap`, from the prefix index):
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("kv", "load", "round_robin")
@@ -57,6 +57,10 @@ class RoutingConfig:
             request alone; more keeps a prefix on the worker that holds it while that
             worker's queue is up to (cache_weight - 1) x the prompt longer, instead of
             copying it onto a second worker and evicting what that one held.
+        affinity_blocks: a prompt's prefix key (`prefix_key`: its home prefill worker when
+            no worker caches it) is the chained hash of this many leading blocks, or of all
+            full blocks of a shorter prompt. Deep enough to tell apart system prompts that
+            open with the same boilerplate; 16 blocks = 256 tokens.
     """
 
     policy: str = "kv"
@@ -64,6 +68,7 @@ class RoutingConfig:
     imbalance_threshold_tokens: int = 2048
     min_free_block_fraction: float = 0.05
     cache_weight: float = 2.0
+    affinity_blocks: int = 16
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -78,6 +83,8 @@ class RoutingConfig:
             )
         if self.cache_weight < 1.0:
             raise ValueError(f"cache_weight must be >= 1, got {self.cache_weight}")
+        if self.affinity_blocks <= 0:
+            raise ValueError(f"affinity_blocks must be positive, got {self.affinity_blocks}")
         if not 0.0 <= self.min_free_block_fraction < 1.0:
             raise ValueError(
                 f"min_free_block_fraction must be in [0, 1), got {self.min_free_block_fraction}"
@@ -204,6 +211,18 @@ def choose(
     if skipped:
         reason += f" ({skipped} busier prefill worker(s) outside the imbalance band)"
     return Placement(decode, prefill, reason, cached)
+
+
+def prefix_key(block_hashes: Sequence[int], affinity_blocks: int) -> int | None:
+    """A prompt's prefix key: the chained hash of its block `affinity_blocks` (it covers every
+    block before it), or of its last full block when it has fewer; None below one block.
+
+    Args:
+        block_hashes: the prompt's chained prefix hashes (`tandem.engine.prefix_hash`).
+    """
+    if not block_hashes:
+        return None
+    return block_hashes[min(len(block_hashes), affinity_blocks) - 1]
 
 
 def home_rank(prefix_key: int, worker_id: str) -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,6 +47,7 @@ from tandem.control import (
     Decision,
     Observation,
     RequestSample,
+    SampleWindow,
     WorkerSample,
     decide,
 )
@@ -138,8 +138,8 @@ class Cluster:
         self._sequence = 0
         self._dirty: set[str] = set()  # workers whose in-flight counts changed
         # Controller state.
-        self._samples: deque[WorkerSample] = deque()
-        self._finished: deque[RequestSample] = deque()
+        self._samples = SampleWindow[WorkerSample](config.window_s)
+        self._finished = SampleWindow[RequestSample](config.window_s)
         self._control_state = ControlState()
         self.decisions: list[Decision] = []
         self.series: list[SeriesPoint] = []
@@ -342,7 +342,7 @@ class Cluster:
         self.outstanding -= 1
         ttft_ms = 1e3 * (req.first_token_s - req.arrival_s)
         itl_ms = _itl_s(req) * 1e3
-        self._finished.append(
+        self._finished.add(
             RequestSample(
                 now, ttft_ms, itl_ms, req.prompt_tokens, req.output_tokens,
                 disaggregated=req.disaggregated,
@@ -356,17 +356,14 @@ class Cluster:
         if self.config.autoscale:
             for w in self.workers.values():
                 if w.state in (LIVE, DRAINING):
-                    self._samples.append(w.report(self.now, period))
+                    self._samples.add(w.report(self.now, period))
         self.schedule(self.now + period, self._on_stats)
 
     def _on_interval(self, _: Any) -> None:
         cfg = self.config
         if cfg.autoscale and self.now > 0:
-            horizon = self.now - cfg.window_s
-            while self._samples and self._samples[0].t <= horizon:
-                self._samples.popleft()
-            while self._finished and self._finished[0].t <= horizon:
-                self._finished.popleft()
+            self._samples.prune(self.now)
+            self._finished.prune(self.now)
             obs = Observation(
                 now=self.now,
                 replicas=dict(self.target),

@@ -14,20 +14,29 @@ from __future__ import annotations
 from tandem.transfer.base import (
     TRANSPORT_KINDS,
     KVTransport,
+    ReadPlan,
     RemoteKV,
     TransferError,
     coalesce,
+    plan_read,
 )
+from tandem.transfer.lease import Confirmation, KVHandoff, Lease, LeaseTable
 from tandem.transfer.local import LocalTransport
 
 __all__ = [
     "TRANSPORT_KINDS",
+    "Confirmation",
+    "KVHandoff",
     "KVTransport",
+    "Lease",
+    "LeaseTable",
     "LocalTransport",
+    "ReadPlan",
     "RemoteKV",
     "TransferError",
     "coalesce",
     "make_transport",
+    "plan_read",
 ]
 
 

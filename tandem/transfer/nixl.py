@@ -22,7 +22,6 @@ import ctypes
 import ctypes.util
 import errno
 import logging
-import os
 import sys
 import threading
 import time
@@ -36,14 +35,11 @@ from tandem.transfer.base import KVTransport, RemoteKV, TransferError
 
 logger = logging.getLogger(__name__)
 
-# NIXL logs every agent and backend creation at INFO on stdout; keep it quiet unless the user
-# asked for a level explicitly (NIXL reads NIXL_LOG_LEVEL itself).
-if not os.environ.get("NIXL_LOG_LEVEL"):
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
 _BACKEND = "UCX"
-# UCX settings this transport defaults to; a value already in the environment wins. UCX reads
-# them when an agent creates its backend, so they apply to agents created afterwards.
+# UCX settings this transport is tuned for. UCX reads them from the environment when an agent
+# creates its backend; this module only states them (the core reads no environment): a process
+# applies them before it creates a transport, with
+# `services.common.process.configure_native_libraries` (values already set win).
 # - UCX_CMA_SEG_SIZE: UCX moves intra-host DRAM reads in process_vm_readv calls of this size
 #   (default 512k); larger segments mean fewer syscalls and page-pinning rounds: measured
 #   +14% for a 12 MiB read and +5% for 192 MiB. The cost, longer individual progress calls,
@@ -132,7 +128,8 @@ class NixlTransport(KVTransport):
     descriptors and ~0.3 ms for 512 (of a ~19 ms read): not worth a per-peer cache that needs
     the owner's block count, which `RemoteKV` does not carry.
 
-    Creating an agent applies `UCX_ENV_DEFAULTS` to the environment (values already set win).
+    UCX takes its settings from the environment of the process when the agent is created:
+    apply `UCX_ENV_DEFAULTS` first (`services.common.process.configure_native_libraries`).
 
     Thread-safety: callers should use an instance from one thread at a time. As a safety net
     for the common owner layout (a progress thread calling `poll` while the engine thread
@@ -159,8 +156,6 @@ class NixlTransport(KVTransport):
     ) -> None:
         super().__init__(agent_name)
         self._hugepages = hugepages
-        for key, value in UCX_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
         try:
             # backends=[]: create only UCX below, with params; instantiating every plugin would
             # probe GPU/storage backends that do not work on CPU.

@@ -3,7 +3,7 @@ schema against the config dataclasses, RBAC, env, probes and API versions per cl
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import os
 import typing
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
-from services.common.flags import parse_config
+from services.common.flags import Leaf, leaves, parse_config
 from services.common.worker.shell import WorkerConfig
 from services.controller.config import ControllerConfig
-from services.router.server import RouterConfig
+from services.router.config import RouterConfig
 from tests.deploy.helm import (
     CHART,
     GPU_VALUES,
@@ -52,6 +52,7 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
         "worker_id": "the pod name",
         "redis_url": "bundled or external Redis",
         "model_dir": "model.dir",
+        "role": "not rendered: the service's own (python -m services.<role>)",
     },
     ControllerConfig: {
         "host": "0.0.0.0",
@@ -64,13 +65,44 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
         "kubeconfig": "empty: in-cluster credentials",
     },
 }
-NOT_RENDERED = {"prefill_addresses", "decode_addresses"}
+NOT_RENDERED = {"prefill_addresses", "decode_addresses", "role"}
+# Fields the program sets itself (no flag, no env): see services.common.worker.shell.run_worker.
+FIXED: dict[type, dict[str, str]] = {WorkerConfig: {"role": "prefill"}}
+
+
+def _leaves(cls: type) -> dict[str, Leaf]:
+    """The settable leaf fields of a (nested) config: flag, env and Helm key names."""
+    return {leaf.name: leaf for leaf in leaves(cls) if leaf.name not in FIXED.get(cls, {})}
+
+
+def _get(obj: Any, leaf: Leaf) -> Any:
+    return functools.reduce(getattr, leaf.path, obj)
+
+
 # Non-default values for the round trip values -> env -> parse_config (large integers and
 # fractions are where YAML -> Go -> env text goes wrong).
 NON_DEFAULTS: dict[str, dict[str, Any]] = {
-    "router": {"max_inflight": 7, "policy": "load", "index_timeout_s": 0.025, "model_id": "m"},
-    "prefill": {"kv_cache_bytes": 4294967296, "num_threads": 4, "lease_ttl_s": 2.5},
-    "decode": {"kv_cache_bytes": 12884901888, "transport": "local", "drain_timeout_s": 100.5},
+    "router": {
+        "max_inflight": 7,
+        "policy": "load",
+        "index_timeout_s": 0.025,
+        "model_id": "m",
+        "min_free_block_fraction": 0.125,
+    },
+    "prefill": {
+        "kv_cache_bytes": 4294967296,
+        "num_threads": 4,
+        "lease_ttl_s": 2.5,
+        "dtype": "bfloat16",
+        "long_prefill_token_threshold": 512,
+    },
+    "decode": {
+        "kv_cache_bytes": 12884901888,
+        "transport": "local",
+        "drain_timeout_s": 100.5,
+        "enable_prefix_caching": False,
+        "device": "cpu",
+    },
     "controller": {"target_utilization": 0.55, "max_decode": 12, "actuator": "none"},
 }
 RELEASE, NAMESPACE = "tandem", "tandem"
@@ -206,16 +238,15 @@ def test_schema_config_properties_are_the_dataclass_fields(component: str) -> No
     """A field added to a config dataclass fails here until the chart knows it: either as
     a `<component>.config` property or as a chart-controlled field."""
     cls = CONFIGS[component]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    controlled = set(CHART_CONTROLLED[cls])
-    assert controlled <= fields, f"chart controls fields {cls.__name__} lacks"
+    fields = _leaves(cls)
+    controlled = set(CHART_CONTROLLED[cls]) - set(FIXED.get(cls, {}))
+    assert controlled <= set(fields), f"chart controls fields {cls.__name__} lacks"
     config = _schema()["properties"][component]["properties"]["config"]
     assert config["additionalProperties"] is False
-    assert set(config["properties"]) == fields - controlled
+    assert set(config["properties"]) == set(fields) - controlled
 
-    hints = typing.get_type_hints(cls)
     for name, prop in config["properties"].items():
-        assert prop["type"] == _json_type(hints[name]), name
+        assert prop["type"] == _json_type(fields[name].type), name
 
 
 @pytest.mark.parametrize("component", list(CONFIGS))
@@ -225,10 +256,11 @@ def test_config_values_round_trip_through_env(
     """Every settable field, written in a values file, reaches the process as the value it
     was given: values -> TANDEM_* env -> services.common.flags.parse_config."""
     cls = CONFIGS[component]
+    fields = _leaves(cls)
     config = {
-        f.name: f.default
-        for f in dataclasses.fields(cls)
-        if f.name not in CHART_CONTROLLED[cls] and f.default is not None
+        leaf.name: leaf.default
+        for leaf in fields.values()
+        if leaf.name not in CHART_CONTROLLED[cls] and leaf.default is not None
     }
     config.update(NON_DEFAULTS[component])
     values = tmp_path / "values.yaml"
@@ -246,9 +278,9 @@ def test_config_values_round_trip_through_env(
         if name.startswith("TANDEM_"):
             # Downward-API values are the kubelet's to fill in.
             monkeypatch.setenv(name, value if isinstance(value, str) else "from-the-pod")
-    parsed: Any = parse_config(cls, argv=[])
+    parsed: Any = parse_config(cls, argv=[], fixed=FIXED.get(cls))
     for key, value in config.items():
-        assert getattr(parsed, key) == value, key
+        assert _get(parsed, fields[key]) == value, key
 
 
 def test_every_rendered_tandem_env_is_a_field_of_its_dataclass(helm: Helm) -> None:
@@ -264,7 +296,7 @@ def test_every_rendered_tandem_env_is_a_field_of_its_dataclass(helm: Helm) -> No
                 if component == "redis" or container["name"] == "make-model":
                     assert names == []
                     continue
-                fields = {f.name for f in dataclasses.fields(CONFIGS[component])}
+                fields = set(_leaves(CONFIGS[component]))
                 for name in names:
                     assert name.removeprefix("TANDEM_").lower() in fields, (component, name)
                 assert len(names) == len(set(names)), f"{component}: duplicate env"

@@ -5,6 +5,7 @@ use through `tandem ctl`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Mapping
@@ -17,18 +18,19 @@ from services.common.redis.request_log import RequestLog, RequestLogReader
 from services.controller.actuators import ActuatorError, NoActuator
 from services.controller.config import ControllerConfig
 from services.controller.server import Controller
-from tandem.control import RequestSample
+from tandem.control import SLA, ControlConfig, RequestSample
 from tandem.ctl import format_decisions, format_status
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 
 MODEL = "m"
+CONTROL = ControlConfig(min_requests=5, scale_up_cooldown_s=0)
 
 
-def config(redis_url: str, **kw: object) -> ControllerConfig:
+def config(redis_url: str, control: ControlConfig = CONTROL, **kw: object) -> ControllerConfig:
     base: dict[str, object] = dict(
         redis_url=redis_url, model_id=MODEL, port=0, metrics_port=0, interval_s=60.0,
-        window_s=60.0, min_requests=5, scale_up_cooldown_s=0, ttft_p90_ms=500, itl_p90_ms=100,
+        window_s=60.0, sla=SLA(ttft_p90_ms=500, itl_p90_ms=100), control=control,
     )  # fmt: skip
     base.update(kw)
     return ControllerConfig(**base)  # type: ignore[arg-type]
@@ -151,7 +153,8 @@ def test_actuator_failure_is_reported_and_retried(redis_url: str) -> None:
         registry = Registry(redis_url, ttl_s=30)
         log = RequestLog(redis_url, MODEL)
         actuator = FlakyActuator()
-        cfg = config(redis_url, scale_up_cooldown_s=3600)  # a retry must not wait for it
+        # An hour-long cooldown that a retry must not wait for.
+        cfg = config(redis_url, dataclasses.replace(CONTROL, scale_up_cooldown_s=3600))
         controller = Controller(cfg, actuator)
         await controller.start(run_loop=False)
         for worker_id, role in (("p0", "prefill"), ("d0", "decode")):
@@ -283,19 +286,25 @@ def test_metrics_endpoint_exposes_replicas(redis_url: str) -> None:
     assert 'tandem_controller_decisions_total{applied="true",role="decode"} 1.0' in text
 
 
-def test_every_policy_knob_is_a_controller_flag() -> None:
-    """ControllerConfig flattens ControlConfig into flags (and Helm values): a knob added to
-    the policy must appear here, with the same default."""
-    import dataclasses
+def test_every_policy_knob_and_sla_target_is_a_controller_flag() -> None:
+    """ControllerConfig holds a ControlConfig and an SLA; flags (and Helm values) flatten them
+    by leaf name, so a knob added to the policy is a flag at once, with the same default."""
+    from services.common import flags
 
-    from tandem.control import ControlConfig
-
-    ours = {f.name: f.default for f in dataclasses.fields(ControllerConfig)}
-    for f in dataclasses.fields(ControlConfig):
-        assert f.name in ours, f"ControllerConfig lacks a flag for ControlConfig.{f.name}"
-        assert ours[f.name] == f.default, f.name
-    cfg = ControllerConfig(prefill_backlog_s=10.0, max_down_step=2)
-    assert (cfg.control.prefill_backlog_s, cfg.control.max_down_step) == (10.0, 2)
+    by_name = {leaf.name: leaf for leaf in flags.leaves(ControllerConfig)}
+    for nested, cls in (("control", ControlConfig), ("sla", SLA)):
+        for f in dataclasses.fields(cls):
+            leaf = by_name.get(f.name)
+            assert leaf is not None, f"no controller flag for {cls.__name__}.{f.name}"
+            assert leaf.path == (nested, f.name)
+            assert leaf.default == f.default, f.name
+    assert by_name["window_s"].path == ("window_s",)  # the controller's own, not the policy's
+    argv = ["--prefill-backlog-s", "10", "--max-down-step", "2", "--ttft-p90-ms", "800"]
+    cfg = flags.parse_config(ControllerConfig, argv, environ={})
+    assert cfg.control == dataclasses.replace(
+        ControlConfig(), prefill_backlog_s=10.0, max_down_step=2
+    )
+    assert cfg.sla == SLA(ttft_p90_ms=800.0, itl_p90_ms=SLA().itl_p90_ms)
 
 
 def test_tandem_ctl_command_line(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,12 +19,8 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from services.common.redis.index import (
-    RedisPrefixIndex,
-    _encode_command,
-    _leading_counts,
-    _parse_reply,
-)
+from services.common.redis.index import RedisPrefixIndex, _leading_counts
+from services.common.redis.resp import encode_command, parse_reply
 from services.common.redis.server import RedisServer
 from tandem.index import (
     MAX_WORKERS_PER_MODEL,
@@ -526,13 +522,13 @@ def test_redis_reply_parser_handles_every_split() -> None:
     reply = b"*4\r\n$2\r\nab\r\n$-1\r\n$0\r\n\r\n$3\r\n\r\n\n\r\n"
     # A reply cut anywhere is incomplete (None), never misparsed.
     for cut in range(len(reply)):
-        assert _parse_reply(reply[:cut]) is None, cut
-    assert _parse_reply(reply) == ([b"ab", None, b"", b"\r\n\n"], len(reply))
-    assert _parse_reply(b"+OK\r\n") == (b"OK", 5)
-    assert _parse_reply(b":-7\r\n") == (-7, 5)
-    error = _parse_reply(b"-ERR nope\r\n")
+        assert parse_reply(reply[:cut]) is None, cut
+    assert parse_reply(reply) == ([b"ab", None, b"", b"\r\n\n"], len(reply))
+    assert parse_reply(b"+OK\r\n") == (b"OK", 5)
+    assert parse_reply(b":-7\r\n") == (-7, 5)
+    error = parse_reply(b"-ERR nope\r\n")
     assert error is not None and isinstance(error[0], redis.ResponseError)
-    assert _encode_command([b"GET", b"k"]) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+    assert encode_command([b"GET", b"k"]) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
 
 
 def test_redis_lookup_client_speaks_auth_and_db() -> None:

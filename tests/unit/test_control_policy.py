@@ -16,9 +16,10 @@ from tandem.control import (
     RequestSample,
     WorkerSample,
     decide,
+    fit_decode_step,
+    fit_prefill,
     percentile,
 )
-from tandem.control.policy import fit_decode_step, fit_prefill
 
 PREFILL_CAPACITY = 2000.0  # tokens/s one prefill worker computes while busy
 STEP_A, STEP_B = 10.0, 2.0  # decode step_ms = a + b * running

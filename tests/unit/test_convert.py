@@ -7,9 +7,12 @@ import pytest
 from services.common import convert
 from services.common.flags import parse_config
 from services.common.worker.shell import WorkerConfig
+from tandem.engine.engine import RequestOutput
+from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import SamplingParams
-from tandem.transfer import RemoteKV
+from tandem.transfer import KVHandoff, RemoteKV
 from tandem.v1 import router_pb2 as rpb
+from tandem.v1 import worker_pb2 as wpb
 
 
 @pytest.mark.parametrize(
@@ -69,7 +72,45 @@ def test_flags_and_env_map_to_fields(monkeypatch) -> None:
     cfg = parse_config(
         WorkerConfig, ["--model-dir", "/m", "--transport", "local", "--num-threads", "1"]
     )
-    assert cfg.model_dir == "/m" and cfg.transport == "local"
-    assert cfg.lease_ttl_s == 2.5 and cfg.num_threads == 1
+    assert cfg.engine.model_dir == "/m" and cfg.transport == "local"
+    assert cfg.lease_ttl_s == 2.5 and cfg.engine.num_threads == 1
     with pytest.raises(SystemExit):
         parse_config(WorkerConfig, ["--model-dir", "/m", "--transport", "carrier-pigeon"])
+
+
+def _spec() -> RequestSpec:
+    params = SamplingParams(max_tokens=9, temperature=0.5, seed=3, stop=("x",), logprobs=2)
+    return RequestSpec("r1", (5, 6, 7), params)
+
+
+def test_worker_requests_carry_the_spec_unchanged() -> None:
+    spec = _spec()
+    prefill = convert.prefill_request_to_proto(spec, "decode-3")
+    assert prefill.decode_worker == "decode-3"
+    assert convert.spec_from_proto(prefill, "r1", None) == spec
+    decode = convert.decode_request_to_proto(spec)
+    assert not decode.HasField("kv") and list(decode.output_token_ids) == []
+    assert convert.spec_from_proto(decode, "r1", 4.5) == RequestSpec(
+        "r1", (5, 6, 7), spec.params, timeout_s=4.5
+    )
+
+
+def test_decode_request_after_prefill_carries_token_1_and_the_handoff() -> None:
+    handoff = KVHandoff(
+        RemoteKV("nixl", "prefill-0", b"md", 4096, 1024, (3, 4)), 16, 20, "h:1", "L1", 9, 1e9
+    )
+    prefilled = wpb.PrefillResponse(request_id="r1", first_token_id=42, text="ab")
+    prefilled.kv.CopyFrom(convert.handoff_to_proto(handoff))
+    msg = convert.decode_request_to_proto(_spec(), prefilled)
+    assert list(msg.output_token_ids) == [42] and msg.num_emitted_chars == 2
+    assert convert.handoff_from_proto(msg.kv) == handoff
+
+
+def test_chunk_merges_consecutive_outputs() -> None:
+    outs = [
+        RequestOutput("r", [4], "a", False, None, logprobs=[(-0.5, ())]),
+        RequestOutput("r", [5, 6], "bc", True, "stop", logprobs=[(-1.0, ()), (-2.0, ())]),
+    ]
+    chunk = convert.chunk_to_proto(outs)
+    assert list(chunk.token_ids) == [4, 5, 6] and chunk.text == "abc"
+    assert [lp.logprob for lp in chunk.logprobs] == [-0.5, -1.0, -2.0]

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tandem.control import SLA, ControlConfig, WorkerSample
-from tandem.control.policy import decode_token_rate, decode_workers_for, fit_prefill
+from tandem.control import (
+    SLA,
+    ControlConfig,
+    WorkerSample,
+    decode_token_rate,
+    decode_workers_for,
+    fit_prefill,
+)
 from tandem.sim import (
     H100,
     H200,

@@ -9,6 +9,7 @@ another `LocalTransport` in this process. Every read checks the copied bytes wit
 from __future__ import annotations
 
 import dataclasses
+import logging
 import multiprocessing
 import os
 import random
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.process import configure_native_libraries
 from tandem.transfer import (
     KVTransport,
     LocalTransport,
@@ -30,6 +32,12 @@ from tandem.transfer import (
     coalesce,
     make_transport,
 )
+from tandem.transfer.nixl import UCX_ENV_DEFAULTS
+
+# As a service does at start-up, before any NIXL agent exists: the UCX settings the transport
+# is tuned for, inherited by the owner processes; they import this module again (spawn), which
+# quiets NIXL's logger there too.
+configure_native_libraries()
 
 # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: 512 floats = 2 KiB per block
 BLOCK_SHAPE = (2, 2, 4, 2, 8)
@@ -105,6 +113,25 @@ def test_make_transport_rejects_unknown_kind() -> None:
         make_transport("rdma", "x")
     with pytest.raises(ValueError, match="agent_name"):
         make_transport("local", "")
+
+
+def test_configure_native_libraries_keeps_what_is_set() -> None:
+    assert UCX_ENV_DEFAULTS  # else this test checks nothing
+    nixl_logger = logging.getLogger("nixl")
+    saved_level = nixl_logger.level
+    try:
+        nixl_logger.setLevel(logging.INFO)  # what importing nixl sets
+        environ = {"NIXL_LOG_LEVEL": "DEBUG"}
+        configure_native_libraries(environ)
+        assert environ == {"NIXL_LOG_LEVEL": "DEBUG", **UCX_ENV_DEFAULTS}
+        assert nixl_logger.level == logging.INFO  # NIXL applies the level the user asked for
+
+        overridden = {key: "1m" for key in UCX_ENV_DEFAULTS}
+        configure_native_libraries(overridden)
+        assert overridden == {key: "1m" for key in UCX_ENV_DEFAULTS}
+        assert nixl_logger.level == logging.WARNING
+    finally:
+        nixl_logger.setLevel(saved_level)
 
 
 # -------------------------------------------------------------------------------- owner side

@@ -1,3 +1,4 @@
-"""Everything Tandem keeps in Redis: the prefix index (`index`), worker discovery
-(`registry`), the router's request log for the controller (`request_log`), and a local
-Redis server for `tandem up` and tests (`server`)."""
+"""Everything Tandem keeps in Redis: the prefix index (`index`, with its key layout and Lua
+scripts in `scripts` and its lean lookup client in `resp`), worker discovery (`registry`, over
+the `WorkerInfo` records of `worker_info`), the router's request log for the controller
+(`request_log`), and a local Redis server for `tandem up` and tests (`server`)."""

@@ -14,121 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-logger = logging.getLogger(__name__)
+from services.common.redis.worker_info import KEY_PREFIX, ROLES, WorkerInfo
 
-KEY_PREFIX = "tandem:worker:"
-ROLES = ("prefill", "decode")
+# WorkerInfo and its key prefix are re-exported: callers import them from here.
+__all__ = ["KEY_PREFIX", "ROLES", "Heartbeat", "Registry", "WorkerInfo", "WorkerWatcher"]
+
+logger = logging.getLogger(__name__)
 
 # Errors that mean "Redis is unreachable or misbehaving" rather than a bug on our side.
 _REDIS_DOWN = (RedisError, OSError)
-
-_INT_FIELDS = (
-    "epoch",
-    "num_blocks",
-    "num_free_blocks",
-    "num_running",
-    "num_waiting",
-    "queued_prefill_tokens",
-)
-_COUNT_FIELDS = _INT_FIELDS[1:]  # everything but epoch is a count and cannot be negative
-_RATE_FIELDS = ("busy_frac", "tokens_per_s", "step_ms")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What one worker advertises: identity, address, and load at `updated_at`.
-
-    `busy_frac`, `tokens_per_s` and `step_ms` are the engine's rolling load over the last few
-    seconds (fraction of time in steps, tokens computed per second, mean step time); the
-    ratio controller fits its throughput model from them.
-
-    `epoch` identifies the incarnation (e.g. start time in ns): a worker that restarts under the
-    same `worker_id` gets a new epoch, and watchers report it as a departure plus a join since
-    whatever lived in the old process (KV blocks, leases) is gone. `updated_at` is wall-clock
-    seconds, stamped by `Registry.register`.
-
-    Raises ValueError on a wrong type, an unknown role, an empty id/address/model or a negative
-    count.
-    """
-
-    worker_id: str
-    role: str
-    address: str
-    model: str
-    epoch: int
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    queued_prefill_tokens: int = 0
-    busy_frac: float = 0.0
-    tokens_per_s: float = 0.0
-    step_ms: float = 0.0
-    draining: bool = False
-    updated_at: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("worker_id", "role", "address", "model"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"WorkerInfo.{name} must be a non-empty str, got {value!r}")
-        if self.role not in ROLES:
-            raise ValueError(f"WorkerInfo.role must be one of {ROLES}, got {self.role!r}")
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            # bool is an int subclass; `True` blocks is a bug, not a count.
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"WorkerInfo.{name} must be an int, got {value!r}")
-        for name in _COUNT_FIELDS:
-            if getattr(self, name) < 0:
-                raise ValueError(f"WorkerInfo.{name} must be >= 0, got {getattr(self, name)}")
-        for name in _RATE_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"WorkerInfo.{name} must be a number >= 0, got {value!r}")
-        if not isinstance(self.draining, bool):
-            raise ValueError(f"WorkerInfo.draining must be a bool, got {self.draining!r}")
-        if not isinstance(self.updated_at, int | float) or isinstance(self.updated_at, bool):
-            raise ValueError(f"WorkerInfo.updated_at must be a number, got {self.updated_at!r}")
-
-    @property
-    def key(self) -> str:
-        """The Redis key this worker is registered under."""
-        return KEY_PREFIX + self.worker_id
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> WorkerInfo:
-        """Parse `to_json` output. Unknown keys are ignored so that newer workers can add
-        fields without breaking older routers; anything else malformed raises ValueError."""
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"WorkerInfo JSON does not parse: {exc}; raw={raw!r:.200}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"WorkerInfo JSON must be an object, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k in known}
-        if isinstance(kwargs.get("updated_at"), int) and not isinstance(kwargs["updated_at"], bool):
-            kwargs["updated_at"] = float(kwargs["updated_at"])
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:  # missing required fields
-            raise ValueError(f"WorkerInfo JSON is incomplete: {exc}; raw={raw!r:.200}") from None
 
 
 class Registry:

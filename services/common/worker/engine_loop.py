@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -102,6 +102,23 @@ class EngineLoop:
         fut.add_done_callback(_log_failure)
         self._commands.put((fn, fut))
 
+    async def call_until(
+        self,
+        fn: Callable[[LLMEngine], T | None],
+        timeout_s: float,
+        poll_s: float = 0.01,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> T | None:
+        """Run `fn` between steps until it returns something other than None (then return
+        that), retrying every `poll_s` for up to `timeout_s`; None when time ran out. For
+        waits on engine state that steps change, such as free KV blocks."""
+        deadline = clock() + timeout_s
+        while True:
+            result = await self.call(fn)
+            if result is not None or clock() > deadline:
+                return result
+            await asyncio.sleep(poll_s)
+
     def open_stream(self, request_id: str) -> OutputQueue:
         """The queue that will receive `request_id`'s outputs (open before adding it)."""
         q: OutputQueue = asyncio.Queue()
@@ -175,3 +192,24 @@ class EngineLoop:
 def _log_failure(fut: Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("posted engine command failed", exc_info=fut.exception())
+
+
+async def output_batches(stream: OutputQueue) -> AsyncIterator[list[RequestOutput]]:
+    """A request's outputs in batches: each waits for one output, then takes every output
+    already queued behind it, up to the finishing one. Tokens that piled up while the client
+    was slow (or the event loop busy) so travel as one message; per-message cost dominates."""
+    while True:
+        out = await stream.get()
+        if out is None:
+            return
+        batch = [out]
+        while not out.finished and not stream.empty():
+            nxt = stream.get_nowait()
+            if nxt is None:
+                yield batch
+                return
+            out = nxt
+            batch.append(out)
+        yield batch
+        if out.finished:
+            return

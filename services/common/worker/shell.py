@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from services.common import convert
+from services.common.errors import invalid_argument, rpc, unavailable
 from services.common.flags import parse_config
 from services.common.process import run_until_signal, setup_logging, start_grpc_server
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
 from services.common.worker.engine_loop import EngineLoop
 from services.common.worker.kv_events import KVEventPublisher
-from tandem.config import CacheConfig, EngineConfig, EngineRole, SchedulerConfig
+from tandem.config import EngineConfig, EngineRole
 from tandem.engine.engine import LLMEngine
-from tandem.engine.sampling import SamplingParams
+from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
-from tandem.transfer import KVTransport, make_transport
-from tandem.v1 import router_pb2 as rpb
+from tandem.transfer import TRANSPORT_KINDS, KVTransport, make_transport
 from tandem.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
@@ -32,34 +34,33 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """One worker process. Flags of `python -m services.{prefill,decode}` map 1:1 to fields.
+    """One worker process: its engine, plus what the process around it needs. Flags of
+    `python -m services.{prefill,decode}` map 1:1 to the leaf fields (`services.common.flags`:
+    `--kv-cache-bytes` sets `engine.cache.kv_cache_bytes`); the engine's role is the
+    service's, not a flag.
 
     Attributes:
+        engine: model, dtype, device, KV cache and scheduler (tandem.config.EngineConfig).
         worker_id: unique name (also the NIXL agent name); default role-pid.
         host, port: where the gRPC server listens (port 0: any free port).
         advertise_host: host put in the registry (default: host).
-        model_dir: HuggingFace-style model directory.
         redis_url: registry; empty = do not register (tests that dial workers directly).
         transport: KV transport, "nixl" or "local".
         lease_ttl_s: prefill: how long handed-off blocks stay pinned awaiting the reader.
         kv_wait_s: decode: how long a hand-off may wait for free blocks before
             RESOURCE_EXHAUSTED.
+        heartbeat_interval_s, registry_ttl_s: how often the worker reports its load, and
+            how long the registry keeps it without a report.
         drain_timeout_s: on SIGTERM, how long to let in-flight requests finish.
     """
 
-    model_dir: str
+    engine: EngineConfig
     worker_id: str = ""
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str = ""
     redis_url: str = ""
     transport: str = "nixl"
-    kv_cache_bytes: int = 256 << 20
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_queued_requests: int = 256
-    num_threads: int | None = None
     lease_ttl_s: float = 10.0
     kv_wait_s: float = 10.0
     heartbeat_interval_s: float = 0.5
@@ -67,26 +68,11 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.transport not in ("nixl", "local"):
-            raise ValueError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
+        if self.transport not in TRANSPORT_KINDS:
+            raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
         for name in ("lease_ttl_s", "kv_wait_s", "heartbeat_interval_s", "registry_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
-def build_engine(config: WorkerConfig, role: EngineRole) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model_dir=config.model_dir,
-            role=role,
-            num_threads=config.num_threads,
-            cache=CacheConfig(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes),
-            scheduler=SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-            ),
-        )
-    )
 
 
 class Worker:
@@ -99,7 +85,10 @@ class Worker:
         self.config = config
         self.worker_id = config.worker_id or f"{self.role.value}-{os.getpid()}"
         self.epoch = time.time_ns()
-        self.engine = engine or build_engine(config, self.role)
+        if engine is None:
+            log.info("%s engine: %r", self.worker_id, config.engine)
+            engine = LLMEngine(dataclasses.replace(config.engine, role=self.role))
+        self.engine = engine
         self.transport: KVTransport = make_transport(config.transport, self.worker_id)
         self.transport.register(self.engine.kv_cache)
         self.loop_runner: EngineLoop | None = None
@@ -196,6 +185,7 @@ class Worker:
             self.loop_runner.stop()
         self.transport.close()
 
+    @rpc
     async def GetStats(
         self, request: wpb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStats:
@@ -215,25 +205,42 @@ class Worker:
 
         return await self.loop.call(stats)
 
-    async def admit(
-        self, request_id: str, sampling: rpb.SamplingParams, context: grpc.aio.ServicerContext
-    ) -> tuple[str, SamplingParams]:
-        """Accept a new request: (its id, its sampling params), or end the RPC with
-        UNAVAILABLE (draining) or INVALID_ARGUMENT (bad sampling params)."""
+    def admit(
+        self, msg: wpb.PrefillRequest | wpb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> RequestSpec:
+        """Accept a new request as the core's `RequestSpec`.
+
+        Raises:
+            ServiceError: UNAVAILABLE while draining, INVALID_ARGUMENT for bad sampling params.
+        """
         if self.draining:
-            await convert.abort_rpc(
-                context, grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining"
-            )
+            raise unavailable(f"worker {self.worker_id} is draining")
         try:
-            params = convert.sampling_from_proto(sampling)
+            return convert.spec_from_proto(
+                msg, msg.request_id or uuid.uuid4().hex, context.time_remaining()
+            )
         except ValueError as exc:
-            await convert.abort_rpc(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return request_id or uuid.uuid4().hex, params
+            raise invalid_argument(f"sampling.{exc}") from None
+
+    async def add_request(
+        self, spec: RequestSpec, output_token_ids: Sequence[int] = (), emitted: int | None = None
+    ) -> None:
+        """Queue `spec` on the engine. Raises ServiceError(INVALID_ARGUMENT) when the engine
+        refuses it (the message names the rule)."""
+        try:
+            await self.loop.call(
+                lambda e: e.add_request(
+                    spec.request_id, list(spec.prompt_token_ids), spec.params,
+                    output_token_ids, emitted,
+                )
+            )  # fmt: skip
+        except ValueError as exc:
+            raise invalid_argument(str(exc)) from None
 
 
 def run_worker(server_cls: type[Worker], role: str) -> None:
     """Entry point of `python -m services.<role>`: flags -> WorkerConfig -> serve until stop."""
-    config = parse_config(WorkerConfig, prog=f"python -m services.{role}")
+    config = parse_config(WorkerConfig, prog=f"python -m services.{role}", fixed={"role": role})
     setup_logging(role)
 
     async def run() -> None:

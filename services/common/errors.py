@@ -1,0 +1,87 @@
+"""One error type at the service edge, mapped to a gRPC status in one place.
+
+Handlers raise `ServiceError` (usually through a helper: `invalid_argument(...)`) wherever
+they find a problem; the `@rpc` decorator on each servicer method ends the call with that
+status and message. Messages name the field and the values so a user can act on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ServiceError(Exception):
+    """A request ends with gRPC status `code` and `message`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+def invalid_argument(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def unavailable(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def resource_exhausted(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
+def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
+    """What a client should see when a worker call failed: the worker's verdict on the
+    request itself passes through; anything else is the worker's failure, retryable."""
+    code = exc.code()
+    if code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    ):
+        return ServiceError(code, exc.details() or code.name)
+    return unavailable(f"worker failed ({code.name}: {exc.details()}); retry")
+
+
+async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> NoReturn:
+    """End the RPC with `error` (context.abort raises; this tells the type checker so)."""
+    await context.abort(error.code, error.message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def rpc(method: F) -> F:
+    """Servicer method decorator: a `ServiceError` raised inside ends the call with its
+    status. Works for unary handlers and for streaming (async generator) handlers."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            messages = method(self, request, context)
+            try:
+                async for message in messages:
+                    yield message
+            except ServiceError as err:
+                await abort(context, err)
+            finally:
+                await messages.aclose()  # a cancelled call runs the handler's cleanup now
+
+        return stream  # type: ignore[return-value]
+
+    unary_method: Callable[..., Awaitable[Any]] = method
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await unary_method(self, request, context)
+        except ServiceError as err:
+            await abort(context, err)
+
+    return unary  # type: ignore[return-value]

@@ -1,0 +1,145 @@
+"""The router's placement side: which workers exist (Redis registry or static lists), what
+they cache (prefix index, with a deadline), what this router already sent them (in-flight
+load), and the pure policy `tandem.routing.choose` over all of it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from services.common.errors import unavailable
+from services.common.redis.index import RedisPrefixIndex
+from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
+from services.router.config import RouterConfig
+from tandem.engine.prefix_hash import hash_blocks
+from tandem.engine.request import RequestSpec
+from tandem.index import IndexUnavailable
+from tandem.routing import (
+    InflightLoad,
+    Placement,
+    RouteRequest,
+    WorkerLoad,
+    choose,
+    prefix_key,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Placer:
+    """Chooses a (prefill, decode) pair per request. `place` never fails because the index
+    is down: placement then uses load alone and `index_degraded` says so."""
+
+    def __init__(self, config: RouterConfig, model_id: str) -> None:
+        self.config = config
+        self.model_id = model_id
+        self.inflight = InflightLoad()
+        self.index_degraded = False
+        self._index: RedisPrefixIndex | None = None
+        self._registry: Registry | None = None
+        self._watcher: WorkerWatcher | None = None
+        self._sequence = 0
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        if not self.config.redis_url:
+            return
+        if self.config.routing.policy == "kv":
+            self._index = RedisPrefixIndex(self.config.redis_url)
+        self._registry = Registry(self.config.redis_url)
+        self._watcher = WorkerWatcher(
+            self._registry, self.config.worker_refresh_s, on_change=self._on_workers_change
+        )
+        await self._watcher.start()
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.stop()
+        if self._registry is not None:
+            await self._registry.close()
+        if self._index is not None:
+            await self._index.close()
+
+    async def place(self, spec: RequestSpec) -> Placement:
+        """Raises ServiceError(UNAVAILABLE) when no decode worker is available."""
+        # The same chained hashes the workers publish (tandem.engine.prefix_hash).
+        hashes = hash_blocks(list(spec.prompt_token_ids), self.config.block_size, (self.model_id,))
+        overlap = await self._lookup(hashes)
+        self._sequence += 1
+        route = RouteRequest(
+            spec.num_prompt_tokens,
+            self.config.block_size,
+            overlap,
+            self._sequence,
+            prefix_key(hashes, self.config.routing.affinity_blocks),
+        )
+        placement = choose(route, self.workers(), self.config.routing)
+        if placement is None:
+            raise unavailable("no decode worker available; retry later")
+        log.info(
+            "route %s: %d tokens, %d blocks, overlap %s -> prefill %s, decode %s (%s)",
+            spec.request_id,
+            spec.num_prompt_tokens,
+            len(hashes),
+            overlap if overlap is not None else "n/a",
+            placement.prefill.worker_id if placement.prefill else "-",
+            placement.decode.worker_id,
+            placement.reason,
+        )
+        return placement
+
+    def workers(self) -> list[WorkerLoad]:
+        """Every known worker of this model with its load, as the placement policy sees it."""
+        if self._watcher is not None:
+            infos = [w for w in self._watcher.snapshot().values() if w.model == self.model_id]
+        else:
+            infos = [
+                WorkerInfo(worker_id=a, role=role, address=a, model=self.model_id, epoch=0)
+                for role, addrs in (
+                    ("prefill", self.config.prefill_addresses),
+                    ("decode", self.config.decode_addresses),
+                )
+                for a in addrs
+            ]
+        return [self.inflight.with_inflight(w.load()) for w in infos]
+
+    async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:
+        """Leading cached blocks per worker, or None when the index cannot answer in time
+        (then placement uses load alone: no request fails because the index is down)."""
+        if self._index is None or not hashes:
+            return None
+        try:
+            overlap = await asyncio.wait_for(
+                self._index.lookup(self.model_id, hashes), self.config.index_timeout_s
+            )
+        except (IndexUnavailable, TimeoutError) as exc:
+            if not self.index_degraded:
+                log.warning("prefix index unavailable (%r): routing on load alone", exc)
+                self.index_degraded = True
+            return None
+        if self.index_degraded:
+            log.info("prefix index reachable again: cache-aware routing resumed")
+            self.index_degraded = False
+        return overlap
+
+    def _on_workers_change(self, joined: list[WorkerInfo], left: list[str]) -> None:
+        for w in joined:
+            log.info("worker joined: %s (%s) at %s", w.worker_id, w.role, w.address)
+        for worker_id in left:
+            log.info("worker left: %s", worker_id)
+            if self._index is not None:  # its cache is gone; so are its index entries
+                self._spawn(self._forget_worker(worker_id))
+
+    async def _forget_worker(self, worker_id: str) -> None:
+        assert self._index is not None
+        try:
+            await self._index.remove_worker(worker_id)
+        except IndexUnavailable:
+            pass  # a restarted index does not know the worker either
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,84 @@
+"""What the controller observes: workers' heartbeat stats and finished requests' latencies,
+gathered into an `Observation` for one decision."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.control.config import SLA
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSample:
+    """One worker's heartbeat stats at time `t` (seconds, any monotonic origin).
+
+    busy_frac: fraction of the last stats period the engine spent in steps.
+    tokens_per_s: tokens computed per second over that period (prefill: prompt tokens;
+        decode: generated tokens plus prompt tokens it prefilled itself).
+    step_ms: mean step time over the period (0 when idle).
+    """
+
+    t: float
+    worker_id: str
+    role: str
+    busy_frac: float = 0.0
+    tokens_per_s: float = 0.0
+    step_ms: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSample:
+    """One finished request as the router timed it."""
+
+    t: float
+    ttft_ms: float
+    itl_ms: float  # mean inter-token latency after the first token; 0 for 1-token outputs
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    disaggregated: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        t: float,
+        ttft_ms: float,
+        total_ms: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        cached_tokens: int = 0,
+        disaggregated: bool = False,
+    ) -> RequestSample:
+        """A sample from a request's end-to-end timings: the mean inter-token latency is
+        what came after the first token, spread over the tokens after it."""
+        itl_ms = (total_ms - ttft_ms) / (output_tokens - 1) if output_tokens > 1 else 0.0
+        return cls(t, ttft_ms, itl_ms, prompt_tokens, output_tokens, cached_tokens, disaggregated)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the controller knows at time `now`: the replica counts it last asked for, and
+    the samples of the window (older ones are the caller's to drop, see `SampleWindow`)."""
+
+    now: float
+    replicas: dict[str, int]
+    workers: Sequence[WorkerSample] = ()
+    requests: Sequence[RequestSample] = ()
+    sla: SLA = SLA()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty sequence."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]

@@ -1,0 +1,84 @@
+"""Engine and routing settings given as flags reach real worker and router processes: the
+composed configs (WorkerConfig.engine, RouterConfig.routing) leave no setting unreachable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem.client import TandemClient
+from tandem.config import CacheConfig
+from tandem.engine.kv_cache import num_blocks_for
+from tandem.model.config import ModelConfig
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wgrpc
+
+KV_BYTES = 8 << 20
+
+
+def _spawn(module: str, log: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), f"{module} failed to start: {log.read_text()[-2000:]}"
+    return proc, line.split()[-1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    logs = tmp_path_factory.mktemp("logs")
+    decode, decode_address = _spawn(
+        "services.decode", logs / "decode.log",
+        "--model-dir", str(tiny_model_dir), "--transport", "local",
+        "--kv-cache-bytes", str(KV_BYTES), "--dtype", "bfloat16", "--device", "cpu",
+        "--enable-prefix-caching", "false", "--long-prefill-token-threshold", "8",
+    )  # fmt: skip
+    router, router_address = _spawn(
+        "services.router", logs / "router.log",
+        "--model-dir", str(tiny_model_dir), "--port", "0",
+        "--decode-addresses", decode_address, "--min-free-block-fraction", "0.2",
+    )  # fmt: skip
+    yield decode_address, router_address, logs
+    for proc in (router, decode):
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_engine_settings_reach_the_worker_process(cluster, tiny_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    decode_address, _, logs = cluster
+    with grpc.insecure_channel(decode_address) as channel:
+        stats = wgrpc.DecodeWorkerStub(channel).GetStats(wpb.GetStatsRequest(), timeout=10)
+    model = ModelConfig.from_dir(tiny_model_dir)
+    cache = CacheConfig(kv_cache_bytes=KV_BYTES)
+    # bfloat16 KV takes half the bytes per block of float32: twice the blocks in the budget.
+    assert stats.num_blocks == num_blocks_for(model, cache, torch.bfloat16)
+    assert stats.num_blocks == 2 * num_blocks_for(model, cache, torch.float32)
+    log = (logs / "decode.log").read_text()
+    assert "dtype='bfloat16'" in log and "device='cpu'" in log
+    assert "long_prefill_token_threshold=8" in log
+    assert "enable_prefix_caching=False" in log and "role=<EngineRole.DECODE" in log
+
+
+def test_prefix_caching_off_caches_nothing(cluster) -> None:  # type: ignore[no-untyped-def]
+    _, router_address, _ = cluster
+    prompt = list(range(5, 69))  # 4 full blocks
+    with TandemClient(router_address) as client:
+        first = client.generate(prompt, max_tokens=2)
+        again = client.generate(prompt, max_tokens=2)
+    assert first.prompt_tokens == again.prompt_tokens == 64
+    assert again.cached_prompt_tokens == 0  # with prefix caching on, 48 would be cached
+
+
+def test_routing_settings_reach_the_router_process(cluster) -> None:  # type: ignore[no-untyped-def]
+    _, _, logs = cluster
+    assert "min_free_block_fraction=0.2" in (logs / "router.log").read_text()
