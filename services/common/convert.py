@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.redis.worker_info import WorkerInfo
 from tandem.engine.engine import RequestOutput
 from tandem.engine.request import RequestSpec
-from tandem.engine.sampling import SamplingParams
+from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.transfer import KVHandoff, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
@@ -78,9 +79,6 @@ def finish_reason_from_proto(value: int) -> str | None:
 
 def stop_reason_to_proto(stop_reason: int | str | None) -> str:
     return "" if stop_reason is None else str(stop_reason)
-
-
-LogprobEntry = tuple[float | None, tuple[tuple[int, float], ...] | None]
 
 
 def logprobs_to_proto(
@@ -152,6 +150,20 @@ def chunk_to_proto(outs: Sequence[RequestOutput]) -> rpb.Chunk:
         if out.logprobs:
             chunk.logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
     return chunk
+
+
+def worker_stats_to_proto(info: WorkerInfo, num_pinned_requests: int) -> wpb.WorkerStats:
+    return wpb.WorkerStats(
+        worker_id=info.worker_id,
+        role=info.role,
+        num_running=info.num_running,
+        num_waiting=info.num_waiting,
+        queued_prefill_tokens=info.queued_prefill_tokens,
+        num_blocks=info.num_blocks,
+        num_free_blocks=info.num_free_blocks,
+        num_pinned_requests=num_pinned_requests,
+        epoch=info.epoch,
+    )
 
 
 def handoff_to_proto(handoff: KVHandoff) -> wpb.KvHandle:

@@ -15,7 +15,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tandem.transfer.nixl import UCX_ENV_DEFAULTS
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task and wait until it has stopped (its cancellation is not an
+    error of the caller's)."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def setup_logging(name: str) -> None:
@@ -39,11 +49,13 @@ def configure_native_libraries(environ: MutableMapping[str, str] = os.environ) -
     on stdout: its logger is set to WARNING unless NIXL_LOG_LEVEL is set (NIXL applies that
     level itself).
     """
+    # Imported here, not at the top: loading NIXL costs every importer of this module, and
+    # importing nixl configures its logger at INFO, which would undo an earlier setLevel.
+    from tandem.transfer.nixl import UCX_ENV_DEFAULTS
+
     for key, value in UCX_ENV_DEFAULTS.items():
         environ.setdefault(key, value)
     if not environ.get("NIXL_LOG_LEVEL"):
-        # Importing nixl configures this logger at INFO, which would undo an earlier setLevel;
-        # the import of tandem.transfer.nixl above has run by the time this is called.
         logging.getLogger("nixl").setLevel(logging.WARNING)
 
 

@@ -25,7 +25,7 @@ from tandem.engine.kv_cache import allocate_kv_cache, num_blocks_for
 from tandem.engine.kv_manager import KVCacheManager, cdiv
 from tandem.engine.request import Request, RequestStatus, check_prompt
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
+from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -45,9 +45,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits
     block_ids: list[int] = field(default_factory=list)  # handed off: the pinned blocks
     # (logprob, top-n) of each new token, when the request asked for logprobs
-    logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] = field(
-        default_factory=list
-    )
+    logprobs: list[LogprobEntry] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +70,7 @@ class Completion:
     text: str
     finish_reason: str | None
     num_cached_tokens: int
-    logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]]
+    logprobs: list[LogprobEntry]
 
 
 class LLMEngine:
@@ -273,11 +271,11 @@ class LLMEngine:
             if request.status == RequestStatus.HANDED_OFF:
                 outputs.append(
                     RequestOutput(
-                        rid,
-                        new_ids,
-                        text,
-                        False,
-                        None,
+                        request_id=rid,
+                        new_token_ids=new_ids,
+                        new_text=text,
+                        finished=False,
+                        finish_reason=None,
                         handed_off=True,
                         num_cached_tokens=request.num_cached_tokens or 0,
                         block_ids=self.block_table(rid),
@@ -288,11 +286,11 @@ class LLMEngine:
             finished = request.status.finished
             outputs.append(
                 RequestOutput(
-                    rid,
-                    new_ids,
-                    text,
-                    finished,
-                    request.finish_reason,
+                    request_id=rid,
+                    new_token_ids=new_ids,
+                    new_text=text,
+                    finished=finished,
+                    finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens or 0,
                     logprobs=lps,

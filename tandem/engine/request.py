@@ -9,7 +9,7 @@ from enum import StrEnum
 import torch
 
 from tandem.engine.prefix_hash import ROOT_PARENT_HASH, hash_blocks
-from tandem.engine.sampling import SamplingParams
+from tandem.engine.sampling import LogprobEntry, SamplingParams
 
 
 class RequestStatus(StrEnum):
@@ -119,9 +119,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[int] = field(default_factory=list)
-    logprobs: list[tuple[float | None, tuple[tuple[int, float], ...] | None]] = field(
-        default_factory=list
-    )
+    logprobs: list[LogprobEntry] = field(default_factory=list)
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

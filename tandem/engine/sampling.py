@@ -9,6 +9,9 @@ from typing import NamedTuple
 
 import torch
 
+# One generated token's logprob entry: (its logprob, its top-n (token id, logprob) pairs).
+LogprobEntry = tuple[float | None, tuple[tuple[int, float], ...] | None]
+
 MAX_LOGPROBS = 20
 # Below this, temperature-scaled logits could overflow fp32, and the draw is argmax anyway.
 GREEDY_TEMPERATURE = 1e-5

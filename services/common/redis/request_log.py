@@ -21,6 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.process import cancel_and_wait
 from tandem.control import RequestSample
 
 log = logging.getLogger(__name__)
@@ -80,13 +81,8 @@ class RequestLog:
         self._task = asyncio.create_task(self._run(), name="request-log")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         await self.flush()
         await self._redis.aclose()
 

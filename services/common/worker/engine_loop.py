@@ -173,7 +173,15 @@ class EngineLoop:
         outputs = []
         for r in list(self.engine.scheduler.requests()):
             self.engine.abort(r.request_id)
-            outputs.append(RequestOutput(r.request_id, [], "", True, "abort"))
+            outputs.append(
+                RequestOutput(
+                    request_id=r.request_id,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason="abort",
+                )
+            )
         return outputs
 
     # -- asyncio loop ----------------------------------------------------------------------

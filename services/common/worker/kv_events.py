@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.process import cancel_and_wait
 from services.common.worker.engine_loop import EngineLoop
 from tandem.engine.engine import LLMEngine
 from tandem.index import ApplyResult, EventBatch, IndexFull, IndexUnavailable, PrefixIndex
@@ -56,12 +57,7 @@ class KVEventPublisher:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     # engine thread
     def _collect(self, engine: LLMEngine) -> None:

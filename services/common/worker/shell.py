@@ -23,7 +23,7 @@ from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
 from services.common.worker.engine_loop import EngineLoop
 from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineConfig, EngineRole
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine import EngineStats, LLMEngine
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
 from tandem.transfer import TRANSPORT_KINDS, KVTransport, make_transport
@@ -110,8 +110,10 @@ class Worker:
     def add_servicers(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
 
-    def info(self) -> WorkerInfo:
-        s = self.engine.stats()  # racy read of counters: fine for load reporting
+    def info(self, s: EngineStats | None = None) -> WorkerInfo:
+        """This worker's registry record. Without `s`, a racy read of the engine's counters
+        from outside its thread: fine for load reporting."""
+        s = s or self.engine.stats()
         busy, tps, step_ms = self.loop_runner.meter.read() if self.loop_runner else (0, 0, 0)
         return WorkerInfo(
             worker_id=self.worker_id,
@@ -190,18 +192,8 @@ class Worker:
         self, request: wpb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStats:
         def stats(e: LLMEngine) -> wpb.WorkerStats:
-            s = e.stats()
-            return wpb.WorkerStats(
-                worker_id=self.worker_id,
-                role=self.role.value,
-                num_running=s.num_running,
-                num_waiting=s.num_waiting,
-                queued_prefill_tokens=s.queued_prefill_tokens,
-                num_blocks=s.num_blocks,
-                num_free_blocks=s.num_free_blocks,
-                num_pinned_requests=s.num_handed_off,
-                epoch=self.epoch,
-            )
+            s = e.stats()  # on the engine thread: consistent counters
+            return convert.worker_stats_to_proto(self.info(s), s.num_handed_off)
 
         return await self.loop.call(stats)
 

@@ -1,0 +1,86 @@
+"""EngineLoop.call_until (the decode worker's wait for free KV blocks) on a fake clock, and
+output_batches (how a request's outputs are coalesced into stream messages)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from services.common.worker.engine_loop import EngineLoop, output_batches
+from tandem.engine.engine import RequestOutput
+
+
+class IdleEngine:
+    """All EngineLoop asks of an engine with nothing to run."""
+
+    def has_unfinished(self) -> bool:
+        return False
+
+
+def _run_with_loop(body: Any) -> Any:
+    async def main() -> Any:
+        loop = EngineLoop(IdleEngine(), asyncio.get_running_loop())  # type: ignore[arg-type]
+        loop.start()
+        try:
+            return await body(loop)
+        finally:
+            loop.stop()
+
+    return asyncio.run(main())
+
+
+def test_call_until_returns_the_first_answer_and_stops_asking() -> None:
+    answers = iter([None, None, (3, 7), (9, 9)])
+    calls: list[int] = []
+
+    def reserve(engine: Any) -> tuple[int, int] | None:
+        calls.append(1)
+        return next(answers)
+
+    got = _run_with_loop(lambda loop: loop.call_until(reserve, 10.0, poll_s=0))
+    assert got == (3, 7) and len(calls) == 3
+
+
+def test_call_until_gives_up_once_the_clock_passes_the_deadline() -> None:
+    now = [50.0]
+    calls: list[float] = []
+
+    def clock() -> float:
+        return now[0]
+
+    def never(engine: Any) -> None:
+        calls.append(now[0])
+        now[0] += 1.0  # every try takes a second of the fake clock
+
+    got = _run_with_loop(lambda loop: loop.call_until(never, 2.5, poll_s=0, clock=clock))
+    # Tries at 50, 51, 52; after the third the clock reads 53 > 52.5: give up.
+    assert got is None and calls == [50.0, 51.0, 52.0]
+
+
+def _out(tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", tokens, "", finished, "stop" if finished else None)
+
+
+def test_output_batches_coalesce_what_is_queued_and_end_at_the_finish() -> None:
+    async def main() -> list[list[list[int]]]:
+        q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        for item in (_out([1]), _out([2]), _out([3], finished=True), None):
+            q.put_nowait(item)
+        return [[o.new_token_ids for o in batch] async for batch in output_batches(q)]
+
+    assert asyncio.run(main()) == [[[1], [2], [3]]]
+
+
+def test_output_batches_stop_at_the_end_of_stream_marker() -> None:
+    async def main() -> list[list[list[int]]]:
+        q: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        batches = []
+        q.put_nowait(_out([1]))
+        stream = output_batches(q)
+        batches.append([o.new_token_ids for o in await anext(stream)])
+        q.put_nowait(_out([2]))
+        q.put_nowait(None)  # aborted: no finishing output
+        batches.extend([[o.new_token_ids for o in b] async for b in stream])
+        return batches
+
+    assert asyncio.run(main()) == [[[1]], [[2]]]
