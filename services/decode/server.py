@@ -10,12 +10,8 @@ hand-off, the prompt is prefilled here (conditional disaggregation).
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import grpc
@@ -23,6 +19,7 @@ import grpc
 from services.common import convert
 from services.common.errors import invalid_argument, resource_exhausted, rpc
 from services.common.worker.engine_loop import output_batches
+from services.common.worker.kv_reader import KVReader, ReadDone
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.request import RequestSpec
@@ -49,8 +46,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
-        # One transport, one thread: NIXL agents are not to be used concurrently.
-        self._xfer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-xfer")
+        self._reader = KVReader(self.transport)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_recomputed = 0
 
@@ -61,7 +57,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         for ch in self._channels.values():
             await ch.close()
         await super().stop()
-        self._xfer.shutdown(wait=False, cancel_futures=True)
+        self._reader.close()
 
     def _prefill_stub(self, address: str) -> wgrpc.PrefillWorkerStub:
         ch = self._channels.get(address)
@@ -133,7 +129,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 f"{self.config.kv_wait_s:.0f}s"
             )
         table, num_cached = reserved
-        num_bytes, transfer_ms, t0 = 0, 0.0, time.perf_counter()
+        done = ReadDone(0, 0.0)
         try:
             plan = plan_read(
                 handoff.remote.block_ids,
@@ -143,13 +139,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 len(prompt),
                 self.engine.kv.block_size,
             )
-            if plan.remote_block_ids:
-                remote = dataclasses.replace(handoff.remote, block_ids=plan.remote_block_ids)
-                local_ids, tag = list(plan.local_block_ids), handoff.lease_id.encode()
-                num_bytes = await asyncio.get_running_loop().run_in_executor(
-                    self._xfer, lambda: self.transport.read(remote, local_ids, tag)
-                )
-            transfer_ms = (time.perf_counter() - t0) * 1e3
+            done = await self._reader.read(handoff.remote, plan, handoff.lease_id.encode())
             resp = await self._prefill_stub(handoff.owner_address).ReleaseKv(
                 wpb.ReleaseKvRequest(
                     request_id=rid, lease_id=handoff.lease_id, epoch=handoff.epoch
@@ -164,7 +154,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             await self.loop.call(lambda e: e.abort(rid))  # drop the reserved blocks unread
         else:
             await self.loop.call(lambda e: e.commit_kv(rid))
-        return Pulled(valid, num_cached, num_bytes, transfer_ms)
+        return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3)
 
     @rpc
     async def Abort(
