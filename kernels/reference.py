@@ -49,8 +49,8 @@ def paged_attention(
     keys = keys.double().repeat_interleave(group, dim=1)  # [ctx, q_heads, dim]
     vals = vals.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
-    q_pos = torch.arange(context_len - num_queries, context_len).unsqueeze(1)
-    visible = torch.arange(context_len).unsqueeze(0) <= q_pos  # [num_queries, ctx]
+    q_pos = torch.arange(context_len - num_queries, context_len, device=q.device).unsqueeze(1)
+    visible = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos  # [num_queries, ctx]
     scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vals)
     return out.to(q.dtype)

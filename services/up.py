@@ -41,6 +41,8 @@ class UpConfig:
     num_decode: int = 1
     transport: str = "nixl"
     kv_cache_bytes: int = 256 << 20
+    device: str = "cpu"  # every worker's engine; "cuda" puts them all on the visible GPU(s)
+    dtype: str = "auto"
     disagg_min_uncached_tokens: int = 64  # router: shorter prompts skip the prefill worker
     redis_port: int = 0  # 0: a unix socket in the run directory
     run_dir: str = ""  # logs and sockets; default: a fresh temporary directory
@@ -102,6 +104,10 @@ class Cluster:
             cfg.transport,
             "--kv-cache-bytes",
             str(cfg.kv_cache_bytes),
+            "--device",
+            cfg.device,
+            "--dtype",
+            cfg.dtype,
         ]
         started = [
             self._spawn_worker(role)

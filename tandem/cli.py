@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.config import CacheConfig
+from tandem.config import MODEL_DTYPES, CacheConfig
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "tandem-tiny-small"
 
@@ -111,7 +111,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     config = EngineConfig(
-        model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=_kv_cache_bytes(args))
+        model_dir=str(model_dir),
+        device=args.device,
+        dtype=args.dtype,
+        cache=CacheConfig(kv_cache_bytes=_kv_cache_bytes(args)),
     )
     try:
         engine = LLMEngine(config, progress=_progress_bar("loading weights"))
@@ -153,6 +156,17 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *MODEL_DTYPES],
+        help="model dtype; auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    _add_kv_cache_flags(parser)
+
+
 def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     # The field's own name, as the services' flags; --kv-cache-mb is the old spelling.
     parser.add_argument("--kv-cache-bytes", type=int, default=CacheConfig().kv_cache_bytes)
@@ -178,6 +192,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         num_decode=args.num_decode,
         transport=args.transport,
         kv_cache_bytes=_kv_cache_bytes(args),
+        device=args.device,
+        dtype=args.dtype,
         autoscale=args.autoscale,
         admin_port=args.admin_port,
         controller_args=tuple(shlex.split(args.controller_args)),
@@ -265,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     g.add_argument("--token-ids", action="store_true", help="print token ids, not text")
-    _add_kv_cache_flags(g)
+    _add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
 
     u = sub.add_parser("up", help="start a local cluster: redis, router, prefill, decode")
@@ -274,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--num-prefill", type=int, default=1)
     u.add_argument("--num-decode", type=int, default=1)
     u.add_argument("--transport", default="nixl", choices=["nixl", "local"])
-    _add_kv_cache_flags(u)
+    _add_engine_flags(u)
     u.add_argument(
         "--autoscale", action="store_true", help="run the ratio controller: add/remove workers"
     )

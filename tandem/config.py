@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; routers and workers must agree
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class EngineRole(StrEnum):
@@ -27,12 +28,18 @@ class CacheConfig:
     Attributes:
         block_size: tokens per KV block.
         kv_cache_bytes: memory budget for the KV cache; the number of blocks is derived.
-        num_blocks: explicit number of blocks; overrides kv_cache_bytes when set.
+        kv_cache_bytes: memory budget for the KV cache on a CPU; the number of blocks is
+            derived.
+        gpu_memory_utilization: on a GPU, the fraction of the device's memory for weights,
+            activations, workspaces and KV cache together; KV gets what the weights and a
+            profile step at full batch leave (kv_cache_bytes is not used there).
+        num_blocks: explicit number of blocks; overrides both budgets when set.
         enable_prefix_caching: reuse full blocks whose prefix hash matches.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int = 256 << 20
+    gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
@@ -41,6 +48,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
 
@@ -85,8 +96,11 @@ class EngineConfig:
     Attributes:
         model_dir: HuggingFace-style model directory.
         role: full, prefill or decode.
-        dtype: "float32", "bfloat16" or "float16" (CPU tests use float32).
-        device: torch device string.
+        dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 on CUDA, float32 on
+            a CPU (CPU bf16 matmuls are slower here and drift further from the reference).
+        device: torch device string ("cpu", "cuda", "cuda:1").
+        kv_cache_dtype: dtype of the KV cache; "auto" = the model's dtype (the only choice
+            today; the field exists so that FP8 KV can follow).
         seed: seed of the sampler's default generator (requests without their own seed).
         model_id: name that partitions the prefix cache; defaults to the directory name.
         num_threads: torch intra-op threads; None = torch's default.
@@ -94,8 +108,9 @@ class EngineConfig:
 
     model_dir: str
     role: EngineRole = EngineRole.FULL
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     model_id: str | None = None
     num_threads: int | None = None
@@ -103,9 +118,23 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in (*MODEL_DTYPES, "auto"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if self.kv_cache_dtype not in ("auto", self.resolved_dtype):
+            raise ValueError(
+                f"kv_cache_dtype must be auto (the model's dtype, {self.resolved_dtype}), "
+                f"got {self.kv_cache_dtype!r}: other KV dtypes are not supported yet"
+            )
         if not isinstance(self.role, EngineRole):
             object.__setattr__(self, "role", EngineRole(self.role))
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype the model runs in: `dtype`, with "auto" decided by the device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"

@@ -113,7 +113,12 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
         num_blocks=overrides.pop("num_blocks", 256),
         enable_prefix_caching=overrides.pop("enable_prefix_caching", True),
     )
-    sched_keys = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold")
+    sched_keys = (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "long_prefill_token_threshold",
+        "max_model_len",
+    )
     sched = SchedulerConfig(**{k: overrides.pop(k) for k in sched_keys if k in overrides})
     return LLMEngine(
         EngineConfig(model_dir=str(model_dir), cache=cache, scheduler=sched, **overrides)

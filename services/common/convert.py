@@ -13,7 +13,7 @@ from services.common.redis.worker_info import WorkerInfo
 from tandem.engine.engine import RequestOutput
 from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import LogprobEntry, SamplingParams
-from tandem.transfer import KVHandoff, RemoteKV
+from tandem.transfer import KVHandoff, KVLayout, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 
@@ -100,6 +100,33 @@ def logprobs_from_proto(msgs: Sequence[rpb.TokenLogprob]) -> list[LogprobEntry]:
     return [(m.logprob, tuple((t.token_id, t.logprob) for t in m.top)) for m in msgs]
 
 
+def kv_layout_to_proto(layout: KVLayout) -> wpb.KvLayout:
+    return wpb.KvLayout(
+        memory_type=layout.memory_type,
+        device_id=layout.device_id,
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        order=layout.order,
+    )
+
+
+def kv_layout_from_proto(msg: wpb.KvLayout) -> KVLayout:
+    """Raises ValueError naming a bad field."""
+    return KVLayout(
+        memory_type=msg.memory_type,
+        device_id=msg.device_id,
+        dtype=msg.dtype,
+        num_layers=msg.num_layers,
+        block_size=msg.block_size,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        order=msg.order,
+    )
+
+
 def remote_kv_to_proto(remote: RemoteKV, **fields: object) -> wpb.KvHandle:
     """KvHandle for `remote`; `fields` sets the rest (num_tokens, block_size, lease, ...)."""
     return wpb.KvHandle(
@@ -109,11 +136,20 @@ def remote_kv_to_proto(remote: RemoteKV, **fields: object) -> wpb.KvHandle:
         base_addr=remote.base_addr,
         block_bytes=remote.block_bytes,
         block_ids=list(remote.block_ids),
+        layout=kv_layout_to_proto(remote.layout),
         **fields,  # type: ignore[arg-type]
     )
 
 
 def remote_kv_from_proto(msg: wpb.KvHandle) -> RemoteKV:
+    """Raises ValueError naming a bad field; a handle without a layout (from a prefill worker
+    that predates it) is refused: nothing would say what its bytes are."""
+    if not msg.HasField("layout"):
+        raise ValueError("layout: the KV handle does not say what its blocks hold")
+    try:
+        layout = kv_layout_from_proto(msg.layout)
+    except ValueError as exc:
+        raise ValueError(f"layout.{exc}") from None
     return RemoteKV(
         transport=msg.transport,
         agent_name=msg.agent_name,
@@ -121,6 +157,7 @@ def remote_kv_from_proto(msg: wpb.KvHandle) -> RemoteKV:
         base_addr=msg.base_addr,
         block_bytes=msg.block_bytes,
         block_ids=tuple(msg.block_ids),
+        layout=layout,
     )
 
 
@@ -181,6 +218,7 @@ def handoff_to_proto(handoff: KVHandoff) -> wpb.KvHandle:
 
 
 def handoff_from_proto(msg: wpb.KvHandle) -> KVHandoff:
+    """Raises ValueError naming a bad field (see `remote_kv_from_proto`)."""
     return KVHandoff(
         remote=remote_kv_from_proto(msg),
         block_size=msg.block_size,

@@ -38,14 +38,23 @@ def resource_exhausted(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
+def failed_precondition(message: str) -> ServiceError:
+    """The deployment cannot serve the request as configured (e.g. prefill and decode
+    workers disagree about the KV cache layout); retrying does not help."""
+    return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
 def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
     """What a client should see when a worker call failed: the worker's verdict on the
-    request itself passes through; anything else is the worker's failure, retryable."""
+    request itself, or on the deployment (FAILED_PRECONDITION: misconfigured workers, which
+    a retry would meet again), passes through; anything else is the worker's failure,
+    retryable."""
     code = exc.code()
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.FAILED_PRECONDITION,
     ):
         return ServiceError(code, exc.details() or code.name)
     return unavailable(f"worker failed ({code.name}: {exc.details()}); retry")

@@ -83,11 +83,13 @@ async def start_grpc_server(
     add_servicers: Callable[[grpc.aio.Server], None],
     health_servicer: health.aio.HealthServicer,
     options: list[tuple[str, Any]] | None = None,
+    serving: bool = True,
 ) -> tuple[grpc.aio.Server, int]:
     """Start an aio server with our services, gRPC health (SERVING) and reflection.
 
-    Returns (server, bound port); port 0 picks a free one. Raises RuntimeError when the
-    address cannot be bound."""
+    Health reports SERVING at once, or NOT_SERVING with `serving=False` (the caller sets
+    SERVING when it is ready). Returns (server, bound port); port 0 picks a free one.
+    Raises RuntimeError when the address cannot be bound."""
     server = grpc.aio.server(options=options)
     add_servicers(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -96,7 +98,13 @@ async def start_grpc_server(
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port}")
-    await server.start()
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     for name in (*service_names, ""):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # Set before the server starts, so no probe sees the servicer's default.
+        await health_servicer.set(name, status)
+    await server.start()
     return server, bound

@@ -4,8 +4,11 @@ With a KV hand-off, Decode reserves local blocks, pulls the prompt's KV from the
 worker (`tandem.transfer.plan_read`: only blocks it does not cache itself; NIXL READ,
 contiguous runs coalesced), then confirms the lease. Only a confirmed lease proves the
 blocks were pinned for the whole read; anything else (lapsed lease, dead prefill worker,
-failed read) discards the copy and recomputes the prompt here: fail closed. Without a
-hand-off, the prompt is prefilled here (conditional disaggregation).
+failed read) discards the copy and recomputes the prompt here: fail closed. A handle whose KV
+layout (dtype, block geometry) differs from this worker's cache is not a transient failure
+but a misconfigured deployment: the call ends with FAILED_PRECONDITION naming the fields, before
+any block is reserved or read. Without a hand-off, the prompt is prefilled here (conditional
+disaggregation).
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ from typing import NamedTuple
 import grpc
 
 from services.common import convert
-from services.common.errors import invalid_argument, resource_exhausted, rpc
+from services.common.errors import (
+    ServiceError,
+    failed_precondition,
+    invalid_argument,
+    resource_exhausted,
+    rpc,
+)
 from services.common.worker.engine_loop import output_batches
 from services.common.worker.kv_reader import KVReader, ReadDone
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.request import RequestSpec
-from tandem.transfer import KVHandoff, TransferError, plan_read
+from tandem.transfer import KVHandoff, LayoutMismatch, TransferError, check_compatible, plan_read
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -82,7 +91,11 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             if request.HasField("kv"):
                 if not outputs:
                     raise invalid_argument("output_token_ids must hold token 1")
-                handoff = convert.handoff_from_proto(request.kv)
+                try:
+                    handoff = convert.handoff_from_proto(request.kv)
+                except ValueError as exc:
+                    # Built by the prefill worker, not the client: a deployment problem.
+                    raise failed_precondition(f"kv.{exc}") from None
                 pulled = await self._pull_kv(spec, outputs, emitted, handoff)
                 complete.kv_transfer_ms = pulled.transfer_ms
                 complete.kv_transfer_bytes = pulled.num_bytes
@@ -113,9 +126,15 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     async def _pull_kv(
         self, spec: RequestSpec, outputs: Sequence[int], emitted: int, handoff: KVHandoff
     ) -> Pulled:
-        """Reserve, read, confirm. Raises ServiceError when the request cannot be served
-        here (invalid, or no free blocks within kv_wait_s)."""
+        """Check the layout, reserve, read, confirm. Raises ServiceError when the request
+        cannot be served here (invalid, no free blocks within kv_wait_s, or a KV layout
+        that differs from this worker's)."""
         rid, prompt = spec.request_id, list(spec.prompt_token_ids)
+        try:
+            # Pure and cheap: before reserving, so a misconfigured pair holds no block here.
+            check_compatible(handoff.remote.layout, self.transport.layout)
+        except LayoutMismatch as exc:
+            raise self._layout_error(handoff, exc) from None
         try:
             reserved = await self.loop.call_until(
                 lambda e: e.reserve_kv(rid, prompt, outputs, spec.params, emitted),
@@ -147,6 +166,10 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 timeout=5.0,
             )
             valid = resp.valid
+        except LayoutMismatch as exc:
+            # The transport's own check (after ours above): free the reserved blocks unread.
+            await self.loop.call(lambda e: e.abort(rid))
+            raise self._layout_error(handoff, exc) from None
         except (TransferError, grpc.aio.AioRpcError) as exc:
             log.warning("KV pull for %s failed (%s); recomputing locally", rid, exc)
             valid = False
@@ -155,6 +178,13 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         else:
             await self.loop.call(lambda e: e.commit_kv(rid))
         return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3)
+
+    def _layout_error(self, handoff: KVHandoff, exc: LayoutMismatch) -> ServiceError:
+        log.error("KV hand-off from %s refused: %s", handoff.remote.agent_name, exc)
+        return failed_precondition(
+            f"{exc} (prefill worker {handoff.remote.agent_name!r}, decode worker "
+            f"{self.worker_id!r}): run both with the same model and dtype"
+        )
 
     @rpc
     async def Abort(

@@ -12,6 +12,7 @@ straight to decode).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,14 +22,19 @@ import torch
 
 from tandem.config import EngineConfig, EngineRole
 from tandem.engine.block_pool import KVEvent
-from tandem.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import KVCacheManager, cdiv
+from tandem.engine.memory import KVSizing, blocks_for_bytes, fit_context, gpu_kv_bytes
 from tandem.engine.request import Request, RequestStatus, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
+from tandem.model.attention import AttentionMetadata, PrefillSpan
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+WARMUP_REQUEST_ID = "__tandem_warmup__"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +93,9 @@ class LLMEngine:
         model_dir = Path(config.model_dir)
         self.model_id = config.model_id or model_dir.name
         sched_cfg = config.scheduler
-        self.model = load_model(model_dir, config.dtype, config.device, progress=progress)
+        self.model = load_model(model_dir, config.resolved_dtype, config.device, progress=progress)
         mcfg = self.model.config
-        self.max_model_len = min(
+        max_model_len = min(
             sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
         self.tokenizer: Tokenizer | None = (
@@ -99,21 +105,103 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
-        dtype = DTYPES[config.dtype]
+        dtype = DTYPES[config.resolved_dtype]
         block_size = config.cache.block_size
-        self.num_blocks = num_blocks_for(mcfg, config.cache, dtype)
+        sizing = self._size_kv_cache(dtype, max_model_len)
+        self.num_blocks = sizing.num_blocks
+        per_block = block_bytes(mcfg, block_size, dtype)
+        explicit = sched_cfg.max_model_len is not None
+        self.max_model_len = fit_context(
+            max_model_len, explicit, self.num_blocks, block_size, per_block
+        )
+        log.info(
+            "KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB %s on %s; context %d",
+            sizing.source, sizing.num_blocks, block_size, sizing.num_tokens,
+            sizing.num_bytes / 2**20, config.resolved_dtype, config.device, self.max_model_len,
+        )  # fmt: skip
+        if self.max_model_len < max_model_len:
+            log.warning(
+                "the model's context of %d tokens does not fit the KV cache: serving at most "
+                "%d tokens per request (give the cache %d bytes for the full context)",
+                max_model_len, self.max_model_len, cdiv(max_model_len, block_size) * per_block,
+            )  # fmt: skip
         self.kv_cache = allocate_kv_cache(
             mcfg, self.num_blocks, block_size, dtype, torch.device(config.device)
         )
         self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, (self.model_id,))
-        sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        # Sampling noise is drawn on the logits' device, so the generators live there too.
+        sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, sampler)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text streamed so far
         self.num_steps = 0
         self.num_tokens_computed = 0  # prompt + generated tokens run through the model
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def _size_kv_cache(self, dtype: torch.dtype, max_model_len: int) -> KVSizing:
+        """Blocks for the KV cache: explicit, the CPU byte budget, or on a GPU what the
+        memory budget leaves after the weights and a profile step at full batch."""
+        cache, mcfg = self.config.cache, self.model.config
+        per_block = block_bytes(mcfg, cache.block_size, dtype)
+        if cache.num_blocks is not None:
+            n = cache.num_blocks
+            return KVSizing(n, n * cache.block_size, n * per_block, "num_blocks")
+        device = torch.device(self.config.device)
+        if device.type != "cuda":
+            return blocks_for_bytes(
+                cache.kv_cache_bytes, per_block, "kv_cache_bytes", cache.block_size
+            )
+        peak, scratch = self._profile_peak_bytes(dtype, max_model_len, device)
+        total = torch.cuda.get_device_properties(device).total_memory
+        kv_bytes = gpu_kv_bytes(total, cache.gpu_memory_utilization, peak, scratch)
+        return blocks_for_bytes(kv_bytes, per_block, "gpu_memory_utilization", cache.block_size)
+
+    def _profile_peak_bytes(
+        self, dtype: torch.dtype, max_model_len: int, device: torch.device
+    ) -> tuple[int, int]:
+        """(peak bytes allocated, scratch KV bytes) over one forward of a full token budget
+        through a scratch KV cache: the weights plus the largest step's activations."""
+        bs, mcfg = self.config.cache.block_size, self.model.config
+        n = max(1, min(self.config.scheduler.max_num_batched_tokens, max_model_len - 1))
+        num_blocks = cdiv(n, bs)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        scratch = allocate_kv_cache(mcfg, num_blocks, bs, dtype, device)
+        positions = torch.arange(n, device=device)
+        meta = AttentionMetadata(
+            slot_block_ids=positions // bs,
+            slot_offsets=positions % bs,
+            prefills=[PrefillSpan(0, n, n, torch.arange(num_blocks, device=device))],
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=device)
+        hidden = self.model.forward(ids, positions, meta, scratch)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        scratch_bytes = scratch.numel() * scratch.element_size()
+        del scratch, hidden, meta, ids, positions
+        torch.cuda.empty_cache()
+        return peak, scratch_bytes
+
+    def warm_up(self) -> None:
+        """Run one prefill step at the full token budget and a few decode steps before
+        traffic, so the first requests do not pay for allocator growth and kernel set-up.
+        Leaves no trace: no cached prefix, no KV events, no counters."""
+        n = max(1, min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 5))
+        vocab = self.model.config.vocab_size
+        prompt = [(7 + i) % vocab for i in range(n)]
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        self.add_request(WARMUP_REQUEST_ID, prompt, params)
+        while self.has_unfinished():
+            for out in self.step():
+                if out.handed_off:  # the prefill role pins the blocks; nobody will read them
+                    self.release(out.request_id)
+        self.kv.pool.reset_prefix_cache()
+        self.take_kv_events()
+        self.num_steps = self.num_tokens_computed = 0
 
     # -- requests --------------------------------------------------------------------------
 
@@ -148,12 +236,9 @@ class LLMEngine:
         params.validate_for_vocab(vocab)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        worst = min(len(ids) + len(output_token_ids) + params.max_tokens, self.max_model_len)
-        if cdiv(worst, self.kv.block_size) > self.num_blocks:
-            raise ValueError(
-                f"request needs up to {cdiv(worst, self.kv.block_size)} KV blocks; the cache "
-                f"has {self.num_blocks}: lower max_tokens or the prompt length"
-            )
+        # Any request fits the cache alone: startup capped max_model_len to the cache
+        # (memory.fit_context), and generation stops at max_model_len.
+        assert self.max_model_len <= self.num_blocks * self.kv.block_size
         request = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -162,6 +247,7 @@ class LLMEngine:
             arrival_time=self.clock(),
             hand_off=self.config.role == EngineRole.PREFILL and not output_token_ids,
             output_token_ids=list(output_token_ids),
+            device=self.config.device,
         )
         if output_token_ids and request.generator is not None and not params.greedy:
             # Continue the seeded stream where the worker that sampled those tokens left it.

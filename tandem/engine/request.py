@@ -104,6 +104,9 @@ class Request:
         num_computed_tokens: tokens whose KV is in this engine's cache.
         hand_off: stop after the first new token and keep the blocks (prefill role).
         block_hashes: prefix hashes of every full block of prompt + output.
+        device: where a seeded request's generator lives; the engine passes its own, since
+            sampling noise is drawn on the logits' device.
+        generator: the request's own stream when it has a seed (made in __post_init__).
     """
 
     request_id: str
@@ -120,13 +123,15 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_hashes: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    device: torch.device | str = "cpu"
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+            generator = torch.Generator(device=self.device)
+            self.generator = generator.manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -161,16 +161,15 @@ def _token_counts(
 ) -> torch.Tensor:
     """Count token occurrences per row: [len(id_lists), vocab_size] float32."""
     width = max(1, max(len(ids) for ids in id_lists))
-    # Pad with an extra "vocab_size" column so ragged rows share one scatter_add.
-    padded = torch.full((len(id_lists), width), vocab_size, dtype=torch.long)
-    for i, ids in enumerate(id_lists):
-        if len(ids):
-            row = torch.as_tensor(ids, dtype=torch.long)
-            if row.min() < 0 or row.max() >= vocab_size:
-                raise ValueError(f"token ids must be in [0, {vocab_size}), got {list(ids)!r}")
-            padded[i, : len(ids)] = row
+    # Pad with an extra "vocab_size" column so ragged rows share one scatter_add; the rows
+    # are padded on the host and copied to the device in one transfer.
+    rows: list[list[int]] = []
+    for ids in id_lists:
+        if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise ValueError(f"token ids must be in [0, {vocab_size}), got {list(ids)!r}")
+        rows.append([*ids, *[vocab_size] * (width - len(ids))])
+    padded = torch.tensor(rows, dtype=torch.long, device=device)  # [len(id_lists), width]
     counts = torch.zeros(len(id_lists), vocab_size + 1, dtype=torch.float32, device=device)
-    padded = padded.to(device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]  # drop the padding column
 
@@ -292,12 +291,14 @@ class Sampler:
         noise = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
+            _check_generator_device(self.default_generator, device)
             draw = torch.empty(len(shared), vocab_size, dtype=torch.float32, device=device)
             noise[torch.tensor(shared, device=device)] = draw.exponential_(
                 generator=self.default_generator
             )
         for i, row in enumerate(rows):
             if row.generator is not None:
+                _check_generator_device(row.generator, device)
                 # A fresh [vocab_size] draw: the stream depends only on this request's seed,
                 # not on its batch position or neighbours.
                 draw = torch.empty(vocab_size, dtype=torch.float32, device=device)
@@ -306,14 +307,25 @@ class Sampler:
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 
 
+def _check_generator_device(generator: torch.Generator | None, device: torch.device) -> None:
+    # torch's own error for a CPU generator drawing CUDA noise does not say whose it was.
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(
+            f"generator on {generator.device} cannot draw noise for logits on {device}: "
+            "create generators on the engine's device"
+        )
+
+
 def advance_generator(generator: torch.Generator, vocab_size: int, num_tokens: int) -> None:
     """Consume the draws that sampling `num_tokens` tokens took from a seeded stream.
 
-    A request continued on another worker (prefill hands off to decode) thereby samples
-    exactly what it would have sampled in one process.
+    Each draw has the shape and device of the sampler's own (one [vocab_size] float32 draw
+    per token, on the generator's device), so a request continued on another worker (prefill
+    hands off to decode) samples exactly what it would have sampled in one process.
     """
     for _ in range(num_tokens):
-        torch.empty(vocab_size, dtype=torch.float32).exponential_(generator=generator)
+        draw = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+        draw.exponential_(generator=generator)
 
 
 def _with_logprobs(

@@ -103,7 +103,8 @@ class TorchAttention:
     """
 
     def __init__(self) -> None:
-        self._workspace = torch.empty(0)
+        # Allocated on first use, on the cache's device and in its dtype.
+        self._workspace: torch.Tensor | None = None
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> torch.Tensor:
         """Copy blocks `block_ids` ([n]) of `cache` ([num_blocks, block_size, heads, dim]).
@@ -112,10 +113,17 @@ class TorchAttention:
         """
         row = cache[0].numel()
         n = block_ids.numel()
-        if self._workspace.numel() < 2 * n * row or self._workspace.dtype != cache.dtype:
-            self._workspace = torch.empty(2 * n * row, dtype=cache.dtype, device=cache.device)
-        half = self._workspace.numel() // 2
-        out = self._workspace[slot * half : slot * half + n * row].view(n, row)
+        ws = self._workspace
+        if (
+            ws is None
+            or ws.numel() < 2 * n * row
+            or ws.dtype != cache.dtype
+            or ws.device != cache.device
+        ):
+            ws = torch.empty(2 * n * row, dtype=cache.dtype, device=cache.device)
+            self._workspace = ws
+        half = ws.numel() // 2
+        out = ws[slot * half : slot * half + n * row].view(n, row)
         torch.index_select(cache.flatten(1), 0, block_ids, out=out)
         return out.view(n, *cache.shape[1:])
 
@@ -195,8 +203,8 @@ class TorchAttention:
             values = self._gather(v_cache, span.block_ids, 1).view(-1, num_kv_heads, head_dim)
             keys, values = keys[:ctx], values[:ctx]
             # Query i sits at position ctx - num_new + i and sees keys at positions <= that.
-            q_pos = torch.arange(ctx - num_new, ctx).unsqueeze(1)
-            mask, causal = torch.arange(ctx).unsqueeze(0) <= q_pos, False
+            q_pos = torch.arange(ctx - num_new, ctx, device=q.device).unsqueeze(1)
+            mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos, False
         # A leading batch dimension of 1 lets SDPA pick its fused CPU kernel (3-D inputs
         # take the slow unfused path).
         out = F.scaled_dot_product_attention(

@@ -9,13 +9,13 @@ import torch
 from tandem.model.config import ModelConfig
 
 
-def inv_freq(config: ModelConfig) -> torch.Tensor:
+def inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
     """RoPE inverse frequencies with the config's scaling. Returns: [head_dim // 2] float32.
 
-    Computed in float32 exactly as transformers does, so cos/sin match bit for bit.
+    Computed in float32 on `device` exactly as transformers does, so cos/sin match bit for bit.
     """
     dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
     freq = 1.0 / (config.rope_theta**exponents)
     sc = config.rope_scaling
     if sc is None:
@@ -39,7 +39,7 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables for positions [0, max_positions)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
-        freq = inv_freq(config).to(device)
+        freq = inv_freq(config, device)
         positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
         freqs = positions[:, None] * freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]

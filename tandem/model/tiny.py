@@ -196,12 +196,14 @@ def make_tiny_model(
 
 
 def _make_weights(p: TinyPreset, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+    # Drawn on the CPU whatever device later serves the model: CPU and CUDA generators give
+    # different streams, and a seed must write the same safetensors file on every machine.
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in weight_shapes(p).items():
         if name.endswith("norm.weight"):
             # Not exactly 1.0 so that a kernel ignoring the norm weight fails the HF comparison.
-            noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+            noise = torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu")
             tensors[name] = 1.0 + 0.1 * noise
             continue
         if name == "model.embed_tokens.weight":
@@ -214,7 +216,7 @@ def _make_weights(p: TinyPreset, seed: int) -> dict[str, torch.Tensor]:
             # 1/sqrt(fan_in) keeps each layer's update comparable to the residual stream,
             # so attention and MLP bugs change the output (std 0.02 would make them invisible).
             std = 1.0 / shape[1] ** 0.5
-        tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+        tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu") * std
     return tensors
 
 

@@ -1,8 +1,8 @@
 """KV cache transfer between engines: a reader pulls an owner's blocks into its own cache.
 
     owner = make_transport("nixl", "prefill-0"); owner.register(kv_cache)
-    handle = owner.export(block_ids)                 # RemoteKV, sent to the reader
-    reader.read(handle, local_block_ids, notif=b"req-42")
+    handle = owner.export(block_ids)                 # RemoteKV (with the cache's KVLayout)
+    reader.read(handle, local_block_ids, notif=b"req-42")   # LayoutMismatch: nothing read
     owner.poll()                                     # -> [b"req-42"]: the blocks may be freed
 
 `"nixl"` moves data between processes (and hosts) with NIXL; `"local"` copies between engines
@@ -20,6 +20,7 @@ from tandem.transfer.base import (
     coalesce,
     plan_read,
 )
+from tandem.transfer.layout import KVLayout, LayoutMismatch, check_compatible, layout_diff
 from tandem.transfer.lease import Confirmation, KVHandoff, Lease, LeaseTable
 from tandem.transfer.local import LocalTransport
 
@@ -27,14 +28,18 @@ __all__ = [
     "TRANSPORT_KINDS",
     "Confirmation",
     "KVHandoff",
+    "KVLayout",
     "KVTransport",
     "Lease",
+    "LayoutMismatch",
     "LeaseTable",
     "LocalTransport",
     "ReadPlan",
     "RemoteKV",
     "TransferError",
+    "check_compatible",
     "coalesce",
+    "layout_diff",
     "make_transport",
     "plan_read",
 ]

@@ -5,7 +5,9 @@ An engine's KV cache is one contiguous, block-major tensor
 `[base_addr + b * block_bytes, base_addr + (b + 1) * block_bytes)`. The *owner* (a prefill worker)
 registers its cache and `export`s the blocks that hold a prompt as a `RemoteKV`; the *reader* (a
 decode worker) `read`s them into its own blocks (different ids) and, with the same call, tells
-the owner it is done via a notification that the owner collects with `poll`.
+the owner it is done via a notification that the owner collects with `poll`. Every handle
+carries its cache's `KVLayout`, and a reader refuses one whose dtype or block geometry differs
+from its own cache's before it moves any byte (`LayoutMismatch`).
 
 `KVTransport` implements the argument checking and bookkeeping once; a transport supplies the
 data movement through the `_do_*` hooks, so every implementation fails the same way on misuse.
@@ -21,6 +23,8 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from tandem.transfer.layout import KVLayout, check_compatible
+
 TRANSPORT_KINDS = ("nixl", "local")
 
 
@@ -35,8 +39,10 @@ class RemoteKV:
         agent_metadata: opaque connection info of the owner; it changes when the owner
             restarts, which is how a reader notices that its cached connection is stale.
         base_addr: address of the owner's block 0 in the owner's address space.
-        block_bytes: bytes per block; must equal the reader's.
+        block_bytes: bytes per block; must equal `layout.block_bytes` (and the reader's).
         block_ids: the owner's blocks, in prompt order (may repeat; may be empty).
+        layout: memory type, device, dtype and block geometry of the owner's cache; a reader
+            only accepts a handle whose layout is compatible with its own cache's.
     """
 
     transport: str
@@ -45,6 +51,7 @@ class RemoteKV:
     base_addr: int
     block_bytes: int
     block_ids: tuple[int, ...]
+    layout: KVLayout
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORT_KINDS:
@@ -55,6 +62,15 @@ class RemoteKV:
             raise ValueError(f"base_addr must be >= 0, got {self.base_addr}")
         if self.block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {self.block_bytes}")
+        if not isinstance(self.layout, KVLayout):
+            raise ValueError(f"layout must be a KVLayout, got {type(self.layout).__name__}")
+        if self.block_bytes != self.layout.block_bytes:
+            raise ValueError(
+                f"block_bytes {self.block_bytes} does not match the layout's block size of "
+                f"{self.layout.block_bytes} bytes ({self.layout.dtype}, {self.layout.num_layers} "
+                f"layers, {self.layout.block_size} tokens, {self.layout.num_kv_heads} KV heads "
+                f"of {self.layout.head_dim})"
+            )
         # Accept any sequence (a protobuf repeated field, a list) but store an immutable tuple so
         # that the handle stays hashable and cannot change under a reader.
         ids = tuple(int(b) for b in self.block_ids)
@@ -174,6 +190,7 @@ class KVTransport(ABC):
         self.agent_name = agent_name
         self.last_num_descriptors = 0
         self._kv: torch.Tensor | None = None
+        self._layout: KVLayout | None = None
         self._block_bytes = 0
         self._closed = False
 
@@ -201,6 +218,13 @@ class KVTransport(ABC):
         return self._block_bytes
 
     @property
+    def layout(self) -> KVLayout:
+        """Layout of the registered KV cache (what every exported handle carries)."""
+        self._require_kv()
+        assert self._layout is not None  # set together with _kv
+        return self._layout
+
+    @property
     def base_addr(self) -> int:
         """Address of block 0 of the registered KV cache."""
         return int(self._require_kv().data_ptr())
@@ -211,11 +235,14 @@ class KVTransport(ABC):
         """Register this engine's KV cache (block-major, dim 0 indexes blocks) for transfers.
 
         Call once, before `export` or `read`. The tensor must stay alive and must not be
-        reallocated until `close`.
+        reallocated until `close`. Its `KVLayout` (memory type and device from the tensor's
+        device, dtype, and the block geometry from its shape) goes into every exported handle
+        and is what `read` checks handles against.
 
         Raises:
-            ValueError: not a tensor, not contiguous, no block dimension, zero blocks or
-                empty blocks, or a cache is already registered.
+            ValueError: not a tensor, not contiguous, not of the engine cache's shape
+                `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, zero blocks
+                or empty blocks, or a cache is already registered.
         """
         self._check_open()
         if not isinstance(kv_cache, torch.Tensor):
@@ -235,10 +262,13 @@ class KVTransport(ABC):
                 f"kv_cache must have at least one non-empty block, got shape "
                 f"{tuple(kv_cache.shape)}"
             )
+        layout = KVLayout.of_cache(kv_cache)
         block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        assert block_bytes == layout.block_bytes, (block_bytes, layout)
         self._do_register(kv_cache)
         # Only after the transport accepted it, so that a failed register can be retried.
         self._kv = kv_cache
+        self._layout = layout
         self._block_bytes = block_bytes
 
     def export(self, block_ids: Sequence[int]) -> RemoteKV:
@@ -261,6 +291,7 @@ class KVTransport(ABC):
             base_addr=self.base_addr,
             block_bytes=self._block_bytes,
             block_ids=ids,
+            layout=self.layout,
         )
 
     def read(
@@ -282,9 +313,12 @@ class KVTransport(ABC):
             Bytes moved (`len(local_block_ids) * block_bytes`).
 
         Raises:
+            LayoutMismatch (a ValueError): `remote.layout` differs from this cache's layout in
+                dtype, order or block geometry (`check_compatible`); nothing was read and no
+                notification was sent.
             ValueError: lengths differ, a local id is out of range or repeated, `remote` comes
-                from another kind of transport or has another block size, `notif` is not bytes,
-                or `timeout_s` is not positive.
+                from another kind of transport, `notif` is not bytes, or `timeout_s` is not
+                positive.
             TransferError: the peer is unknown, dead or restarted (stale `remote`), a remote
                 block is not in the peer's registered memory, the transport failed, or the
                 read did not finish within `timeout_s` (it is then cancelled).
@@ -299,11 +333,9 @@ class KVTransport(ABC):
                 f"remote was exported by a {remote.transport!r} transport; this one is "
                 f"{self.kind!r}"
             )
-        if remote.block_bytes != self._block_bytes:
-            raise ValueError(
-                f"block size mismatch: remote blocks have {remote.block_bytes} bytes, local "
-                f"blocks {self._block_bytes}"
-            )
+        check_compatible(remote.layout, self.layout)
+        # Compatible layouts have equal block sizes, and a handle's block_bytes is its layout's.
+        assert remote.block_bytes == self._block_bytes, (remote.block_bytes, self._block_bytes)
         if not isinstance(notif, bytes):
             raise ValueError(f"notif must be bytes, got {type(notif).__name__}")
         if not timeout_s > 0:
@@ -345,6 +377,7 @@ class KVTransport(ABC):
             self._do_close()
         finally:
             self._kv = None
+            self._layout = None
 
     def __enter__(self) -> KVTransport:
         return self

@@ -120,8 +120,9 @@ class KVHandoff:
     blocks are, how they are laid out, and the lease that keeps them pinned.
 
     Attributes:
-        remote: the owner's blocks, as its transport exported them.
-        block_size: tokens per block on the owner (must match the reader's).
+        remote: the owner's blocks, as its transport exported them (with their layout).
+        block_size: tokens per block on the owner (must match the reader's, and equals
+            `remote.layout.block_size`).
         num_tokens: prompt tokens whose KV the blocks hold.
         owner_address: the owner's gRPC address, where the lease is confirmed.
         lease_id, epoch: identify the lease; expires_at is when it lapses (owner's clock).
@@ -134,3 +135,10 @@ class KVHandoff:
     lease_id: str
     epoch: int
     expires_at: float
+
+    def __post_init__(self) -> None:
+        if self.block_size != self.remote.layout.block_size:
+            raise ValueError(
+                f"block_size {self.block_size} differs from the handle's layout "
+                f"({self.remote.layout.block_size} tokens per block)"
+            )

@@ -91,10 +91,13 @@ class LocalTransport(KVTransport):
                 f"handle base_addr {remote.base_addr:#x} does not match agent "
                 f"{remote.agent_name!r}'s registered cache at {src.data_ptr():#x}"
             )
-        if int(src.shape[1]) != remote.block_bytes:
+        if int(src.shape[1]) != remote.block_bytes or owner._layout != remote.layout:
+            # A forged or corrupted handle: the reader checked the handle's layout against its
+            # own cache, but only the owner knows what its cache really holds.
             raise TransferError(
-                f"handle says {remote.block_bytes}-byte blocks; agent {remote.agent_name!r} "
-                f"registered {int(src.shape[1])}-byte blocks"
+                f"handle says {remote.block_bytes}-byte blocks of {remote.layout}; agent "
+                f"{remote.agent_name!r} registered {int(src.shape[1])}-byte blocks of "
+                f"{owner._layout}"
             )
         owner_blocks = int(src.shape[0])
         bad = [b for b in remote.block_ids if b >= owner_blocks]

@@ -11,9 +11,10 @@ call `poll` regularly. The owner's progress is needed to establish a connection,
 that carries a notification may not complete before the owner has progressed (observed for
 reads of a few MiB): an owner that stops polling stalls such reads until their timeout.
 
-Assumptions (the `RemoteKV` handle carries no memory type or device): the owner's cache has the
-same memory type as the reader's, and for VRAM it is the owner's device 0 (one GPU visible per
-worker process).
+Memory on the two sides may differ: the remote descriptors of a read take the memory type and
+device id from the handle's `KVLayout` (the owner's registered cache), the local ones from this
+agent's cache, so a DRAM reader can pull from a VRAM owner on any of its devices. What the bytes
+are (dtype, block geometry) must match; the base class refuses other handles before reading.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from tandem.transfer.base import KVTransport, RemoteKV, TransferError
+from tandem.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -219,14 +221,14 @@ class NixlTransport(KVTransport):
 
     def _register_locked(self, kv_cache: torch.Tensor) -> None:
         agent = self._require_agent()
-        if kv_cache.is_cuda:
-            self._mem_type, self._dev_id = "VRAM", int(kv_cache.device.index or 0)
-        elif kv_cache.device.type == "cpu":
-            self._mem_type, self._dev_id = "DRAM", 0
-        else:
+        if not (kv_cache.is_cuda or kv_cache.device.type == "cpu"):
             raise ValueError(
                 f"kv_cache must be on CPU or CUDA for NIXL, got device {kv_cache.device}"
             )
+        # The same derivation as the layout every export carries (the base class sets it
+        # after this hook succeeds).
+        layout = KVLayout.of_cache(kv_cache)
+        self._mem_type, self._dev_id = layout.memory_type, layout.device_id
         nbytes = kv_cache.numel() * kv_cache.element_size()
         if self._hugepages and self._mem_type == "DRAM":
             # Before registering: collapsing moves the data to new physical pages.
@@ -283,12 +285,14 @@ class NixlTransport(KVTransport):
             local_descs = np.array(
                 [(self._scratch.data_ptr(), nbytes, self._dev_id)], dtype=np.uint64
             )
-            remote_descs = np.array([(remote.base_addr, nbytes, 0)], dtype=np.uint64)
+            remote_descs = np.array(
+                [(remote.base_addr, nbytes, remote.layout.device_id)], dtype=np.uint64
+            )
         try:
             handle = agent.initialize_xfer(
                 "READ",
                 agent.get_xfer_descs(local_descs, self._mem_type),
-                agent.get_xfer_descs(remote_descs, self._mem_type),
+                agent.get_xfer_descs(remote_descs, remote.layout.memory_type),
                 peer,
                 notif,
             )
@@ -369,7 +373,8 @@ class NixlTransport(KVTransport):
     def _descriptors(
         self, remote: RemoteKV, runs: list[tuple[int, int, int]]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(address, length, device) rows, one per run, for the local and the remote side."""
+        """(address, length, device) rows, one per run, for the local and the remote side
+        (the remote device from the handle's layout: the owner's cache, not ours)."""
         r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
         bb = self._block_bytes
         local = np.empty((len(runs), 3), dtype=np.uint64)
@@ -379,7 +384,7 @@ class NixlTransport(KVTransport):
         rem = np.empty_like(local)
         rem[:, 0] = remote.base_addr + r[:, 0] * bb
         rem[:, 1] = local[:, 1]
-        rem[:, 2] = 0  # DRAM has no device; VRAM: see the module docstring
+        rem[:, 2] = remote.layout.device_id  # 0 for DRAM
         return local, rem
 
     def _wait(self, handle: nixl_xfer_handle, peer: str, deadline: float, timeout_s: float) -> None:

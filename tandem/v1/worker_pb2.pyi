@@ -17,8 +17,28 @@ class Lease(_message.Message):
     expires_at_unix_s: float
     def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ...) -> None: ...
 
+class KvLayout(_message.Message):
+    __slots__ = ("memory_type", "device_id", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order")
+    MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    memory_type: str
+    device_id: int
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    order: str
+    def __init__(self, memory_type: _Optional[str] = ..., device_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., order: _Optional[str] = ...) -> None: ...
+
 class KvHandle(_message.Message):
-    __slots__ = ("transport", "agent_name", "agent_metadata", "base_addr", "block_bytes", "block_ids", "num_tokens", "block_size", "lease", "prefill_address")
+    __slots__ = ("transport", "agent_name", "agent_metadata", "base_addr", "block_bytes", "block_ids", "num_tokens", "block_size", "lease", "prefill_address", "layout")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +49,7 @@ class KvHandle(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     transport: str
     agent_name: str
     agent_metadata: bytes
@@ -39,7 +60,8 @@ class KvHandle(_message.Message):
     block_size: int
     lease: Lease
     prefill_address: str
-    def __init__(self, transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+    layout: KvLayout
+    def __init__(self, transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., prefill_address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker")

@@ -208,6 +208,20 @@ def test_pdb_version_and_probe_kind_follow_the_cluster(
                 assert "grpc" not in probe
 
 
+def test_a_component_startup_probe_overrides_the_shared_one(helm: Helm) -> None:
+    """A GPU worker loads weights and warms up for minutes before it reports SERVING: its
+    startup budget is set per role, the other keys come from probes.startup."""
+    objects = helm.render("--set", "prefill.startupProbe.failureThreshold=360")
+    budgets = {}
+    for component in ("prefill", "decode", "router"):
+        (container,) = containers(one(objects, "Deployment", _name(component)))
+        probe = container["startupProbe"]
+        budgets[component] = (probe["periodSeconds"], probe["failureThreshold"])
+    assert budgets == {"prefill": (5, 360), "decode": (5, 120), "router": (5, 120)}
+    with pytest.raises(HelmError):
+        helm.render("--set", "decode.startupProbe.failureTreshold=3")  # a typo is refused
+
+
 # -- values.schema.json ----------------------------------------------------------------------
 
 
@@ -421,6 +435,10 @@ def test_gpu_values(helm: Helm) -> None:
         assert any(key.startswith("rdma/") for key in limits)
         env = env_of(container)
         assert env["UCX_TLS"].startswith("rc")
+        # Pods reach each other over RDMA only: no CUDA IPC or shared memory across pods.
+        assert not {"cuda_ipc", "sm", "cma"} & set(env["UCX_TLS"].split(","))
+        # Both sides run the GPU in bfloat16: a decode worker refuses KV of another dtype.
+        assert env["TANDEM_DEVICE"] == "cuda" and env["TANDEM_DTYPE"] == "bfloat16"
         assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert pod["nodeSelector"]

@@ -38,13 +38,21 @@ def drain(engine) -> None:
         ([5, -1], None, "outside"),
         ([7] * 2048, None, "max_model_len"),
         ([5, 6], SamplingParams(stop_token_ids=(100000,)), "stop_token_ids"),
-        ([5, 6], SamplingParams(max_tokens=2000), "KV blocks"),
     ],
 )
 def test_bad_requests_are_rejected_and_leave_nothing_behind(engine, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request("bad", prompt, params)
     assert not engine.has_unfinished()
+    assert engine.num_free_blocks() == engine.num_blocks
+
+
+def test_max_tokens_beyond_the_cache_stops_at_the_context(engine):
+    """The fixture's cache holds 128 x 4 = 512 tokens, so the tiny model's 2048-token context
+    was capped to 512 at startup: a request asking for more ends there, by length."""
+    assert engine.max_model_len == 512
+    [out] = engine.generate([[5, 6]], SamplingParams(max_tokens=2000, ignore_eos=True))
+    assert len(out.token_ids) == 510 and out.finish_reason == "length"
     assert engine.num_free_blocks() == engine.num_blocks
 
 

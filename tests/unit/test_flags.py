@@ -100,7 +100,7 @@ def test_routing_settings_reach_a_router_config() -> None:
 def test_a_nested_validation_error_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_config(WorkerConfig, ["--model-dir", "/m", "--dtype", "int3"], environ={})
-    assert "dtype must be float32, bfloat16 or float16, got 'int3'" in capsys.readouterr().err
+    assert "dtype must be auto, float32, bfloat16 or float16, got 'int3'" in capsys.readouterr().err
 
 
 def test_no_config_field_is_declared_twice() -> None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tandem.model import loader
 from tandem.model.config import ModelConfig
-from tandem.model.loader import load_model
+from tandem.model.loader import expected_shapes, load_model
 
 
 def copy_dir(src: Path, tmp_path: Path) -> Path:
@@ -69,6 +72,61 @@ def test_corrupt_files(hf_model, tmp_path):
     (d / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_model(d)
+
+
+def test_truncated_file(hf_model, tmp_path):
+    d = copy_dir(hf_model("llama")[0], tmp_path)
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="not a valid safetensors file.*data_offsets"):
+        load_model(d)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope-tied", "qwen2"])
+def test_tensors_stream_one_at_a_time(hf_model, monkeypatch, arch):
+    """Each tensor is read once, and is garbage before the next one is read: a loader that
+    reads every tensor first and fuses afterwards (2x the weights at peak) fails here."""
+    model_dir, _ = hf_model(arch)
+    reads: list[str] = []
+    sources: list[weakref.ref[torch.Tensor]] = []
+    real_read = loader.TensorReader.read
+
+    def read(self: loader.TensorReader, name: str) -> torch.Tensor:
+        alive = [reads[i] for i, ref in enumerate(sources) if ref() is not None]
+        assert not alive, f"reading {name!r} while {alive} are still referenced"
+        tensor = real_read(self, name)
+        reads.append(name)
+        sources.append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(loader.TensorReader, "read", read)
+    model = load_model(model_dir)
+    config = model.config
+    assert reads == list(expected_shapes(config))  # once each, in order; tied lm_head never
+    assert all(ref() is None for ref in sources)
+    w = model.weights
+    if config.tie_word_embeddings:
+        assert w.lm_head.data_ptr() == w.embed.data_ptr()
+    # Every weight owns its storage: none is a view of the reader's buffer, which the next
+    # read would overwrite.
+    tensors = [w.embed, w.final_norm, w.lm_head]
+    tensors += [t for lw in w.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down, lw.qkv_bias)]
+    storages = {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+    assert len(storages) == len(tensors) - config.tie_word_embeddings - (not config.qkv_bias) * len(
+        w.layers
+    )
+
+
+def test_progress_and_log_lines(hf_model, caplog):
+    model_dir, _ = hf_model("llama")
+    calls: list[tuple[int, int]] = []
+    with caplog.at_level(logging.INFO, logger="tandem.model.loader"):
+        model = load_model(model_dir, progress=lambda done, total: calls.append((done, total)))
+    n = len(expected_shapes(model.config))
+    assert calls == [(i, n) for i in range(1, n + 1)]
+    start, end = [r.getMessage() for r in caplog.records if r.name == "tandem.model.loader"]
+    assert start.startswith(f"loading {model_dir}: {n} tensors") and "float32 on cpu" in start
+    assert end.startswith(f"loaded {model_dir}: {n} tensors") and end.endswith(" s")
 
 
 def test_missing_and_misshapen_tensors(hf_model, tmp_path):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tandem.engine.sampling import (
     SampleResult,
     SampleRow,
     SamplingParams,
+    advance_generator,
     apply_penalties,
     warp_logits,
 )
@@ -474,6 +476,49 @@ def test_no_default_generator_uses_global_rng() -> None:
     first = _tokens(Sampler()(logits, rows))
     torch.manual_seed(3)
     assert _tokens(Sampler()(logits, rows)) == first
+
+
+def test_advanced_generator_continues_the_stream() -> None:
+    # A decode worker that receives 5 tokens sampled elsewhere fast-forwards its fresh
+    # generator past them and then samples what the original worker would have.
+    params = SamplingParams(top_k=40, seed=42)
+    steps = [_random_logits(1, seed=700 + step) for step in range(8)]
+    colocated, out = _gen(42), []
+    for logits in steps:
+        out.append(Sampler()(logits, [_row(params, output=out, generator=colocated)])[0].token_id)
+    handed_off = _gen(42)
+    advance_generator(handed_off, VOCAB, 5)
+    rest = list(out[:5])
+    for logits in steps[5:]:
+        rest.append(
+            Sampler()(logits, [_row(params, output=rest, generator=handed_off)])[0].token_id
+        )
+    assert rest == out
+    assert torch.equal(handed_off.get_state(), colocated.get_state())
+
+
+def test_generator_on_another_device_is_rejected() -> None:
+    # Shape-only "meta" logits stand in for a GPU here: the check must fire before any draw.
+    logits = torch.zeros(1, VOCAB, device="meta")
+    with pytest.raises(ValueError, match="generator on cpu cannot draw noise for logits on meta"):
+        Sampler()(logits, [_row(SamplingParams(), generator=_gen(0))])
+    with pytest.raises(ValueError, match="generator on cpu"):
+        Sampler(_gen(0))(logits, [_row(SamplingParams())])
+
+
+def test_engine_generators_live_on_the_engine_device(
+    tiny_model_dir: Path, engine_factory: Callable[..., Any]
+) -> None:
+    engine = engine_factory(tiny_model_dir)
+    device = torch.device(engine.config.device)
+    assert engine.kv_cache.device == device
+    default = engine.runner.sampler.default_generator
+    assert default is not None and default.device == device
+    seeded = SamplingParams(seed=5)
+    fresh = engine.make_request("fresh", [5, 6, 7], seeded)
+    continued = engine.make_request("continued", [5, 6, 7], seeded, output_token_ids=[8, 9])
+    for request in (fresh, continued):
+        assert request.generator is not None and request.generator.device == device
 
 
 # --------------------------------------------------------------------------- logprobs

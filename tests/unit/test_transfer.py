@@ -4,6 +4,8 @@ For "nixl" the owner is a real separate process (spawned once per module: start-
 seconds) that registers a KV cache with known contents, answers export/notif requests over a
 pipe and otherwise keeps calling `poll()` so that reads make progress. For "local" the owner is
 another `LocalTransport` in this process. Every read checks the copied bytes with torch.equal.
+The owner also exports from caches of other layouts (dtype, block geometry), which a reader
+must refuse before it moves any byte.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 
 from services.common.process import configure_native_libraries
 from tandem.transfer import (
+    KVLayout,
     KVTransport,
+    LayoutMismatch,
     LocalTransport,
     RemoteKV,
     TransferError,
@@ -39,12 +43,15 @@ from tandem.transfer.nixl import UCX_ENV_DEFAULTS
 # quiets NIXL's logger there too.
 configure_native_libraries()
 
-# [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: 512 floats = 2 KiB per block
+# [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]: 256 floats = 1 KiB per block
 BLOCK_SHAPE = (2, 2, 4, 2, 8)
 OWNER_BLOCKS = 48
 READER_BLOCKS = 32
 OWNER_NAME = "test-owner"
 BLOCK_BYTES = 4 * 2 * 2 * 4 * 2 * 8
+# What every cache of the suite is, owner's and reader's: float32 in DRAM.
+LAYOUT = KVLayout("DRAM", 0, "float32", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8)
+OTHER_BLOCKS = 8
 
 
 def owner_cache(generation: int) -> torch.Tensor:
@@ -52,6 +59,11 @@ def owner_cache(generation: int) -> torch.Tensor:
     numel = OWNER_BLOCKS * BLOCK_BYTES // 4
     kv = torch.arange(numel, dtype=torch.float32) + generation * 1_000_000
     return kv.reshape(OWNER_BLOCKS, *BLOCK_SHAPE)
+
+
+def other_cache(dtype: str, block_shape: tuple[int, ...]) -> torch.Tensor:
+    """An owner cache of another layout; all sevens, so that a copy of it would show."""
+    return torch.full((OTHER_BLOCKS, *block_shape), 7, dtype=getattr(torch, dtype))
 
 
 # ------------------------------------------------------------------------------ pure functions
@@ -94,18 +106,23 @@ def test_coalesce_length_mismatch() -> None:
 
 
 def test_remote_kv_validates_and_freezes() -> None:
-    rkv = RemoteKV("local", "a", b"md", 4096, 16, [3, 1])  # type: ignore[arg-type]
-    assert rkv.block_ids == (3, 1) and rkv.num_bytes == 32
+    rkv = RemoteKV("local", "a", b"md", 4096, BLOCK_BYTES, [3, 1], LAYOUT)  # type: ignore[arg-type]
+    assert rkv.block_ids == (3, 1) and rkv.num_bytes == 2 * BLOCK_BYTES
     with pytest.raises(dataclasses.FrozenInstanceError):
         rkv.block_ids = (1,)  # type: ignore[misc]
     with pytest.raises(ValueError, match="transport"):
-        RemoteKV("rdma", "a", b"", 0, 16, ())
+        RemoteKV("rdma", "a", b"", 0, BLOCK_BYTES, (), LAYOUT)
     with pytest.raises(ValueError, match="block_ids"):
-        RemoteKV("nixl", "a", b"", 0, 16, (1, -2))
+        RemoteKV("nixl", "a", b"", 0, BLOCK_BYTES, (1, -2), LAYOUT)
     with pytest.raises(ValueError, match="block_bytes"):
-        RemoteKV("nixl", "a", b"", 0, 0, ())
+        RemoteKV("nixl", "a", b"", 0, 0, (), LAYOUT)
     with pytest.raises(ValueError, match="agent_name"):
-        RemoteKV("nixl", "", b"", 0, 16, ())
+        RemoteKV("nixl", "", b"", 0, BLOCK_BYTES, (), LAYOUT)
+    # block_bytes is derived from the layout, so a handle cannot claim other bytes per block
+    with pytest.raises(ValueError, match="block_bytes 2048 does not match .* 1024 bytes"):
+        RemoteKV("nixl", "a", b"", 0, 2 * BLOCK_BYTES, (), LAYOUT)
+    with pytest.raises(ValueError, match="layout must be a KVLayout"):
+        RemoteKV("nixl", "a", b"", 0, BLOCK_BYTES, (), None)  # type: ignore[arg-type]
 
 
 def test_make_transport_rejects_unknown_kind() -> None:
@@ -143,8 +160,10 @@ def _owner_main(conn: Connection, agent_name: str, generation: int) -> None:
     transport.register(owner_cache(generation))
     conn.send("ready")
     notifs: list[bytes] = []
+    others: dict[str, KVTransport] = {}  # agents over caches of other layouts, by name
     while True:
-        notifs.extend(transport.poll())
+        for t in (transport, *others.values()):
+            notifs.extend(t.poll())
         try:
             if not conn.poll(0.0005):
                 continue
@@ -153,12 +172,24 @@ def _owner_main(conn: Connection, agent_name: str, generation: int) -> None:
             break
         if cmd == "export":
             conn.send(transport.export(arg))
+        elif cmd == "export_other":
+            dtype, block_shape, block_ids = arg
+            name = other_name(dtype, block_shape)
+            if name not in others:
+                others[name] = make_transport("nixl", name)
+                others[name].register(other_cache(dtype, block_shape))
+            conn.send(others[name].export(block_ids))
         elif cmd == "notifs":
             conn.send(notifs)
             notifs = []
         elif cmd == "stop":
             break
-    transport.close()
+    for t in (transport, *others.values()):
+        t.close()
+
+
+def other_name(dtype: str, block_shape: tuple[int, ...]) -> str:
+    return f"{OWNER_NAME}-{dtype}-{'x'.join(map(str, block_shape))}"
 
 
 class Owner:
@@ -185,6 +216,12 @@ class Owner:
     def export(self, block_ids: Sequence[int]) -> RemoteKV:
         raise NotImplementedError
 
+    def export_other(
+        self, dtype: str, block_shape: tuple[int, ...], block_ids: Sequence[int]
+    ) -> RemoteKV:
+        """Export blocks of another cache of the owner's, of `dtype` and `block_shape`."""
+        raise NotImplementedError
+
     def _fetch_notifs(self) -> list[bytes]:
         raise NotImplementedError
 
@@ -206,6 +243,7 @@ class LocalOwner(Owner):
     def __init__(self) -> None:
         super().__init__()
         self.transport: LocalTransport | None = None
+        self.others: dict[str, LocalTransport] = {}
 
     def start(self) -> None:
         self.generation += 1
@@ -217,14 +255,26 @@ class LocalOwner(Owner):
         assert self.transport is not None
         return self.transport.export(block_ids)
 
+    def export_other(
+        self, dtype: str, block_shape: tuple[int, ...], block_ids: Sequence[int]
+    ) -> RemoteKV:
+        name = other_name(dtype, block_shape)
+        if name not in self.others:
+            self.others[name] = LocalTransport(name)
+            self.others[name].register(other_cache(dtype, block_shape))
+        return self.others[name].export(block_ids)
+
     def _fetch_notifs(self) -> list[bytes]:
         assert self.transport is not None
-        return self.transport.poll()
+        return [n for t in (self.transport, *self.others.values()) for n in t.poll()]
 
     def kill(self) -> None:
         if self.transport is not None:
             self.transport.close()
         self.transport = None
+        for t in self.others.values():
+            t.close()
+        self.others = {}
 
     @property
     def alive(self) -> bool:
@@ -261,6 +311,13 @@ class NixlOwner(Owner):
 
     def export(self, block_ids: Sequence[int]) -> RemoteKV:
         remote = self._call("export", list(block_ids))
+        assert isinstance(remote, RemoteKV)
+        return remote
+
+    def export_other(
+        self, dtype: str, block_shape: tuple[int, ...], block_ids: Sequence[int]
+    ) -> RemoteKV:
+        remote = self._call("export_other", (dtype, block_shape, list(block_ids)))
         assert isinstance(remote, RemoteKV)
         return remote
 
@@ -344,6 +401,7 @@ def pair(module_pair: Pair) -> Pair:
 def test_single_block(pair: Pair) -> None:
     remote = pair.owner.export([5])
     assert remote.transport == pair.kind and remote.block_bytes == BLOCK_BYTES
+    assert remote.layout == pair.reader.layout == LAYOUT
     assert pair.read(remote, [9]) == BLOCK_BYTES
     assert pair.reader.last_num_descriptors == 1
     pair.assert_copied([5], [9])
@@ -429,7 +487,7 @@ def test_misuse_raises_value_error(pair: Pair) -> None:
         pair.read(remote, [0, 1, 0])
     with pytest.raises(ValueError, match="timeout_s"):
         pair.read(remote, [0, 1, 2], timeout_s=0)
-    with pytest.raises(ValueError, match="block size"):
+    with pytest.raises(ValueError, match="block_bytes"):
         pair.read(dataclasses.replace(remote, block_bytes=BLOCK_BYTES * 2), [0, 1, 2])
     other = "nixl" if pair.kind == "local" else "local"
     with pytest.raises(ValueError, match=other):
@@ -450,11 +508,49 @@ def test_register_rejects_non_contiguous(pair: Pair) -> None:
             transport.register(kv)
         with pytest.raises(RuntimeError, match="register"):
             transport.export([0])
+        # not the engine cache's [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        with pytest.raises(ValueError, match=r"shape \[num_blocks, num_layers, 2, .*\(8, 512\)"):
+            transport.register(torch.zeros(8, 512))
+        with pytest.raises(ValueError, match=r"got \(8, 2, 3, 4, 2, 8\)"):
+            transport.register(torch.zeros(8, 2, 3, 4, 2, 8))
         transport.register(kv.contiguous())  # a failed register can be retried
+        assert transport.layout == LAYOUT
     finally:
         transport.close()
     with pytest.raises(RuntimeError, match="closed"):
         transport.poll()
+
+
+@pytest.mark.parametrize(
+    "dtype, block_shape, diffs",
+    [
+        ("bfloat16", BLOCK_SHAPE, {"dtype": ("bfloat16", "float32")}),
+        # As many bytes per block as the reader's: only the layout tells the caches apart.
+        ("float32", (1, 2, 8, 2, 8), {"num_layers": (1, 2), "block_size": (8, 4)}),
+    ],
+    ids=["dtype", "block-geometry"],
+)
+def test_incompatible_layout_is_refused_before_reading(
+    pair: Pair, dtype: str, block_shape: tuple[int, ...], diffs: dict[str, tuple[Any, Any]]
+) -> None:
+    remote = pair.owner.export_other(dtype, block_shape, [0, 1, 2])
+    num_layers, _, block_size, num_kv_heads, head_dim = block_shape
+    assert remote.layout == KVLayout(
+        "DRAM", 0, dtype, num_layers, block_size, num_kv_heads, head_dim
+    )
+    with pytest.raises(LayoutMismatch) as refused:
+        pair.read(remote, [3, 4, 5], notif=b"refused")
+    assert {name: (theirs, ours) for name, theirs, ours in refused.value.diffs} == diffs
+    parts = [
+        f"{name}: handle has {theirs}, this worker {ours}" for name, (theirs, ours) in diffs.items()
+    ]
+    assert str(refused.value) == "KV layout mismatch: " + "; ".join(parts)
+    pair.assert_untouched(range(READER_BLOCKS))
+    if pair.kind == "nixl":
+        assert remote.agent_name not in pair.reader.peers  # type: ignore[attr-defined]
+    # the reader still reads compatible handles
+    pair.read(pair.owner.export([1, 2, 3]), [3, 4, 5])
+    pair.assert_copied([1, 2, 3], [3, 4, 5])
 
 
 def test_remote_blocks_outside_registration(pair: Pair) -> None:

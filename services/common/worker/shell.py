@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -87,14 +88,17 @@ class Worker:
         self.epoch = time.time_ns()
         if engine is None:
             log.info("%s engine: %r", self.worker_id, config.engine)
-            engine = LLMEngine(dataclasses.replace(config.engine, role=self.role))
+            with _phase("model loaded and KV cache allocated"):
+                engine = LLMEngine(dataclasses.replace(config.engine, role=self.role))
         self.engine = engine
-        self.transport: KVTransport = make_transport(config.transport, self.worker_id)
-        self.transport.register(self.engine.kv_cache)
+        with _phase(f"KV cache registered with the {config.transport} transport"):
+            self.transport: KVTransport = make_transport(config.transport, self.worker_id)
+            self.transport.register(self.engine.kv_cache)
         self.loop_runner: EngineLoop | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
+        self.ready = False  # warmed up; health SERVING
         self.draining = False
         self.num_active_rpcs = 0
         self._heartbeat: Heartbeat | None = None
@@ -143,8 +147,16 @@ class Worker:
             self.add_servicers,
             self.health,
             options=[("grpc.so_reuseport", 0)],
+            serving=False,
         )
         self.address = f"{self.config.advertise_host or self.config.host}:{port}"
+        # Health says NOT_SERVING until the first requests would not pay for allocator
+        # growth and kernel set-up; routers learn of the worker (registry) only after that.
+        with _phase("warm-up prefill and decode steps"):
+            await self.loop.call(lambda e: e.warm_up())
+        self.ready = True
+        for name in (*self.service_names, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.redis_url:
             self._index = RedisPrefixIndex(self.config.redis_url)
             self._publisher = KVEventPublisher(
@@ -207,6 +219,8 @@ class Worker:
         """
         if self.draining:
             raise unavailable(f"worker {self.worker_id} is draining")
+        if not self.ready:
+            raise unavailable(f"worker {self.worker_id} is starting (warm-up); retry")
         try:
             return convert.spec_from_proto(
                 msg, msg.request_id or uuid.uuid4().hex, context.time_remaining()
@@ -228,6 +242,14 @@ class Worker:
             )  # fmt: skip
         except ValueError as exc:
             raise invalid_argument(str(exc)) from None
+
+
+@contextlib.contextmanager
+def _phase(what: str) -> Iterator[None]:
+    """Log how long a start-up phase took."""
+    t0 = time.perf_counter()
+    yield
+    log.info("%s in %.2fs", what, time.perf_counter() - t0)
 
 
 def run_worker(server_cls: type[Worker], role: str) -> None:

@@ -116,14 +116,17 @@ exec:
 {{ toYaml .probe }}
 {{- end -}}
 
-{{/* readiness, liveness and startup probes of a gRPC container; same arguments. */}}
+{{/* readiness, liveness and startup probes of a gRPC container; same arguments, plus
+"startup": the component's own startupProbe keys, which override probes.startup (workers
+load weights and warm up before they report SERVING: minutes on a GPU). */}}
 {{- define "tandem.grpcProbes" -}}
+{{- $startup := merge (deepCopy (.startup | default dict)) .root.Values.probes.startup }}
 readinessProbe:
   {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" .root.Values.probes.readiness) | trim | nindent 2 }}
 livenessProbe:
   {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" .root.Values.probes.liveness) | trim | nindent 2 }}
 startupProbe:
-  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" .root.Values.probes.startup) | trim | nindent 2 }}
+  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" $startup) | trim | nindent 2 }}
 {{- end -}}
 
 {{/* The model volume and its read-only mount (+ the generator init container when no
