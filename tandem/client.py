@@ -126,8 +126,14 @@ def _apply(result: Result, msg: rpb.GenerateResponse) -> Chunk | None:
         result.index_degraded = d.timings.index_degraded
         return None
     if kind == "error":
-        raise TandemError(grpc.StatusCode.UNKNOWN, msg.error.message)
+        raise TandemError(
+            _STATUS_BY_VALUE.get(msg.error.code, grpc.StatusCode.UNKNOWN), msg.error.message
+        )
     return None
+
+
+# An in-stream error carries the numeric gRPC status the call ends with.
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _error(exc: grpc.RpcError) -> TandemError:

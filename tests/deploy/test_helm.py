@@ -439,6 +439,11 @@ def test_gpu_values(helm: Helm) -> None:
         assert not {"cuda_ipc", "sm", "cma"} & set(env["UCX_TLS"].split(","))
         # Both sides run the GPU in bfloat16: a decode worker refuses KV of another dtype.
         assert env["TANDEM_DEVICE"] == "cuda" and env["TANDEM_DTYPE"] == "bfloat16"
+        # KV is sized against the GPU, and loading + warm-up get a GPU-sized startup budget.
+        assert float(env["TANDEM_GPU_MEMORY_UTILIZATION"]) == 0.9
+        assert "TANDEM_KV_CACHE_BYTES" not in env
+        probe = container["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 1800
         assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert pod["nodeSelector"]

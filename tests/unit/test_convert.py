@@ -10,7 +10,7 @@ from services.common.worker.shell import WorkerConfig
 from tandem.engine.engine import RequestOutput
 from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import SamplingParams
-from tandem.transfer import KVHandoff, RemoteKV
+from tandem.transfer import KVHandoff, KVLayout, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 
@@ -60,11 +60,42 @@ def test_logprobs_round_trip() -> None:
     assert convert.logprobs_from_proto(msgs) == entries
 
 
+# 2 layers x K,V x 16 tokens x 2 KV heads x 8 dims x 2 bytes = 2048 bytes per block
+LAYOUT = KVLayout("VRAM", 3, "bfloat16", num_layers=2, block_size=16, num_kv_heads=2, head_dim=8)
+
+
+def test_kv_layout_round_trip() -> None:
+    for layout in (LAYOUT, KVLayout("DRAM", 0, "float32", 1, 4, 1, 2, order="[custom]")):
+        msg = convert.kv_layout_to_proto(layout)
+        assert convert.kv_layout_from_proto(msg) == layout
+    msg = convert.kv_layout_to_proto(LAYOUT)
+    assert (msg.memory_type, msg.device_id, msg.dtype) == ("VRAM", 3, "bfloat16")
+    assert (msg.num_layers, msg.block_size, msg.num_kv_heads, msg.head_dim) == (2, 16, 2, 8)
+    assert msg.order == LAYOUT.order
+
+
 def test_remote_kv_round_trip() -> None:
-    remote = RemoteKV("nixl", "prefill-0", b"\x00md", 4096, 1024, (3, 4, 9))
+    remote = RemoteKV("nixl", "prefill-0", b"\x00md", 4096, 2048, (3, 4, 9), LAYOUT)
     msg = convert.remote_kv_to_proto(remote, num_tokens=40, block_size=16)
     assert convert.remote_kv_from_proto(msg) == remote
     assert msg.num_tokens == 40 and msg.block_size == 16
+    assert msg.layout == convert.kv_layout_to_proto(LAYOUT)
+
+
+def test_remote_kv_without_or_with_a_bad_layout_is_refused() -> None:
+    remote = RemoteKV("nixl", "prefill-0", b"md", 4096, 2048, (3,), LAYOUT)
+    msg = convert.remote_kv_to_proto(remote)
+    msg.ClearField("layout")  # what a prefill worker from before layouts sends
+    with pytest.raises(ValueError, match="^layout: the KV handle does not say"):
+        convert.remote_kv_from_proto(msg)
+    msg = convert.remote_kv_to_proto(remote)
+    msg.layout.dtype = "bf16"
+    with pytest.raises(ValueError, match="^layout.dtype must name a torch dtype"):
+        convert.remote_kv_from_proto(msg)
+    msg = convert.remote_kv_to_proto(remote)
+    msg.layout.head_dim = 16  # the layout no longer explains block_bytes
+    with pytest.raises(ValueError, match="^block_bytes 2048 does not match .* 4096 bytes"):
+        convert.remote_kv_from_proto(msg)
 
 
 def test_flags_and_env_map_to_fields(monkeypatch) -> None:
@@ -97,13 +128,19 @@ def test_worker_requests_carry_the_spec_unchanged() -> None:
 
 def test_decode_request_after_prefill_carries_token_1_and_the_handoff() -> None:
     handoff = KVHandoff(
-        RemoteKV("nixl", "prefill-0", b"md", 4096, 1024, (3, 4)), 16, 20, "h:1", "L1", 9, 1e9
-    )
+        RemoteKV("nixl", "prefill-0", b"md", 4096, 2048, (3, 4), LAYOUT),
+        16, 20, "h:1", "L1", 9, 1e9,
+    )  # fmt: skip
     prefilled = wpb.PrefillResponse(request_id="r1", first_token_id=42, text="ab")
     prefilled.kv.CopyFrom(convert.handoff_to_proto(handoff))
     msg = convert.decode_request_to_proto(_spec(), prefilled)
     assert list(msg.output_token_ids) == [42] and msg.num_emitted_chars == 2
     assert convert.handoff_from_proto(msg.kv) == handoff
+    assert convert.handoff_from_proto(msg.kv).remote.layout == LAYOUT
+    # The handle's block size and its layout's must agree.
+    msg.kv.block_size = 8
+    with pytest.raises(ValueError, match="^block_size 8 differs from the handle's layout"):
+        convert.handoff_from_proto(msg.kv)
 
 
 def test_chunk_merges_consecutive_outputs() -> None:

@@ -107,14 +107,13 @@ def test_tensors_stream_one_at_a_time(hf_model, monkeypatch, arch):
     w = model.weights
     if config.tie_word_embeddings:
         assert w.lm_head.data_ptr() == w.embed.data_ptr()
-    # Every weight owns its storage: none is a view of the reader's buffer, which the next
-    # read would overwrite.
-    tensors = [w.embed, w.final_norm, w.lm_head]
-    tensors += [t for lw in w.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down, lw.qkv_bias)]
-    storages = {t.untyped_storage().data_ptr() for t in tensors if t is not None}
-    assert len(storages) == len(tensors) - config.tie_word_embeddings - (not config.qkv_bias) * len(
-        w.layers
-    )
+    # Every weight owns its storage (the tied lm_head shares the embedding's): none is a view
+    # of the reader's buffer, which the next read would overwrite.
+    tensors = [w.embed, w.final_norm] + [w.lm_head] * (not config.tie_word_embeddings)
+    for lw in w.layers:
+        tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.o, lw.post_norm, lw.gate_up, lw.down]
+    owned = [t for t in tensors if t is not None]
+    assert len({t.untyped_storage().data_ptr() for t in owned}) == len(owned)
 
 
 def test_progress_and_log_lines(hf_model, caplog):

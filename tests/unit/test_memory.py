@@ -76,3 +76,20 @@ def test_warm_up_leaves_no_trace(tiny_model_dir: Path, engine_factory: Any) -> N
     assert engine.cached_block_hashes() == [] and engine.take_kv_events() == []
     assert (engine.num_steps, engine.num_tokens_computed) == (0, 0)
     engine.check_integrity()
+
+
+def test_profile_steps_run_the_largest_prefill_and_decode_steps(
+    tiny_model_dir: Path, engine_factory: Any
+) -> None:
+    """The GPU sizing path's steps, run on the CPU so that their shapes are checked in CI:
+    a prefill of the whole token budget, then max_num_seqs decode rows at the full context
+    through a scratch cache of just the prefill's blocks."""
+    import torch
+
+    engine = engine_factory(
+        tiny_model_dir, block_size=4, num_blocks=64, max_num_batched_tokens=40, max_num_seqs=20
+    )
+    scratch_bytes = engine.profile_steps(torch.float32, 256, torch.device("cpu"))
+    per_block = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
+    assert scratch_bytes == 10 * per_block  # 40 tokens / 4 per block
+    assert engine.num_free_blocks() == engine.num_blocks  # the engine's own cache untouched
