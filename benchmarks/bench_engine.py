@@ -97,7 +97,7 @@ FULL = Sizes(
     agree_requests=4,
     agree_tokens=32,
     bw_mib=1024,
-    bw_reps=10,
+    bw_reps=20,
     decode_prompt_len=128,
     decode_max_tokens=300,
     decode_warmup_steps=20,
@@ -115,7 +115,7 @@ QUICK = Sizes(
     agree_requests=2,
     agree_tokens=8,
     bw_mib=64,
-    bw_reps=3,
+    bw_reps=4,
     decode_prompt_len=32,
     decode_max_tokens=40,
     decode_warmup_steps=3,
@@ -390,31 +390,57 @@ def bench_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
 # -- 2. roofline ---------------------------------------------------------------------------
 
 
-def read_bandwidth(mib: int, reps: int) -> dict[str, Any]:
-    """Bytes read per second by torch.sum over one float32 tensor, best of `reps`, with
-    torch's current thread count: batch-1 decode streams every weight once through the same
-    threads, so this is the rate its roofline is bounded by. The best run, not the median:
-    the roofline is what the memory system can do, and other jobs only ever slow a run down.
+class ReadBandwidth:
+    """Bytes read per second by torch.sum over one float32 buffer, with torch's current thread
+    count: batch-1 decode streams every weight once through the same threads, so this is the
+    rate its roofline is bounded by. Sampled at several points of a run; the figure is the
+    best sample, not the median: the roofline is what the memory system can do, and on a
+    shared machine other jobs only ever slow a sample down, for seconds at a time.
     """
-    n = mib * MIB // 4
-    # Initialized: untouched pages all map the shared zero page, which reads from cache.
-    buf = torch.rand(n)
-    buf.sum()
+
+    def __init__(self, mib: int) -> None:
+        # Initialized: untouched pages all map the shared zero page, which reads from cache.
+        self.buf = torch.rand(mib * MIB // 4)
+        self.buf.sum()
+        self.times: list[float] = []
+
+    def sample(self, reps: int) -> float:
+        """Take `reps` samples; returns the best bandwidth so far."""
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.buf.sum()
+            self.times.append(time.perf_counter() - t0)
+        return self.bytes_per_s()
+
+    def bytes_per_s(self) -> float:
+        return self.buf.nbytes / min(self.times)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "bytes": self.buf.nbytes,
+            "threads": torch.get_num_threads(),
+            "best_s": min(self.times),
+            "median_s": statistics.median(self.times),
+            "bytes_per_s": self.bytes_per_s(),
+            "times_s": self.times,
+        }
+
+
+def matmul_times(weights: ModelWeights, reps: int) -> tuple[list[float], int]:
+    """Seconds per pass of batch-1 `x @ w` over every matrix a decode step multiplies by (all
+    but the embedding, which it indexes), and their bytes: a decode step with everything but
+    the weight matmuls taken away, which splits the gap to the roofline in two."""
+    mats = [t for lw in weights.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    mats.append(weights.lm_head)
+    xs = [torch.randn(1, w.shape[0], dtype=w.dtype) for w in mats]  # x: [1, in]
     times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
-    del buf
-    best = min(times)
-    return {
-        "bytes": n * 4,
-        "threads": torch.get_num_threads(),
-        "best_s": best,
-        "median_s": statistics.median(times),
-        "bytes_per_s": n * 4 / best,
-        "times_s": times,
-    }
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # the first pass is a warm-up
+            t0 = time.perf_counter()
+            for x, w in zip(xs, mats, strict=True):
+                torch.mm(x, w)
+            times.append(time.perf_counter() - t0)
+    return times[1:], sum(w.numel() * w.element_size() for w in mats)
 
 
 def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
@@ -425,9 +451,9 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     prompt = random_tokens(random.Random(1), sizes.decode_prompt_len, vocab_size(model_dir))
     threads = torch.get_num_threads()
 
-    log(f"roofline: read bandwidth ({sizes.bw_mib} MiB x {sizes.bw_reps}, {threads} threads)")
-    bw_before = read_bandwidth(sizes.bw_mib, sizes.bw_reps)
-    log(f"roofline: {bw_before['bytes_per_s'] / 1e9:.2f} GB/s")
+    log(f"roofline: read bandwidth ({sizes.bw_mib} MiB, {threads} threads)")
+    bandwidth = ReadBandwidth(sizes.bw_mib)
+    log(f"roofline: {bandwidth.sample(sizes.bw_reps) / 1e9:.2f} GB/s")
 
     engine.add_request("decode", prompt, greedy(sizes.decode_max_tokens))
     engine.step()  # the prefill
@@ -435,7 +461,11 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
         engine.step()
     log(f"roofline: timing {sizes.decode_timed_steps} batch-1 decode steps")
     times = []
-    for _ in range(sizes.decode_timed_steps):
+    for i in range(sizes.decode_timed_steps):
+        if i and i % max(1, sizes.decode_timed_steps // 4) == 0:
+            # Bandwidth samples between the decode chunks too (untimed for decode): more
+            # chances to catch the machine quiet.
+            bandwidth.sample(sizes.bw_reps // 4)
         t0 = time.perf_counter()
         outs = engine.step()
         times.append(time.perf_counter() - t0)
@@ -444,14 +474,14 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     step = statistics.median(times)
     log(f"roofline: median step {step * 1e3:.2f} ms")
     engine.abort("decode")
+    mm_times, mm_bytes = matmul_times(engine.model.weights, sizes.decode_timed_steps)
+    mm_step = statistics.median(mm_times)
+    log(f"roofline: the step's matmuls alone, median {mm_step * 1e3:.2f} ms")
     del engine
     gc.collect()
 
-    log("roofline: read bandwidth, after")
-    bw_after = read_bandwidth(sizes.bw_mib, sizes.bw_reps)
-    log(f"roofline: {bw_after['bytes_per_s'] / 1e9:.2f} GB/s")
-    # Best of both sets: the decode timing sits between them.
-    bw = max(bw_before["bytes_per_s"], bw_after["bytes_per_s"])
+    bw = bandwidth.sample(sizes.bw_reps)
+    log(f"roofline: read bandwidth, best of {len(bandwidth.times)}: {bw / 1e9:.2f} GB/s")
     roofline = weight_bytes / bw
     fraction = roofline / step
     # Decode reads one row of the embedding table, not all of it.
@@ -459,8 +489,7 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     return {
         "weight_bytes": weight_bytes,
         "threads": threads,
-        "bandwidth_before": bw_before,
-        "bandwidth_after": bw_after,
+        "bandwidth": bandwidth.result(),
         "bandwidth_bytes_per_s": bw,
         "roofline_step_s": roofline,
         "step_s_median": step,
@@ -476,6 +505,13 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
         "alt_fraction_touched_bytes": touched / bw / step,
         "alt_fraction_p10_step": roofline / percentile(times, 0.1),
         "touched_weight_bytes": touched,
+        # The same step's weight matmuls alone (batch-1 x @ w, nothing else): how far torch's
+        # GEMV is from the bandwidth, and how much of the step is everything else.
+        "matmul_bytes": mm_bytes,
+        "matmul_step_s_median": mm_step,
+        "matmul_times_s": mm_times,
+        "matmul_fraction": mm_bytes / bw / mm_step,
+        "matmul_share_of_step": mm_step / step,
     }
 
 
@@ -758,11 +794,13 @@ def markdown(name: str, r: dict[str, Any]) -> str:
         return "\n".join(
             [
                 "| weights (MiB) | read bandwidth (GB/s) | roofline step (ms) "
-                "| measured step, median (ms) | fraction |",
-                "|---:|---:|---:|---:|---:|",
+                "| measured step, median (ms) | fraction | its matmuls alone (ms) "
+                "| matmuls' fraction |",
+                "|---:|---:|---:|---:|---:|---:|---:|",
                 f"| {r['weight_bytes'] / MIB:.1f} | {r['bandwidth_bytes_per_s'] / 1e9:.2f} "
                 f"| {r['roofline_step_s'] * 1e3:.2f} | {r['step_s_median'] * 1e3:.2f} "
-                f"| **{r['fraction']:.2f}** ({verdict(r['pass'])}, target >= {r['target']}) |",
+                f"| **{r['fraction']:.2f}** ({verdict(r['pass'])}, target >= {r['target']}) "
+                f"| {r['matmul_step_s_median'] * 1e3:.2f} | {r['matmul_fraction']:.2f} |",
             ]
         )
     if name == "loader":
@@ -874,10 +912,11 @@ def plot(results_dir: Path, suffix: str) -> Path | None:
     ax = axes[1]
     if "roofline" in data:
         r = data["roofline"]
-        values = [r["step_s_median"] * 1e3, r["roofline_step_s"] * 1e3]
-        bars = ax.bar(["measured step\n(median)", "memory roofline"], values)
-        bars[0].set_color("tab:blue")
-        bars[1].set_color("tab:gray")
+        labels = ["measured step\n(median)", "its matmuls\nalone", "read roofline"]
+        values = [r["step_s_median"], r.get("matmul_step_s_median", 0.0), r["roofline_step_s"]]
+        bars = ax.bar(labels, [v * 1e3 for v in values])
+        for bar, color in zip(bars, ["tab:blue", "tab:cyan", "tab:gray"], strict=True):
+            bar.set_color(color)
         bar_labels(ax, bars, "{:.2f} ms")
         ax.set_title(f"Batch-1 decode step\nroofline / measured = {r['fraction']:.2f}")
         ax.set_ylabel("ms per step")

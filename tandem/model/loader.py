@@ -3,131 +3,38 @@
 Weights stream into place. Every tensor the model needs is checked (present, right shape)
 before anything is read; then each is read from its file into one reused host buffer and
 copied straight into its slot of the fused, transposed layout, in the target dtype and on the
-target device. Peak memory is the weights plus the largest single tensor, not the 2x of
-reading every tensor and then building fused copies of them.
+target device. Peak memory is the weights plus the largest single tensor (plus, for fused
+or cast weights, one transposed part), not the 2x of reading every tensor and then building
+fused copies of them.
 
-The files are read with plain `readinto`, not mmap: mapped file pages count towards the
-process's resident memory for as long as the mapping lives, page cache does not.
+The files are read by `tandem.model.safetensors_io` (one tensor at a time, no mmap).
 """
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import math
 import time
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from tandem.model.attention import AttentionBackend, TorchAttention
 from tandem.model.config import ModelConfig
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights
+from tandem.model.safetensors_io import (
+    ProgressFn,
+    TensorEntry,
+    TensorReader,
+    read_header,
+    safetensors_files,
+)
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# safetensors dtype names -> torch dtypes.
-FILE_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
 MIB = 1 << 20
-
-# Called as progress(tensors_loaded, tensors_total).
-ProgressFn = Callable[[int, int], None]
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files of a model dir: the sharded index's files, or model.safetensors."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index} is not a valid safetensors index: {exc}") from None
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = [model_dir / "model.safetensors"]
-    for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"missing weight file {f}")
-    return files
-
-
-class TensorEntry(NamedTuple):
-    """Where one tensor's bytes sit in a safetensors file."""
-
-    file: Path
-    dtype: torch.dtype  # as stored
-    shape: tuple[int, ...]
-    offset: int  # of its first byte, from the start of the file
-    num_bytes: int
-
-
-def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Parse and check a safetensors header.
-
-    Layout: an 8-byte little-endian header length n, n bytes of JSON
-    ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}),
-    then the data; offsets count from the start of the data.
-
-    Raises:
-        ValueError: the file is not a valid safetensors file.
-    """
-
-    def invalid(reason: str) -> ValueError:
-        return ValueError(f"{path} is not a valid safetensors file: {reason}")
-
-    file_bytes = path.stat().st_size
-    with path.open("rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        if file_bytes < 8 or header_len > file_bytes - 8:
-            raise invalid(f"header length {header_len} does not fit in {file_bytes} bytes")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise invalid(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise invalid("header is not a JSON object")
-    data_start = 8 + header_len
-    data_bytes = file_bytes - data_start
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = FILE_DTYPES[info["dtype"]]
-            shape = tuple(info["shape"])
-            begin, end = info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise invalid(f"tensor {name!r} has a malformed entry {info!r}") from None
-        if not all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end)):
-            raise invalid(f"tensor {name!r} has a malformed entry {info!r}")
-        num_bytes = math.prod(shape) * dtype.itemsize
-        if end - begin != num_bytes or end > data_bytes:
-            raise invalid(
-                f"tensor {name!r} ({info['dtype']} {list(shape)}, {num_bytes} bytes) has "
-                f"data_offsets [{begin}, {end}] in {data_bytes} bytes of data"
-            )
-        entries[name] = TensorEntry(path, dtype, shape, data_start + begin, num_bytes)
-    return entries
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -169,67 +76,6 @@ def check_entries(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, 
             raise ValueError(f"tensor {name!r} has shape {entries[name].shape}, expected {shape}")
 
 
-class TensorReader:
-    """Reads tensors one at a time into one host buffer, sized for the largest of them.
-
-    `read` returns a view of that buffer: it is valid until the next `read`, so callers copy
-    it into place at once and keep no reference.
-    """
-
-    def __init__(
-        self,
-        entries: dict[str, TensorEntry],
-        names: Sequence[str],
-        files: ExitStack,
-        progress: ProgressFn | None,
-    ) -> None:
-        self._entries = entries
-        self._files = files
-        self._handles: dict[Path, io.FileIO] = {}
-        self._buffer = bytearray(max((entries[n].num_bytes for n in names), default=0))
-        self._progress = progress
-        self.num_read = 0
-        self.num_total = len(names)
-
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor as stored (file dtype, on the host), as a view of the shared buffer."""
-        e = self._entries[name]
-        f = self._handles.get(e.file)
-        if f is None:
-            f = self._handles[e.file] = self._files.enter_context(e.file.open("rb", buffering=0))
-        f.seek(e.offset)
-        view = memoryview(self._buffer)[: e.num_bytes]
-        done = 0
-        while done < e.num_bytes:
-            n = f.readinto(view[done:])
-            if not n:
-                raise ValueError(
-                    f"{e.file}: cannot read tensor {name!r}: the file ends after {done} of "
-                    f"its {e.num_bytes} bytes"
-                )
-            done += n
-        self.num_read += 1
-        if self._progress is not None:
-            self._progress(self.num_read, self.num_total)
-        if e.num_bytes == 0:
-            return torch.empty(e.shape, dtype=e.dtype)
-        numel = e.num_bytes // e.dtype.itemsize
-        return torch.frombuffer(self._buffer, dtype=e.dtype, count=numel).view(e.shape)
-
-
-def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:] = src.t() through torch's blocked-transpose kernel, 3-4x faster on CPU than the
-    strided copy it falls back to otherwise. That kernel needs a contiguous destination of
-    src's dtype and device; anything else (a column slice of a fused weight, a dtype cast)
-    takes a contiguous transposed copy of src first: one tensor of extra memory, briefly.
-    """
-    # dst: [in, out]; src: [out, in]
-    if dst.is_contiguous() and dst.dtype == src.dtype and dst.device == src.device:
-        dst.copy_(src.t())
-    else:
-        dst.copy_(src.t().contiguous())
-
-
 class WeightBuilder:
     """Allocates each weight in the target dtype/device and fills it from the reader."""
 
@@ -244,6 +90,7 @@ class WeightBuilder:
         self.shapes = shapes
         self.dtype = dtype
         self.device = device
+        self._transposed: torch.Tensor | None = None  # copy_transposed's reused buffer
 
     def fused(self, names: Sequence[str], transpose: bool = False) -> torch.Tensor:
         """cat([tensor(n) for n in names]) along dim 0, transposed if asked, built in place.
@@ -267,12 +114,36 @@ class WeightBuilder:
         for name, n in zip(names, rows, strict=True):
             src = self.reader.read(name)  # copy_ converts its dtype and moves it to the device
             if transpose:
-                copy_transposed(dst[:, start : start + n], src)
+                self.copy_transposed(dst[:, start : start + n], src)
             else:
                 dst[start : start + n].copy_(src)
             del src  # a view of the reader's buffer: the next read overwrites it
             start += n
         return dst
+
+    def copy_transposed(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst[:] = src.t() through torch's blocked-transpose kernel, 3-4x faster on CPU than
+        the strided copy it falls back to otherwise. That kernel needs a contiguous
+        destination of src's dtype and device; anything else (a column slice of a fused
+        weight, a dtype cast, another device) goes through a contiguous transposed copy in
+        a host buffer that is allocated once and reused, so the heap is not fragmented by
+        one short-lived temporary per tensor.
+        """
+        # dst: [in, out]; src: [out, in]
+        if dst.is_contiguous() and dst.dtype == src.dtype and dst.device == src.device:
+            dst.copy_(src.t())
+            return
+        n = src.numel()
+        if (
+            self._transposed is None
+            or self._transposed.numel() < n
+            or self._transposed.dtype != src.dtype
+        ):
+            self._transposed = None  # free the old buffer before allocating its replacement
+            self._transposed = torch.empty(n, dtype=src.dtype, device="cpu")  # host staging
+        tmp = self._transposed[:n].view(src.shape[1], src.shape[0])
+        tmp.copy_(src.t())
+        dst.copy_(tmp)
 
     def layer(self, config: ModelConfig, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -289,7 +160,7 @@ class WeightBuilder:
             o=self.fused([attn + "o_proj.weight"], transpose=True),  # [q_out, hid]
             post_norm=self.fused([p + "post_attention_layernorm.weight"]),
             # gate_up: [hid, 2 * inter]
-            gate_up=self.fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], True),
+            gate_up=self.fused([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")], True),
             down=self.fused([p + "mlp.down_proj.weight"], transpose=True),  # [inter, hid]
         )
 
@@ -338,8 +209,7 @@ def load_weights(
         str(dtype).removeprefix("torch."),
         device,
     )
-    with ExitStack() as open_files:
-        reader = TensorReader(entries, list(shapes), open_files, progress)
+    with TensorReader(entries, list(shapes), progress) as reader:
         weights = WeightBuilder(reader, shapes, dtype, device).model(config)
     assert reader.num_read == len(shapes), f"read {reader.num_read} of {len(shapes)} tensors"
     logger.info(

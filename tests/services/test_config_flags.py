@@ -120,7 +120,12 @@ def test_bfloat16_worker_agrees_with_float32_within_tolerance(  # type: ignore[n
             )
             assert len(got.token_ids) == 16
             split = next(
-                (i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), None
+                (
+                    i
+                    for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True))
+                    if a != b
+                ),
+                None,
             )
             agreed = range(16 if split is None else split)
             for i in agreed:

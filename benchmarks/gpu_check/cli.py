@@ -1,0 +1,152 @@
+"""`scripts/gpu-check`: its arguments, each selected part run under its time budget (guarded:
+a failing part is recorded and the others still run), and the report.
+
+Output: timestamped progress on stdout, `<out>/gpu-check.log` (the same, plus tracebacks and
+worker log tails), `<out>/gpu-check.json` (environment, and per part: status ok / failed /
+skipped, reason, duration, figures), rewritten after every part. Exit status 1 if a part
+failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from .common import (
+    Context,
+    Figures,
+    Log,
+    LogHandler,
+    PartFailed,
+    PartSkipped,
+    environment,
+    free_memory,
+    make_tmp_dir,
+)
+from .nixl_pull import check_nixl
+from .parity import check_parity
+from .serve import check_serve
+from .sizes import CPU_SIZES, CUDA_SIZES
+from .throughput import check_throughput
+
+DESCRIPTION = "The GPU check: what only a GPU can tell about the engine, as one prepared script."
+PARTS = ("parity", "throughput", "nixl", "serve")
+JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
+PART_FNS: dict[str, Callable[[Context], Figures]] = {
+    "parity": check_parity,
+    "throughput": check_throughput,
+    "nixl": check_nixl,
+    "serve": check_serve,
+}
+
+
+def run_part(name: str, ctx: Context) -> Figures:
+    """Run one part under its budget; never raises."""
+    budget = ctx.sizes.budget_s.get(name, 300.0)
+    ctx.deadline = time.monotonic() + budget
+    ctx.log(f"== {name} (budget {budget:.0f} s)")
+    t0 = time.perf_counter()
+    record: Figures = {"status": "ok", "reason": None, "budget_s": budget, "figures": {}}
+    try:
+        record["figures"] = PART_FNS[name](ctx)
+    except PartSkipped as exc:
+        record.update(status="skipped", reason=str(exc))
+    except PartFailed as exc:
+        record.update(status="failed", reason=str(exc), figures=exc.figures)
+    except Exception as exc:
+        ctx.log(traceback.format_exc().rstrip())
+        record.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+    finally:
+        free_memory(ctx.device)
+    record["duration_s"] = round(time.perf_counter() - t0, 2)
+    if record["duration_s"] > budget:
+        ctx.log(f"{name}: over its budget ({record['duration_s']:.0f} s > {budget:.0f} s)")
+    reason = f": {record['reason']}" if record["reason"] else ""
+    ctx.log(f"== {name}: {record['status']} in {record['duration_s']:.1f} s{reason}")
+    return record
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=DESCRIPTION)
+    parser.add_argument("--cpu", action="store_true", help="device cpu, tiny sizes (CI)")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output dir (default: $OUT, else ./gpu-check-out)"
+    )
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in args.parts if p not in PARTS]
+    if unknown or not args.parts:
+        parser.error(f"--parts must name some of {', '.join(PARTS)}; got {args.parts}")
+    if args.out is None:
+        args.out = Path(os.environ.get("OUT") or "gpu-check-out")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = CPU_SIZES if args.cpu else CUDA_SIZES
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / LOG_NAME).unlink(missing_ok=True)
+    log = Log(args.out / LOG_NAME)
+    # The library's warnings always; its INFO lines (weight loading, KV cache size) only
+    # where they are figures (throughput), not for every tiny parity engine.
+    library_log = logging.getLogger("tandem")
+    library_log.setLevel(logging.WARNING)
+    library_log.addHandler(LogHandler(log))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.cpu:
+        # One intra-op thread: a 2-thread OpenMP pool on a loaded 2-core CI machine was seen
+        # to hang in a tiny matmul (tests/conftest.py), and tiny sizes gain nothing from more.
+        torch.set_num_threads(1)
+    started = time.perf_counter()
+    report: Figures = {
+        "mode": sizes.device,
+        "command": " ".join(["scripts/gpu-check", *(sys.argv[1:] if argv is None else argv)]),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "environment": environment(sizes.device),
+        "sizes": dataclasses.asdict(sizes),
+        "parts": {},
+    }
+    log(f"gpu-check: mode {sizes.device}, parts {','.join(args.parts)}, out {args.out}")
+    env = report["environment"]
+    log(
+        f"torch {env['torch']} (cuda {env['torch_cuda']}), transformers {env['transformers']}, "
+        f"triton {env['triton']}, nixl {env['nixl']}, device {env['device_name']}"
+    )
+
+    def write() -> None:
+        report["duration_s"] = round(time.perf_counter() - started, 2)
+        statuses = [p["status"] for p in report["parts"].values()]
+        report["ok"] = "failed" not in statuses
+        (args.out / JSON_NAME).write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    with make_tmp_dir() as tmp:
+        ctx = Context(sizes=sizes, log=log, tmp_dir=tmp)
+        for name in PARTS:
+            if name not in args.parts:
+                report["parts"][name] = {"status": "skipped", "reason": "not selected (--parts)"}
+            elif not args.cpu and not torch.cuda.is_available():
+                reason = "CUDA is not available (use --cpu for the CPU smoke run)"
+                report["parts"][name] = {"status": "failed", "reason": reason}
+                log(f"== {name}: failed: {reason}")
+            else:
+                report["parts"][name] = run_part(name, ctx)
+            write()
+    summary = ", ".join(f"{n} {p['status']}" for n, p in report["parts"].items())
+    log(f"gpu-check: {summary}; {report['duration_s']:.1f} s; wrote {args.out / JSON_NAME}")
+    log.close()
+    return 0 if report["ok"] else 1

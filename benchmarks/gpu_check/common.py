@@ -1,0 +1,191 @@
+"""What every part uses: the run's `Context` and `Log`, the part outcomes `PartSkipped` and
+`PartFailed`, the `environment()` record, and small engine, device and directory helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.metadata
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .sizes import Sizes
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+Figures = dict[str, Any]
+
+
+class PartSkipped(Exception):
+    """The part cannot run here (a missing optional package); not a failure."""
+
+
+class PartFailed(Exception):
+    """The part ran and a check failed; `figures` holds what it measured."""
+
+    def __init__(self, reason: str, figures: Figures) -> None:
+        super().__init__(reason)
+        self.figures = figures
+
+
+class Log:
+    """Timestamped progress lines on stdout (flushed) and in the log file."""
+
+    def __init__(self, path: Path) -> None:
+        self.t0 = time.perf_counter()
+        self.file = path.open("a", encoding="utf-8")
+
+    def __call__(self, msg: str) -> None:
+        stamp = f"{datetime.now().strftime('%H:%M:%S')} +{time.perf_counter() - self.t0:6.1f}s"
+        for line in msg.splitlines() or [""]:
+            text = f"[{stamp}] {line}"
+            print(text, flush=True)
+            self.file.write(text + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class LogHandler(logging.Handler):
+    """Forwards the library's log records (weight loading, KV cache size) into `Log`."""
+
+    def __init__(self, log: Log) -> None:
+        super().__init__(logging.INFO)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.log(f"  [{record.name}] {record.getMessage()}")
+
+
+@dataclass(slots=True)
+class Context:
+    sizes: Sizes
+    log: Log
+    tmp_dir: Path
+    deadline: float = math.inf  # of the running part (time.monotonic)
+
+    @property
+    def device(self) -> str:
+        return self.sizes.device
+
+    @property
+    def cuda(self) -> bool:
+        return self.sizes.device.startswith("cuda")
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: Sequence[str], timeout_s: float = 10) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def environment(device: str) -> Figures:
+    """Versions, device, driver and clocks (where readable), git commit."""
+    env: Figures = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    for dist in ("transformers", "safetensors", "numpy", "nixl", "nixl-cu13", "grpcio", "protobuf"):
+        env[dist] = _version(dist)
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["device_name"] = props.name
+        env["device_memory_gib"] = round(props.total_memory / 2**30, 1)
+        env["compute_capability"] = f"{props.major}.{props.minor}"
+        fields = "driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu"
+        smi = _run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"])
+        if smi:
+            values = [v.strip() for v in smi.splitlines()[0].split(",")]
+            env["nvidia_smi"] = dict(zip(fields.split(","), values, strict=False))
+    else:
+        env["device_name"] = "cpu"
+    env["git_commit"] = _run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
+    status = _run(["git", "-C", str(REPO_ROOT), "status", "--porcelain"])
+    env["git_dirty"] = None if status is None else bool(status)
+    return env
+
+
+def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> Any:
+    """An engine with an explicit block count (no memory profiling), prefix caching on.
+
+    overrides: block_size, num_blocks, max_num_batched_tokens, max_num_seqs.
+    """
+    from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tandem.engine.engine import LLMEngine
+
+    cache = CacheConfig(
+        block_size=overrides.pop("block_size"), num_blocks=overrides.pop("num_blocks", 512)
+    )
+    scheduler = SchedulerConfig(**overrides)
+    return LLMEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            dtype=dtype,
+            device=device,
+            cache=cache,
+            scheduler=scheduler,
+        )
+    )
+
+
+def sampling_params(**kwargs: Any) -> Any:
+    from tandem.engine.sampling import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def make_tmp_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,143 @@
+"""What differs between the CUDA run and the `--cpu` smoke run: model shapes, workloads and
+each part's time budget (`CUDA_SIZES`: full sizes, the whole run under ~8 minutes on one H200;
+`CPU_SIZES`: tiny, ~15 s in CI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Everything that differs between the CUDA run and the --cpu smoke run."""
+
+    device: str
+    # parity: HF config fields shared by the tiny models, and the workload
+    parity_shape: dict[str, Any]
+    parity_qwen3_head_dim: int
+    parity_block_size: int
+    parity_num_prompts: int
+    parity_prompt_len: tuple[int, int]
+    parity_max_tokens: int
+    parity_chunk_tokens: int  # max_num_batched_tokens of the chunked engine (< every prompt)
+    parity_bf16_prompt_len: int
+    parity_bf16_max_tokens: int
+    # throughput: the model shape, dtype and workload W
+    tp_shape: dict[str, Any]
+    tp_dtype: str
+    tp_num_requests: int
+    tp_prompt_len: tuple[int, int]
+    tp_output_len: tuple[int, int]
+    tp_hf_batch_size: int
+    tp_max_num_batched_tokens: int
+    # nixl: one KV block [num_layers, 2, block_size, num_kv_heads, head_dim] (bf16)
+    nixl_block_shape: tuple[int, int, int, int, int]
+    nixl_owner_blocks: int
+    nixl_read_blocks: tuple[int, ...]
+    nixl_reps: int
+    # serve
+    serve_dtype: str
+    serve_num_requests: int
+    serve_prompt_len: tuple[int, int]
+    serve_max_tokens: int
+    serve_num_blocks: int
+    # seconds per part; throughput's engine and HF runs each stop at half of theirs
+    budget_s: dict[str, float] = field(default_factory=dict)
+
+
+CUDA_SIZES = Sizes(
+    device="cuda",
+    parity_shape=dict(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    ),
+    parity_qwen3_head_dim=128,
+    parity_block_size=16,
+    parity_num_prompts=8,
+    parity_prompt_len=(65, 300),
+    parity_max_tokens=32,
+    parity_chunk_tokens=64,
+    parity_bf16_prompt_len=100,
+    parity_bf16_max_tokens=16,
+    # Llama-3-8B (rope scaling left out: it changes no cost)
+    tp_shape=dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    ),
+    tp_dtype="bfloat16",
+    tp_num_requests=64,
+    tp_prompt_len=(32, 512),
+    tp_output_len=(16, 256),
+    tp_hf_batch_size=16,
+    tp_max_num_batched_tokens=8192,
+    # Llama-3-8B's KV block: 2 MiB
+    nixl_block_shape=(32, 2, 16, 8, 128),
+    nixl_owner_blocks=1024,
+    nixl_read_blocks=(32, 512),  # 512- and 8192-token prompts
+    nixl_reps=10,
+    serve_dtype="bfloat16",
+    serve_num_requests=4,
+    serve_prompt_len=(100, 600),
+    serve_max_tokens=32,
+    serve_num_blocks=1024,
+    budget_s=dict(parity=90, throughput=360, nixl=90, serve=150),
+)
+
+CPU_SIZES = Sizes(
+    device="cpu",
+    parity_shape=dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    parity_qwen3_head_dim=24,  # q width 96 != hidden 64: catches a head_dim taken from hidden
+    parity_block_size=4,
+    parity_num_prompts=4,
+    parity_prompt_len=(9, 40),
+    parity_max_tokens=8,
+    parity_chunk_tokens=8,
+    parity_bf16_prompt_len=16,
+    parity_bf16_max_tokens=6,
+    tp_shape=dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+    tp_dtype="float32",
+    tp_num_requests=8,
+    tp_prompt_len=(8, 64),
+    tp_output_len=(4, 16),
+    tp_hf_batch_size=4,
+    tp_max_num_batched_tokens=512,
+    nixl_block_shape=(4, 2, 16, 4, 64),  # 64 KiB
+    nixl_owner_blocks=512,
+    nixl_read_blocks=(256,),
+    nixl_reps=5,
+    serve_dtype="float32",
+    serve_num_requests=3,
+    serve_prompt_len=(20, 80),
+    serve_max_tokens=8,
+    serve_num_blocks=256,
+    budget_s=dict(parity=60, throughput=60, nixl=60, serve=120),
+)
