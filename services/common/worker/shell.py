@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -89,7 +89,9 @@ class Worker:
         if engine is None:
             log.info("%s engine: %r", self.worker_id, config.engine)
             with _phase("model loaded and KV cache allocated"):
-                engine = LLMEngine(dataclasses.replace(config.engine, role=self.role))
+                engine = LLMEngine(
+                    dataclasses.replace(config.engine, role=self.role), progress=_load_progress()
+                )
         self.engine = engine
         with _phase(f"KV cache registered with the {config.transport} transport"):
             self.transport: KVTransport = make_transport(config.transport, self.worker_id)
@@ -242,6 +244,20 @@ class Worker:
             )  # fmt: skip
         except ValueError as exc:
             raise invalid_argument(str(exc)) from None
+
+
+def _load_progress() -> Callable[[int, int], None]:
+    """A loader progress callback that logs every tenth of the tensors (a large model takes
+    minutes to load; the log shows it is moving)."""
+    logged = [-1]
+
+    def report(done: int, total: int) -> None:
+        decile = done * 10 // max(total, 1)
+        if decile > logged[0]:
+            logged[0] = decile
+            log.info("loading weights: %d/%d tensors", done, total)
+
+    return report
 
 
 @contextlib.contextmanager
