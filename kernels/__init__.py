@@ -1,1 +1,32 @@
-"""Attention kernels: a pure-torch reference now; Triton kernels for CUDA plug in here."""
+"""Attention kernels: Triton kernels for CUDA and the pure-torch references they are tested
+against.
+
+- `reference`: pure-torch ground truth (imports no Triton).
+- `kv_write.write_kv`: store a step's new K/V into their slots of the paged cache.
+- `prefill_attention.paged_prefill_attention`: causal varlen prefill over block tables.
+- `decode_attention.paged_decode_attention`: one query token per request, split-K (flash
+  decoding) over block tables, GQA groups sharing each K/V load.
+
+The Triton kernels are exported lazily: importing `kernels` (for `kernels.reference`) does
+not import Triton, so the CPU path never loads it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Exported name -> module that defines it, imported on first access.
+_LAZY_EXPORTS = {
+    "write_kv": "kernels.kv_write",
+    "paged_prefill_attention": "kernels.prefill_attention",
+    "paged_decode_attention": "kernels.decode_attention",
+}
+
+__all__ = ["reference", *_LAZY_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_EXPORTS:
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

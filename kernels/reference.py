@@ -54,3 +54,21 @@ def paged_attention(
     scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vals)
     return out.to(q.dtype)
+
+
+def write_kv_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_block_ids: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """Store token t's k/v at block slot_block_ids[t], offset slot_offsets[t], in place.
+
+    Args:
+        k, v: [num_tokens, num_kv_heads, head_dim]
+        kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        slot_block_ids, slot_offsets: [num_tokens] integer
+    """
+    kv_layer[slot_block_ids.long(), 0, slot_offsets.long()] = k
+    kv_layer[slot_block_ids.long(), 1, slot_offsets.long()] = v

@@ -101,6 +101,10 @@ class EngineConfig:
         device: torch device string ("cpu", "cuda", "cuda:1").
         kv_cache_dtype: dtype of the KV cache; "auto" = the model's dtype (the only choice
             today; the field exists so that FP8 KV can follow).
+        attention_backend: "auto" (Triton paged kernels on CUDA, torch ops on a CPU),
+            "torch" or "triton" (on a CPU, Triton runs only under TRITON_INTERPRET=1: tests).
+        cuda_graphs: on CUDA with the Triton backend, capture decode-only steps in CUDA
+            graphs during warm-up and replay them (see tandem.engine.cuda_graphs).
         seed: seed of the sampler's default generator (requests without their own seed).
         model_id: name that partitions the prefix cache; defaults to the directory name.
         num_threads: torch intra-op threads; None = torch's default.
@@ -111,6 +115,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
     seed: int = 0
     model_id: str | None = None
     num_threads: int | None = None
@@ -131,6 +137,10 @@ class EngineConfig:
             object.__setattr__(self, "role", EngineRole(self.role))
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
 
     @property
     def resolved_dtype(self) -> str:

@@ -11,6 +11,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on CPU tensors through Triton's interpreter when there is no GPU. Triton
+# reads this when it is first imported, so it is set before any test imports a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # One intra-op thread in the test process: tests assert no timings, and a 2-thread OpenMP
 # pool on a loaded 2-core CI machine was seen to hang inside a tiny matmul (worker processes
 # started by tests keep their own defaults).

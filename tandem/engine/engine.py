@@ -32,6 +32,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.model.triton_attention import make_attention
 
 log = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "__tandem_warmup__"
@@ -93,7 +94,13 @@ class LLMEngine:
         model_dir = Path(config.model_dir)
         self.model_id = config.model_id or model_dir.name
         sched_cfg = config.scheduler
-        self.model = load_model(model_dir, config.resolved_dtype, config.device, progress=progress)
+        self.model = load_model(
+            model_dir,
+            config.resolved_dtype,
+            config.device,
+            attention=make_attention(config.attention_backend, config.device),
+            progress=progress,
+        )
         mcfg = self.model.config
         max_model_len = min(
             sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
@@ -125,8 +132,18 @@ class LLMEngine:
                 "%d tokens per request (give the cache %d bytes for the full context)",
                 max_model_len, self.max_model_len, cdiv(max_model_len, block_size) * per_block,
             )  # fmt: skip
+        # A CUDA graph's padding rows write one scratch block outside the pool's range.
+        self._graphs_wanted = (
+            config.cuda_graphs
+            and torch.device(config.device).type == "cuda"
+            and self.model.attention.needs_paged_batch
+        )
         self.kv_cache = allocate_kv_cache(
-            mcfg, self.num_blocks, block_size, dtype, torch.device(config.device)
+            mcfg,
+            self.num_blocks + int(self._graphs_wanted),
+            block_size,
+            dtype,
+            torch.device(config.device),
         )
         self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, (self.model_id,))
@@ -221,7 +238,8 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Run one prefill step at the full token budget and a few decode steps before
-        traffic, so the first requests do not pay for allocator growth and kernel set-up.
+        traffic, so the first requests do not pay for allocator growth and kernel set-up,
+        then (on CUDA with the Triton backend) capture the decode steps' CUDA graphs.
         Leaves no trace: no cached prefix, no KV events, no counters."""
         n = max(1, min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 5))
         vocab = self.model.config.vocab_size
@@ -235,6 +253,15 @@ class LLMEngine:
         self.kv.pool.reset_prefix_cache()
         self.take_kv_events()
         self.num_steps = self.num_tokens_computed = 0
+        if self._graphs_wanted and self.runner.graphs is None:
+            t0 = time.perf_counter()
+            sizes = self.runner.capture_decode_graphs(
+                self.config.scheduler.max_num_seqs, self.max_model_len, self.num_blocks
+            )
+            log.info(
+                "captured CUDA graphs of decode steps for %d batch sizes (1..%d) in %.1fs",
+                len(sizes), sizes[-1], time.perf_counter() - t0,
+            )  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------
 

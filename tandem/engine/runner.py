@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engine.cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeInputs, capture_sizes
 from tandem.engine.sampling import Sampler, SampleResult, SampleRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
 from tandem.model.llama import LlamaModel
 
 # Decode rows are split into groups of similar context length, each padded to its own
@@ -24,6 +25,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = kv_cache.device
+        self.graphs: DecodeGraphs | None = None  # captured by capture_decode_graphs (CUDA)
 
     def prepare(
         self, out: SchedulerOutput
@@ -60,6 +62,8 @@ class ModelRunner:
             meta.prefills.append(PrefillSpan(token_start, s.num_new_tokens, ctx, blocks))
             token_start += s.num_new_tokens
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        if self.model.attention.needs_paged_batch:
+            meta.paged = paged_batch(decodes, prefills, bs, dev)
         return rows, input_ids, pos_t, meta
 
     def _decode_group(self, start: int, rows: list[ScheduledRequest]) -> DecodeGroup:
@@ -82,25 +86,127 @@ class ModelRunner:
         """Run one step. Returns the sampled token of every row that samples."""
         if out.is_empty:
             return {}
-        rows, input_ids, positions, meta = self.prepare(out)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
-        # Logits only at each sampling row's last token.
-        last_idx: list[int] = []
-        sample_rows: list[SampleRow] = []
-        offset = 0
-        for s in rows:
-            offset += s.num_new_tokens
-            if s.sample:
-                last_idx.append(offset - 1)
-                r = s.request
-                sample_rows.append(
-                    SampleRow(
-                        r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator
-                    )
-                )
-        if not last_idx:
+        decode_only = all(s.is_decode for s in out.scheduled)
+        if decode_only and self.graphs is not None and self.graphs.can_serve(len(out.scheduled)):
+            rows = list(out.scheduled)
+            logits = self._replay_decode(rows)  # [rows, vocab], every row's last token
+            sampled = [i for i, s in enumerate(rows) if s.sample]
+            if len(sampled) < len(rows):
+                logits = logits[torch.tensor(sampled, device=self.device)]
+        else:
+            rows, input_ids, positions, meta = self.prepare(out)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+            # Logits only at each sampling row's last token.
+            last_idx: list[int] = []
+            offset = 0
+            for s in rows:
+                offset += s.num_new_tokens
+                if s.sample:
+                    last_idx.append(offset - 1)
+            if not last_idx:
+                return {}
+            logits = self.model.compute_logits(hidden[torch.tensor(last_idx, device=self.device)])
+        sampled_rows = [s for s in rows if s.sample]
+        if not sampled_rows:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(last_idx, device=self.device)])
+        sample_rows = [
+            SampleRow(
+                s.request.sampling_params,
+                s.request.prompt_token_ids,
+                s.request.output_token_ids,
+                s.request.generator,
+            )
+            for s in sampled_rows
+        ]
         results = self.sampler(logits, sample_rows)
-        sampled = [s for s in rows if s.sample]
-        return {s.request.request_id: res for s, res in zip(sampled, results, strict=True)}
+        return {s.request.request_id: res for s, res in zip(sampled_rows, results, strict=True)}
+
+    # -- CUDA graphs for decode-only steps (see tandem.engine.cuda_graphs) -----------------
+
+    def capture_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, padding_block_id: int
+    ) -> tuple[int, ...]:
+        """Capture decode-only steps for the padded batch sizes of `capture_sizes`; later
+        decode-only steps that fit replay them. Needs CUDA and a backend whose launch grids
+        depend only on shapes (`needs_paged_batch`). Returns the captured sizes."""
+        if not self.model.attention.needs_paged_batch:
+            raise ValueError("CUDA graphs need the Triton attention backend")
+        sizes = capture_sizes(max_num_seqs)
+        max_blocks = -(-max_model_len // self.block_size)
+        buffers = DecodeBuffers(sizes[-1], max_blocks, padding_block_id, self.device)
+        graphs = DecodeGraphs(buffers, sizes)
+        graphs.capture(self._graph_forward)
+        self.graphs = graphs
+        return sizes
+
+    def _graph_forward(self, inputs: DecodeInputs) -> torch.Tensor:
+        """One decode-only step over static buffers: what a graph records."""
+        rows, dev = inputs.input_ids.shape[0], self.device
+        meta = AttentionMetadata(
+            slot_block_ids=inputs.slot_block_ids,
+            slot_offsets=inputs.slot_offsets,
+            paged=PagedBatch(
+                num_decode=rows,
+                decode_block_tables=inputs.block_tables,
+                decode_context_lens=inputs.context_lens,
+                prefill_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+                prefill_query_starts=torch.zeros(1, dtype=torch.int32, device=dev),
+                prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+                max_query_len=0,
+            ),
+        )
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
+        return self.model.compute_logits(hidden)
+
+    def _replay_decode(self, rows: list[ScheduledRequest]) -> torch.Tensor:
+        assert self.graphs is not None
+        bs, dev = self.block_size, self.device
+        paged = paged_batch(rows, [], bs, dev)
+        ids = [s.request.token_ids_slice(s.start, s.start + 1)[0] for s in rows]
+        positions = [s.start for s in rows]
+        return self.graphs.replay(
+            len(rows),
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            torch.tensor(
+                [s.block_ids[p // bs] for s, p in zip(rows, positions, strict=True)],
+                dtype=torch.int64,
+                device=dev,
+            ),
+            torch.tensor([p % bs for p in positions], dtype=torch.int64, device=dev),
+            paged.decode_block_tables,
+            paged.decode_context_lens,
+        )
+
+
+def paged_batch(
+    decodes: list[ScheduledRequest],
+    prefills: list[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+) -> PagedBatch:
+    """The step's rows as paged-attention kernels take them (see PagedBatch)."""
+
+    def table(rows: list[ScheduledRequest], ctx_lens: list[int]) -> torch.Tensor:
+        # Padding entries (past a row's context) are never read; 0 keeps them in range.
+        width = max((-(-c // block_size) for c in ctx_lens), default=1)
+        padded = [
+            list(s.block_ids[: -(-c // block_size)]) + [0] * (width - -(-c // block_size))
+            for s, c in zip(rows, ctx_lens, strict=True)
+        ]
+        return torch.tensor(padded, dtype=torch.int32, device=device).view(len(rows), width)
+
+    decode_lens = [s.start + 1 for s in decodes]
+    prefill_lens = [s.start + s.num_new_tokens for s in prefills]
+    starts = [0]
+    for s in prefills:
+        starts.append(starts[-1] + s.num_new_tokens)
+    return PagedBatch(
+        num_decode=len(decodes),
+        decode_block_tables=table(decodes, decode_lens),
+        decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
+        prefill_block_tables=table(prefills, prefill_lens),
+        prefill_query_starts=torch.tensor(starts, dtype=torch.int32, device=device),
+        prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
+        max_query_len=max((s.num_new_tokens for s in prefills), default=0),
+    )

@@ -68,9 +68,37 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    paged: PagedBatch | None = None  # set for backends with `needs_paged_batch`
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """The step as paged-attention kernels take it: one padded int32 block table per kind of
+    row, no groups and no masks. Built once per step by the runner (shared by all layers).
+
+    Attributes:
+        num_decode: decode rows (the first flat indices, one token each).
+        decode_block_tables: [num_decode, max_blocks] int32.
+        decode_context_lens: [num_decode] int32, context including the new token.
+        prefill_block_tables: [num_prefill, max_blocks] int32.
+        prefill_query_starts: [num_prefill + 1] int32, cumulative, relative to num_decode.
+        prefill_context_lens: [num_prefill] int32.
+        max_query_len: longest prefill chunk (host-side, sizes the kernel grid).
+    """
+
+    num_decode: int
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_query_starts: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    max_query_len: int
 
 
 class AttentionBackend(Protocol):
+    # True: the runner also builds `AttentionMetadata.paged` for this backend.
+    needs_paged_batch: bool
+
     def forward(
         self,
         q: torch.Tensor,
@@ -101,6 +129,8 @@ class TorchAttention:
     Gathers go into a reused workspace: a fresh multi-MB tensor per layer costs page faults
     that take ~8x longer than the copy itself.
     """
+
+    needs_paged_batch = False
 
     def __init__(self) -> None:
         # Allocated on first use, on the cache's device and in its dtype.

@@ -1,0 +1,289 @@
+"""CUDA graphs for decode-only steps: which batch sizes to capture, and the static buffers.
+
+A decode step launches a few hundred small kernels whose work is tiny at small batch sizes,
+so on a GPU the CPU's launch overhead, not the GPU, sets the step time. A CUDA graph records
+the launches once and replays them with one call. A graph replays fixed addresses and fixed
+shapes, so every input lives in a static buffer that the runner overwrites before each
+replay, and a batch of n rows runs the graph captured for the smallest size >= n, its extra
+rows padded to a harmless state (see `DecodeBuffers`).
+
+How the runner is expected to use it (on CUDA, with an attention backend whose launch grids
+depend only on tensor shapes, never on values such as context lengths):
+
+    # startup (LLMEngine.warm_up), after the KV cache exists:
+    sizes = capture_sizes(max_num_seqs)
+    buffers = DecodeBuffers(sizes[-1], max_blocks=ceil(max_model_len / block_size),
+                            padding_block_id=<a block reserved from the pool>, device=dev)
+    graphs = DecodeGraphs(buffers, sizes)
+    graphs.capture(lambda inputs: model.forward(<ids, positions, metadata built from inputs>))
+
+    # each step:
+    if step is decode-only and graphs.can_serve(n):
+        hidden = graphs.replay(n, ids, positions, slot_block_ids, slot_offsets, tables, lens)
+    else:
+        hidden = <eager forward, as today>   # prefill tokens, or more rows than captured
+
+`capture_sizes`, `graph_size_for` and `DecodeBuffers` are pure (tensors on the caller's
+device, no CUDA calls) and unit-tested on CPU; only `DecodeGraphs` touches `torch.cuda`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+# Capture grid: 1, 2, 4, then every 8 rows up to 64, then every 16 rows up to 256.
+# - Padding is cheap: a decode step is memory-bound (every step reads all the weights), so
+#   extra GEMM rows cost almost nothing, and a padding row attends over one token. The grid
+#   bounds the padding at 7 rows up to 64 and 15 rows above.
+# - Each size costs capture time at startup (a warm-up run plus a capture) and its own output
+#   tensor; 23 graphs at most keep startup to seconds. Small batches, the common case at low
+#   load and where launch overhead dominates most, get the finest grid.
+# - Capped at 256: beyond that a step's GEMMs and attention take milliseconds, the launch
+#   overhead a graph removes is a small fraction of it, and such steps run eagerly.
+MAX_CAPTURE_SIZE = 256
+_CAPTURE_GRID = (1, 2, 4, *range(8, 65, 8), *range(80, MAX_CAPTURE_SIZE + 1, 16))
+
+
+def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The padded batch sizes to capture graphs for: sorted, unique, ending at
+    `min(max_num_seqs, MAX_CAPTURE_SIZE)` (so the scheduler's largest decode batch replays
+    whenever the cap allows)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be positive, got {max_num_seqs}")
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    return tuple(sorted({s for s in _CAPTURE_GRID if s <= top} | {top}))
+
+
+def graph_size_for(batch: int, sizes: Sequence[int]) -> int | None:
+    """The smallest size in `sizes` (sorted ascending) that holds `batch` rows, or None when
+    `batch` is larger than all of them (the step runs eagerly)."""
+    if batch < 1:
+        raise ValueError(f"batch must be positive, got {batch}")
+    i = bisect.bisect_left(sizes, batch)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeInputs(NamedTuple):
+    """The first `size` rows of each `DecodeBuffers` tensor: what a graph of that size reads.
+
+    Views, not copies: a write into the buffers is what the next replay sees.
+    """
+
+    input_ids: torch.Tensor  # [size] int64
+    positions: torch.Tensor  # [size] int64
+    slot_block_ids: torch.Tensor  # [size] int64, block of each new token's KV slot
+    slot_offsets: torch.Tensor  # [size] int64, offset inside that block
+    block_tables: torch.Tensor  # [size, max_blocks] int32
+    context_lens: torch.Tensor  # [size] int32, tokens attended, the new one included
+
+
+class DecodeBuffers:
+    """Static input and metadata buffers for `num_rows` decode rows, one token per row.
+
+    `fill(size, ...)` copies a batch of n <= size real rows to rows 0..n-1 and puts rows
+    n..size-1 in the padding state. A padding row writes its K/V into offset 0 of a scratch
+    block that no request owns (`padding_block_id`) and attends over that one token, so it
+    never touches a request's KV and never reads a stale or uninitialized block id:
+
+        row       input_id  position  slot (block, offset)   block_tables row    context_len
+        0..n-1    real      real      real                   real, then pad pad  real
+        n..size-1 0         0         (pad, 0)               pad pad ... pad     1
+        size..    untouched: the graph of `size` never reads them
+
+    Columns of a real row beyond its table's width are also set to the padding block. All
+    padding rows write the same slot; what they compute is discarded, and the K/V they race
+    to write is finite. Rows keep int64 ids/positions/slots (as the eager runner builds
+    them) and int32 block tables and lengths (as kernels index them).
+
+    Args:
+        num_rows: rows of the largest captured graph.
+        max_blocks: block table width, `ceil(max_model_len / block_size)`.
+        padding_block_id: a block of the KV cache reserved for padding (never allocated to a
+            request); its contents are garbage.
+        device: where the buffers live (the KV cache's device).
+    """
+
+    def __init__(
+        self, num_rows: int, max_blocks: int, padding_block_id: int, device: torch.device | str
+    ) -> None:
+        if num_rows < 1:
+            raise ValueError(f"num_rows must be positive, got {num_rows}")
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be positive, got {max_blocks}")
+        if padding_block_id < 0:
+            raise ValueError(f"padding_block_id must be >= 0, got {padding_block_id}")
+        self.num_rows = num_rows
+        self.max_blocks = max_blocks
+        self.padding_block_id = padding_block_id
+        self.device = torch.device(device)
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.empty(num_rows, dtype=i64, device=device)
+        self.positions = torch.empty(num_rows, dtype=i64, device=device)
+        self.slot_block_ids = torch.empty(num_rows, dtype=i64, device=device)
+        self.slot_offsets = torch.empty(num_rows, dtype=i64, device=device)
+        self.block_tables = torch.empty(num_rows, max_blocks, dtype=i32, device=device)
+        self.context_lens = torch.empty(num_rows, dtype=i32, device=device)
+        self.reset()
+
+    def views(self, size: int) -> DecodeInputs:
+        """Views of rows 0..size-1 (what the graph of `size` is captured with)."""
+        self._check_size(size)
+        return DecodeInputs(
+            self.input_ids[:size],
+            self.positions[:size],
+            self.slot_block_ids[:size],
+            self.slot_offsets[:size],
+            self.block_tables[:size],
+            self.context_lens[:size],
+        )
+
+    def reset(self) -> None:
+        """Put every row in the padding state (safe to run a graph of any size on)."""
+        self._pad(0, self.num_rows)
+
+    def fill(
+        self,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_block_ids: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> None:
+        """Copy n real rows to rows 0..n-1 and pad rows n..size-1.
+
+        Checks shapes only (never values, which would sync with the device).
+
+        Args:
+            size: the graph size about to replay.
+            input_ids, positions, slot_block_ids, slot_offsets, context_lens: [n]
+            block_tables: [n, width], width <= max_blocks.
+
+        Raises:
+            ValueError: size outside 1..num_rows, n > size, rows of differing lengths, or a
+                block table wider than max_blocks.
+        """
+        self._check_size(size)
+        n = input_ids.shape[0]
+        if n > size:
+            raise ValueError(f"batch of {n} rows does not fit a graph of size {size}")
+        for name, t in (
+            ("input_ids", input_ids),
+            ("positions", positions),
+            ("slot_block_ids", slot_block_ids),
+            ("slot_offsets", slot_offsets),
+            ("context_lens", context_lens),
+        ):
+            if t.dim() != 1 or t.shape[0] != n:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},)")
+        if block_tables.dim() != 2 or block_tables.shape[0] != n:
+            raise ValueError(
+                f"block_tables has shape {tuple(block_tables.shape)}, expected ({n}, width)"
+            )
+        width = block_tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(
+                f"block tables are {width} blocks wide, max_blocks is {self.max_blocks}"
+            )
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_block_ids[:n].copy_(slot_block_ids)
+        self.slot_offsets[:n].copy_(slot_offsets)
+        self.context_lens[:n].copy_(context_lens)
+        self.block_tables[:n, :width].copy_(block_tables)
+        self.block_tables[:n, width:].fill_(self.padding_block_id)
+        self._pad(n, size)
+
+    def _pad(self, start: int, end: int) -> None:
+        self.input_ids[start:end].fill_(0)
+        self.positions[start:end].fill_(0)
+        self.slot_block_ids[start:end].fill_(self.padding_block_id)
+        self.slot_offsets[start:end].fill_(0)
+        self.block_tables[start:end].fill_(self.padding_block_id)
+        self.context_lens[start:end].fill_(1)
+
+    def _check_size(self, size: int) -> None:
+        if not 1 <= size <= self.num_rows:
+            raise ValueError(f"size {size} is outside 1..{self.num_rows}")
+
+
+class DecodeGraphs:
+    """One captured CUDA graph per batch size, replayed over `DecodeBuffers`.
+
+    Args:
+        buffers: the static buffers, on a CUDA device.
+        sizes: sizes to capture, sorted ascending, the largest <= buffers.num_rows.
+
+    Raises:
+        ValueError: buffers not on CUDA (graphs need CUDA), or bad sizes.
+    """
+
+    def __init__(self, buffers: DecodeBuffers, sizes: Sequence[int]) -> None:
+        if buffers.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the buffers are on {buffers.device}")
+        if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"sizes must be positive, sorted and unique, got {list(sizes)}")
+        if sizes[-1] > buffers.num_rows:
+            raise ValueError(f"largest size {sizes[-1]} exceeds the {buffers.num_rows} buffer rows")
+        self.buffers = buffers
+        self.sizes = tuple(sizes)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def capture(self, run_fn: Callable[[DecodeInputs], torch.Tensor]) -> None:
+        """Capture `run_fn(buffers.views(size))` for every size.
+
+        `run_fn` must read its inputs only from the views and return one tensor whose first
+        dimension is the row. Each size runs once eagerly first (lazy initialization, Triton
+        compilation and allocator growth must not happen inside a capture), on all-padding
+        rows, so warm-up writes only the padding block. Largest first, in one memory pool: the
+        smaller graphs reuse what the larger ones freed.
+        """
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self.buffers.reset()
+            inputs = self.buffers.views(size)
+            run_fn(inputs)
+            torch.cuda.synchronize(self.buffers.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                output = run_fn(inputs)
+            self._graphs[size] = graph
+            self._outputs[size] = output
+        torch.cuda.synchronize(self.buffers.device)
+
+    def can_serve(self, n: int) -> bool:
+        """Whether a decode-only step of n rows can replay a captured graph."""
+        return bool(self._graphs) and 1 <= n <= self.sizes[-1]
+
+    def replay(
+        self,
+        n: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_block_ids: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Fill the buffers with n real rows, replay the graph of `graph_size_for(n)`.
+
+        Returns:
+            rows [:n] of the graph's output: a view of its static output tensor, overwritten
+            by the next replay, so read (or copy) it first.
+        """
+        if input_ids.shape[0] != n:
+            raise ValueError(f"n is {n} but input_ids has {input_ids.shape[0]} rows")
+        size = graph_size_for(n, self.sizes)
+        if size is None or size not in self._graphs:
+            raise ValueError(f"no captured graph holds {n} rows (sizes {list(self.sizes)})")
+        self.buffers.fill(
+            size, input_ids, positions, slot_block_ids, slot_offsets, block_tables, context_lens
+        )
+        self._graphs[size].replay()
+        return self._outputs[size][:n]
