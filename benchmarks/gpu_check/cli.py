@@ -34,6 +34,8 @@ from .common import (
     free_memory,
     make_tmp_dir,
 )
+from .e2e_bench import check_e2e
+from .kernels_bench import check_kernels, use_interpreter
 from .nixl_pull import check_nixl
 from .parity import check_parity
 from .serve import check_serve
@@ -41,11 +43,13 @@ from .sizes import CPU_SIZES, CUDA_SIZES
 from .throughput import check_throughput
 
 DESCRIPTION = "The GPU check: what only a GPU can tell about the engine, as one prepared script."
-PARTS = ("parity", "throughput", "nixl", "serve")
+PARTS = ("parity", "throughput", "kernels", "e2e", "nixl", "serve")
 JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
 PART_FNS: dict[str, Callable[[Context], Figures]] = {
     "parity": check_parity,
     "throughput": check_throughput,
+    "kernels": check_kernels,
+    "e2e": check_e2e,
     "nixl": check_nixl,
     "serve": check_serve,
 }
@@ -98,6 +102,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cpu:
+        # Before anything imports Triton (environment() does, for its version): the kernels
+        # part runs them on CPU tensors through the interpreter.
+        use_interpreter()
     sizes = CPU_SIZES if args.cpu else CUDA_SIZES
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / LOG_NAME).unlink(missing_ok=True)
@@ -135,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / JSON_NAME).write_text(json.dumps(report, indent=2, default=str) + "\n")
 
     with make_tmp_dir() as tmp:
-        ctx = Context(sizes=sizes, log=log, tmp_dir=tmp)
+        ctx = Context(sizes=sizes, log=log, tmp_dir=tmp, parts=tuple(args.parts))
         for name in PARTS:
             if name not in args.parts:
                 report["parts"][name] = {"status": "skipped", "reason": "not selected (--parts)"}
@@ -145,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"== {name}: failed: {reason}")
             else:
                 report["parts"][name] = run_part(name, ctx)
+            ctx.results[name] = report["parts"][name]
             write()
     summary = ", ".join(f"{n} {p['status']}" for n, p in report["parts"].items())
     log(f"gpu-check: {summary}; {report['duration_s']:.1f} s; wrote {args.out / JSON_NAME}")

@@ -1,9 +1,11 @@
 """What every part uses: the run's `Context` and `Log`, the part outcomes `PartSkipped` and
-`PartFailed`, the `environment()` record, and small engine, device and directory helpers."""
+`PartFailed`, the `environment()` record, timing (`median_time_s`, `copy_bandwidth`), and
+small engine, device and directory helpers."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import logging
@@ -11,11 +13,12 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,13 @@ class Context:
     log: Log
     tmp_dir: Path
     deadline: float = math.inf  # of the running part (time.monotonic)
+    parts: tuple[str, ...] = ()  # the parts selected for this run
+    # The records of the parts run so far (status, figures), by name: a later part may cite
+    # an earlier one's figures (e2e reports throughput's ratio).
+    results: dict[str, Figures] = field(default_factory=dict)
+    # What a part leaves for a later one instead of rebuilding it (the Llama-3-8B-shaped
+    # weights directory); the taker removes it.
+    shared: dict[str, Any] = field(default_factory=dict)
 
     @property
     def device(self) -> str:
@@ -150,7 +160,8 @@ def environment(device: str) -> Figures:
 def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> Any:
     """An engine with an explicit block count (no memory profiling), prefix caching on.
 
-    overrides: block_size, num_blocks, max_num_batched_tokens, max_num_seqs.
+    overrides: block_size, num_blocks; attention_backend, cuda_graphs (EngineConfig);
+    the rest go to SchedulerConfig (max_num_batched_tokens, max_num_seqs, max_model_len).
     """
     from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
     from tandem.engine.engine import LLMEngine
@@ -158,6 +169,9 @@ def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> A
     cache = CacheConfig(
         block_size=overrides.pop("block_size"), num_blocks=overrides.pop("num_blocks", 512)
     )
+    engine_fields = {
+        key: overrides.pop(key) for key in ("attention_backend", "cuda_graphs") if key in overrides
+    }
     scheduler = SchedulerConfig(**overrides)
     return LLMEngine(
         EngineConfig(
@@ -166,6 +180,7 @@ def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> A
             device=device,
             cache=cache,
             scheduler=scheduler,
+            **engine_fields,
         )
     )
 
@@ -174,6 +189,60 @@ def sampling_params(**kwargs: Any) -> Any:
     from tandem.engine.sampling import SamplingParams
 
     return SamplingParams(**kwargs)
+
+
+def median_time_s(
+    fn: Callable[[], object],
+    device: str,
+    *,
+    reps: int,
+    warmup: int = 2,
+    flush: torch.Tensor | None = None,
+) -> float:
+    """Median seconds of one call of `fn`, after `warmup` untimed calls.
+
+    On CUDA each call sits between two CUDA events (device time, not launch time). With
+    `flush` (a buffer larger than the L2 cache), zeroing it before each call evicts what
+    the previous call left in L2, so a small working set is read from memory as in a real
+    step; the zeroing also queues enough device work to hide the call's launch overhead.
+    On a CPU: wall clock per call.
+    """
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if not device.startswith("cuda"):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for start, end in events:
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+
+
+def copy_bandwidth(device: str, num_bytes: int, reps: int) -> Figures:
+    """Device-to-device copy bandwidth: bytes read + written by `dst.copy_(src)` of
+    `num_bytes` each, over the median time (the roofline of bandwidth-bound kernels). The
+    buffers are freed on return (`free_memory` returns them to the device)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    seconds = median_time_s(functools.partial(torch.empty_like(src).copy_, src), device, reps=reps)
+    moved = 2 * num_bytes
+    return {
+        "bytes_read_plus_written": moved,
+        "median_s": seconds,
+        "gb_s": round(moved / seconds / 1e9, 1),
+    }
 
 
 def free_memory(device: str) -> None:

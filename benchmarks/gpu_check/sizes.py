@@ -1,5 +1,5 @@
 """What differs between the CUDA run and the `--cpu` smoke run: model shapes, workloads and
-each part's time budget (`CUDA_SIZES`: full sizes, the whole run under ~8 minutes on one H200;
+each part's time budget (`CUDA_SIZES`: full sizes, budgets summing to 9 minutes on one H200;
 `CPU_SIZES`: tiny, ~15 s in CI)."""
 
 from __future__ import annotations
@@ -31,6 +31,27 @@ class Sizes:
     tp_output_len: tuple[int, int]
     tp_hf_batch_size: int
     tp_max_num_batched_tokens: int
+    # kernels: the attention shape (Llama-3-8B's on CUDA), correctness cases, benchmark cases
+    kn_dtype: str
+    kn_num_q_heads: int
+    kn_num_kv_heads: int
+    kn_head_dim: int
+    kn_block_size: int
+    kn_check_context_lens: tuple[int, ...]  # decode correctness: one ragged batch
+    kn_check_chunks: tuple[tuple[int, int], ...]  # prefill correctness: (new tokens, context)
+    kn_decode_batches: tuple[int, ...]  # decode bandwidth: every batch x every context
+    kn_decode_contexts: tuple[int, ...]
+    kn_prefill_cases: tuple[tuple[int, int, int], ...]  # (batch, chunk tokens, cached prefix)
+    kn_copy_bytes: int  # of the copy_ that measures device bandwidth
+    kn_flush_bytes: int  # zeroed before each timed call (> L2), 0 = none
+    kn_reps: int  # timed calls per case (median)
+    # e2e: one greedy request on the throughput part's model
+    e2e_prompt_len: int
+    e2e_steps: int  # decode steps timed (after e2e_warm_steps untimed)
+    e2e_warm_steps: int
+    e2e_num_blocks: int
+    e2e_max_num_seqs: int  # sizes the CUDA graphs captured (1, 2, 4, ...)
+    e2e_max_num_batched_tokens: int  # also warm_up's prefill
     # nixl: one KV block [num_layers, 2, block_size, num_kv_heads, head_dim] (bf16)
     nixl_block_shape: tuple[int, int, int, int, int]
     nixl_owner_blocks: int
@@ -83,6 +104,32 @@ CUDA_SIZES = Sizes(
     tp_output_len=(16, 256),
     tp_hf_batch_size=16,
     tp_max_num_batched_tokens=8192,
+    kn_dtype="bfloat16",
+    kn_num_q_heads=32,
+    kn_num_kv_heads=8,
+    kn_head_dim=128,
+    kn_block_size=16,
+    kn_check_context_lens=(1, 17, 300, 1000, 4099),
+    kn_check_chunks=((1, 1), (17, 40), (100, 100), (300, 1300)),
+    kn_decode_batches=(1, 16, 64, 256),
+    kn_decode_contexts=(1024, 4096, 16384),  # 256 x 16k: a 16 GiB cache (one layer)
+    kn_prefill_cases=(
+        (1, 2048, 0),
+        (4, 2048, 0),
+        (1, 2048, 6144),
+        (4, 2048, 6144),
+        (1, 2048, 30720),
+        (2, 2048, 30720),
+    ),
+    kn_copy_bytes=2 << 30,
+    kn_flush_bytes=512 << 20,  # H200 L2: 50 MiB
+    kn_reps=20,
+    e2e_prompt_len=512,
+    e2e_steps=64,
+    e2e_warm_steps=4,
+    e2e_num_blocks=256,  # 4096 tokens, 512 MiB of bf16 KV
+    e2e_max_num_seqs=4,
+    e2e_max_num_batched_tokens=2048,
     # Llama-3-8B's KV block: 2 MiB
     nixl_block_shape=(32, 2, 16, 8, 128),
     nixl_owner_blocks=1024,
@@ -93,7 +140,9 @@ CUDA_SIZES = Sizes(
     serve_prompt_len=(100, 600),
     serve_max_tokens=32,
     serve_num_blocks=1024,
-    budget_s=dict(parity=90, throughput=360, nixl=90, serve=150),
+    # 540 s in all. Command 1 (parity..e2e, no nixl carried) 420 s, command 2 (nixl, serve)
+    # 120 s: see BENCHMARKS.md, "GPU check".
+    budget_s=dict(parity=60, throughput=180, kernels=75, e2e=105, nixl=45, serve=75),
 )
 
 CPU_SIZES = Sizes(
@@ -130,6 +179,26 @@ CPU_SIZES = Sizes(
     tp_output_len=(4, 16),
     tp_hf_batch_size=4,
     tp_max_num_batched_tokens=512,
+    # Under Triton's interpreter (~0.6 ms per program instance): a few programs per launch.
+    kn_dtype="bfloat16",
+    kn_num_q_heads=8,
+    kn_num_kv_heads=2,
+    kn_head_dim=32,
+    kn_block_size=16,
+    kn_check_context_lens=(1, 17, 40, 130),  # 2 splits
+    kn_check_chunks=((1, 1), (9, 30), (20, 20)),
+    kn_decode_batches=(2,),
+    kn_decode_contexts=(64, 256),  # 1 and 4 splits
+    kn_prefill_cases=((1, 32, 0), (2, 32, 40)),
+    kn_copy_bytes=16 << 20,
+    kn_flush_bytes=0,
+    kn_reps=3,
+    e2e_prompt_len=16,
+    e2e_steps=16,
+    e2e_warm_steps=2,
+    e2e_num_blocks=64,
+    e2e_max_num_seqs=4,
+    e2e_max_num_batched_tokens=128,
     nixl_block_shape=(4, 2, 16, 4, 64),  # 64 KiB
     nixl_owner_blocks=512,
     nixl_read_blocks=(256,),
@@ -139,5 +208,5 @@ CPU_SIZES = Sizes(
     serve_prompt_len=(20, 80),
     serve_max_tokens=8,
     serve_num_blocks=256,
-    budget_s=dict(parity=60, throughput=60, nixl=60, serve=120),
+    budget_s=dict(parity=60, throughput=60, kernels=60, e2e=60, nixl=60, serve=120),
 )

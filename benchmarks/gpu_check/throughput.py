@@ -1,6 +1,9 @@
 """Part 2, throughput: engine vs HF `generate` (static batches, left-padded) on workload W (64
 requests, prompts 32-512, outputs 16-256 tokens) with a Llama-3-8B-shaped model of random bf16
-weights; output tokens/s of both and their ratio. Imports no grpc, redis or kubernetes."""
+weights; output tokens/s of both and their ratio. The engine is warmed up as a service does
+(`warm_up()`: on CUDA it captures the decode steps' CUDA graphs). When the e2e part follows,
+the weights directory is left to it (`ctx.shared[SHARED_MODEL_DIR]`) instead of being
+written twice. Imports no grpc, redis or kubernetes."""
 
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ import torch
 
 from .common import Context, Figures, free_memory, make_engine, sampling_params, sync
 from .sizes import Sizes
+
+# ctx.shared key of the saved Llama-3-8B-shaped weights directory (taken by e2e).
+SHARED_MODEL_DIR = "llama_model_dir"
 
 
 def make_workload(sizes: Sizes, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -224,7 +230,17 @@ def check_throughput(ctx: Context) -> Figures:
     figures["engine_load_s"] = round(time.perf_counter() - t0, 2)
     figures["engine_num_blocks"] = num_blocks
     ctx.log(f"throughput: engine loaded in {figures['engine_load_s']} s")
-    shutil.rmtree(model_dir, ignore_errors=True)
+    if "e2e" in ctx.parts:
+        ctx.shared[SHARED_MODEL_DIR] = model_dir  # e2e loads the same weights, then removes them
+    else:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    logging.getLogger("tandem").setLevel(logging.INFO)  # the graph capture's line
+    engine.warm_up()
+    logging.getLogger("tandem").setLevel(logging.WARNING)
+    figures["engine_warm_up_s"] = round(time.perf_counter() - t0, 2)
+    graphs = engine.runner.graphs
+    figures["engine_cuda_graph_sizes"] = list(graphs.sizes) if graphs is not None else None
 
     warm = [(list(range(1, 33)), 4), (list(range(2, 50)), 4)]
     run_engine_workload(engine, warm, dev, budget_s=60)

@@ -8,12 +8,8 @@ value it should not (past a context, a padded table entry) turns its output NaN.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +17,7 @@ import torch
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.reference import paged_attention, write_kv_reference
 from tandem.model.attention import AttentionMetadata, PrefillSpan, TorchAttention
+from tests.kernels.compile_check import assert_lowers
 
 # The reference runs in float64 and rounds to the dtype once; the kernel accumulates in fp32
 # and rounds P to the cache dtype before P @ V (as flash-attention does), ~1 ulp of the dtype.
@@ -31,7 +28,6 @@ TOLERANCES = {  # (atol, rtol)
 }
 NUM_KV_HEADS = 2
 NUM_LAYERS = 2  # the kernel reads layer 1: a strided view, as kv_cache[:, layer] is
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -340,16 +336,4 @@ for dtype in DTYPES:
 def test_lowers_for_sm90() -> None:
     """The interpreter runs programs the GPU compiler rejects (tl.dot below 16 rows, a
     dtype mismatch in a loop-carried value): compile for a real target too."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", LOWER_SCRIPT],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if result.returncode == 3:
-        pytest.skip(f"this Triton cannot compile for CUDA: {result.stdout.strip()}")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(" ok") == 9
+    assert_lowers(LOWER_SCRIPT, 9)

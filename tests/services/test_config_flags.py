@@ -3,8 +3,6 @@ composed configs (WorkerConfig.engine, RouterConfig.routing) leave no setting un
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -17,21 +15,12 @@ from tandem.engine.kv_cache import num_blocks_for
 from tandem.model.config import ModelConfig
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
+from tests.services.processes import spawn_logged
 
 KV_BYTES = 8 << 20
 
 
-def _spawn(module: str, log: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), f"{module} failed to start: {log.read_text()[-2000:]}"
-    return proc, line.split()[-1]
+_spawn = spawn_logged
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the router passes to the client, and neither worker keeps a block. Real processe
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,21 +16,12 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
+from tests.services.processes import spawn_logged
 
 KV_BYTES = 8 << 20
 
 
-def _spawn(module: str, log: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), f"{module} failed to start: {log.read_text()[-2000:]}"
-    return proc, line.split()[-1]
+_spawn = spawn_logged
 
 
 def _worker(role: str, model_dir: Path, logs: Path, dtype: str):  # type: ignore[no-untyped-def]

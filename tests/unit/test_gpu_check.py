@@ -32,9 +32,16 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert report["mode"] == "cpu" and report["ok"] is True
     assert report["environment"]["torch"]
     parts = report["parts"]
-    assert list(parts) == ["parity", "throughput", "nixl", "serve"]
+    assert list(parts) == ["parity", "throughput", "kernels", "e2e", "nixl", "serve"]
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
-    expected = {"parity": "ok", "throughput": "ok", "nixl": nixl_status, "serve": "ok"}
+    expected = {
+        "parity": "ok",
+        "throughput": "ok",
+        "kernels": "ok",
+        "e2e": "ok",
+        "nixl": nixl_status,
+        "serve": "ok",
+    }
     assert {name: p["status"] for name, p in parts.items()} == expected, output
     for part in parts.values():
         assert part["duration_s"] >= 0
@@ -50,10 +57,51 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         assert not tp[side]["truncated_by_budget"]
     assert tp["ratio_engine_over_hf"] > 0
 
+    # kernels: every kernel checked against kernels.reference under Triton's interpreter,
+    # then every benchmark case run (timed, smoke) and the prefill cases agreeing with SDPA.
+    kernels = parts["kernels"]["figures"]
+    assert set(kernels["correctness"]) == {"write_kv", "decode", "prefill"}
+    assert all(r["passed"] for r in kernels["correctness"].values()), kernels["correctness"]
+    assert kernels["copy"]["gb_s"] > 0
+    decode_cases = kernels["decode"]["cases"]
+    assert decode_cases and all(c["gb_s"] > 0 and "skipped" not in c for c in decode_cases)
+    prefill_cases = kernels["prefill"]["cases"]
+    assert prefill_cases and all(c["agrees_with_sdpa"] and c["tflop_s"] > 0 for c in prefill_cases)
+    assert any(c["prefix"] > 0 for c in prefill_cases)  # the lower-right causal baseline
+
+    # e2e: one engine on the CPU (no CUDA graphs there), on throughput's weights.
+    e2e = parts["e2e"]["figures"]
+    assert e2e["weights_from"] == "the throughput part's directory"
+    assert e2e["graphs"]["status"] == "skipped"
+    assert e2e["eager"]["timed_steps"] > 0 and e2e["eager"]["itl_ms"] > 0
+    assert 0 < e2e["roofline"]["weight_bytes_read_per_step"] < e2e["roofline"]["weight_bytes"]
+    assert e2e["throughput_target"]["measured"] == tp["ratio_engine_over_hf"]
+
     serve = parts["serve"]["figures"]
     assert serve["requests"] and all(r["identical"] for r in serve["requests"])
     assert all(r["disaggregated"] for r in serve["requests"])
     assert serve["kv_pulls_recomputed"] == 0
+
+
+def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:
+    """kernels as the first part (its interpreter set-up), e2e without throughput's weights."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--out", str(tmp_path), "--parts", "kernels,e2e"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+    parts = json.loads((tmp_path / "gpu-check.json").read_text())["parts"]
+    assert {name: p["status"] for name, p in parts.items() if p["status"] != "skipped"} == {
+        "kernels": "ok",
+        "e2e": "ok",
+    }
+    e2e = parts["e2e"]["figures"]
+    assert e2e["weights_from"] == "built by this part"
+    assert e2e["throughput_target"]["measured"] is None
 
 
 def test_gpu_check_rejects_unknown_parts(tmp_path: Path) -> None:

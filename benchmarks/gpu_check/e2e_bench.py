@@ -1,0 +1,266 @@
+"""Part `e2e`: batch-1 inter-token latency (ITL) of the engine on the throughput part's
+Llama-3-8B-shaped model (random bf16 weights), against the memory roofline.
+
+- ITL: the median wall-clock time of an `engine.step()` over `e2e_steps` decode steps of one
+  greedy request (after the prefill step and `e2e_warm_steps` untimed ones). A step returns
+  its sampled token to the host, so its wall time is the latency a client sees per token.
+- Two engines of the same config (explicit `num_blocks`, both `warm_up()`ed), one after the
+  other (the first freed before the second loads): CUDA graphs on (captured in warm-up; the
+  part counts the replays, so a step that ran eagerly is visible) and `cuda_graphs=False`.
+- Roofline: a decode step reads every weight once, except the embedding table (one row per
+  token; counted when tied to the LM head), so ITL_roofline = those bytes / the device copy
+  bandwidth (bytes read + written by `copy_`, measured here). Target ITL_roofline /
+  ITL_measured (graphs on) >= 0.7. The KV read at this context (~0.5% of the bytes) is left
+  out.
+- The throughput part's engine / HF `generate` ratio against its target (>= 3x), when that
+  part ran ok in the same run.
+
+The weights directory comes from the throughput part when it ran first (`SHARED_MODEL_DIR`),
+else this part builds and writes it; either way it removes it. With --cpu: the tiny fp32
+model with attention_backend "torch"; CUDA graphs do not exist there (reported as skipped),
+and the figures are a smoke run, not performance. Imports no grpc, redis or kubernetes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import (
+    Context,
+    Figures,
+    PartFailed,
+    copy_bandwidth,
+    free_memory,
+    make_engine,
+    sampling_params,
+    sync,
+)
+from .throughput import SHARED_MODEL_DIR, build_random_llama, save_sharded
+
+ROOFLINE_TARGET = 0.7  # ITL_roofline / ITL_measured, graphs on
+THROUGHPUT_TARGET = 3.0  # engine / HF generate output tokens/s (the throughput part)
+BLOCK_SIZE = 16
+SMOKE = "smoke: tiny model on a CPU; the times are not performance figures"
+
+
+def weights_dir(ctx: Context) -> tuple[Path, Figures]:
+    """The throughput part's saved weights if it left them, else built and written here."""
+    from tandem.model.loader import DTYPES
+
+    shared = ctx.shared.pop(SHARED_MODEL_DIR, None)
+    if shared is not None and Path(shared).is_dir():
+        return Path(shared), {"weights_from": "the throughput part's directory"}
+    s, dev = ctx.sizes, ctx.device
+    t0 = time.perf_counter()
+    hf = build_random_llama(s.tp_shape, DTYPES[s.tp_dtype], dev)
+    sync(dev)
+    build_s = time.perf_counter() - t0
+    need = sum(p.numel() * p.element_size() for p in hf.parameters())
+    free = shutil.disk_usage(ctx.tmp_dir).free
+    if free < 1.2 * need:
+        raise RuntimeError(
+            f"{ctx.tmp_dir} has {free / 2**30:.1f} GiB free, need {need / 2**30:.1f}"
+        )
+    out = ctx.tmp_dir / "e2e-model"
+    t0 = time.perf_counter()
+    save_sharded(hf, out)
+    del hf
+    free_memory(dev)
+    figures = {
+        "weights_from": "built by this part",
+        "hf_build_s": round(build_s, 2),
+        "weights_write_s": round(time.perf_counter() - t0, 2),
+    }
+    ctx.log(f"e2e: built and wrote the weights ({figures})")
+    return out, figures
+
+
+def step_bytes(engine: Any) -> tuple[int, int]:
+    """(weight bytes a decode step reads, all weight bytes): all but the embedding table,
+    unless the LM head is that table."""
+    weights = engine.model.weights
+    total = weights.num_bytes()
+    tied = weights.lm_head.data_ptr() == weights.embed.data_ptr()
+    embed = weights.embed.numel() * weights.embed.element_size()
+    return (total if tied else total - embed), total
+
+
+def measure_itl(engine: Any, prompt: list[int], ctx: Context) -> tuple[Figures, list[int]]:
+    """One greedy request: per-step wall times; ITL over the decode steps after the warm
+    ones. Returns (figures, generated tokens)."""
+    s, dev = ctx.sizes, ctx.device
+    n = 1 + s.e2e_warm_steps + s.e2e_steps
+    params = sampling_params(max_tokens=n, temperature=0.0, ignore_eos=True)
+    engine.add_request("itl", prompt, params)
+    graphs = engine.runner.graphs
+    replays = 0
+    if graphs is not None:
+        replay = graphs.replay
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal replays
+            replays += 1
+            return replay(*args, **kwargs)
+
+        graphs.replay = counted  # counts the steps served by a graph (instance attribute)
+    step_s: list[float] = []
+    tokens: list[int] = []
+    try:
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+            sync(dev)
+            step_s.append(time.perf_counter() - t0)
+    finally:
+        if graphs is not None:
+            del graphs.replay
+    decode_s = sorted(step_s[1 + s.e2e_warm_steps :])  # step 0: the prompt's prefill
+    figures = {
+        "itl_ms": round(statistics.median(decode_s) * 1e3, 3),
+        "itl_ms_min": round(decode_s[0] * 1e3, 3),
+        "itl_ms_p90": round(decode_s[int(0.9 * (len(decode_s) - 1))] * 1e3, 3),
+        "prefill_step_ms": round(step_s[0] * 1e3, 3),
+        "timed_steps": len(decode_s),
+        "graph_replays": replays,
+        "steps": len(step_s),
+    }
+    return figures, tokens
+
+
+def run_engine(
+    ctx: Context, model_dir: Path, cuda_graphs: bool, prompt: list[int]
+) -> tuple[Figures, list[int], tuple[int, int]]:
+    """Load, warm up, measure, free one engine. Returns (figures, tokens, step_bytes)."""
+    s, dev = ctx.sizes, ctx.device
+    t0 = time.perf_counter()
+    engine = make_engine(
+        model_dir,
+        dev,
+        s.tp_dtype,
+        block_size=BLOCK_SIZE,
+        num_blocks=s.e2e_num_blocks,
+        max_model_len=min(s.e2e_num_blocks * BLOCK_SIZE, s.tp_shape["max_position_embeddings"]),
+        max_num_seqs=s.e2e_max_num_seqs,
+        max_num_batched_tokens=s.e2e_max_num_batched_tokens,
+        attention_backend="auto" if ctx.cuda else "torch",
+        cuda_graphs=cuda_graphs,
+    )
+    sync(dev)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    logging.getLogger("tandem").setLevel(logging.INFO)  # the graph capture's line
+    try:
+        engine.warm_up()
+    finally:
+        logging.getLogger("tandem").setLevel(logging.WARNING)
+    sync(dev)
+    warm_s = time.perf_counter() - t0
+    graphs = engine.runner.graphs
+    figures: Figures = {
+        "load_s": round(load_s, 2),
+        "warm_up_s": round(warm_s, 2),
+        "attention_backend": type(engine.model.attention).__name__,
+        "cuda_graph_sizes": list(graphs.sizes) if graphs is not None else None,
+    }
+    itl, tokens = measure_itl(engine, prompt, ctx)
+    figures.update(itl)
+    nbytes = step_bytes(engine)
+    del engine, graphs
+    free_memory(dev)
+    return figures, tokens, nbytes
+
+
+def throughput_target(ctx: Context) -> Figures:
+    """The throughput part's engine / HF ratio, when it ran ok in this run."""
+    record = ctx.results.get("throughput")
+    measured = None
+    if record is not None and record.get("status") == "ok":
+        measured = record["figures"].get("ratio_engine_over_hf")
+    note = None if measured is not None else "the throughput part did not run ok in this run"
+    return {
+        "ratio_engine_over_hf": THROUGHPUT_TARGET,
+        "measured": measured,
+        "met": None if measured is None else measured >= THROUGHPUT_TARGET,
+        "note": note,
+    }
+
+
+def check_e2e(ctx: Context) -> Figures:
+    s, dev = ctx.sizes, ctx.device
+    figures: Figures = {
+        "mode": "benchmark" if ctx.cuda else SMOKE,
+        "model_shape": s.tp_shape,
+        "dtype": s.tp_dtype,
+        "prompt_len": s.e2e_prompt_len,
+        "engine": {
+            "num_blocks": s.e2e_num_blocks,
+            "block_size": BLOCK_SIZE,
+            "max_num_seqs": s.e2e_max_num_seqs,
+            "max_num_batched_tokens": s.e2e_max_num_batched_tokens,
+        },
+    }
+    figures["copy"] = copy_bandwidth(dev, s.kn_copy_bytes, reps=s.kn_reps)
+    free_memory(dev)
+    ctx.log(f"e2e: device copy {figures['copy']['gb_s']} GB/s (read + written)")
+    model_dir, source = weights_dir(ctx)
+    figures.update(source)
+    rng = random.Random(0)
+    prompt = rng.choices(range(1, s.tp_shape["vocab_size"]), k=s.e2e_prompt_len)
+    try:
+        tokens: dict[str, list[int]] = {}
+        if ctx.cuda:
+            figures["graphs"], tokens["graphs"], nbytes = run_engine(ctx, model_dir, True, prompt)
+            g = figures["graphs"]
+            ctx.log(f"e2e: CUDA graphs: ITL {g['itl_ms']} ms ({g['graph_replays']} replays)")
+            if not g["cuda_graph_sizes"] or g["graph_replays"] < g["steps"] - 1:
+                raise PartFailed(
+                    f"CUDA graphs: sizes {g['cuda_graph_sizes']}, {g['graph_replays']} replays "
+                    f"for {g['steps'] - 1} decode steps: decode steps did not replay graphs",
+                    figures,
+                )
+        else:
+            figures["graphs"] = {
+                "status": "skipped",
+                "reason": "CUDA graphs need CUDA; the CPU engine runs attention_backend torch",
+            }
+        figures["eager"], tokens["eager"], nbytes = run_engine(ctx, model_dir, False, prompt)
+        ctx.log(f"e2e: eager: ITL {figures['eager']['itl_ms']} ms")
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+
+    measured = figures["graphs"] if ctx.cuda else figures["eager"]
+    if ctx.cuda:
+        figures["graphs_speedup"] = round(figures["eager"]["itl_ms"] / measured["itl_ms"], 3)
+        # Not a check: a split-K count that differs with the graph's block-table width changes
+        # fp32 summation order, and random weights give near-ties that greedy can flip.
+        figures["tokens_identical_graphs_vs_eager"] = tokens["graphs"] == tokens["eager"]
+    read_bytes, total_bytes = nbytes
+    roofline_s = read_bytes / (figures["copy"]["gb_s"] * 1e9)
+    ratio = roofline_s * 1e3 / measured["itl_ms"]
+    figures["roofline"] = {
+        "weight_bytes": total_bytes,
+        "weight_bytes_read_per_step": read_bytes,
+        "itl_roofline_ms": round(roofline_s * 1e3, 3),
+        "itl_measured_ms": measured["itl_ms"],
+        "measured_with": "cuda graphs" if ctx.cuda else "eager (CPU)",
+        "ratio": round(ratio, 3),
+        "target": ROOFLINE_TARGET,
+        "met": ratio >= ROOFLINE_TARGET if ctx.cuda else None,
+    }
+    figures["throughput_target"] = throughput_target(ctx)
+    if not ctx.cuda:
+        for target in (figures["roofline"], figures["throughput_target"]):
+            target.update(met=None, note="not judged: a smoke run")
+    ctx.log(
+        f"e2e: roofline {figures['roofline']['itl_roofline_ms']} ms / measured "
+        f"{measured['itl_ms']} ms = {ratio:.2f} (target {ROOFLINE_TARGET}); throughput "
+        f"engine/HF {figures['throughput_target']['measured']} (target {THROUGHPUT_TARGET})"
+    )
+    return figures
