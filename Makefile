@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint unit bench clean deploy-tools
+.PHONY: install up test lint unit bench clean deploy-tools image
 
 # torch==2.13.0 (CPU) is pinned in pyproject.toml and installed in the same pip command as
 # transformers, so pip never pulls the multi-GB CUDA build.
@@ -34,6 +34,12 @@ unit: install deploy-tools
 	$(BIN)/pytest -q
 
 test: lint unit
+
+# OCI image without a registry (mmdebstrap + buildah; see deploy/image/README.md):
+# dist/tandem-<version>-<VARIANT>.oci.tar and localhost/tandem:<version>-<VARIANT>.
+VARIANT ?= cpu
+image: install
+	scripts/build-image.sh $(VARIANT)
 
 bench: install
 	$(BIN)/python benchmarks/bench_engine.py all

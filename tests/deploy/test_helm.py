@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import tomllib
 import typing
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,18 @@ def _workloads(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
 
 
+def _pod(objects: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    """The pod spec of a component's Deployment."""
+    return dict(one(objects, "Deployment", _name(component))["spec"]["template"]["spec"])
+
+
+def _values(tmp_path: Path, values: dict[str, Any]) -> list[str]:
+    """`-f FILE` flags for a values file holding `values`."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return ["-f", str(path)]
+
+
 def _schema() -> dict[str, Any]:
     return dict(json.loads((CHART / "values.schema.json").read_text()))
 
@@ -222,6 +235,183 @@ def test_a_component_startup_probe_overrides_the_shared_one(helm: Helm) -> None:
         helm.render("--set", "decode.startupProbe.failureTreshold=3")  # a typo is refused
 
 
+# -- image ---------------------------------------------------------------------------------------
+
+
+def _tandem_images(objects: list[dict[str, Any]]) -> set[str]:
+    """The images of every container (init containers included) outside Redis."""
+    images = set()
+    for workload in _workloads(objects):
+        if _component(workload) == "redis":
+            continue
+        pod = workload["spec"]["template"]["spec"]
+        images |= {c["image"] for c in pod["containers"] + pod.get("initContainers", [])}
+    return images
+
+
+@pytest.mark.parametrize(
+    ("flags", "image"),
+    [
+        ([], "localhost/tandem:0.1.0-cpu"),  # `make image` (VARIANT=cpu)
+        (["-f", str(GPU_VALUES)], "localhost/tandem:0.1.0-cuda"),  # `make image VARIANT=cuda`
+        (["--set", "image.variant=cuda"], "localhost/tandem:0.1.0-cuda"),
+        (
+            ["--set", "image.repository=registry.example.com/tandem"],
+            "registry.example.com/tandem:0.1.0-cpu",
+        ),
+        # An explicit tag is used as is: no variant suffix.
+        (["-f", str(GPU_VALUES), "--set", "image.tag=nightly"], "localhost/tandem:nightly"),
+    ],
+    ids=["default", "gpu", "variant", "repository", "tag"],
+)
+def test_image_is_the_make_image_name(helm: Helm, flags: list[str], image: str) -> None:
+    assert _tandem_images(helm.render(*flags)) == {image}
+
+
+def test_app_version_is_the_package_version() -> None:
+    """`make image` tags the image with pyproject's version; the chart's default tag is its
+    appVersion: the two move together."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((CHART.parents[2] / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+
+
+# -- per-role pod settings -----------------------------------------------------------------------
+
+TANDEM_COMPONENTS = ("router", "prefill", "decode", "controller")
+
+
+def test_per_role_pod_settings(helm: Helm, tmp_path: Path) -> None:
+    """runtimeClassName, priorityClassName, extraVolumes (pod) and extraVolumeMounts (the main
+    container) per component, next to its own nodeSelector, tolerations and affinity."""
+    node_affinity = {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["serving"]}]}
+            ]
+        }
+    }
+    values = {
+        component: {
+            "runtimeClassName": f"rc-{component}",
+            "priorityClassName": f"pc-{component}",
+            "extraVolumes": [{"name": "extra", "configMap": {"name": f"cm-{component}"}}],
+            "extraVolumeMounts": [{"name": "extra", "mountPath": "/etc/extra", "readOnly": True}],
+            "nodeSelector": {"pool": component},
+            "tolerations": [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": node_affinity},
+        }
+        for component in TANDEM_COMPONENTS
+    }
+    objects = helm.render(*_values(tmp_path, values))
+    for component in TANDEM_COMPONENTS:
+        pod = _pod(objects, component)
+        assert pod["runtimeClassName"] == f"rc-{component}"
+        assert pod["priorityClassName"] == f"pc-{component}"
+        assert pod["nodeSelector"] == {"pool": component}
+        assert pod["tolerations"] == values[component]["tolerations"]
+        assert pod["affinity"] == {"nodeAffinity": node_affinity}
+        # Appended after the chart's own volumes (the model's; none for the controller).
+        model = [] if component == "controller" else ["model"]
+        assert [v["name"] for v in pod["volumes"]] == [*model, "extra"]
+        assert pod["volumes"][-1] == {"name": "extra", "configMap": {"name": f"cm-{component}"}}
+        (container,) = pod["containers"]
+        assert container["volumeMounts"][-1] == {
+            "name": "extra",
+            "mountPath": "/etc/extra",
+            "readOnly": True,
+        }
+        for init in pod.get("initContainers", []):  # the model generator keeps its own
+            assert [m["name"] for m in init["volumeMounts"]] == ["model"]
+    manifest = yaml.safe_dump_all(objects)
+    proc = kubernetes_validate(manifest, "1.30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    # Left empty (the default), none of them is rendered.
+    objects = helm.render()
+    for component in TANDEM_COMPONENTS:
+        pod = _pod(objects, component)
+        assert not {"runtimeClassName", "priorityClassName"} & set(pod)
+    assert "volumes" not in _pod(objects, "controller")
+    assert "volumeMounts" not in _pod(objects, "controller")["containers"][0]
+
+
+# -- placement preset ----------------------------------------------------------------------------
+
+
+def test_placement_preset_is_off_by_default(helm: Helm) -> None:
+    for flags in ([], ["-f", str(GPU_VALUES)]):
+        for workload in _workloads(helm.render(*flags)):
+            pod = workload["spec"]["template"]["spec"]
+            assert "podAffinity" not in pod.get("affinity", {})
+            assert "topologySpreadConstraints" not in pod
+
+
+@pytest.mark.parametrize("topology_key", [None, "example.com/rack"])
+def test_colocated_pools(helm: Helm, tmp_path: Path, topology_key: str | None) -> None:
+    """placement.colocatePools: prefill prefers the topology domains of decode pods and vice
+    versa (KV moves over the local fabric); each worker role spreads across nodes."""
+    own_term = {
+        "weight": 5,
+        "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": {"app": "cache"}},
+        },
+    }
+    placement: dict[str, Any] = {"colocatePools": True}
+    if topology_key:
+        placement["topologyKey"] = topology_key
+    values = {
+        "placement": placement,
+        # A role's own affinity stays; the preset's term is appended to it.
+        "prefill": {
+            "affinity": {
+                "podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [own_term]}
+            }
+        },
+    }
+    objects = helm.render(*_values(tmp_path, values))
+    release = {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": RELEASE}
+    for role, peer, own in (("prefill", "decode", [own_term]), ("decode", "prefill", [])):
+        pod = _pod(objects, role)
+        assert pod["affinity"] == {
+            "podAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    *own,
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "labelSelector": {
+                                "matchLabels": {**release, "app.kubernetes.io/component": peer}
+                            },
+                            "topologyKey": topology_key or "topology.kubernetes.io/zone",
+                        },
+                    },
+                ]
+            }
+        }
+        assert pod["topologySpreadConstraints"] == [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": {**release, "app.kubernetes.io/component": role}},
+            }
+        ]
+    for component in ("router", "controller"):
+        pod = _pod(objects, component)
+        assert "affinity" not in pod and "topologySpreadConstraints" not in pod
+    # The values are not changed in place: the user's term is there once.
+    assert (
+        _pod(objects, "prefill")["affinity"]["podAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ].count(own_term)
+        == 1
+    )
+    proc = kubernetes_validate(yaml.safe_dump_all(objects), "1.30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 # -- values.schema.json ----------------------------------------------------------------------
 
 
@@ -238,6 +428,12 @@ def test_a_component_startup_probe_overrides_the_shared_one(helm: Helm) -> None:
         ("controller.config.actuator=k8s", "controller.config.actuator must be one of"),
         ("prefill.port=0", "prefill.port: Must be greater than or equal to 1"),
         ("routr.replicas=2", "Additional property routr is not allowed"),
+        ("image.variant=rocm", 'image.variant must be one of the following: "cpu", "cuda"'),
+        ("prefill.runtimeClassName=1", "prefill.runtimeClassName: Invalid type. Expected: string"),
+        ("router.extraVolumeMounts[0].name=x", "router.extraVolumeMounts.0: mountPath is required"),
+        ("placement.colocatePools=yes", "placement.colocatePools: Invalid type"),
+        ("placement.colocate=true", "Additional property colocate is not allowed"),
+        ("model.baked=1", "model.baked: Invalid type. Expected: boolean"),
     ],
 )
 def test_schema_rejects_bad_values(helm: Helm, flag: str, message: str) -> None:
@@ -400,29 +596,72 @@ def test_fixed_worker_counts_without_the_kubernetes_actuator(helm: Helm, flags: 
     assert one(objects, "Deployment", _name("decode"))["spec"]["replicas"] == 5
 
 
+MODEL_PODS = ("router", "prefill", "decode")  # the pods that read the model
+
+
+def test_generated_demo_model_by_default(helm: Helm) -> None:
+    """Neither model.volume nor model.baked: an init container writes the demo model into an
+    emptyDir that the main container mounts read-only."""
+    objects = helm.render()
+    for component in MODEL_PODS:
+        pod = _pod(objects, component)
+        (init,) = pod["initContainers"]
+        assert init["name"] == "make-model"
+        assert init["command"] == [
+            "tandem", "make-tiny-model", "/models/tandem-tiny-small", "--preset", "small"
+        ]  # fmt: skip
+        assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
+        assert pod["volumes"] == [{"name": "model", "emptyDir": {}}]
+        (container,) = pod["containers"]
+        assert container["volumeMounts"] == [
+            {"name": "model", "mountPath": "/models", "readOnly": True}
+        ]
+    assert "initContainers" not in _pod(objects, "controller")
+
+
 def test_model_volume_from_values(helm: Helm, tmp_path: Path) -> None:
-    values = tmp_path / "values.yaml"
-    values.write_text(
-        yaml.safe_dump(
-            {
-                "model": {
-                    "dir": "/weights/llama",
-                    "mountPath": "/weights",
-                    "volume": {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}},
-                }
-            }
-        )
-    )
-    objects = helm.render("-f", str(values))
-    for component in ("router", "prefill", "decode"):
-        pod = one(objects, "Deployment", _name(component))["spec"]["template"]["spec"]
+    values = {
+        "model": {
+            "dir": "/weights/llama",
+            "mountPath": "/weights",
+            "volume": {"persistentVolumeClaim": {"claimName": "llama", "readOnly": True}},
+        }
+    }
+    objects = helm.render(*_values(tmp_path, values))
+    for component in MODEL_PODS:
+        pod = _pod(objects, component)
         assert "initContainers" not in pod  # nothing to generate
         assert pod["volumes"] == [
             {"name": "model", "persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}
         ]
+        assert pod["containers"][0]["volumeMounts"] == [
+            {"name": "model", "mountPath": "/weights", "readOnly": True}
+        ]
         assert env_of(pod["containers"][0])["TANDEM_MODEL_DIR"] == "/weights/llama"
     with pytest.raises(HelmError, match="model.dir .* must lie under model.mountPath"):
         helm.template("--set", "model.dir=/elsewhere/llama")
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["default", "gpu"])
+def test_baked_model(helm: Helm, tmp_path: Path, gpu: bool) -> None:
+    """model.baked: the model is at model.dir inside the image: no model volume, no mount, no
+    init container (and model.dir need not lie under mountPath)."""
+    values = {"model": {"baked": True, "dir": "/opt/tandem/model", "volume": None}}
+    objects = helm.render(*(["-f", str(GPU_VALUES)] if gpu else []), *_values(tmp_path, values))
+    for component in MODEL_PODS:
+        pod = _pod(objects, component)
+        (container,) = pod["containers"]
+        assert "initContainers" not in pod
+        assert env_of(container)["TANDEM_MODEL_DIR"] == "/opt/tandem/model"
+        volumes = [v["name"] for v in pod.get("volumes", [])]
+        mounts = [m["name"] for m in container.get("volumeMounts", [])]
+        # The GPU workers keep their memory-backed /dev/shm; nothing else is mounted.
+        shm = ["dshm"] if gpu and component != "router" else []
+        assert volumes == shm and mounts == shm, component
+    proc = kubernetes_validate(yaml.safe_dump_all(objects), "1.30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with pytest.raises(HelmError, match="either model.baked .* or model.volume, not both"):
+        helm.template("-f", str(GPU_VALUES), "--set", "model.baked=true")
 
 
 def test_gpu_values(helm: Helm) -> None:
@@ -447,6 +686,7 @@ def test_gpu_values(helm: Helm) -> None:
         assert "IPC_LOCK" in container["securityContext"]["capabilities"]["add"]
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert pod["nodeSelector"]
+        assert pod["runtimeClassName"] == "nvidia"
         drain = float(env["TANDEM_DRAIN_TIMEOUT_S"])
         assert pod["terminationGracePeriodSeconds"] > drain
         assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod[
@@ -455,6 +695,8 @@ def test_gpu_values(helm: Helm) -> None:
     router = containers(one(objects, "Deployment", _name("router")))[0]
     assert not any(name.startswith("UCX_") for name in env_of(router))
     assert "nvidia.com/gpu" not in json.dumps(router)
+    for component in ("router", "controller"):  # no GPU: the cluster's default runtime
+        assert "runtimeClassName" not in _pod(objects, component)
 
 
 # -- Redis -------------------------------------------------------------------------------------

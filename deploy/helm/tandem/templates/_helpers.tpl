@@ -41,8 +41,16 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: tandem
 {{- end -}}
 
+{{/*
+The Tandem image: image.tag when set, else "<appVersion>-<image.variant>", the tag
+`make image VARIANT=<variant>` gives (localhost/tandem:0.1.0-cpu, localhost/tandem:0.1.0-cuda).
+*/}}
 {{- define "tandem.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- if .Values.image.tag -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- else -}}
+{{- printf "%s:%s-%s" .Values.image.repository .Chart.AppVersion (.Values.image.variant | default "cpu") -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -129,25 +137,68 @@ startupProbe:
   {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" $startup) | trim | nindent 2 }}
 {{- end -}}
 
-{{/* The model volume and its read-only mount (+ the generator init container when no
-volume is given). */}}
-{{- define "tandem.modelVolume" -}}
+{{/*
+Where the model comes from, one of:
+  volume     model.volume, a pod volume source mounted read-only at model.mountPath
+  baked      model.baked: the model is at model.dir inside the image (no volume, no init)
+  generated  neither: an init container writes the demo model into an emptyDir
+*/}}
+{{- define "tandem.modelSource" -}}
+{{- if .Values.model.baked -}}
+baked
+{{- else if .Values.model.volume -}}
+volume
+{{- else -}}
+generated
+{{- end -}}
+{{- end -}}
+
+{{/*
+A pod's volumes: the model's (unless baked), the workers' memory-backed /dev/shm (with
+transfer.shmSizeLimit), then the component's extraVolumes. Empty when there are none.
+Call with (dict "root" $ "model" true "shm" false "extra" .extraVolumes).
+*/}}
+{{- define "tandem.volumes" -}}
+{{- $values := .root.Values }}
+{{- if and .model (ne (include "tandem.modelSource" .root) "baked") }}
 - name: model
-{{- if .Values.model.volume }}
-  {{- toYaml .Values.model.volume | nindent 2 }}
+{{- if $values.model.volume }}
+  {{- toYaml $values.model.volume | nindent 2 }}
 {{- else }}
   emptyDir: {}
 {{- end }}
+{{- end }}
+{{- if and .shm $values.transfer.shmSizeLimit }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ $values.transfer.shmSizeLimit }}
+{{- end }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
-{{- define "tandem.modelMount" -}}
+{{/* The main container's volumeMounts matching tandem.volumes (same arguments, "extra":
+the component's extraVolumeMounts). */}}
+{{- define "tandem.volumeMounts" -}}
+{{- $values := .root.Values }}
+{{- if and .model (ne (include "tandem.modelSource" .root) "baked") }}
 - name: model
-  mountPath: {{ .Values.model.mountPath }}
+  mountPath: {{ $values.model.mountPath }}
   readOnly: true
+{{- end }}
+{{- if and .shm $values.transfer.shmSizeLimit }}
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{- define "tandem.modelInit" -}}
-{{- if not .Values.model.volume }}
+{{- if eq (include "tandem.modelSource" .) "generated" }}
 - name: make-model
   image: {{ include "tandem.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -164,7 +215,10 @@ volume is given). */}}
 
 {{/* Chart-wide checks, included once from the router template. */}}
 {{- define "tandem.validate" -}}
-{{- if not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.model.mountPath)) .Values.model.dir) -}}
+{{- if and .Values.model.baked .Values.model.volume -}}
+{{- fail "set either model.baked (the model is in the image) or model.volume, not both" -}}
+{{- end -}}
+{{- if and (not .Values.model.baked) (not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.model.mountPath)) .Values.model.dir)) -}}
 {{- fail (printf "model.dir (%s) must lie under model.mountPath (%s)" .Values.model.dir .Values.model.mountPath) -}}
 {{- end -}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
@@ -172,7 +226,7 @@ volume is given). */}}
 {{- end -}}
 {{- end -}}
 
-{{/* Pod scheduling fields of a component's values. */}}
+{{/* Pod scheduling fields of a component's values (nodeSelector, tolerations, affinity). */}}
 {{- define "tandem.scheduling" -}}
 {{- with .nodeSelector }}
 nodeSelector:
@@ -184,6 +238,43 @@ tolerations:
 {{- end }}
 {{- with .affinity }}
 affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Pod settings of a Tandem component (router, prefill, decode, controller): runtimeClassName,
+priorityClassName and the scheduling fields, plus the placement preset for the workers. With
+placement.colocatePools a prefill pod prefers a topology domain (placement.topologyKey) that
+holds decode pods and vice versa, so KV moves over the local fabric, and each worker role
+spreads its own pods across nodes. The preset's pod-affinity term is appended to the
+component's own `affinity`, which stays as given otherwise.
+Call with (dict "root" $ "component" "prefill" "values" .Values.prefill).
+*/}}
+{{- define "tandem.podSettings" -}}
+{{- $values := .values }}
+{{- with $values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- $affinity := deepCopy ($values.affinity | default dict) }}
+{{- $spread := list }}
+{{- $peer := get (dict "prefill" "decode" "decode" "prefill") .component }}
+{{- if and .root.Values.placement.colocatePools $peer }}
+{{- $peerLabels := include "tandem.selectorLabels" (dict "root" .root "component" $peer) | fromYaml }}
+{{- $term := dict "weight" 100 "podAffinityTerm" (dict "labelSelector" (dict "matchLabels" $peerLabels) "topologyKey" .root.Values.placement.topologyKey) }}
+{{- $podAffinity := get $affinity "podAffinity" | default dict }}
+{{- $preferred := get $podAffinity "preferredDuringSchedulingIgnoredDuringExecution" | default list }}
+{{- $_ := set $podAffinity "preferredDuringSchedulingIgnoredDuringExecution" (append $preferred $term) }}
+{{- $_ := set $affinity "podAffinity" $podAffinity }}
+{{- $ownLabels := include "tandem.selectorLabels" . | fromYaml }}
+{{- $spread = list (dict "maxSkew" 1 "topologyKey" "kubernetes.io/hostname" "whenUnsatisfiable" "ScheduleAnyway" "labelSelector" (dict "matchLabels" $ownLabels)) }}
+{{- end }}
+{{- include "tandem.scheduling" (dict "nodeSelector" $values.nodeSelector "tolerations" $values.tolerations "affinity" $affinity) }}
+{{- with $spread }}
+topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
