@@ -20,6 +20,14 @@ if not torch.cuda.is_available():
 # started by tests keep their own defaults).
 torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the container image build last: committing and archiving a multi-GB image leaves
+    the disk busy writing back for a while, which the timing-sensitive service tests that
+    would otherwise follow it should not share."""
+    items.sort(key=lambda item: "tests/deploy/test_image.py" in item.nodeid)
+
+
 # Tiny decoder shapes per family; each exercises a different code path of the model.
 ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(cls="LlamaConfig"),

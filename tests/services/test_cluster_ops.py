@@ -31,15 +31,18 @@ def model_dir(tmp_path_factory) -> Path:
 def generate_until(client: TandemClient, predicate, timeout_s: float = 30.0, **kwargs):
     """Send requests until one satisfies `predicate` (workers join asynchronously)."""
     deadline = time.monotonic() + timeout_s
+    last: object = None
     while True:
         try:
             result = client.generate([5, 6, 7], max_tokens=2, **kwargs)
             if predicate(result):
                 return result
+            last = (result.decode_worker, result.route_reason)
         except TandemError as exc:
             if exc.code != grpc.StatusCode.UNAVAILABLE:
                 raise
-        assert time.monotonic() < deadline, "condition never reached"
+            last = exc
+        assert time.monotonic() < deadline, f"condition never reached; last: {last!r}"
         time.sleep(0.1)
 
 
@@ -140,7 +143,7 @@ def test_router_follows_joins_and_departures_and_drain_finishes_requests(
             assert started.wait(60)  # the long request is running on d0, the only worker
             d1, _ = worker("decode", model_dir, url, "d1")
             # d1 joins without a router restart and, being idle, gets the next requests
-            generate_until(client, lambda r: r.decode_worker == "d1")
+            generate_until(client, lambda r: r.decode_worker == "d1", timeout_s=90)
             # SIGTERM: d0 stops admitting, finishes its in-flight request, deregisters
             d0.send_signal(signal.SIGTERM)
             release.set()
