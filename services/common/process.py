@@ -29,14 +29,12 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
 
 
 def setup_logging(name: str) -> None:
-    """Log to stderr as `name`, and configure the native libraries (every service calls this
-    first, before it creates a KV transport)."""
+    """Log to stderr as `name`."""
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    configure_native_libraries()
 
 
 def configure_native_libraries(environ: MutableMapping[str, str] = os.environ) -> None:

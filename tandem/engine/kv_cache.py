@@ -11,22 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config import CacheConfig
-from tandem.engine.memory import blocks_for_bytes
 from tandem.model.config import ModelConfig
 
 
 def block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block across all layers."""
     return block_size * model.kv_elements_per_token * dtype.itemsize
-
-
-def num_blocks_for(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> int:
-    """Blocks that fit the CPU byte budget (or the explicit `num_blocks`)."""
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    per_block = block_bytes(model, cache.block_size, dtype)
-    return blocks_for_bytes(cache.kv_cache_bytes, per_block, "kv_cache_bytes", 1).num_blocks
 
 
 def allocate_kv_cache(

@@ -11,7 +11,7 @@ import torch
 
 from tandem.client import TandemClient
 from tandem.config import CacheConfig
-from tandem.engine.kv_cache import num_blocks_for
+from tandem.engine.kv_cache import block_bytes
 from tandem.model.config import ModelConfig
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -48,10 +48,9 @@ def test_engine_settings_reach_the_worker_process(cluster, tiny_model_dir: Path)
     with grpc.insecure_channel(decode_address) as channel:
         stats = wgrpc.DecodeWorkerStub(channel).GetStats(wpb.GetStatsRequest(), timeout=10)
     model = ModelConfig.from_dir(tiny_model_dir)
-    cache = CacheConfig(kv_cache_bytes=KV_BYTES)
     # bfloat16 KV takes half the bytes per block of float32: twice the blocks in the budget.
-    assert stats.num_blocks == num_blocks_for(model, cache, torch.bfloat16)
-    assert stats.num_blocks == 2 * num_blocks_for(model, cache, torch.float32)
+    assert stats.num_blocks == KV_BYTES // block_bytes(model, 16, torch.bfloat16)
+    assert stats.num_blocks == 2 * (KV_BYTES // block_bytes(model, 16, torch.float32))
     log = (logs / "decode.log").read_text()
     assert "dtype='bfloat16'" in log and "device='cpu'" in log
     assert "long_prefill_token_threshold=8" in log

@@ -18,7 +18,12 @@ from grpc_health.v1 import health, health_pb2
 from services.common import convert
 from services.common.errors import invalid_argument, rpc, unavailable
 from services.common.flags import parse_config
-from services.common.process import run_until_signal, setup_logging, start_grpc_server
+from services.common.process import (
+    configure_native_libraries,
+    run_until_signal,
+    setup_logging,
+    start_grpc_server,
+)
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
 from services.common.worker.engine_loop import EngineLoop
@@ -272,6 +277,7 @@ def run_worker(server_cls: type[Worker], role: str) -> None:
     """Entry point of `python -m services.<role>`: flags -> WorkerConfig -> serve until stop."""
     config = parse_config(WorkerConfig, prog=f"python -m services.{role}", fixed={"role": role})
     setup_logging(role)
+    configure_native_libraries()  # before the worker creates its transport
 
     async def run() -> None:
         server = server_cls(config)
