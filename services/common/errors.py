@@ -17,25 +17,41 @@ import grpc
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class ServiceError(Exception):
-    """A request ends with gRPC status `code` and `message`."""
+# Trailing metadata key of a pushback hint: how many milliseconds to wait before a retry.
+RETRY_AFTER_KEY = "tandem-retry-after-ms"
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+
+class ServiceError(Exception):
+    """A request ends with gRPC status `code` and `message`; `retry_after_s`, when set, is
+    sent as the `tandem-retry-after-ms` trailer (and in the router's in-stream Error)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after_ms(self) -> int:
+        return 0 if self.retry_after_s is None else max(1, round(self.retry_after_s * 1e3))
 
 
 def invalid_argument(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def unavailable(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+def unavailable(message: str, retry_after_s: float | None = None) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message, retry_after_s)
 
 
-def resource_exhausted(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+def resource_exhausted(message: str, retry_after_s: float | None = None) -> ServiceError:
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s)
+
+
+def already_exists(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.ALREADY_EXISTS, message)
 
 
 def failed_precondition(message: str) -> ServiceError:
@@ -55,14 +71,28 @@ def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
     ):
-        return ServiceError(code, exc.details() or code.name)
-    return unavailable(f"worker failed ({code.name}: {exc.details()}); retry")
+        return ServiceError(code, exc.details() or code.name, retry_after(exc))
+    return unavailable(f"worker failed ({code.name}: {exc.details()}); retry", retry_after(exc))
+
+
+def retry_after(exc: grpc.RpcError) -> float | None:
+    """The pushback hint (seconds) a failed call's trailers carry, if any."""
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, int(value) / 1e3)
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> NoReturn:
     """End the RPC with `error` (context.abort raises; this tells the type checker so)."""
-    await context.abort(error.code, error.message)
+    trailers = ((RETRY_AFTER_KEY, str(error.retry_after_ms)),) if error.retry_after_ms else ()
+    await context.abort(error.code, error.message, trailers)
     raise AssertionError("unreachable: context.abort raises")
 
 

@@ -125,7 +125,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "first_token_ms", "total_ms", "disaggregated", "prefill_worker", "decode_worker", "kv_transfer_ms", "route_reason", "route_cached_tokens", "index_degraded")
+    __slots__ = ("queue_ms", "first_token_ms", "total_ms", "disaggregated", "prefill_worker", "decode_worker", "kv_transfer_ms", "route_reason", "route_cached_tokens", "index_degraded", "migrations", "reprefills", "recoveries")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,9 @@ class Timings(_message.Message):
     ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     ROUTE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    REPREFILLS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     first_token_ms: float
     total_ms: float
@@ -146,7 +149,10 @@ class Timings(_message.Message):
     route_reason: str
     route_cached_tokens: int
     index_degraded: bool
-    def __init__(self, queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., disaggregated: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., route_reason: _Optional[str] = ..., route_cached_tokens: _Optional[int] = ..., index_degraded: _Optional[bool] = ...) -> None: ...
+    migrations: int
+    reprefills: int
+    recoveries: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., disaggregated: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., route_reason: _Optional[str] = ..., route_cached_tokens: _Optional[int] = ..., index_degraded: _Optional[bool] = ..., migrations: _Optional[int] = ..., reprefills: _Optional[int] = ..., recoveries: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "stop_reason", "usage", "timings")
@@ -161,12 +167,14 @@ class Complete(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "retry_after_ms")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "chunk", "complete", "error")
