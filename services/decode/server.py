@@ -4,7 +4,9 @@ With a KV hand-off, Decode reserves local blocks, pulls the prompt's KV from the
 worker (`tandem.transfer.plan_read`: only blocks it does not cache itself; NIXL READ,
 contiguous runs coalesced), then confirms the lease. Only a confirmed lease proves the
 blocks were pinned for the whole read; anything else (lapsed lease, dead prefill worker,
-failed read) discards the copy and recomputes the prompt here: fail closed. A handle whose KV
+failed read) discards the copy: fail closed. The router's request says what follows: with
+`report_kv_failure` the stream ends with `kv_failed` and the router prefills again on another
+prefill worker (tandem.routing.recovery); without, the prompt is recomputed here. A handle whose KV
 layout (dtype, block geometry) differs from this worker's cache is not a transient failure
 but a misconfigured deployment: the call ends with FAILED_PRECONDITION naming the fields, before
 any block is reserved or read. Without a hand-off, the prompt is prefilled here (conditional
@@ -47,6 +49,7 @@ class Pulled(NamedTuple):
     num_cached_tokens: int  # prompt tokens this worker already held (not read)
     num_bytes: int
     transfer_ms: float
+    failure: str = ""  # why not committed
 
 
 class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
@@ -80,11 +83,10 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     async def Decode(
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeResponse]:
-        spec = self.admit(request, context)
+        spec, stream = self.admit(request, context)
         rid = spec.request_id
         outputs = list(request.output_token_ids)
         emitted = request.num_emitted_chars
-        stream = self.loop.open_stream(rid)
         self.num_active_rpcs += 1
         complete = wpb.DecodeComplete()
         try:
@@ -100,6 +102,12 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 complete.kv_transfer_ms = pulled.transfer_ms
                 complete.kv_transfer_bytes = pulled.num_bytes
                 if not pulled.committed:
+                    if request.report_kv_failure:
+                        # The router prefills again elsewhere; our reserved blocks are free.
+                        yield wpb.DecodeResponse(
+                            request_id=rid, kv_failed=wpb.KvFailed(reason=pulled.failure)
+                        )
+                        return
                     self.num_recomputed += 1
                     complete.recomputed = True
                     await self.add_request(spec, outputs, emitted)
@@ -170,14 +178,20 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             # The transport's own check (after ours above): free the reserved blocks unread.
             await self.loop.call(lambda e: e.abort(rid))
             raise self._layout_error(handoff, exc) from None
-        except (TransferError, grpc.aio.AioRpcError) as exc:
-            log.warning("KV pull for %s failed (%s); recomputing locally", rid, exc)
+        except TransferError as exc:
+            failure = f"KV read from {handoff.remote.agent_name} failed: {exc}"
             valid = False
+        except grpc.aio.AioRpcError as exc:
+            failure = f"lease confirm at {handoff.owner_address} failed: {exc.code().name}"
+            valid = False
+        else:
+            failure = "" if valid else f"lease {handoff.lease_id} lapsed before confirm"
         if not valid:
+            log.warning("KV pull for %s not usable (%s)", rid, failure)
             await self.loop.call(lambda e: e.abort(rid))  # drop the reserved blocks unread
         else:
             await self.loop.call(lambda e: e.commit_kv(rid))
-        return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3)
+        return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3, failure)
 
     def _layout_error(self, handoff: KVHandoff, exc: LayoutMismatch) -> ServiceError:
         log.error("KV hand-off from %s refused: %s", handoff.remote.agent_name, exc)

@@ -74,9 +74,8 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> wpb.PrefillResponse:
-        spec = self.admit(request, context)
+        spec, stream = self.admit(request, context)
         rid = spec.request_id
-        stream = self.loop.open_stream(rid)
         self.num_active_rpcs += 1
         handed_off = False
         try:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.routing import RoutingConfig
+from tandem.routing.health import BreakerConfig
+from tandem.routing.recovery import RecoveryConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +25,16 @@ class RouterConfig:
     worker_refresh_s: how often the registry is polled for joins, departures and load.
     index_timeout_s: how long a prefix-index lookup may take before the request is placed
         on load alone.
+    hop_timeout_s: longest a worker may take to answer a Prefill, or between two messages
+        of a Decode stream, before the router counts it as failed and recovers the request
+        elsewhere (a frozen process is found sooner by keepalive).
+    keepalive_s: gRPC keepalive ping interval (and timeout) on worker channels: a frozen or
+        unreachable worker fails its calls within about twice this.
+    request_id_ttl_s: how long a claimed client request id stays claimed in Redis when the
+        call has no deadline (bounds what a crashed router leaves behind).
     routing: the placement policy's knobs (tandem.routing.RoutingConfig).
+    recovery: the per-request retry budget and fallbacks (tandem.routing.recovery).
+    breaker: per-worker circuit breakers from RPC outcomes (tandem.routing.health).
     """
 
     model_dir: str
@@ -37,10 +48,18 @@ class RouterConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     worker_refresh_s: float = 0.5
     index_timeout_s: float = 0.05
+    hop_timeout_s: float = 30.0
+    keepalive_s: float = 1.0
+    request_id_ttl_s: float = 3600.0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
             raise ValueError(f"max_inflight must be positive, got {self.max_inflight}")
+        for name in ("hop_timeout_s", "keepalive_s", "request_id_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.redis_url and not self.decode_addresses:
             raise ValueError("need redis_url or decode_addresses to find workers")

@@ -1,11 +1,13 @@
-"""The router's placement side: which workers exist (Redis registry or static lists), what
-they cache (prefix index, with a deadline), what this router already sent them (in-flight
-load), and the pure policy `tandem.routing.choose` over all of it."""
+"""The router's placement side: which workers exist (Redis registry or static lists), which
+of them this router saw fail (circuit breakers), what they cache (prefix index, with a
+deadline), what this router already sent them (in-flight load), and the pure policy
+`tandem.routing.choose` over all of it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -24,6 +26,7 @@ from tandem.routing import (
     choose,
     prefix_key,
 )
+from tandem.routing.health import CircuitBreakers
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ class Placer:
         self.config = config
         self.model_id = model_id
         self.inflight = InflightLoad()
+        self.breakers = CircuitBreakers(config.breaker)
         self.index_degraded = False
         self._index: RedisPrefixIndex | None = None
         self._registry: Registry | None = None
@@ -77,7 +81,10 @@ class Placer:
         )
         placement = choose(route, self.workers(), self.config.routing)
         if placement is None:
-            raise unavailable("no decode worker available; retry later")
+            raise unavailable(self._no_decode_message(), retry_after_s=1.0)
+        self.claim(placement.decode.worker_id)
+        if placement.prefill is not None:
+            self.claim(placement.prefill.worker_id)
         log.info(
             "route %s: %d tokens, %d blocks, overlap %s -> prefill %s, decode %s (%s)",
             spec.request_id,
@@ -91,7 +98,8 @@ class Placer:
         return placement
 
     def workers(self) -> list[WorkerLoad]:
-        """Every known worker of this model with its load, as the placement policy sees it."""
+        """Every healthy worker of this model with its load, as the placement policy sees it:
+        known to the registry (or listed) and not held out by its circuit breaker."""
         if self._watcher is not None:
             infos = [w for w in self._watcher.snapshot().values() if w.model == self.model_id]
         else:
@@ -103,7 +111,33 @@ class Placer:
                 )
                 for a in addrs
             ]
-        return [self.inflight.with_inflight(w.load()) for w in infos]
+        now = time.monotonic()
+        return [
+            self.inflight.with_inflight(w.load())
+            for w in infos
+            if self.breakers.allows(w.worker_id, now, w.epoch or None)
+        ]
+
+    def claim(self, worker_id: str) -> None:
+        """A request goes to the worker (its probe, if its breaker is half-open)."""
+        self.breakers.claim(worker_id, time.monotonic())
+
+    def worker_ok(self, worker_id: str) -> None:
+        self.breakers.success(worker_id)
+
+    def worker_failed(self, worker_id: str, why: str) -> None:
+        """A worker fault seen by this router: out of rotation until its breaker lets a
+        probe through (or it re-registers as a new incarnation)."""
+        if self.breakers.failure(worker_id, time.monotonic()):
+            log.warning("worker %s out of rotation: %s", worker_id, why)
+
+    def _no_decode_message(self) -> str:
+        held = self.breakers.open_workers(time.monotonic())
+        if held:
+            return (
+                f"no healthy decode worker (recently failed: {', '.join(held)}); retry later"
+            )
+        return "no decode worker available; retry later"
 
     async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:
         """Leading cached blocks per worker, or None when the index cannot answer in time
@@ -129,6 +163,7 @@ class Placer:
             log.info("worker joined: %s (%s) at %s", w.worker_id, w.role, w.address)
         for worker_id in left:
             log.info("worker left: %s", worker_id)
+            self.breakers.forget(worker_id)
             if self._index is not None:  # its cache is gone; so are its index entries
                 self._spawn(self._forget_worker(worker_id))
 

@@ -1,8 +1,8 @@
-"""The router: public Router gRPC service. Tokenize, place, orchestrate, stream.
+"""The router: public Router gRPC service. Admit, tokenize, place, orchestrate, stream.
 
-Generate -> RequestSpec (validated once) -> Placer.place -> P.Prefill -> stream token 1
-         -> D.Decode(kv hand-off) -> stream the rest -> complete
-short prompt -> D.Decode without a hand-off (the decode worker prefills)
+Generate -> admission (sync: id unique, max_inflight) -> id claim across routers (Redis)
+         -> RequestSpec (length checked before tokenizing; tokenized off the event loop)
+         -> Placer.place -> Hops.run: prefill hop, decode hop, recovery on worker faults
 client cancel / deadline / Abort -> Abort on both workers
 """
 
@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -21,41 +21,38 @@ from grpc_health.v1 import health
 
 from services.common import convert, errors
 from services.common.errors import ServiceError, invalid_argument, rpc
-from services.common.process import start_grpc_server
+from services.common.process import channel_options, start_grpc_server
+from services.common.redis.request_ids import RequestIds
 from services.common.redis.request_log import RequestLog
 from services.router.config import RouterConfig
+from services.router.hops import Call, Hops, worker_request_id
 from services.router.placer import Placer
 from tandem.control import RequestSample
 from tandem.engine.request import RequestSpec, check_prompt
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
-from tandem.routing import Dispatch, Placement
+from tandem.routing import Placement
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Router"
+MAX_REQUEST_ID_CHARS = 256
+# Normalizers can drop characters, so the early length check leaves this much slack.
+_PROMPT_CHARS_SLACK = 4
 
 __all__ = ["RouterConfig", "RouterServer"]
 
 
-@dataclass(slots=True)
-class _Call:
-    """A Generate call in flight: where it runs, how far it got, what the client is told."""
-
-    spec: RequestSpec
-    placement: Placement
-    dispatch: Dispatch
-    t_start: float
-    usage: rpb.Usage
-    timings: rpb.Timings
-    worker_call: grpc.aio.Call | None = None
-    aborted: bool = False  # by Router.Abort
-    finished: bool = False  # the client got its `complete`
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.t_start) * 1e3
+def check_request_id(request_id: str) -> None:
+    """A client's request id: a bounded label of printable characters (it appears in logs)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid_argument(
+            f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
+    if not request_id.isprintable():
+        raise invalid_argument("request_id: must be printable (no control characters)")
 
 
 class RouterServer(rgrpc.RouterServicer):
@@ -65,23 +62,41 @@ class RouterServer(rgrpc.RouterServicer):
         self.model_config = ModelConfig.from_dir(config.model_dir)
         self.model_id = config.model_id or config.model_dir.rstrip("/").split("/")[-1]
         self.max_model_len = self.model_config.max_position_embeddings
+        self.max_prompt_chars = (
+            _PROMPT_CHARS_SLACK * self.max_model_len * self.tokenizer.max_token_chars()
+        )
         self.placer = Placer(config, self.model_id)
+        self.hops = Hops(
+            self.placer,
+            self._channel,
+            self._complete,
+            lambda rid, placement: self._spawn(self._abort_workers(rid, placement)),
+            config.hop_timeout_s,
+            config.recovery,
+            config.routing.disagg_min_uncached_tokens,
+        )
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._calls: dict[str, _Call] = {}
+        self._admitted: set[str] = set()  # request ids between admission and the end
+        self._calls: dict[str, Call] = {}  # the placed ones
+        self._early_aborts: set[str] = set()  # Abort before placement
         self._background: set[asyncio.Task[None]] = set()
         self._request_log: RequestLog | None = None
+        self._request_ids: RequestIds | None = None
+        # Tokenizing a long prompt takes milliseconds to seconds: never on the event loop.
+        self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        log.info("router routing: %r", self.config.routing)
+        log.info("router routing: %r, recovery: %r", self.config.routing, self.config.recovery)
         await self.placer.start()
         if self.config.redis_url:
             self._request_log = RequestLog(self.config.redis_url, self.model_id)
             await self._request_log.start()
+            self._request_ids = RequestIds(self.config.redis_url, self.model_id)
         self.server, port = await start_grpc_server(
             self.config.host,
             self.config.port,
@@ -98,47 +113,83 @@ class RouterServer(rgrpc.RouterServicer):
         await self.placer.stop()
         if self._request_log is not None:
             await self._request_log.stop()
+        if self._request_ids is not None:
+            await self._request_ids.close()
         for ch in self._channels.values():
             await ch.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            # Keepalive: a frozen worker fails its calls within ~2 x keepalive_s.
+            ch = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=channel_options(self.config.keepalive_s)
+            )
         return ch
 
     # -- the public request -> RequestSpec ------------------------------------------------
 
-    def _prompt(self, request: rpb.GenerateRequest | rpb.TokenizeRequest) -> tuple[list[int], str]:
+    def _check_size(self, request: rpb.GenerateRequest | rpb.TokenizeRequest) -> None:
+        """Refuse a prompt that cannot fit before spending any time on it."""
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            chars = len(request.text)
+        elif kind == "chat":
+            chars = sum(len(m.content) + len(m.role) for m in request.chat.messages)
+        elif kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
+            n = len(request.token_ids.ids)
+            if n >= self.max_model_len:
+                raise invalid_argument(
+                    f"token_ids: {n} tokens; the model's context is {self.max_model_len}"
+                )
+            return
+        else:
+            return
+        if chars > self.max_prompt_chars:
+            raise invalid_argument(
+                f"{kind}: {chars} characters cannot fit the model's context of "
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
+            )
+
+    async def _prompt(
+        self, request: rpb.GenerateRequest | rpb.TokenizeRequest
+    ) -> tuple[list[int], str]:
         """Token ids (and the prompt text, if any) of a request. Raises ServiceError."""
         if request.model and request.model != self.model_id:
             raise invalid_argument(
                 f"model: unknown model {request.model!r}; this router serves {self.model_id!r}"
             )
+        self._check_size(request)
         kind = request.WhichOneof("input")
+        if kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
+            return list(request.token_ids.ids), ""
+        if kind not in ("text", "chat"):
+            raise invalid_argument("input: set text, chat or token_ids")
+        loop = asyncio.get_running_loop()
         try:
-            if kind == "text":
-                text = request.text
-                return (self.tokenizer.encode(text) if text else []), text
-            if kind == "chat":
-                chat = request.chat
-                messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-                add_gen = (
-                    chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-                )
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
-                return self.tokenizer.encode(text, add_special_tokens=False), text
-            if kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
-                return list(request.token_ids.ids), ""
+            return await loop.run_in_executor(self._tokenize_pool, self._tokenize, request)
         except ValueError as exc:
             raise invalid_argument(f"{kind}: {exc}") from None
-        raise invalid_argument("input: set text, chat or token_ids")
 
-    def _spec(
+    def _tokenize(
+        self, request: rpb.GenerateRequest | rpb.TokenizeRequest
+    ) -> tuple[list[int], str]:
+        """On a tokenizer thread. Raises ValueError."""
+        if request.WhichOneof("input") == "text":
+            text = request.text
+            return (self.tokenizer.encode(text) if text else []), text
+        chat = request.chat
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+        return self.tokenizer.encode(text, add_special_tokens=False), text
+
+    async def _spec(
         self, request: rpb.GenerateRequest, request_id: str, timeout_s: float | None
     ) -> RequestSpec:
         """The request as every later hop sees it, validated once. Raises ServiceError."""
-        tokens, _ = self._prompt(request)
+        tokens, _ = await self._prompt(request)
         vocab = self.model_config.vocab_size
         try:
             check_prompt(tokens, vocab, self.max_model_len)
@@ -151,13 +202,17 @@ class RouterServer(rgrpc.RouterServicer):
             raise invalid_argument(f"sampling.{exc}") from None
         return RequestSpec(request_id, tuple(tokens), params, self.model_id, timeout_s)
 
-    def _check_admission(self, request_id: str) -> None:
-        if request_id in self._calls:
-            raise invalid_argument(f"request_id: {request_id!r} is already running")
-        if len(self._calls) >= self.config.max_inflight:
+    def _admit(self, request_id: str) -> None:
+        """Count the request in, atomically (no await between the checks and the count)."""
+        if request_id in self._admitted:
+            raise errors.already_exists(f"request_id {request_id!r} is already running")
+        if len(self._admitted) >= self.config.max_inflight:
             raise errors.resource_exhausted(
-                f"router has {len(self._calls)} requests in flight (max_inflight); retry later"
+                f"router has {len(self._admitted)} requests in flight (max_inflight "
+                f"{self.config.max_inflight}); retry later",
+                retry_after_s=0.5,
             )
+        self._admitted.add(request_id)
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -167,32 +222,50 @@ class RouterServer(rgrpc.RouterServicer):
     ) -> AsyncIterator[rpb.GenerateResponse]:
         t_start = time.perf_counter()
         rid = request.request_id or uuid.uuid4().hex
-        self._check_admission(rid)
-        spec = self._spec(request, rid, context.time_remaining())
-        placement = await self.placer.place(spec)
-        call = self._calls[spec.request_id] = self._open(spec, placement, t_start)
+        check_request_id(rid)
+        self._admit(rid)
+        claimed = False
         try:
-            async for response in self._run(call, context):
-                yield response
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
-            # Abort() cancels the worker call; depending on where it lands that surfaces
-            # as CancelledError or as a CANCELLED status. A client's own cancel re-raises.
-            if call.aborted:
-                call.finished = True
-                yield self._complete(call, rpb.FINISH_REASON_ABORT, "")
-                return
-            if isinstance(exc, asyncio.CancelledError):
+            if request.request_id and self._request_ids is not None:
+                ttl = context.time_remaining() or self.config.request_id_ttl_s
+                claimed = await self._request_ids.claim(rid, ttl + 1.0)
+                if not claimed:
+                    raise errors.already_exists(
+                        f"request_id {rid!r} is already running (on another router)"
+                    )
+            spec = await self._spec(request, rid, context.time_remaining())
+            placement = await self.placer.place(spec)
+            call = self._calls[rid] = self._open(spec, placement, t_start)
+            try:
+                if rid in self._early_aborts:
+                    call.aborted = True
+                    raise asyncio.CancelledError
+                async for response in self.hops.run(call, context):
+                    yield response
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+                # Abort() cancels the worker call; depending on where it lands that surfaces
+                # as CancelledError or as a CANCELLED status. A client's own cancel re-raises.
+                if call.aborted:
+                    call.finished = True
+                    yield self._complete(call, rpb.FINISH_REASON_ABORT, "")
+                    return
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                error = errors.from_worker(exc)
+                yield rpb.GenerateResponse(request_id=rid, error=_error(error))
+                raise error from None
+            except ServiceError as error:
+                yield rpb.GenerateResponse(request_id=rid, error=_error(error))
                 raise
-            error = errors.from_worker(exc)
-            yield rpb.GenerateResponse(request_id=spec.request_id, error=_error(error))
-            raise error from None
-        except ServiceError as error:
-            yield rpb.GenerateResponse(request_id=spec.request_id, error=_error(error))
-            raise
+            finally:
+                self._close(call)
         finally:
-            self._close(call)
+            self._admitted.discard(rid)
+            self._early_aborts.discard(rid)
+            if claimed and self._request_ids is not None:
+                self._spawn(self._request_ids.release(rid))
 
-    def _open(self, spec: RequestSpec, placement: Placement, t_start: float) -> _Call:
+    def _open(self, spec: RequestSpec, placement: Placement, t_start: float) -> Call:
         timings = rpb.Timings(
             queue_ms=(time.perf_counter() - t_start) * 1e3,
             disaggregated=placement.disaggregated,
@@ -204,60 +277,20 @@ class RouterServer(rgrpc.RouterServicer):
         )
         dispatch = self.placer.inflight.dispatch(placement, spec.num_prompt_tokens)
         usage = rpb.Usage(prompt_tokens=spec.num_prompt_tokens)
-        return _Call(spec, placement, dispatch, t_start, usage, timings)
+        return Call(
+            spec, placement, dispatch, t_start, usage, timings,
+            worker_rid=worker_request_id(spec.request_id),
+        )  # fmt: skip
 
-    def _close(self, call: _Call) -> None:
+    def _close(self, call: Call) -> None:
         self._calls.pop(call.spec.request_id, None)
         call.dispatch.finish()
         if not call.finished or call.aborted:
             # Client cancelled, deadline passed, Abort, or a worker failed: stop both sides.
-            self._spawn(self._abort_workers(call.spec.request_id, call.placement))
-
-    async def _run(
-        self, call: _Call, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[rpb.GenerateResponse]:
-        """Prefill (when placed on a prefill worker), then decode; the client's messages."""
-        rid, prefilled = call.spec.request_id, None
-        if call.placement.prefill is not None:
-            stub = wgrpc.PrefillWorkerStub(self._channel(call.placement.prefill.address))
-            prefill_request = convert.prefill_request_to_proto(
-                call.spec, call.placement.decode.worker_id
-            )
-            call.worker_call = stub.Prefill(prefill_request, timeout=context.time_remaining())
-            prefilled = await call.worker_call
-            call.dispatch.prefill_done()
-            call.timings.first_token_ms = call.elapsed_ms()
-            call.usage.completion_tokens = 1
-            call.usage.cached_prompt_tokens = prefilled.num_cached_tokens
-            chunk = rpb.Chunk(
-                token_ids=[prefilled.first_token_id],
-                text=prefilled.text,
-                logprobs=prefilled.logprobs,
-            )
-            yield rpb.GenerateResponse(request_id=rid, chunk=chunk)
-            if prefilled.finished:
-                yield self._complete(call, prefilled.finish_reason, prefilled.stop_reason)
-                return
-        stub_d = wgrpc.DecodeWorkerStub(self._channel(call.placement.decode.address))
-        decode_request = convert.decode_request_to_proto(call.spec, prefilled)
-        call.worker_call = stream = stub_d.Decode(decode_request, timeout=context.time_remaining())
-        async for msg in stream:
-            if msg.WhichOneof("kind") == "chunk":
-                if call.usage.completion_tokens == 0 and msg.chunk.token_ids:
-                    call.timings.first_token_ms = call.elapsed_ms()
-                call.usage.completion_tokens += len(msg.chunk.token_ids)
-                yield rpb.GenerateResponse(request_id=rid, chunk=msg.chunk)
-            elif msg.WhichOneof("kind") == "complete":
-                done = msg.complete
-                if not call.placement.disaggregated:
-                    call.usage.cached_prompt_tokens = done.num_cached_tokens
-                call.timings.kv_transfer_ms = done.kv_transfer_ms
-                yield self._complete(call, done.finish_reason, done.stop_reason)
-        if not call.finished:
-            raise ServiceError(grpc.StatusCode.INTERNAL, "decode worker ended without a result")
+            self._spawn(self._abort_workers(call.worker_rid, call.placement))
 
     def _complete(
-        self, call: _Call, finish_reason: rpb.FinishReason, stop_reason: str
+        self, call: Call, finish_reason: rpb.FinishReason, stop_reason: str
     ) -> rpb.GenerateResponse:
         """The final message of a request; a finished one's timings go to the controller."""
         call.finished = True
@@ -272,7 +305,7 @@ class RouterServer(rgrpc.RouterServicer):
         )
         return rpb.GenerateResponse(request_id=call.spec.request_id, complete=complete)
 
-    def _record(self, call: _Call) -> None:
+    def _record(self, call: Call) -> None:
         if self._request_log is None:
             return
         usage, timings = call.usage, call.timings
@@ -293,8 +326,8 @@ class RouterServer(rgrpc.RouterServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort_workers(self, rid: str, placement: Placement) -> None:
-        req = rpb.AbortRequest(request_id=rid)
+    async def _abort_workers(self, worker_rid: str, placement: Placement) -> None:
+        req = rpb.AbortRequest(request_id=worker_rid)
         targets = [(wgrpc.DecodeWorkerStub, placement.decode.address)]
         if placement.prefill is not None:
             targets.append((wgrpc.PrefillWorkerStub, placement.prefill.address))  # type: ignore[arg-type]
@@ -302,13 +335,13 @@ class RouterServer(rgrpc.RouterServicer):
             try:
                 await stub_cls(self._channel(address)).Abort(req, timeout=2.0)
             except grpc.aio.AioRpcError as exc:
-                log.warning("abort of %s on %s failed: %s", rid, address, exc.code())
+                log.warning("abort of %s on %s failed: %s", worker_rid, address, exc.code().name)
 
     @rpc
     async def Tokenize(
         self, request: rpb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> rpb.TokenizeResponse:
-        tokens, text = self._prompt(request)
+        tokens, text = await self._prompt(request)
         return rpb.TokenizeResponse(token_ids=tokens, prompt=text)
 
     @rpc
@@ -329,6 +362,9 @@ class RouterServer(rgrpc.RouterServicer):
     ) -> rpb.AbortResponse:
         call = self._calls.get(request.request_id)
         if call is None:
+            if request.request_id in self._admitted:  # not placed yet
+                self._early_aborts.add(request.request_id)
+                return rpb.AbortResponse(found=True)
             return rpb.AbortResponse(found=False)
         call.aborted = True
         if call.worker_call is not None:
@@ -337,4 +373,6 @@ class RouterServer(rgrpc.RouterServicer):
 
 
 def _error(error: ServiceError) -> rpb.Error:
-    return rpb.Error(code=error.code.value[0], message=error.message)
+    return rpb.Error(
+        code=error.code.value[0], message=error.message, retry_after_ms=error.retry_after_ms
+    )

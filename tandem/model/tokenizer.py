@@ -109,6 +109,12 @@ class Tokenizer:
         """Number of tokens, added tokens included."""
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token covers (the longest vocabulary
+        entry; byte-level and byte-fallback spellings only overstate it). A text of n
+        characters so needs at least about n / this many tokens: a cheap early length check."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -114,20 +114,28 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, valid: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "num_emitted_chars", "sampling", "kv")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "num_emitted_chars", "sampling", "kv", "report_kv_failure")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_EMITTED_CHARS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    REPORT_KV_FAILURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_emitted_chars: int
     sampling: _router_pb2.SamplingParams
     kv: KvHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_emitted_chars: _Optional[int] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+    report_kv_failure: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_emitted_chars: _Optional[int] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ..., report_kv_failure: _Optional[bool] = ...) -> None: ...
+
+class KvFailed(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class DecodeComplete(_message.Message):
     __slots__ = ("finish_reason", "stop_reason", "num_cached_tokens", "recomputed", "kv_transfer_ms", "kv_transfer_bytes")
@@ -146,14 +154,16 @@ class DecodeComplete(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., recomputed: _Optional[bool] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "chunk", "complete")
+    __slots__ = ("request_id", "chunk", "complete", "kv_failed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    KV_FAILED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunk: _router_pb2.Chunk
     complete: DecodeComplete
-    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[_router_pb2.Chunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ...) -> None: ...
+    kv_failed: KvFailed
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[_router_pb2.Chunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ..., kv_failed: _Optional[_Union[KvFailed, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -120,7 +120,11 @@ class EngineLoop:
             await asyncio.sleep(poll_s)
 
     def open_stream(self, request_id: str) -> OutputQueue:
-        """The queue that will receive `request_id`'s outputs (open before adding it)."""
+        """The queue that will receive `request_id`'s outputs (open before adding it).
+        Raises KeyError when a stream of that id is open: one call never takes over
+        another's outputs."""
+        if request_id in self._streams:
+            raise KeyError(request_id)
         q: OutputQueue = asyncio.Queue()
         self._streams[request_id] = q
         return q

@@ -16,7 +16,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from services.common import convert
-from services.common.errors import invalid_argument, rpc, unavailable
+from services.common.errors import (
+    already_exists,
+    invalid_argument,
+    resource_exhausted,
+    rpc,
+    unavailable,
+)
 from services.common.flags import parse_config
 from services.common.process import (
     configure_native_libraries,
@@ -26,7 +32,7 @@ from services.common.process import (
 )
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
-from services.common.worker.engine_loop import EngineLoop
+from services.common.worker.engine_loop import EngineLoop, OutputQueue
 from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineConfig, EngineRole
 from tandem.engine.engine import EngineStats, LLMEngine
@@ -58,6 +64,9 @@ class WorkerConfig:
         heartbeat_interval_s, registry_ttl_s: how often the worker reports its load, and
             how long the registry keeps it without a report.
         drain_timeout_s: on SIGTERM, how long to let in-flight requests finish.
+        max_queued_requests: requests admitted but not yet running in the engine before new
+            ones get RESOURCE_EXHAUSTED with a retry hint (the router then tries later or
+            elsewhere).
     """
 
     engine: EngineConfig
@@ -72,8 +81,13 @@ class WorkerConfig:
     heartbeat_interval_s: float = 0.5
     registry_ttl_s: float = 3.0
     drain_timeout_s: float = 30.0
+    max_queued_requests: int = 256
 
     def __post_init__(self) -> None:
+        if self.max_queued_requests <= 0:
+            raise ValueError(
+                f"max_queued_requests must be positive, got {self.max_queued_requests}"
+            )
         if self.transport not in TRANSPORT_KINDS:
             raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
         for name in ("lease_ttl_s", "kv_wait_s", "heartbeat_interval_s", "registry_ttl_s"):
@@ -218,22 +232,42 @@ class Worker:
 
     def admit(
         self, msg: wpb.PrefillRequest | wpb.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> RequestSpec:
-        """Accept a new request as the core's `RequestSpec`.
+    ) -> tuple[RequestSpec, OutputQueue]:
+        """Accept a new request as the core's `RequestSpec`, with the queue its outputs will
+        arrive on. Synchronous, so the checks and the stream's registration are atomic on
+        the event loop. The caller counts the request in `num_active_rpcs` at once and
+        closes the stream when done.
 
         Raises:
-            ServiceError: UNAVAILABLE while draining, INVALID_ARGUMENT for bad sampling params.
+            ServiceError: UNAVAILABLE while draining or starting, RESOURCE_EXHAUSTED with a
+                retry hint when max_queued_requests are waiting, ALREADY_EXISTS for an id
+                that is running here, INVALID_ARGUMENT for bad sampling params.
         """
         if self.draining:
             raise unavailable(f"worker {self.worker_id} is draining")
         if not self.ready:
-            raise unavailable(f"worker {self.worker_id} is starting (warm-up); retry")
+            raise unavailable(f"worker {self.worker_id} is starting (warm-up); retry", 1.0)
+        queued = self.num_active_rpcs - len(self.engine.scheduler.running)  # racy read: a hint
+        if queued >= self.config.max_queued_requests:
+            _, _, step_ms = self.loop.meter.read()
+            raise resource_exhausted(
+                f"worker {self.worker_id} has {queued} requests queued "
+                f"(max_queued_requests {self.config.max_queued_requests}); retry later",
+                retry_after_s=max(0.05, min(5.0, 4 * step_ms / 1e3)),
+            )
         try:
-            return convert.spec_from_proto(
+            spec = convert.spec_from_proto(
                 msg, msg.request_id or uuid.uuid4().hex, context.time_remaining()
             )
         except ValueError as exc:
             raise invalid_argument(f"sampling.{exc}") from None
+        try:
+            stream = self.loop.open_stream(spec.request_id)
+        except KeyError:
+            raise already_exists(
+                f"request_id {spec.request_id!r} is already running on {self.worker_id}"
+            ) from None
+        return spec, stream
 
     async def add_request(
         self, spec: RequestSpec, output_token_ids: Sequence[int] = (), emitted: int | None = None

@@ -1,0 +1,306 @@
+"""One Generate call's trip through the workers, and its recovery when a worker fails it.
+
+    prefill hop (when placed on a prefill worker) -> token 1 to the client, a KV handle
+    decode hop (pulls the KV, or prefills itself)  -> the rest of the tokens, complete
+
+A worker fault in either hop (the worker died: UNAVAILABLE; froze: keepalive ends the call;
+stalled past hop_timeout_s; a pulled hand-off unusable: `kv_failed`) is recorded against
+the worker (circuit breaker), and `tandem.routing.recovery.plan_recovery` picks the next step:
+prefill again elsewhere, recompute on the decode worker, migrate to another decode worker
+with the tokens already streamed, or fail with UNAVAILABLE once the budget is spent. Each
+step gets fresh worker-side request ids, so leftovers of the failed attempt (aborted in the
+background) can never meet the new one. The client sees a delay, never a repeated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common import convert, errors
+from services.router.placer import Placer
+from tandem.engine.request import RequestSpec
+from tandem.routing import Dispatch, Placement
+from tandem.routing.recovery import Action, Failure, Fault, RecoveryConfig, plan_recovery
+from tandem.v1 import router_pb2 as rpb
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wgrpc
+
+log = logging.getLogger(__name__)
+
+# Status codes of a worker call that mean the worker failed, not the request. CANCELLED
+# reaches here only when the worker ended the call (our own cancels are handled first).
+_WORKER_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def worker_request_id(request_id: str) -> str:
+    """The id workers know one attempt of a request by: the client's id (for logs) plus a
+    nonce, unique per attempt and per router."""
+    return f"{request_id}~{secrets.token_hex(4)}"
+
+
+@dataclass(slots=True)
+class Call:
+    """A Generate call in flight: where it runs, how far it got, what the client is told."""
+
+    spec: RequestSpec  # the client's request id
+    placement: Placement
+    dispatch: Dispatch
+    t_start: float
+    usage: rpb.Usage
+    timings: rpb.Timings
+    worker_rid: str = ""
+    worker_call: grpc.aio.Call | None = None
+    aborted: bool = False  # by Router.Abort
+    finished: bool = False  # the client got its `complete`
+    outputs: list[int] = field(default_factory=list)  # token ids streamed to the client
+    emitted_chars: int = 0  # characters of text streamed to the client
+    kv: wpb.KvHandle | None = None  # the prefill hop's hand-off, until the decode hop uses it
+    recoveries: int = 0
+    failed: set[str] = field(default_factory=set)  # workers that failed this request
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.t_start) * 1e3
+
+
+class HopFailed(Exception):
+    """A worker failed the current hop; recovery decides what follows."""
+
+    def __init__(self, fault: Fault, worker_id: str, why: str, breaker: bool = True) -> None:
+        super().__init__(f"{fault.value} on {worker_id}: {why}")
+        self.fault = fault
+        self.worker_id = worker_id
+        self.why = why
+        self.breaker = breaker  # counts against the worker's circuit breaker
+
+
+class Hops:
+    """Runs calls through the workers. `complete(call, reason, stop)` builds the final
+    message; `abort_workers(rid, placement)` cleans up a failed attempt in the background."""
+
+    def __init__(
+        self,
+        placer: Placer,
+        channel: Callable[[str], grpc.aio.Channel],
+        complete: Callable[[Call, rpb.FinishReason, str], rpb.GenerateResponse],
+        abort_workers: Callable[[str, Placement], None],
+        hop_timeout_s: float,
+        recovery: RecoveryConfig,
+        min_reprefill_tokens: int,
+    ) -> None:
+        self.placer = placer
+        self._channel = channel
+        self._complete = complete
+        self._abort_workers = abort_workers
+        self.hop_timeout_s = hop_timeout_s
+        self.recovery = recovery
+        self.min_reprefill_tokens = min_reprefill_tokens
+
+    async def run(
+        self, call: Call, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rpb.GenerateResponse]:
+        """The client's messages. Raises ServiceError when the request cannot finish."""
+        while True:
+            try:
+                if call.placement.prefill is not None and call.kv is None:
+                    async for msg in self._prefill(call, context):
+                        yield msg
+                    if call.finished:
+                        return
+                async for msg in self._decode(call, context):
+                    yield msg
+                return
+            except HopFailed as failed:
+                self._recover(call, failed)
+
+    # -- hops ------------------------------------------------------------------------------
+
+    async def _prefill(
+        self, call: Call, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rpb.GenerateResponse]:
+        worker = call.placement.prefill
+        assert worker is not None
+        request = convert.prefill_request_to_proto(
+            dataclasses.replace(call.spec, request_id=call.worker_rid),
+            call.placement.decode.worker_id,
+        )
+        left = context.time_remaining()
+        stub = wgrpc.PrefillWorkerStub(self._channel(worker.address))
+        call.worker_call = stub.Prefill(
+            request, timeout=self.hop_timeout_s if left is None else min(left, self.hop_timeout_s)
+        )
+        try:
+            resp: wpb.PrefillResponse = await call.worker_call
+        except grpc.aio.AioRpcError as exc:
+            raise self._hop_error(
+                call, exc, Fault.PREFILL_FAILED, worker.worker_id, context
+            ) from None
+        finally:
+            call.dispatch.prefill_done()
+        self.placer.worker_ok(worker.worker_id)
+        if call.outputs:
+            # A second prefill (the first hand-off failed): token 1 is out already, only the
+            # KV is wanted. Without a hand-off (finished at its own token 1, possible when
+            # sampling), the decode worker prefills.
+            if resp.finished or not resp.HasField("kv"):
+                self._abort_workers(call.worker_rid, call.placement)
+                call.placement = dataclasses.replace(call.placement, prefill=None)
+            else:
+                call.kv = resp.kv
+            return
+        call.timings.first_token_ms = call.elapsed_ms()
+        call.usage.cached_prompt_tokens = resp.num_cached_tokens
+        chunk = rpb.Chunk(token_ids=[resp.first_token_id], text=resp.text, logprobs=resp.logprobs)
+        self._streamed(call, chunk)
+        yield rpb.GenerateResponse(request_id=call.spec.request_id, chunk=chunk)
+        if resp.finished:
+            yield self._complete(call, resp.finish_reason, resp.stop_reason)
+            return
+        call.kv = resp.kv
+
+    async def _decode(
+        self, call: Call, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rpb.GenerateResponse]:
+        worker = call.placement.decode
+        rid = call.spec.request_id
+        request = wpb.DecodeRequest(
+            request_id=call.worker_rid,
+            prompt_token_ids=call.spec.prompt_token_ids,
+            output_token_ids=call.outputs,
+            num_emitted_chars=call.emitted_chars,
+            sampling=convert.sampling_to_proto(call.spec.params),
+        )
+        if call.kv is not None:
+            request.kv.CopyFrom(call.kv)
+            request.report_kv_failure = (
+                self.recovery.reprefill and call.recoveries < self.recovery.max_recoveries
+            )
+        stub = wgrpc.DecodeWorkerStub(self._channel(worker.address))
+        call.worker_call = stream = stub.Decode(request, timeout=context.time_remaining())
+        answered = False
+        while True:
+            try:
+                async with asyncio.timeout(self.hop_timeout_s):
+                    msg = await stream.read()
+            except TimeoutError:
+                stream.cancel()
+                raise HopFailed(
+                    Fault.DECODE_FAILED, worker.worker_id,
+                    f"no message for {self.hop_timeout_s:g}s (hop_timeout_s)",
+                ) from None  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                raise self._hop_error(
+                    call, exc, Fault.DECODE_FAILED, worker.worker_id, context
+                ) from None
+            if msg is grpc.aio.EOF:
+                break
+            if not answered:
+                answered = True
+                self.placer.worker_ok(worker.worker_id)
+            kind = msg.WhichOneof("kind")
+            if kind == "chunk":
+                if not call.outputs and msg.chunk.token_ids:
+                    call.timings.first_token_ms = call.elapsed_ms()
+                self._streamed(call, msg.chunk)
+                yield rpb.GenerateResponse(request_id=rid, chunk=msg.chunk)
+            elif kind == "complete":
+                done = msg.complete
+                if not call.placement.disaggregated:
+                    call.usage.cached_prompt_tokens = done.num_cached_tokens
+                call.timings.kv_transfer_ms = done.kv_transfer_ms
+                yield self._complete(call, done.finish_reason, done.stop_reason)
+                return
+            elif kind == "kv_failed":
+                owner = call.placement.prefill.worker_id if call.placement.prefill else "?"
+                call.kv = None
+                # The owner may be fine (a slow reader let the lease lapse): no breaker.
+                raise HopFailed(Fault.KV_PULL_FAILED, owner, msg.kv_failed.reason, breaker=False)
+        raise HopFailed(Fault.DECODE_FAILED, worker.worker_id, "stream ended without a result")
+
+    def _streamed(self, call: Call, chunk: rpb.Chunk) -> None:
+        call.outputs.extend(chunk.token_ids)
+        call.emitted_chars += len(chunk.text)
+        call.usage.completion_tokens = len(call.outputs)
+
+    def _hop_error(
+        self,
+        call: Call,
+        exc: grpc.aio.AioRpcError,
+        fault: Fault,
+        worker_id: str,
+        context: grpc.aio.ServicerContext,
+    ) -> Exception:
+        """A failed worker call as HopFailed (a worker fault: recover) or ServiceError (the
+        request's own outcome, or a cancel by Abort, which the caller handles)."""
+        code = exc.code()
+        if call.aborted:
+            return exc
+        left = context.time_remaining()
+        ours = code is grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 0.05)
+        if code in _WORKER_FAULTS or ours:
+            what = "hop_timeout_s passed" if ours else f"{code.name}: {exc.details()}"
+            return HopFailed(fault, worker_id, what)
+        return errors.from_worker(exc)
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    def _recover(self, call: Call, failed: HopFailed) -> None:
+        """Re-place `call` after `failed`, or raise ServiceError(UNAVAILABLE)."""
+        call.failed.add(failed.worker_id)
+        if failed.breaker:
+            self.placer.worker_failed(failed.worker_id, str(failed))
+        placement = call.placement
+        local = placement.cached_tokens if placement.prefill is None else 0
+        failure = Failure(
+            fault=failed.fault,
+            decode_id=placement.decode.worker_id,
+            prefill_id=placement.prefill.worker_id if placement.prefill else None,
+            recoveries=call.recoveries,
+            failed=frozenset(call.failed),
+            num_uncached_tokens=call.spec.num_prompt_tokens - local,
+            min_reprefill_tokens=self.min_reprefill_tokens,
+        )
+        step = plan_recovery(failure, self.placer.workers(), self.recovery)
+        line = f"{failed}: {step.describe()}"
+        log.warning("request %s: %s", call.spec.request_id, line)
+        call.timings.recoveries.append(line)
+        # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
+        # frozen worker) is released in the background under its own ids.
+        self._abort_workers(call.worker_rid, placement)
+        if step.action is Action.FAIL:
+            raise errors.unavailable(
+                f"request {call.spec.request_id} failed: {step.reason}", retry_after_s=1.0
+            )
+        assert step.decode is not None
+        call.recoveries += 1
+        call.kv = None
+        call.worker_rid = worker_request_id(call.spec.request_id)
+        if step.action is Action.MIGRATE:
+            call.timings.migrations += 1
+        if step.action is Action.REPREFILL:
+            call.timings.reprefills += 1
+            assert step.prefill is not None
+            call.timings.prefill_worker = step.prefill.worker_id
+        call.timings.decode_worker = step.decode.worker_id
+        new = Placement(step.decode, step.prefill, f"{placement.reason}; {step.describe()}")
+        call.dispatch.finish()
+        call.dispatch = self.placer.inflight.dispatch(new, call.spec.num_prompt_tokens)
+        self.placer.claim(step.decode.worker_id)
+        if step.prefill is not None:
+            self.placer.claim(step.prefill.worker_id)
+        call.placement = new

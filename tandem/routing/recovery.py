@@ -1,0 +1,162 @@
+"""What the router does when a worker fails a request in flight. Pure: plain data in and out.
+
+Three faults, each met by one recovery step, all bounded by a per-request budget:
+
+  prefill_failed  the prefill worker died, froze or errored before handing off
+  kv_pull_failed  the decode worker could not read the hand-off (read failed, lease lapsed
+                  before confirm, owner gone): it freed its reserved blocks and said so
+  decode_failed   the decode worker died or froze, before or while streaming
+
+  prefill faults  -> reprefill on another healthy prefill worker (the same decode worker
+                     pulls from it), or, with none or for a short prompt, recompute: the
+                     decode worker prefills the prompt itself
+  decode_failed   -> migrate: another healthy decode worker continues from the prompt plus
+                     the tokens already streamed (it prefills them itself; seeded sampling
+                     resumes where it stopped because the engine advances the seed's stream
+                     by the carried tokens)
+  budget spent, or no healthy worker of the needed role -> fail with UNAVAILABLE, promptly
+
+"Healthy" is the caller's view: registry members minus open circuit breakers
+(`tandem.routing.health`) minus the workers that already failed this request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tandem.routing.policy import WorkerLoad
+
+
+class Fault(enum.Enum):
+    PREFILL_FAILED = "prefill_failed"
+    KV_PULL_FAILED = "kv_pull_failed"
+    DECODE_FAILED = "decode_failed"
+
+
+class Action(enum.Enum):
+    REPREFILL = "reprefill"  # prefill again on `prefill`; `decode` pulls from it
+    RECOMPUTE = "recompute"  # `decode` prefills the prompt itself
+    MIGRATE = "migrate"  # `decode` (another worker) continues the request
+    FAIL = "fail"  # end the request with UNAVAILABLE and `reason`
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryConfig:
+    """Attributes:
+    max_recoveries: recovery steps one request may take before it fails (the retry budget).
+    reprefill: on a prefill fault, try another prefill worker before recomputing on the
+        decode worker. Off: always recompute (the decode workers absorb the prefill work).
+    """
+
+    max_recoveries: int = 3
+    reprefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_recoveries < 0:
+            raise ValueError(f"max_recoveries must be >= 0, got {self.max_recoveries}")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One request's state when a worker fails it.
+
+    Attributes:
+        fault: what failed.
+        decode_id: the decode worker the request was placed on.
+        prefill_id: the prefill worker that was (or would have been) used; None if colocated.
+        recoveries: recovery steps this request already took.
+        failed: every worker that failed this request so far (this fault's included).
+        num_uncached_tokens: prompt tokens the decode worker would compute on a recompute;
+            below `min_reprefill_tokens` a recompute is cheaper than another hand-off.
+        min_reprefill_tokens: the router's disaggregation threshold.
+    """
+
+    fault: Fault
+    decode_id: str
+    prefill_id: str | None = None
+    recoveries: int = 0
+    failed: frozenset[str] = frozenset()
+    num_uncached_tokens: int = 0
+    min_reprefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    action: Action
+    reason: str
+    decode: WorkerLoad | None = None  # where the request continues (None only for FAIL)
+    prefill: WorkerLoad | None = None  # REPREFILL only
+
+    def describe(self) -> str:
+        """One line for logs and the response's timings."""
+        where = []
+        if self.prefill is not None:
+            where.append(f"prefill {self.prefill.worker_id}")
+        if self.decode is not None and self.action is not Action.FAIL:
+            where.append(f"decode {self.decode.worker_id}")
+        suffix = f" on {', '.join(where)}" if where else ""
+        return f"{self.action.value}{suffix}: {self.reason}"
+
+
+def plan_recovery(
+    failure: Failure, workers: Iterable[WorkerLoad], config: RecoveryConfig
+) -> Recovery:
+    """The next step for a request a worker just failed. `workers`: the healthy ones."""
+    what = failure.fault.value
+    if failure.recoveries >= config.max_recoveries:
+        return Recovery(
+            Action.FAIL,
+            f"{what}; gave up after {failure.recoveries} recovery step(s) "
+            f"(max_recoveries {config.max_recoveries})",
+        )
+    live = sorted(
+        (w for w in workers if not w.draining and w.worker_id not in failure.failed),
+        key=lambda w: w.worker_id,
+    )
+    if failure.fault is Fault.DECODE_FAILED:
+        decodes = [w for w in live if w.role == "decode" and w.worker_id != failure.decode_id]
+        if not decodes:
+            return Recovery(Action.FAIL, f"{what} on {failure.decode_id}; no other healthy "
+                            "decode worker")  # fmt: skip
+        target = min(decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
+        return Recovery(
+            Action.MIGRATE,
+            f"{what} on {failure.decode_id}; continuing on the least loaded healthy decode "
+            f"worker (load {target.decode_load})",
+            decode=target,
+        )
+    decode = next((w for w in live if w.worker_id == failure.decode_id), None)
+    if decode is None:
+        # The decode worker is gone too: nothing to hand off to. Migrate (recompute there).
+        decodes = [w for w in live if w.role == "decode"]
+        if not decodes:
+            return Recovery(Action.FAIL, f"{what}; no healthy decode worker")
+        decode = min(decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
+        return Recovery(
+            Action.MIGRATE,
+            f"{what}, and decode worker {failure.decode_id} is unhealthy; prefill on "
+            f"{decode.worker_id}",
+            decode=decode,
+        )
+    prefills = [w for w in live if w.role == "prefill"]
+    if not config.reprefill:
+        return Recovery(Action.RECOMPUTE, f"{what}; reprefill is off", decode=decode)
+    if failure.num_uncached_tokens < failure.min_reprefill_tokens:
+        return Recovery(
+            Action.RECOMPUTE,
+            f"{what}; {failure.num_uncached_tokens} uncached tokens < "
+            f"{failure.min_reprefill_tokens}: cheaper to prefill on decode",
+            decode=decode,
+        )
+    if not prefills:
+        return Recovery(Action.RECOMPUTE, f"{what}; no other healthy prefill worker", decode=decode)
+    prefill = min(prefills, key=lambda w: w.prefill_queue)
+    return Recovery(
+        Action.REPREFILL,
+        f"{what}" + (f" on {failure.prefill_id}" if failure.prefill_id else "")
+        + f"; least loaded other prefill worker (queue {prefill.prefill_queue})",
+        decode=decode,
+        prefill=prefill,
+    )  # fmt: skip

@@ -1,0 +1,108 @@
+"""tandem.routing.recovery: which step follows a worker fault, exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.routing import WorkerLoad
+from tandem.routing.recovery import Action, Failure, Fault, RecoveryConfig, plan_recovery
+
+
+def w(worker_id: str, role: str, **kw: int | bool) -> WorkerLoad:
+    return WorkerLoad(worker_id, role, f"{worker_id}:1", **kw)  # type: ignore[arg-type]
+
+
+FLEET = [
+    w("p0", "prefill", queued_prefill_tokens=500),
+    w("p1", "prefill", queued_prefill_tokens=100),
+    w("p2", "prefill", queued_prefill_tokens=0, draining=True),
+    w("d0", "decode", num_running=3),
+    w("d1", "decode", num_running=1, num_free_blocks=10),
+    w("d2", "decode", num_running=1, num_free_blocks=50),
+]
+CFG = RecoveryConfig()
+
+
+def test_decode_failure_migrates_to_least_loaded_other_decode_with_most_free_blocks():
+    r = plan_recovery(Failure(Fault.DECODE_FAILED, "d2", failed=frozenset({"d2"})), FLEET, CFG)
+    assert r.action is Action.MIGRATE
+    assert r.decode is not None and r.decode.worker_id == "d1"  # d2 failed, d0 busier
+    assert r.prefill is None
+    r = plan_recovery(Failure(Fault.DECODE_FAILED, "d0", failed=frozenset({"d0"})), FLEET, CFG)
+    assert r.decode is not None and r.decode.worker_id == "d2"  # tie on load: more free
+
+
+def test_decode_failure_never_returns_to_the_failed_worker_even_if_not_in_failed():
+    only = [w("d0", "decode")]
+    r = plan_recovery(Failure(Fault.DECODE_FAILED, "d0"), only, CFG)
+    assert r.action is Action.FAIL
+    assert "no other healthy decode worker" in r.reason
+
+
+def test_budget_is_spent_exactly_at_max_recoveries():
+    cfg = RecoveryConfig(max_recoveries=2)
+    f = Failure(Fault.DECODE_FAILED, "d0", recoveries=1, failed=frozenset({"d0"}))
+    assert plan_recovery(f, FLEET, cfg).action is Action.MIGRATE
+    f = Failure(Fault.DECODE_FAILED, "d0", recoveries=2, failed=frozenset({"d0"}))
+    r = plan_recovery(f, FLEET, cfg)
+    assert r.action is Action.FAIL and "gave up after 2" in r.reason
+    assert plan_recovery(Failure(Fault.PREFILL_FAILED, "d0"), FLEET, RecoveryConfig(0)).action \
+        is Action.FAIL
+
+
+def test_prefill_failure_reprefills_on_least_queued_healthy_prefill_same_decode():
+    f = Failure(Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0"}),
+                num_uncached_tokens=500, min_reprefill_tokens=64)
+    r = plan_recovery(f, FLEET, CFG)
+    assert r.action is Action.REPREFILL
+    assert r.prefill is not None and r.prefill.worker_id == "p1"  # p2 drains, p0 failed
+    assert r.decode is not None and r.decode.worker_id == "d1"
+    assert "prefill p1" in r.describe() and "decode d1" in r.describe()
+
+
+def test_kv_pull_failure_reprefills_elsewhere_when_the_owner_is_excluded():
+    f = Failure(Fault.KV_PULL_FAILED, "d0", "p1", failed=frozenset({"p1"}),
+                num_uncached_tokens=100)
+    r = plan_recovery(f, FLEET, CFG)
+    assert r.action is Action.REPREFILL and r.prefill is not None
+    assert r.prefill.worker_id == "p0"
+
+
+def test_prefill_failure_recomputes_without_another_prefill_worker():
+    f = Failure(Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0", "p1"}),
+                num_uncached_tokens=500)
+    r = plan_recovery(f, FLEET, CFG)
+    assert r.action is Action.RECOMPUTE
+    assert r.decode is not None and r.decode.worker_id == "d0"
+    assert "no other healthy prefill worker" in r.reason
+
+
+def test_short_prompt_recomputes_rather_than_another_handoff():
+    f = Failure(Fault.KV_PULL_FAILED, "d0", "p0", failed=frozenset({"p0"}),
+                num_uncached_tokens=63, min_reprefill_tokens=64)
+    assert plan_recovery(f, FLEET, CFG).action is Action.RECOMPUTE
+    f = Failure(Fault.KV_PULL_FAILED, "d0", "p0", failed=frozenset({"p0"}),
+                num_uncached_tokens=64, min_reprefill_tokens=64)
+    assert plan_recovery(f, FLEET, CFG).action is Action.REPREFILL
+
+
+def test_reprefill_off_recomputes():
+    f = Failure(Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0"}),
+                num_uncached_tokens=500)
+    r = plan_recovery(f, FLEET, RecoveryConfig(reprefill=False))
+    assert r.action is Action.RECOMPUTE
+
+
+def test_prefill_failure_with_an_unhealthy_decode_worker_moves_the_request():
+    f = Failure(Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0", "d1"}),
+                num_uncached_tokens=500)
+    r = plan_recovery(f, FLEET, CFG)
+    assert r.action is Action.MIGRATE
+    assert r.decode is not None and r.decode.worker_id == "d2"
+    f = Failure(Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0"}))
+    assert plan_recovery(f, [w("p1", "prefill")], CFG).action is Action.FAIL
+
+
+def test_config_rejects_negative_budget():
+    with pytest.raises(ValueError, match="max_recoveries"):
+        RecoveryConfig(max_recoveries=-1)
