@@ -90,7 +90,7 @@ def check_outputs(
 @pytest.fixture(autouse=True)
 def clean_after(fleet: Fleet):  # type: ignore[no-untyped-def]
     yield
-    for name, proc in fleet.procs.items():
+    for proc in fleet.procs.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
     fleet.assert_clean()
