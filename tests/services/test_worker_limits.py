@@ -1,0 +1,85 @@
+"""A worker's own limits, called directly over gRPC: a queue bound with pushback, and request
+ids that one call cannot take over from another."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.errors import RETRY_AFTER_KEY
+from tandem.v1 import router_pb2 as rpb
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wgrpc
+
+
+@pytest.fixture(scope="module")
+def decode_worker(tiny_model_dir, procs):  # type: ignore[no-untyped-def]
+    # One sequence at a time and room for two more: the rest must be refused.
+    proc, address = procs.worker(
+        "decode", tiny_model_dir, "", "limits-d0",
+        "--max-num-seqs", "1", "--max-queued-requests", "2",
+    )  # fmt: skip
+    yield address
+    procs.stop(proc)
+
+
+def decode_request(request_id: str, max_tokens: int) -> wpb.DecodeRequest:
+    return wpb.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=[5, 6, 7, 8],
+        sampling=rpb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+async def _collect(stub: wgrpc.DecodeWorkerStub, req: wpb.DecodeRequest):  # type: ignore[no-untyped-def]
+    tokens = []
+    try:
+        async for msg in stub.Decode(req, timeout=60):
+            tokens.extend(msg.chunk.token_ids)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return tokens
+
+
+def test_queue_limit_refuses_with_a_retry_hint_and_serves_the_admitted(decode_worker) -> None:
+    async def scenario():  # type: ignore[no-untyped-def]
+        async with grpc.aio.insecure_channel(decode_worker) as ch:
+            stub = wgrpc.DecodeWorkerStub(ch)
+            return await asyncio.gather(
+                *(_collect(stub, decode_request(f"q{i}", 64)) for i in range(6))
+            )
+
+    outcomes = asyncio.run(scenario())
+    served = [o for o in outcomes if isinstance(o, list)]
+    refused = [o for o in outcomes if not isinstance(o, list)]
+    # 1 running + 2 queued at most; at least 3 get in (running 0 or 1 when they arrive).
+    assert 3 <= len(served) <= 4 and len(refused) == 6 - len(served), outcomes
+    assert all(len(t) == 64 for t in served)
+    for exc in refused:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        assert "max_queued_requests" in exc.details()
+        hint = dict(exc.trailing_metadata() or ())
+        assert int(hint[RETRY_AFTER_KEY]) > 0
+
+
+def test_duplicate_request_id_is_refused_and_the_first_call_is_untouched(decode_worker) -> None:
+    async def scenario():  # type: ignore[no-untyped-def]
+        async with grpc.aio.insecure_channel(decode_worker) as ch:
+            stub = wgrpc.DecodeWorkerStub(ch)
+            first = stub.Decode(decode_request("same", 200), timeout=60)
+            head = await first.read()  # it runs
+            second = await _collect(stub, decode_request("same", 4))
+            tokens = list(head.chunk.token_ids)
+            while (msg := await first.read()) is not grpc.aio.EOF:
+                tokens.extend(msg.chunk.token_ids)
+                if msg.WhichOneof("kind") == "complete":
+                    reason = msg.complete.finish_reason
+            return second, tokens, reason
+
+    second, tokens, reason = asyncio.run(scenario())
+    assert isinstance(second, grpc.aio.AioRpcError)
+    assert second.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already running" in second.details()
+    assert reason == rpb.FINISH_REASON_LENGTH and len(tokens) == 200
