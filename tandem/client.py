@@ -7,14 +7,25 @@
         result = client.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=16)
 
 Sampling keyword arguments are the fields of `tandem.engine.sampling.SamplingParams`.
-Failures raise `TandemError` carrying the gRPC status code and the server's message.
+Failures raise `TandemError` carrying the gRPC status code, the server's message and its
+pushback hint (`retry_after_s`). Retrying is opt-in:
+
+    TandemClient(address, retry=Retry(max_attempts=4))
+
+retries a call that failed with UNAVAILABLE or RESOURCE_EXHAUSTED, waiting with exponential
+backoff (or as long as the server asked, when that is longer). A stream is retried only while
+none of its chunks has reached the caller, so a caller never sees a token twice: a stream that
+fails after its first chunk raises, however it is configured.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -28,11 +39,93 @@ _FINISH = {
 }
 
 
+# Trailing metadata key of the server's pushback hint in milliseconds (the same as
+# services.common.errors.RETRY_AFTER_KEY; the client does not import services).
+RETRY_AFTER_KEY = "tandem-retry-after-ms"
+
+T = TypeVar("T")
+
+
 class TandemError(RuntimeError):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    """A failed call: its gRPC status `code`, the server's `message`, and `retry_after_s`,
+    how long the server asked the client to wait before trying again (None: no hint)."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """When and how long to wait before trying a failed call again.
+
+    Attempt 1 is the first call; before attempt n >= 2 the client waits
+    `delay_s(n, hint, rng())`, `hint` being the failed attempt's `retry_after_s`. A stream is
+    retried only until its first chunk has been yielded to the caller, never after, so no
+    token reaches the caller twice. With a client `timeout_s`, the timeout covers all
+    attempts and the waits between them: a retry that could not start before it runs out is
+    not made. Abort is never retried.
+
+    Args:
+        max_attempts: attempts in all, the first included (1: never retry).
+        initial_backoff_s: the wait before attempt 2, before jitter.
+        max_backoff_s: no wait is longer, not even one a server asks for.
+        multiplier: each further wait is this much longer than the one before.
+        codes: the statuses worth a retry.
+        jitter: each wait is the backoff times a factor drawn from
+            [1 - jitter, 1 + jitter), so clients that failed together do not retry together.
+        rng: the jitter's random source, uniform in [0, 1) (a test passes a fixed one).
+    """
+
+    max_attempts: int = 3
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+    codes: tuple[grpc.StatusCode, ...] = (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+    jitter: float = 0.2
+    rng: Callable[[], float] = field(default=random.random, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not 0 <= self.initial_backoff_s <= self.max_backoff_s:
+            raise ValueError(
+                f"need 0 <= initial_backoff_s <= max_backoff_s, got {self.initial_backoff_s} "
+                f"and {self.max_backoff_s}"
+            )
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier must be >= 1, got {self.multiplier}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"jitter must be in [0, 1], got {self.jitter}")
+
+    def delay_s(self, attempt: int, retry_after_s: float | None = None, u: float = 0.5) -> float:
+        """Seconds to wait before attempt `attempt` (>= 2) after the previous one failed.
+
+        The backoff is initial_backoff_s * multiplier ** (attempt - 2), at most max_backoff_s,
+        times the jitter factor 1 + jitter * (2u - 1) (u = 0.5: none). A server's hint
+        `retry_after_s` wins when it is longer. The result is at most max_backoff_s.
+
+        Raises ValueError for attempt < 2 or u outside [0, 1]."""
+        if attempt < 2:
+            raise ValueError(f"attempt must be >= 2 (1 is the first call), got {attempt}")
+        if not 0 <= u <= 1:
+            raise ValueError(f"u must be in [0, 1], got {u}")
+        backoff = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 2))
+        delay = backoff * (1 + self.jitter * (2 * u - 1))
+        if retry_after_s is not None:
+            delay = max(delay, retry_after_s)
+        return min(self.max_backoff_s, delay)
+
+    def retries(self, error: TandemError, attempt: int) -> bool:
+        """Whether attempt `attempt` failing with `error` is worth another attempt."""
+        return attempt < self.max_attempts and error.code in self.codes
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +154,9 @@ class Result:
     route_reason: str = ""
     route_cached_tokens: int = 0
     index_degraded: bool = False
+    migrations: int = 0  # moved to another decode worker mid-stream
+    reprefills: int = 0  # prompt prefilled again after a failed hand-off
+    recoveries: list[str] = field(default_factory=list)  # one line per recovery step
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
@@ -124,10 +220,16 @@ def _apply(result: Result, msg: rpb.GenerateResponse) -> Chunk | None:
         result.route_reason = d.timings.route_reason
         result.route_cached_tokens = d.timings.route_cached_tokens
         result.index_degraded = d.timings.index_degraded
+        result.migrations = d.timings.migrations
+        result.reprefills = d.timings.reprefills
+        result.recoveries = list(d.timings.recoveries)
         return None
     if kind == "error":
+        e = msg.error
         raise TandemError(
-            _STATUS_BY_VALUE.get(msg.error.code, grpc.StatusCode.UNKNOWN), msg.error.message
+            _STATUS_BY_VALUE.get(e.code, grpc.StatusCode.UNKNOWN),
+            e.message,
+            e.retry_after_ms / 1e3 if e.retry_after_ms else None,
         )
     return None
 
@@ -138,17 +240,59 @@ _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 def _error(exc: grpc.RpcError) -> TandemError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return TandemError(code, details or "")
+    details = exc.details() if hasattr(exc, "details") else ""
+    return TandemError(code, details or "", _retry_after(exc))
+
+
+def _retry_after(exc: grpc.RpcError) -> float | None:
+    """The pushback hint (seconds) in a failed call's trailers, if any."""
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, int(value) / 1e3)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+class _Attempts:
+    """The retry bookkeeping of one call: which attempt this is, the deadline over all of
+    them, and the wait before the next one (shared by the sync and asyncio clients)."""
+
+    def __init__(self, retry: Retry | None, timeout_s: float | None) -> None:
+        self.retry = retry
+        self.number = 1
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def timeout_s(self) -> float | None:
+        """This attempt's gRPC timeout: what is left of the call's."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def next_delay_s(self, error: TandemError) -> float | None:
+        """The wait before the next attempt, or None when `error` should be raised."""
+        if self.retry is None or not self.retry.retries(error, self.number):
+            return None
+        self.number += 1
+        delay = self.retry.delay_s(self.number, error.retry_after_s, self.retry.rng())
+        if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+            return None
+        return delay
 
 
 class TandemClient:
-    """Blocking client. One channel; safe to share between threads."""
+    """Blocking client. One channel; safe to share between threads.
 
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    `timeout_s` bounds each call (with `retry`, all its attempts together); `retry` (default
+    None: no retry) retries failed calls as the module docstring describes."""
+
+    def __init__(
+        self, address: str, timeout_s: float | None = None, retry: Retry | None = None
+    ) -> None:
         self.channel = grpc.insecure_channel(address)
         self.stub = rgrpc.RouterStub(self.channel)
         self.timeout_s = timeout_s
+        self.retry = retry
 
     def __enter__(self) -> TandemClient:
         return self
@@ -164,13 +308,39 @@ class TandemClient:
         yield from self._stream(build_request(prompt, **kwargs), Result())
 
     def _stream(self, req: rpb.GenerateRequest, result: Result) -> Iterator[Chunk]:
-        try:
-            for msg in self.stub.Generate(req, timeout=self.timeout_s):
-                chunk = _apply(result, msg)
-                if chunk is not None:
-                    yield chunk
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        attempts = _Attempts(self.retry, self.timeout_s)
+        while True:
+            yielded = False
+            call = self.stub.Generate(req, timeout=attempts.timeout_s())
+            try:
+                for msg in call:
+                    chunk = _apply(result, msg)
+                    if chunk is not None:
+                        yielded = True
+                        yield chunk
+                return
+            except grpc.RpcError as exc:
+                error = _error(exc)
+            except TandemError as exc:  # an in-stream error; the call ends with it
+                error = exc
+            finally:
+                call.cancel()  # no-op once the call ended; frees it when the caller stops
+            delay = None if yielded else attempts.next_delay_s(error)
+            if delay is None:
+                raise error
+            time.sleep(delay)
+
+    def _unary(self, method: Callable[..., T], request: Any) -> T:
+        attempts = _Attempts(self.retry, self.timeout_s)
+        while True:
+            try:
+                return method(request, timeout=attempts.timeout_s())
+            except grpc.RpcError as exc:
+                error = _error(exc)
+            delay = attempts.next_delay_s(error)
+            if delay is None:
+                raise error
+            time.sleep(delay)
 
     def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Result:
         result = Result()
@@ -179,25 +349,33 @@ class TandemClient:
         return result
 
     def tokenize(self, text: str, model: str = "") -> list[int]:
-        try:
-            return list(self.stub.Tokenize(rpb.TokenizeRequest(text=text, model=model)).token_ids)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        resp = self._unary(self.stub.Tokenize, rpb.TokenizeRequest(text=text, model=model))
+        return list(resp.token_ids)
 
     def list_models(self) -> list[str]:
-        return [m.id for m in self.stub.ListModels(rpb.ListModelsRequest()).models]
+        return [m.id for m in self._unary(self.stub.ListModels, rpb.ListModelsRequest()).models]
 
     def abort(self, request_id: str) -> bool:
-        return bool(self.stub.Abort(rpb.AbortRequest(request_id=request_id)).found)
+        """Abort a running request; False when none has this id. Not retried."""
+        try:
+            resp = self.stub.Abort(rpb.AbortRequest(request_id=request_id), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return bool(resp.found)
 
 
 class AsyncTandemClient:
-    """asyncio client (grpc.aio). Create and use it inside a running event loop."""
+    """asyncio client (grpc.aio). Create and use it inside a running event loop.
 
-    def __init__(self, address: str, timeout_s: float | None = None) -> None:
+    `timeout_s` and `retry` as for `TandemClient`."""
+
+    def __init__(
+        self, address: str, timeout_s: float | None = None, retry: Retry | None = None
+    ) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = rgrpc.RouterStub(self.channel)
         self.timeout_s = timeout_s
+        self.retry = retry
 
     async def __aenter__(self) -> AsyncTandemClient:
         return self
@@ -217,15 +395,40 @@ class AsyncTandemClient:
     ) -> AsyncIterator[Chunk]:
         """Yield chunks as they arrive; pass `result` to also collect usage and timings."""
         result = result if result is not None else Result()
-        try:
-            async for msg in self.stub.Generate(
-                build_request(prompt, **kwargs), timeout=self.timeout_s
-            ):
-                chunk = _apply(result, msg)
-                if chunk is not None:
-                    yield chunk
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        req = build_request(prompt, **kwargs)
+        attempts = _Attempts(self.retry, self.timeout_s)
+        while True:
+            yielded = False
+            call = self.stub.Generate(req, timeout=attempts.timeout_s())
+            try:
+                async for msg in call:
+                    chunk = _apply(result, msg)
+                    if chunk is not None:
+                        yielded = True
+                        yield chunk
+                return
+            except grpc.RpcError as exc:
+                error = _error(exc)
+            except TandemError as exc:  # an in-stream error; the call ends with it
+                error = exc
+            finally:
+                call.cancel()  # no-op once the call ended; frees it when the caller stops
+            delay = None if yielded else attempts.next_delay_s(error)
+            if delay is None:
+                raise error
+            await asyncio.sleep(delay)
+
+    async def _unary(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
+        attempts = _Attempts(self.retry, self.timeout_s)
+        while True:
+            try:
+                return await method(request, timeout=attempts.timeout_s())
+            except grpc.RpcError as exc:
+                error = _error(exc)
+            delay = attempts.next_delay_s(error)
+            if delay is None:
+                raise error
+            await asyncio.sleep(delay)
 
     async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Result:
         result = Result()
@@ -234,11 +437,15 @@ class AsyncTandemClient:
         return result
 
     async def tokenize(self, text: str, model: str = "") -> list[int]:
-        try:
-            resp = await self.stub.Tokenize(rpb.TokenizeRequest(text=text, model=model))
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        resp = await self._unary(self.stub.Tokenize, rpb.TokenizeRequest(text=text, model=model))
         return list(resp.token_ids)
 
     async def abort(self, request_id: str) -> bool:
-        return bool((await self.stub.Abort(rpb.AbortRequest(request_id=request_id))).found)
+        """Abort a running request; False when none has this id. Not retried."""
+        try:
+            resp = await self.stub.Abort(
+                rpb.AbortRequest(request_id=request_id), timeout=self.timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        return bool(resp.found)

@@ -1,5 +1,5 @@
 """Process plumbing shared by the services: logging and native library settings, signals,
-run-until-stop, gRPC server."""
+run-until-stop, gRPC server, and the keepalive options of channels between services."""
 
 from __future__ import annotations
 
@@ -14,6 +14,39 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.common.interceptors import StatusInterceptor
+
+# Server options every service gets (a caller's `options` entry of the same name wins):
+# accept the keepalive pings of clients using `channel_options` (one per second, also between
+# calls) instead of answering them with GOAWAY "too_many_pings" and closing the connection.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 100),
+    ("grpc.http2.max_ping_strikes", 0),  # 0: no limit on pings closer than the above
+)
+
+
+def channel_options(keepalive_s: float = 1.0) -> list[tuple[str, int]]:
+    """Client channel options that find a dead or frozen (SIGSTOPped) peer: a keepalive ping
+    every `keepalive_s`, also while idle, and the connection closed (its calls fail with
+    UNAVAILABLE) when a ping is not acknowledged within `keepalive_s`; so about
+    2 * `keepalive_s` after the peer stopped. Servers started by `start_grpc_server` accept
+    pings this often.
+
+    Raises ValueError unless keepalive_s > 0."""
+    if not keepalive_s > 0:
+        raise ValueError(f"keepalive_s must be > 0, got {keepalive_s}")
+    interval_ms = max(1, round(keepalive_s * 1e3))
+    return [
+        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", interval_ms),
+        # How long any ping may go unacknowledged (internal to chttp2, default 1 minute).
+        # grpcio 1.85 bounds a ping sent during a call by this, not by keepalive_timeout_ms.
+        ("grpc.http2.ping_timeout_ms", interval_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # 0: ping even when no data was sent
+    ]
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
@@ -85,10 +118,15 @@ async def start_grpc_server(
 ) -> tuple[grpc.aio.Server, int]:
     """Start an aio server with our services, gRPC health (SERVING) and reflection.
 
+    Every call goes through `StatusInterceptor` (a request that does not decode ends with
+    INVALID_ARGUMENT, an unexpected handler error with INTERNAL, neither naming a Python
+    class); `options` add to or override `SERVER_OPTIONS`.
     Health reports SERVING at once, or NOT_SERVING with `serving=False` (the caller sets
     SERVING when it is ready). Returns (server, bound port); port 0 picks a free one.
     Raises RuntimeError when the address cannot be bound."""
-    server = grpc.aio.server(options=options)
+    merged: dict[str, Any] = dict(SERVER_OPTIONS)
+    merged.update(options or ())
+    server = grpc.aio.server(interceptors=(StatusInterceptor(),), options=list(merged.items()))
     add_servicers(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)

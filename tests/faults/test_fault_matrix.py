@@ -178,6 +178,63 @@ def test_sigkill_decode_with_four_streams_migrates_them(fleet: Fleet, reference)
     fleet.restart("d0")
 
 
+def test_seeded_sampling_is_reproducible_across_a_migration(fleet: Fleet) -> None:
+    [prompt] = prompts(1, 8)
+    sampling = {"max_tokens": 300, "temperature": 0.9, "top_k": 50, "seed": 1234}
+
+    async def sampled(started: asyncio.Event | None) -> Result:
+        result = Result()
+        async with AsyncTandemClient(fleet.addresses["r0"], timeout_s=WAIT_S) as client:
+            async for _ in client.stream(prompt, result=result, ignore_eos=True, **sampling):
+                if started is not None:
+                    started.set()
+        return result
+
+    async def scenario() -> tuple[Result, str]:
+        started = asyncio.Event()
+        task = asyncio.create_task(sampled(started))
+        await asyncio.wait_for(started.wait(), WAIT_S)
+        [victim] = [n for n in ("d0", "d1") if fleet.stats(n).num_running]  # where it runs
+        fleet.kill(victim)
+        return await task, victim
+
+    interrupted, victim = run(scenario())  # type: ignore[misc]
+    fleet.restart(victim)
+    clean = run(sampled(None))
+    assert isinstance(clean, Result)
+    assert interrupted.migrations == 1, interrupted.recoveries
+    assert clean.migrations == 0
+    assert interrupted.token_ids == clean.token_ids
+
+
+def test_no_healthy_decode_worker_fails_fast_with_unavailable(fleet: Fleet) -> None:
+    [prompt] = prompts(1, 8)
+
+    async def scenario() -> tuple[TandemError | None, TandemError | None]:
+        started = asyncio.Event()
+        task = asyncio.create_task(stream_until(fleet.addresses["r0"], prompt, 2000, started, 1))
+        await asyncio.wait_for(started.wait(), WAIT_S)
+        fleet.kill("d0")
+        fleet.kill("d1")
+        mid_stream = after = None
+        try:
+            await task
+        except TandemError as exc:
+            mid_stream = exc
+        try:
+            await generate(fleet.addresses["r0"], prompt, 4)
+        except TandemError as exc:
+            after = exc
+        return mid_stream, after
+
+    mid_stream, after = run(scenario())  # type: ignore[misc]
+    for exc in (mid_stream, after):
+        assert exc is not None and exc.code == grpc.StatusCode.UNAVAILABLE, exc
+    assert mid_stream is not None and "no other healthy decode worker" in mid_stream.message
+    fleet.restart("d0")
+    fleet.restart("d1")
+
+
 def test_sigstop_decode_migrates_within_keepalive_and_recovers(fleet: Fleet, reference) -> None:
     cases = prompts(4, 8)
     max_tokens = 400
