@@ -6,7 +6,18 @@
                tandem.v1.Admin on --admin-port for `tandem ctl`
 
 Every child dies with this process (PR_SET_PDEATHSIG), and Ctrl-C stops them in order:
-router first (no new requests), then workers (they drain), then Redis.
+router first (no new requests), then workers (they drain), then Redis. Children run in their
+own sessions, so a terminal's Ctrl-C reaches only this process, which decides the order.
+
+Supervision: a thread polls the children every 0.2 s. One that exits on its own (not during
+`stop()`, not a worker the controller told to drain) is started again under the same name
+with the same arguments (the router on the same port, Redis on the same socket, so every
+`--redis-url` stays valid), after a backoff from `services.common.supervision`; its log is
+appended to, not truncated. Once a child exits more than `max_restarts` times within
+`restart_window_s`, the supervisor reports it, stops the cluster and sets `failure`, which
+`tandem up` turns into exit status 1. A restarted Redis is empty: workers' heartbeats
+re-register them and the router's registry watcher picks them up (see
+`services/common/redis/registry.py`).
 """
 
 from __future__ import annotations
@@ -19,11 +30,16 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from services.common.supervision import GiveUp, RestartConfig, RestartPolicy, describe_exit
+
 _PR_SET_PDEATHSIG = 1
+_SUPERVISE_POLL_S = 0.2
+_RESTART_DEFAULTS = RestartConfig()
 
 
 def _die_with_parent() -> None:
@@ -50,6 +66,13 @@ class UpConfig:
     autoscale: bool = False  # run the ratio controller with the local actuator
     admin_port: int = 50061  # the controller's admin API (with autoscale)
     controller_args: tuple[str, ...] = ()  # ControllerConfig flags, e.g. ("--max-prefill", "4")
+    # Supervision (see services/common/supervision.py): a child that exits on its own is
+    # restarted after restart_backoff_s, doubling per exit up to restart_max_backoff_s; the
+    # exit after max_restarts restarts within restart_window_s stops the cluster instead.
+    restart_backoff_s: float = _RESTART_DEFAULTS.backoff_s
+    restart_max_backoff_s: float = _RESTART_DEFAULTS.max_backoff_s
+    max_restarts: int = _RESTART_DEFAULTS.max_restarts  # 0: the first exit stops the cluster
+    restart_window_s: float = _RESTART_DEFAULTS.window_s
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -57,14 +80,38 @@ class UpConfig:
                 f"need num_decode >= 1 and num_prefill >= 0, got {self.num_decode}, "
                 f"{self.num_prefill}"
             )
+        self.restart_config()  # raises ValueError naming the bad knob
+
+    def restart_config(self) -> RestartConfig:
+        return RestartConfig(
+            backoff_s=self.restart_backoff_s,
+            max_backoff_s=self.restart_max_backoff_s,
+            max_restarts=self.max_restarts,
+            window_s=self.restart_window_s,
+        )
 
 
 @dataclass(slots=True)
 class Child:
+    """One supervised process. A restart replaces `proc` (and `ready_line`) in place."""
+
     name: str
     proc: subprocess.Popen[str]
     log_path: Path
+    module_args: list[str]  # `python -m` arguments, reused as they are by a restart
+    ready_marker: str  # the stdout line containing this says the child is serving
     ready_line: str = ""
+
+
+@dataclass(slots=True)
+class _Recovery:
+    """A child the supervisor is bringing back: waiting out its backoff, then its READY."""
+
+    attempt: int
+    reason: str  # why the previous process ended
+    restart_at: float  # monotonic
+    ready_by: float | None = None  # monotonic; set once the new process is started
+    found: list[str] = field(default_factory=list)  # the ready line, once the reader sees it
 
 
 @dataclass(slots=True)
@@ -81,6 +128,16 @@ class Cluster:
     _lock: threading.RLock = field(default_factory=threading.RLock)
     _controller_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
     _controller_thread: threading.Thread | None = None
+    # Supervision state. `failure` is the give-up message once the supervisor has stopped
+    # the cluster; `_halt` ends restarts; `_released` lets the supervisor thread exit.
+    failure: str | None = None
+    _policy: RestartPolicy | None = None
+    _recovering: dict[str, _Recovery] = field(default_factory=dict)
+    _supervisor: threading.Thread | None = None
+    _halt: threading.Event = field(default_factory=threading.Event)
+    _released: threading.Event = field(default_factory=threading.Event)
+    _failed: threading.Event = field(default_factory=threading.Event)
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         import tempfile
@@ -93,6 +150,8 @@ class Cluster:
             if cfg.redis_port
             else ["--unix-socket", str(self.run_dir / "redis.sock")]
         )
+        # A --dir of ours: a SIGKILLed server wrapper would leak a temporary one per restart.
+        redis_args += ["--dir", str(self.run_dir / "redis-data")]
         redis = self._spawn("redis", ["services.common.redis.server", *redis_args], " at ")
         self.redis_url = redis.ready_line.rsplit(" at ", 1)[1].strip()
         self._worker_args = [
@@ -134,8 +193,12 @@ class Cluster:
             "READY",
         )
         self.router_address = router.ready_line.split()[-1]
+        # A restarted router must come back where clients know it, even after --port 0.
+        port_at = router.module_args.index("--port") + 1
+        router.module_args[port_at] = self.router_address.rsplit(":", 1)[1]
         if cfg.autoscale:
             self._start_controller()
+        self._start_supervisor()
 
     # -- worker processes (also the local actuator's ProcessPool) ------------------------
 
@@ -148,14 +211,15 @@ class Cluster:
             return self._spawn(name, args, "READY", wait=False)
 
     def workers(self, role: str) -> list[Child]:
-        """Running workers of a role, oldest first, not counting those told to stop."""
+        """Running workers of a role (and crashed ones being restarted), oldest first, not
+        counting those told to stop."""
         with self._lock:
             return [
                 c
                 for c in self.children
                 if c.name.startswith(role + "-")
                 and c.name not in self._stopping
-                and c.proc.poll() is None
+                and (c.proc.poll() is None or c.name in self._recovering)
             ]
 
     def count(self, role: str) -> int:
@@ -183,6 +247,9 @@ class Cluster:
             if child in self.children:
                 self.children.remove(child)
             self._stopping.discard(child.name)
+            self._recovering.pop(child.name, None)
+            if self._policy is not None:
+                self._policy.forget(child.name)
 
     def _start_controller(self) -> None:
         from services.common.flags import parse_config
@@ -231,17 +298,9 @@ class Cluster:
 
     def _spawn(self, name: str, module_args: list[str], ready: str, wait: bool = True) -> Child:
         log_path = self.run_dir / f"{name}.log"
-        log_file = open(log_path, "w")  # noqa: SIM115 - owned by the child's lifetime
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *module_args],
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-            preexec_fn=_die_with_parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        child = Child(name, proc, log_path)
-        self.children.append(child)
+        child = Child(name, _popen(module_args, log_path, "w"), log_path, module_args, ready)
+        with self._lock:
+            self.children.append(child)
         if wait:
             self._wait_ready(child, ready)
         return child
@@ -259,30 +318,166 @@ class Cluster:
         child.ready_line = found[0]
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the controller, then SIGTERM in reverse start order (router, workers, redis),
-        then SIGKILL stragglers."""
-        if self._controller_stop is not None:
-            loop, event = self._controller_stop
-            loop.call_soon_threadsafe(event.set)
-            self._controller_stop = None
-            if self._controller_thread is not None:
-                self._controller_thread.join(timeout=10)
-        with self._lock:
-            rank = {"router": 0, "redis": 2}
-            children = sorted(reversed(self.children), key=lambda c: rank.get(c.name, 1))
-        for child in children:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
+        """End supervision, stop the controller, then SIGTERM in reverse start order (router,
+        workers, redis), then SIGKILL stragglers. Idempotent; safe from any thread."""
+        self._halt.set()
+        with self._stop_lock:
+            with self._lock:
+                # Taking the lock waits out a supervisor pass already under way; later passes
+                # see _halt and restart nothing.
+                self._recovering.clear()
+            if self._controller_stop is not None:
+                loop, event = self._controller_stop
+                loop.call_soon_threadsafe(event.set)
+                self._controller_stop = None
+                if self._controller_thread is not None:
+                    self._controller_thread.join(timeout=10)
+            with self._lock:
+                rank = {"router": 0, "redis": 2}
+                children = sorted(reversed(self.children), key=lambda c: rank.get(c.name, 1))
+            for child in children:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+                    try:
+                        child.proc.wait(timeout=timeout_s)
+                    except subprocess.TimeoutExpired:
+                        child.proc.kill()
+                        child.proc.wait()
+            with self._lock:
+                self.children.clear()
+            # Only now may the supervisor thread end: PR_SET_PDEATHSIG fires when the *thread*
+            # that started a child exits, and it started every restarted child.
+            self._released.set()
+            supervisor = self._supervisor
+            if supervisor is not None and supervisor is not threading.current_thread():
+                supervisor.join(timeout=10)
+
+    # -- supervision ----------------------------------------------------------------------
+
+    def wait_failure(self, timeout_s: float | None = None) -> str | None:
+        """Block until the supervisor has given up and stopped the cluster (return its
+        message) or `timeout_s` passes (return None)."""
+        self._failed.wait(timeout_s)
+        return self.failure
+
+    def _start_supervisor(self) -> None:
+        self._policy = RestartPolicy(self.config.restart_config())
+        self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        while not self._halt.wait(_SUPERVISE_POLL_S):
+            try:
+                gave_up = self._supervise_once(time.monotonic())
+            except Exception:  # a bug here must not end the thread (and kill its children)
+                traceback.print_exc(file=sys.stderr)
+                continue
+            if gave_up is not None:
+                _say(gave_up)
+                self.failure = gave_up
                 try:
-                    child.proc.wait(timeout=timeout_s)
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait()
+                    self.stop()
+                finally:
+                    self._failed.set()
+                break
+        self._released.wait()
+
+    def _supervise_once(self, now: float) -> str | None:
+        """One pass over the children: start those whose backoff is over, report those that
+        are back, and decide for those that exited. Returns a give-up message, if any."""
+        assert self._policy is not None
         with self._lock:
-            self.children.clear()
+            if self._halt.is_set():
+                return None
+            for child in self.children:
+                if child.name in self._stopping:
+                    continue  # told to drain: its exit is expected (_reap forgets it)
+                recovery = self._recovering.get(child.name)
+                if recovery is not None and recovery.ready_by is None:
+                    if now >= recovery.restart_at:
+                        self._restart(child, recovery, now)
+                    continue
+                code = child.proc.poll()
+                pid = child.proc.pid
+                if recovery is not None:  # restarted: waiting for its ready line
+                    if recovery.found:
+                        child.ready_line = recovery.found[0]
+                        del self._recovering[child.name]
+                        _say(f"{child.name} back (pid {pid})")
+                        continue
+                    assert recovery.ready_by is not None
+                    if code is None and now < recovery.ready_by:
+                        continue
+                    if code is None:
+                        child.proc.kill()
+                        child.proc.wait()
+                        reason = f"not ready within {self.config.ready_timeout_s:g} s"
+                    else:
+                        reason = describe_exit(code) + " before it was ready"
+                elif code is None:
+                    continue
+                else:
+                    reason = describe_exit(code)
+                decision = self._policy.on_exit(child.name, now)
+                if isinstance(decision, GiveUp):
+                    return (
+                        f"{child.name} (pid {pid}) {reason}; giving up on it: "
+                        f"{decision.reason}. Its log: {child.log_path}. Stopping the cluster."
+                    )
+                self._recovering[child.name] = _Recovery(
+                    decision.attempt, reason, now + decision.delay_s
+                )
+                _say(
+                    f"{child.name} (pid {pid}) {reason}; restarting in {decision.delay_s:g}s "
+                    f"(restart {decision.attempt})"
+                )
+        return None
+
+    def _restart(self, child: Child, recovery: _Recovery, now: float) -> None:
+        """Start `child` again with its arguments; a thread watches for its ready line so the
+        supervisor keeps polling the others meanwhile."""
+        header = (
+            f"\n--- tandem up: restart {recovery.attempt} of {child.name} "
+            f"(the previous process {recovery.reason}) ---\n"
+        )
+        child.proc = _popen(child.module_args, child.log_path, "a", header)
+        recovery.ready_by = now + self.config.ready_timeout_s
+        assert child.proc.stdout is not None
+        threading.Thread(
+            target=_read_until,
+            args=(child.proc.stdout, child.ready_marker, recovery.found),
+            name=f"ready:{child.name}",
+            daemon=True,
+        ).start()
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
+
+
+def _popen(
+    module_args: list[str], log_path: Path, mode: str, header: str = ""
+) -> subprocess.Popen[str]:
+    """`python -m module_args`, stdout piped (for the ready line), stderr to `log_path`
+    (opened with `mode`: "w" for a first start, "a" for a restart, after `header`)."""
+    with open(log_path, mode) as log_file:  # the child keeps its own descriptor
+        log_file.write(header)
+        log_file.flush()
+        return subprocess.Popen(
+            [sys.executable, "-m", *module_args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+            preexec_fn=_die_with_parent,
+            # Own session: a terminal's Ctrl-C reaches only `tandem up`, which stops the
+            # children in order (and a child that got it too would look like a crash).
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _read_until(stream: IO[str], marker: str, found: list[str]) -> None:

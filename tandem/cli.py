@@ -197,6 +197,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         autoscale=args.autoscale,
         admin_port=args.admin_port,
         controller_args=tuple(shlex.split(args.controller_args)),
+        restart_backoff_s=args.restart_backoff_s,
+        restart_max_backoff_s=args.restart_max_backoff_s,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window_s,
     )
     cluster = Cluster(config)
     print(
@@ -236,7 +240,7 @@ Tandem is serving {model_dir.name} on {address}. Call it:
   grpcurl: grpcurl -plaintext -d '{{"text": "Hello", "sampling": {{"max_tokens": 16}}}}' \\
              {address} tandem.v1.Router/Generate
 
-Ctrl-C stops every process."""
+A process that dies is restarted; Ctrl-C stops every process."""
         )
         if cluster.controller_address:
             print(
@@ -245,15 +249,21 @@ Ctrl-C stops every process."""
                 file=sys.stderr,
             )
         signal.signal(signal.SIGTERM, _raise_interrupt)
-        while True:
-            signal.pause()
+        # Until Ctrl-C/SIGTERM, or until the supervisor gives up on a child (it has printed
+        # why and stopped the cluster). The timeout keeps Ctrl-C prompt.
+        while cluster.wait_failure(timeout_s=1.0) is None:
+            pass
     except KeyboardInterrupt:
         pass
+    except RuntimeError:  # TandemError too: the demo's requests, when the cluster fails
+        if cluster.failure is None:
+            raise  # not the supervisor having stopped the cluster under us
     finally:
-        print("stopping ...", file=sys.stderr)
+        if cluster.failure is None:
+            print("stopping ...", file=sys.stderr)
         cluster.stop()
         print("stopped", file=sys.stderr)
-    return 0
+    return 0 if cluster.failure is None else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,6 +309,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--controller-args",
         default="",
         help="controller flags (python -m services.controller --help), e.g. '--max-prefill 4'",
+    )
+    from dataclasses import fields
+
+    from services.up import UpConfig  # the CLI's one way into services, as in cmd_up
+
+    up_default = {f.name: f.default for f in fields(UpConfig)}
+    u.add_argument(
+        "--max-restarts",
+        type=int,
+        default=up_default["max_restarts"],
+        help="restarts of one process within --restart-window-s before tandem up stops the "
+        "cluster and exits 1 (0: the first crash does)",
+    )
+    u.add_argument("--restart-window-s", type=float, default=up_default["restart_window_s"])
+    u.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=up_default["restart_backoff_s"],
+        help="delay before restarting a crashed process; doubles per crash in the window",
+    )
+    u.add_argument(
+        "--restart-max-backoff-s", type=float, default=up_default["restart_max_backoff_s"]
     )
     u.set_defaults(func=cmd_up)
 

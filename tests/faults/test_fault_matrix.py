@@ -297,16 +297,20 @@ def test_overload_at_four_times_max_inflight_admits_exactly_the_limit(
     fleet: Fleet, reference
 ) -> None:
     cases = prompts(4 * MAX_INFLIGHT, 8)
-    max_tokens = 200
-
-    async def one(p: list[int]) -> Result | TandemError:
-        try:
-            return await generate(fleet.addresses["r1"], p, max_tokens)
-        except TandemError as exc:
-            return exc
+    max_tokens = 1000  # the admitted run long after the whole burst has arrived
 
     async def burst() -> list[Result | TandemError]:
-        return list(await asyncio.gather(*(one(p) for p in cases)))
+        async with AsyncTandemClient(fleet.addresses["r1"], timeout_s=WAIT_S) as client:
+
+            async def one(p: list[int]) -> Result | TandemError:
+                try:
+                    return await client.generate(
+                        p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                    )
+                except TandemError as exc:
+                    return exc
+
+            return list(await asyncio.gather(*(one(p) for p in cases)))
 
     outcomes = run(burst())
     assert isinstance(outcomes, list)
