@@ -39,8 +39,8 @@ _FINISH = {
 }
 
 
-# Trailing metadata key of the server's pushback hint in milliseconds (the same as
-# services.common.errors.RETRY_AFTER_KEY; the client does not import services).
+# Trailing metadata key of the server's pushback hint in milliseconds (the services send it
+# through services.common.errors, which takes it from here).
 RETRY_AFTER_KEY = "tandem-retry-after-ms"
 
 T = TypeVar("T")
@@ -241,10 +241,10 @@ _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 def _error(exc: grpc.RpcError) -> TandemError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else ""
-    return TandemError(code, details or "", _retry_after(exc))
+    return TandemError(code, details or "", retry_after(exc))
 
 
-def _retry_after(exc: grpc.RpcError) -> float | None:
+def retry_after(exc: grpc.RpcError) -> float | None:
     """The pushback hint (seconds) in a failed call's trailers, if any."""
     trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     for key, value in trailers or ():

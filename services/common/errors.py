@@ -14,11 +14,12 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
+# The pushback trailer (milliseconds to wait before a retry) and its reader live in the
+# client, which must not import services.
+from tandem.client import RETRY_AFTER_KEY as RETRY_AFTER_KEY
+from tandem.client import retry_after as retry_after
+
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-# Trailing metadata key of a pushback hint: how many milliseconds to wait before a retry.
-RETRY_AFTER_KEY = "tandem-retry-after-ms"
 
 
 class ServiceError(Exception):
@@ -75,18 +76,6 @@ def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
     ):
         return ServiceError(code, exc.details() or code.name, retry_after(exc))
     return unavailable(f"worker failed ({code.name}: {exc.details()}); retry", retry_after(exc))
-
-
-def retry_after(exc: grpc.RpcError) -> float | None:
-    """The pushback hint (seconds) a failed call's trailers carry, if any."""
-    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    for key, value in trailers or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return max(0.0, int(value) / 1e3)
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
 async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> NoReturn:
