@@ -239,6 +239,7 @@ def spec_from_proto(
         prompt_token_ids=tuple(msg.prompt_token_ids),
         params=sampling_from_proto(msg.sampling),
         timeout_s=timeout_s,
+        cache_salt=msg.cache_salt,
     )
 
 
@@ -248,6 +249,7 @@ def prefill_request_to_proto(spec: RequestSpec, decode_worker: str) -> wpb.Prefi
         prompt_token_ids=spec.prompt_token_ids,
         sampling=sampling_to_proto(spec.params),
         decode_worker=decode_worker,
+        cache_salt=spec.cache_salt,
     )
 
 
@@ -260,6 +262,7 @@ def decode_request_to_proto(
         request_id=spec.request_id,
         prompt_token_ids=spec.prompt_token_ids,
         sampling=sampling_to_proto(spec.params),
+        cache_salt=spec.cache_salt,
     )
     if prefilled is not None:
         msg.output_token_ids.append(prefilled.first_token_id)

@@ -184,6 +184,7 @@ class Hops:
             output_token_ids=call.outputs,
             num_emitted_chars=call.emitted_chars,
             sampling=convert.sampling_to_proto(call.spec.params),
+            cache_salt=call.spec.cache_salt,
         )
         if call.kv is not None:
             request.kv.CopyFrom(call.kv)

@@ -15,7 +15,7 @@ from services.common.errors import unavailable
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
 from services.router.config import RouterConfig
-from tandem.engine.prefix_hash import hash_blocks
+from tandem.engine.prefix_hash import hash_blocks, hash_keys
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
 from tandem.routing import (
@@ -69,7 +69,11 @@ class Placer:
     async def place(self, spec: RequestSpec) -> Placement:
         """Raises ServiceError(UNAVAILABLE) when no decode worker is available."""
         # The same chained hashes the workers publish (tandem.engine.prefix_hash).
-        hashes = hash_blocks(list(spec.prompt_token_ids), self.config.block_size, (self.model_id,))
+        hashes = hash_blocks(
+            list(spec.prompt_token_ids),
+            self.config.block_size,
+            hash_keys(self.model_id, spec.cache_salt),
+        )
         overlap = await self._lookup(hashes)
         self._sequence += 1
         route = RouteRequest(

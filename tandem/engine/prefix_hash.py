@@ -58,6 +58,12 @@ def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: Sequence[
     return int.from_bytes(h.digest(), "little")
 
 
+def hash_keys(model_id: str, cache_salt: str = "") -> tuple[str, ...]:
+    """The extra keys of a request's block hashes: the model, and its cache salt if any.
+    Every party that hashes a prompt (router, prefill, decode, signature checks) uses this."""
+    return (model_id, cache_salt) if cache_salt else (model_id,)
+
+
 def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,

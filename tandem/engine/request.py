@@ -75,6 +75,9 @@ class RequestSpec:
         params: sampling parameters.
         model: the model it was addressed to.
         timeout_s: time left to the client's deadline when it arrived; None = no deadline.
+        cache_salt: mixed into the prompt's prefix-block hashes (`prefix_hash.hash_keys`):
+            requests with different salts never share cached blocks (tenant isolation);
+            "" = the shared cache.
     """
 
     request_id: str
@@ -82,6 +85,7 @@ class RequestSpec:
     params: SamplingParams = field(default_factory=SamplingParams)
     model: str = ""
     timeout_s: float | None = None
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not self.request_id:
