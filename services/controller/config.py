@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.security import AuthConfig
 from tandem.control import SLA, ControlConfig
 
 ACTUATORS = ("kubernetes", "local", "none")
@@ -26,6 +27,7 @@ class ControllerConfig:
     interval_s: how often it decides. window_s: how much history each decision sees.
     sla: the SLA targets at start (tunable at run time with `tandem ctl set-sla`).
     control: the policy's knobs.
+    auth: the internal plane's credentials (services.common.security.AuthConfig).
     """
 
     redis_url: str = ""
@@ -42,6 +44,7 @@ class ControllerConfig:
     window_s: float = 60.0
     sla: SLA = field(default_factory=SLA)
     control: ControlConfig = field(default_factory=ControlConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         if self.actuator not in ACTUATORS:

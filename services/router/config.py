@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.security import AuthConfig
 from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.routing import RoutingConfig
 from tandem.routing.health import BreakerConfig
@@ -35,6 +36,7 @@ class RouterConfig:
     routing: the placement policy's knobs (tandem.routing.RoutingConfig).
     recovery: the per-request retry budget and fallbacks (tandem.routing.recovery).
     breaker: per-worker circuit breakers from RPC outcomes (tandem.routing.health).
+    auth: the internal plane's credentials (services.common.security.AuthConfig).
     """
 
     model_dir: str
@@ -54,6 +56,7 @@ class RouterConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:

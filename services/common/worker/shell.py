@@ -10,7 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -32,6 +32,7 @@ from services.common.process import (
 )
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
+from services.common.security import AuthConfig
 from services.common.worker.engine_loop import EngineLoop, OutputQueue
 from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineConfig, EngineRole
@@ -67,6 +68,7 @@ class WorkerConfig:
         max_queued_requests: requests admitted but not yet running in the engine before new
             ones get RESOURCE_EXHAUSTED with a retry hint (the router then tries later or
             elsewhere).
+        auth: the internal plane's credentials (services.common.security.AuthConfig).
     """
 
     engine: EngineConfig
@@ -82,6 +84,7 @@ class WorkerConfig:
     registry_ttl_s: float = 3.0
     drain_timeout_s: float = 30.0
     max_queued_requests: int = 256
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def __post_init__(self) -> None:
         if self.max_queued_requests <= 0:
