@@ -16,15 +16,21 @@ retries a call that failed with UNAVAILABLE or RESOURCE_EXHAUSTED, waiting with 
 backoff (or as long as the server asked, when that is longer). A stream is retried only while
 none of its chunks has reached the caller, so a caller never sees a token twice: a stream that
 fails after its first chunk raises, however it is configured.
+
+A router with API keys wants one: `TandemClient(address, api_key=...)` (default: the
+TANDEM_API_KEY environment variable) sends it as `authorization: Bearer <key>`; `tls=True`
+(the system's CAs) or `tls="ca.pem"` connects over TLS.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -280,6 +286,19 @@ class _Attempts:
         return delay
 
 
+def _channel_credentials(tls: bool | str) -> grpc.ChannelCredentials | None:
+    """None: plaintext. True: TLS against the system's CAs; a path: against that CA file."""
+    if tls is False:
+        return None
+    roots = Path(tls).read_bytes() if isinstance(tls, str) else None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    key = api_key if api_key is not None else os.environ.get("TANDEM_API_KEY", "")
+    return (("authorization", f"Bearer {key}"),) if key else None
+
+
 class TandemClient:
     """Blocking client. One channel; safe to share between threads.
 
@@ -287,12 +306,22 @@ class TandemClient:
     None: no retry) retries failed calls as the module docstring describes."""
 
     def __init__(
-        self, address: str, timeout_s: float | None = None, retry: Retry | None = None
+        self,
+        address: str,
+        timeout_s: float | None = None,
+        retry: Retry | None = None,
+        *,
+        api_key: str | None = None,
+        tls: bool | str = False,
     ) -> None:
-        self.channel = grpc.insecure_channel(address)
+        creds = _channel_credentials(tls)
+        self.channel = (
+            grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+        )
         self.stub = rgrpc.RouterStub(self.channel)
         self.timeout_s = timeout_s
         self.retry = retry
+        self.metadata = _auth_metadata(api_key)
 
     def __enter__(self) -> TandemClient:
         return self
@@ -311,7 +340,7 @@ class TandemClient:
         attempts = _Attempts(self.retry, self.timeout_s)
         while True:
             yielded = False
-            call = self.stub.Generate(req, timeout=attempts.timeout_s())
+            call = self.stub.Generate(req, timeout=attempts.timeout_s(), metadata=self.metadata)
             try:
                 for msg in call:
                     chunk = _apply(result, msg)
@@ -334,7 +363,7 @@ class TandemClient:
         attempts = _Attempts(self.retry, self.timeout_s)
         while True:
             try:
-                return method(request, timeout=attempts.timeout_s())
+                return method(request, timeout=attempts.timeout_s(), metadata=self.metadata)
             except grpc.RpcError as exc:
                 error = _error(exc)
             delay = attempts.next_delay_s(error)
@@ -356,10 +385,17 @@ class TandemClient:
         return [m.id for m in self._unary(self.stub.ListModels, rpb.ListModelsRequest()).models]
 
     def abort(self, request_id: str) -> bool:
-        """Abort a running request; False when none has this id. Not retried."""
+        """Abort a running request of this key's tenant; False when none has this id. Not
+        retried."""
         try:
-            resp = self.stub.Abort(rpb.AbortRequest(request_id=request_id), timeout=self.timeout_s)
+            resp = self.stub.Abort(
+                rpb.AbortRequest(request_id=request_id),
+                timeout=self.timeout_s,
+                metadata=self.metadata,
+            )
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # not running (or not ours)
+                return False
             raise _error(exc) from None
         return bool(resp.found)
 
@@ -370,12 +406,22 @@ class AsyncTandemClient:
     `timeout_s` and `retry` as for `TandemClient`."""
 
     def __init__(
-        self, address: str, timeout_s: float | None = None, retry: Retry | None = None
+        self,
+        address: str,
+        timeout_s: float | None = None,
+        retry: Retry | None = None,
+        *,
+        api_key: str | None = None,
+        tls: bool | str = False,
     ) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+        creds = _channel_credentials(tls)
+        self.channel = (
+            grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
+        )
         self.stub = rgrpc.RouterStub(self.channel)
         self.timeout_s = timeout_s
         self.retry = retry
+        self.metadata = _auth_metadata(api_key)
 
     async def __aenter__(self) -> AsyncTandemClient:
         return self
@@ -399,7 +445,7 @@ class AsyncTandemClient:
         attempts = _Attempts(self.retry, self.timeout_s)
         while True:
             yielded = False
-            call = self.stub.Generate(req, timeout=attempts.timeout_s())
+            call = self.stub.Generate(req, timeout=attempts.timeout_s(), metadata=self.metadata)
             try:
                 async for msg in call:
                     chunk = _apply(result, msg)
@@ -422,7 +468,7 @@ class AsyncTandemClient:
         attempts = _Attempts(self.retry, self.timeout_s)
         while True:
             try:
-                return await method(request, timeout=attempts.timeout_s())
+                return await method(request, timeout=attempts.timeout_s(), metadata=self.metadata)
             except grpc.RpcError as exc:
                 error = _error(exc)
             delay = attempts.next_delay_s(error)
@@ -441,11 +487,16 @@ class AsyncTandemClient:
         return list(resp.token_ids)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a running request; False when none has this id. Not retried."""
+        """Abort a running request of this key's tenant; False when none has this id. Not
+        retried."""
         try:
             resp = await self.stub.Abort(
-                rpb.AbortRequest(request_id=request_id), timeout=self.timeout_s
+                rpb.AbortRequest(request_id=request_id),
+                timeout=self.timeout_s,
+                metadata=self.metadata,
             )
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # not running (or not ours)
+                return False
             raise _error(exc) from None
         return bool(resp.found)

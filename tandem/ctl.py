@@ -5,19 +5,40 @@ tandem ctl explain [-n 5]               the last decisions with their model figu
 tandem ctl set-ratio P D                pin P prefill and D decode workers
 tandem ctl set-sla --ttft-p90 MS --itl-p90 MS
 tandem ctl auto                         back to automatic control
+
+A controller with admin keys needs one: --admin-key-file PATH (a file holding the key), or
+the key in TANDEM_ADMIN_KEY. set-ratio, set-sla and auto need scope "admin"; status and
+explain "admin" or "read".
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tandem.control import ROLES
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"
+ADMIN_KEY_ENV = "TANDEM_ADMIN_KEY"
+
+
+def admin_key(key_file: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The admin key: the contents of `key_file` (surrounding whitespace stripped), else
+    $TANDEM_ADMIN_KEY, else None (a controller without admin keys).
+
+    Raises ValueError when the file is empty or holds more than one word."""
+    if key_file:
+        words = Path(key_file).read_text(encoding="utf-8").split()
+        if len(words) != 1:
+            raise ValueError(f"{key_file}: need exactly one key, found {len(words)} words")
+        return words[0]
+    return environ.get(ADMIN_KEY_ENV, "").strip() or None
 
 
 def format_status(s: Any) -> str:
@@ -71,32 +92,45 @@ def run(args: argparse.Namespace) -> int:
     from tandem.v1 import admin_pb2 as apb
     from tandem.v1 import admin_pb2_grpc as agrpc
 
+    try:
+        key = admin_key(args.admin_key_file)
+    except (OSError, ValueError) as exc:
+        print(f"error: admin key: {exc}", file=sys.stderr)
+        return 2
+    call: dict[str, Any] = {"timeout": args.timeout}
+    if key is not None:
+        call["metadata"] = (("authorization", f"Bearer {key}"),)
     with grpc.insecure_channel(args.address) as channel:
         stub = agrpc.AdminStub(channel)
         try:
             if args.action == "status":
-                print(format_status(stub.Status(apb.StatusRequest(), timeout=args.timeout)))
+                print(format_status(stub.Status(apb.StatusRequest(), **call)))
             elif args.action == "explain":
-                resp = stub.Explain(apb.ExplainRequest(limit=args.n), timeout=args.timeout)
-                print(format_decisions(resp))
+                print(format_decisions(stub.Explain(apb.ExplainRequest(limit=args.n), **call)))
             elif args.action == "set-ratio":
                 req = apb.SetRatioRequest(prefill=args.prefill, decode=args.decode)
-                print(format_status(stub.SetRatio(req, timeout=args.timeout)))
+                print(format_status(stub.SetRatio(req, **call)))
             elif args.action == "set-sla":
                 sla = apb.Sla()
                 if args.ttft_p90 is not None:
                     sla.ttft_p90_ms = args.ttft_p90
                 if args.itl_p90 is not None:
                     sla.itl_p90_ms = args.itl_p90
-                print(format_status(stub.SetSla(apb.SetSlaRequest(sla=sla), timeout=args.timeout)))
+                print(format_status(stub.SetSla(apb.SetSlaRequest(sla=sla), **call)))
             else:
-                print(format_status(stub.Auto(apb.AutoRequest(), timeout=args.timeout)))
+                print(format_status(stub.Auto(apb.AutoRequest(), **call)))
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.UNAVAILABLE:
                 print(
                     f"error: cannot reach the controller at {args.address} ({exc.details()}); "
                     "is `tandem up --autoscale` or `python -m services.controller` running?",
+                    file=sys.stderr,
+                )
+            elif code == grpc.StatusCode.UNAUTHENTICATED and key is None:
+                print(
+                    f"error: {code.name}: {exc.details()}; pass --admin-key-file or set "
+                    f"{ADMIN_KEY_ENV}",
                     file=sys.stderr,
                 )
             else:
@@ -110,6 +144,10 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     c.add_argument("--address", default=DEFAULT_ADDRESS, help="controller admin API host:port")
     c.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    c.add_argument(
+        "--admin-key-file",
+        help=f"file holding the admin key (default: the key in ${ADMIN_KEY_ENV}, if set)",
+    )
     actions = c.add_subparsers(dest="action", required=True)
     actions.add_parser("status", help="current and desired workers, SLA attainment")
     e = actions.add_parser("explain", help="the last decisions with reasons and figures")

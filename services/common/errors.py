@@ -55,6 +55,10 @@ def already_exists(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.ALREADY_EXISTS, message)
 
 
+def not_found(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.NOT_FOUND, message)
+
+
 def failed_precondition(message: str) -> ServiceError:
     """The deployment cannot serve the request as configured (e.g. prefill and decode
     workers disagree about the KV cache layout); retrying does not help."""
@@ -64,8 +68,9 @@ def failed_precondition(message: str) -> ServiceError:
 def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
     """What a client should see when a worker call failed: the worker's verdict on the
     request itself, or on the deployment (FAILED_PRECONDITION: misconfigured workers, which
-    a retry would meet again), passes through; anything else is the worker's failure,
-    retryable."""
+    a retry would meet again; PERMISSION_DENIED: a KV hand-off whose signature or owner the
+    decode worker refused, forged or signed with another cluster secret, which no retry
+    fixes either), passes through; anything else is the worker's failure, retryable."""
     code = exc.code()
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -73,6 +78,7 @@ def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.FAILED_PRECONDITION,
         grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
     ):
         return ServiceError(code, exc.details() or code.name, retry_after(exc))
     return unavailable(f"worker failed ({code.name}: {exc.details()}); retry", retry_after(exc))

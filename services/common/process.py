@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import grpc
@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.interceptors import StatusInterceptor
+from services.common.security import AuthConfig, AuthInterceptor, KeyRing, Open, Rule
 
 # Server options every service gets (a caller's `options` entry of the same name wins):
 # accept the keepalive pings of clients using `channel_options` (one per second, also between
@@ -115,23 +116,43 @@ async def start_grpc_server(
     health_servicer: health.aio.HealthServicer,
     options: list[tuple[str, Any]] | None = None,
     serving: bool = True,
+    auth_rules: Mapping[str, Rule] | None = None,
+    auth: AuthConfig | None = None,
+    keyring: KeyRing | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start an aio server with our services, gRPC health (SERVING) and reflection.
 
-    Every call goes through `StatusInterceptor` (a request that does not decode ends with
+    With `auth_rules` (services.common.security: "/pkg.Service/Method" or "pkg.Service" ->
+    Open(), Internal() or Bearer(scope)), every call is first checked by an AuthInterceptor
+    holding `auth` (cluster secret, internal TLS) and `keyring` (Bearer keys); health and
+    reflection are Open unless the rules say otherwise, methods they do not name Internal.
+    Then every call goes through `StatusInterceptor` (a request that does not decode ends with
     INVALID_ARGUMENT, an unexpected handler error with INTERNAL, neither naming a Python
-    class); `options` add to or override `SERVER_OPTIONS`.
+    class); `options` add to or override `SERVER_OPTIONS`. `credentials`: serve TLS
+    (security.server_port_credentials(auth) for mutual TLS); None: plaintext.
     Health reports SERVING at once, or NOT_SERVING with `serving=False` (the caller sets
     SERVING when it is ready). Returns (server, bound port); port 0 picks a free one.
-    Raises RuntimeError when the address cannot be bound."""
+    Raises RuntimeError when the address cannot be bound, ValueError or OSError when the
+    cluster secret cannot be loaded."""
     merged: dict[str, Any] = dict(SERVER_OPTIONS)
     merged.update(options or ())
-    server = grpc.aio.server(interceptors=(StatusInterceptor(),), options=list(merged.items()))
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if auth_rules is not None:
+        rules: dict[str, Rule] = {health.SERVICE_NAME: Open(), reflection.SERVICE_NAME: Open()}
+        rules.update(auth_rules)
+        interceptors.append(AuthInterceptor(rules, auth=auth, keyring=keyring))
+    interceptors.append(StatusInterceptor())
+    server = grpc.aio.server(interceptors=interceptors, options=list(merged.items()))
     add_servicers(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if credentials is not None:
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port}")
     status = (

@@ -28,6 +28,11 @@ class ControllerConfig:
     sla: the SLA targets at start (tunable at run time with `tandem ctl set-sla`).
     control: the policy's knobs.
     auth: the internal plane's credentials (services.common.security.AuthConfig).
+    admin_keys_file: the admin API's keys (services.common.security.KeyRing: one
+        `<key> <tenant> [scopes]` per line). Set: SetRatio, SetSla and Auto need a key with
+        scope "admin"; Status and Explain one with "admin" or "read" (`tandem ctl
+        --admin-key-file`, or TANDEM_ADMIN_KEY). Empty: the admin API takes calls without a
+        key (keep its port private).
     """
 
     redis_url: str = ""
@@ -45,6 +50,7 @@ class ControllerConfig:
     sla: SLA = field(default_factory=SLA)
     control: ControlConfig = field(default_factory=ControlConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    admin_keys_file: str = ""
 
     def __post_init__(self) -> None:
         if self.actuator not in ACTUATORS:

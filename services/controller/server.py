@@ -32,6 +32,7 @@ from services.common.errors import invalid_argument, rpc
 from services.common.process import start_grpc_server
 from services.common.redis.registry import Registry, WorkerInfo
 from services.common.redis.request_log import RequestLogReader
+from services.common.security import Bearer, KeyRing, Rule
 from services.controller.actuators import Actuator, ActuatorError
 from services.controller.config import ControllerConfig
 from tandem.control import (
@@ -51,6 +52,13 @@ from tandem.v1 import admin_pb2_grpc as agrpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Admin"
+# Changing the controller's behaviour takes an "admin" key; watching it a "read" key too.
+# Without admin_keys_file, every call is let through (security module: development mode).
+ADMIN_RULES: dict[str, Rule] = {
+    SERVICE_NAME: Bearer("admin"),
+    f"/{SERVICE_NAME}/Status": Bearer("admin", "read"),
+    f"/{SERVICE_NAME}/Explain": Bearer("admin", "read"),
+}
 SETTINGS_PREFIX = "tandem:control:settings:"
 _REDIS_DOWN = (RedisError, OSError)
 
@@ -109,6 +117,7 @@ class Controller(agrpc.AdminServicer):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self, run_loop: bool = True) -> None:
+        keyring = KeyRing.load(self.config.admin_keys_file) if self.config.admin_keys_file else None
         if self.config.redis_url:
             self._redis = aioredis.Redis.from_url(self.config.redis_url, socket_timeout=2.0)
             self._registry = Registry(self.config.redis_url)
@@ -119,6 +128,8 @@ class Controller(agrpc.AdminServicer):
             (SERVICE_NAME,),
             lambda server: agrpc.add_AdminServicer_to_server(self, server),
             self._health,
+            auth_rules=ADMIN_RULES,
+            keyring=keyring,
         )
         self.address = f"{self.config.host}:{port}"
         if self.config.metrics_port:

@@ -33,6 +33,14 @@ class RouterConfig:
         unreachable worker fails its calls within about twice this.
     request_id_ttl_s: how long a claimed client request id stays claimed in Redis when the
         call has no deadline (bounds what a crashed router leaves behind).
+    api_keys_file: the public API's keys (services.common.security.KeyRing: one
+        `<key> <tenant> [scopes]` per line). Set: every call needs `authorization: Bearer
+        <key>` with scope "generate", and each tenant's prompts are cached apart (a per-tenant
+        salt in the prefix hashes) unless listed in shared_cache_tenants. Empty: no keys
+        (loopback development), one shared cache.
+    tls_cert_file, tls_key_file: serve the public API over TLS with this certificate.
+    shared_cache_tenants: comma-separated tenants whose prompts share one prefix cache (with
+        each other and with keyless calls), e.g. several keys of one application.
     routing: the placement policy's knobs (tandem.routing.RoutingConfig).
     recovery: the per-request retry budget and fallbacks (tandem.routing.recovery).
     breaker: per-worker circuit breakers from RPC outcomes (tandem.routing.health).
@@ -53,6 +61,10 @@ class RouterConfig:
     hop_timeout_s: float = 30.0
     keepalive_s: float = 1.0
     request_id_ttl_s: float = 3600.0
+    api_keys_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    shared_cache_tenants: str = ""
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -61,6 +73,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
             raise ValueError(f"max_inflight must be positive, got {self.max_inflight}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs tls_cert_file and tls_key_file together")
         for name in ("hop_timeout_s", "keepalive_s", "request_id_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

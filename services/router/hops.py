@@ -58,7 +58,7 @@ def worker_request_id(request_id: str) -> str:
 class Call:
     """A Generate call in flight: where it runs, how far it got, what the client is told."""
 
-    spec: RequestSpec  # the client's request id
+    spec: RequestSpec  # request_id: the server's id (workers and logs know it)
     placement: Placement
     dispatch: Dispatch
     t_start: float
@@ -73,6 +73,8 @@ class Call:
     kv: wpb.KvHandle | None = None  # the prefill hop's hand-off, until the decode hop uses it
     recoveries: int = 0
     failed: set[str] = field(default_factory=set)  # workers that failed this request
+    public_id: str = ""  # what the client calls it: its label, or the server's id
+    tenant: str = ""
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.t_start) * 1e3
@@ -167,7 +169,7 @@ class Hops:
         call.usage.cached_prompt_tokens = resp.num_cached_tokens
         chunk = rpb.Chunk(token_ids=[resp.first_token_id], text=resp.text, logprobs=resp.logprobs)
         self._streamed(call, chunk)
-        yield rpb.GenerateResponse(request_id=call.spec.request_id, chunk=chunk)
+        yield rpb.GenerateResponse(request_id=call.public_id, chunk=chunk)
         if resp.finished:
             yield self._complete(call, resp.finish_reason, resp.stop_reason)
             return
@@ -177,7 +179,7 @@ class Hops:
         self, call: Call, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
         worker = call.placement.decode
-        rid = call.spec.request_id
+        rid = call.public_id
         request = wpb.DecodeRequest(
             request_id=call.worker_rid,
             prompt_token_ids=call.spec.prompt_token_ids,
@@ -285,7 +287,7 @@ class Hops:
         self._abort_workers(call.worker_rid, placement)
         if step.action is Action.FAIL:
             raise errors.unavailable(
-                f"request {call.spec.request_id} failed: {step.reason}", retry_after_s=1.0
+                f"request {call.public_id} failed: {step.reason}", retry_after_s=1.0
             )
         assert step.decode is not None
         call.recoveries += 1

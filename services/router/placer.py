@@ -138,9 +138,7 @@ class Placer:
     def _no_decode_message(self) -> str:
         held = self.breakers.open_workers(time.monotonic())
         if held:
-            return (
-                f"no healthy decode worker (recently failed: {', '.join(held)}); retry later"
-            )
+            return f"no healthy decode worker (recently failed: {', '.join(held)}); retry later"
         return "no decode worker available; retry later"
 
     async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:

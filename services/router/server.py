@@ -14,12 +14,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health
 
-from services.common import convert, errors
+from services.common import convert, errors, security
 from services.common.errors import ServiceError, invalid_argument, rpc
 from services.common.process import channel_options, start_grpc_server
 from services.common.redis.request_ids import RequestIds
@@ -66,6 +67,9 @@ class RouterServer(rgrpc.RouterServicer):
             _PROMPT_CHARS_SLACK * self.max_model_len * self.tokenizer.max_token_chars()
         )
         self.placer = Placer(config, self.model_id)
+        self.shared_cache_tenants = {
+            t.strip() for t in config.shared_cache_tenants.split(",") if t.strip()
+        }
         self.hops = Hops(
             self.placer,
             self._channel,
@@ -79,9 +83,10 @@ class RouterServer(rgrpc.RouterServicer):
         self.health = health.aio.HealthServicer()
         self.address = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._admitted: set[str] = set()  # request ids between admission and the end
-        self._calls: dict[str, Call] = {}  # the placed ones
-        self._early_aborts: set[str] = set()  # Abort before placement
+        # Keyed by (tenant, the client's id for the request): a tenant sees only its own.
+        self._admitted: set[tuple[str, str]] = set()  # between admission and the end
+        self._calls: dict[tuple[str, str], Call] = {}  # the placed ones
+        self._early_aborts: set[tuple[str, str]] = set()  # Abort before placement
         self._background: set[asyncio.Task[None]] = set()
         self._request_log: RequestLog | None = None
         self._request_ids: RequestIds | None = None
@@ -97,15 +102,36 @@ class RouterServer(rgrpc.RouterServicer):
             self._request_log = RequestLog(self.config.redis_url, self.model_id)
             await self._request_log.start()
             self._request_ids = RequestIds(self.config.redis_url, self.model_id)
+        keyring = None
+        if self.config.api_keys_file:
+            keyring = security.KeyRing.load(self.config.api_keys_file)
+            log.info("public API keys: %d (tenants' prefix caches apart)", len(keyring))
+        else:
+            log.warning("no api_keys_file: the public API takes calls without a key")
+        credentials = None
+        if self.config.tls_cert_file:
+            credentials = grpc.ssl_server_credentials(
+                [
+                    (
+                        Path(self.config.tls_key_file).read_bytes(),
+                        Path(self.config.tls_cert_file).read_bytes(),
+                    )
+                ]
+            )
         self.server, port = await start_grpc_server(
             self.config.host,
             self.config.port,
             (SERVICE_NAME,),
             lambda server: rgrpc.add_RouterServicer_to_server(self, server),
             self.health,
+            auth_rules={SERVICE_NAME: security.Bearer("generate")},
+            auth=self.config.auth,
+            keyring=keyring,
+            credentials=credentials,
         )
         self.address = f"{self.config.host}:{port}"
-        log.info("router serving %s on %s", self.model_id, self.address)
+        scheme = "TLS" if credentials else "plaintext"
+        log.info("router serving %s on %s (%s)", self.model_id, self.address, scheme)
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -123,10 +149,23 @@ class RouterServer(rgrpc.RouterServicer):
         ch = self._channels.get(address)
         if ch is None:
             # Keepalive: a frozen worker fails its calls within ~2 x keepalive_s.
-            ch = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=channel_options(self.config.keepalive_s)
+            ch = self._channels[address] = security.internal_channel(
+                address, self.config.auth, options=channel_options(self.config.keepalive_s)
             )
         return ch
+
+    # -- tenants ---------------------------------------------------------------------------
+
+    def _tenant(self) -> str:
+        """The calling tenant (from its API key); "" without keys."""
+        principal = security.current_principal()
+        return principal.tenant if principal is not None else ""
+
+    def _cache_salt(self, tenant: str) -> str:
+        """Tenants get prefix caches of their own: neither shares nor probes another's."""
+        if not tenant or tenant in self.shared_cache_tenants:
+            return ""
+        return f"tenant:{tenant}"
 
     # -- the public request -> RequestSpec ------------------------------------------------
 
@@ -186,7 +225,11 @@ class RouterServer(rgrpc.RouterServicer):
         return self.tokenizer.encode(text, add_special_tokens=False), text
 
     async def _spec(
-        self, request: rpb.GenerateRequest, request_id: str, timeout_s: float | None
+        self,
+        request: rpb.GenerateRequest,
+        request_id: str,
+        timeout_s: float | None,
+        cache_salt: str = "",
     ) -> RequestSpec:
         """The request as every later hop sees it, validated once. Raises ServiceError."""
         tokens, _ = await self._prompt(request)
@@ -200,19 +243,19 @@ class RouterServer(rgrpc.RouterServicer):
             params.validate_for_vocab(vocab)
         except ValueError as exc:
             raise invalid_argument(f"sampling.{exc}") from None
-        return RequestSpec(request_id, tuple(tokens), params, self.model_id, timeout_s)
+        return RequestSpec(request_id, tuple(tokens), params, self.model_id, timeout_s, cache_salt)
 
-    def _admit(self, request_id: str) -> None:
+    def _admit(self, key: tuple[str, str]) -> None:
         """Count the request in, atomically (no await between the checks and the count)."""
-        if request_id in self._admitted:
-            raise errors.already_exists(f"request_id {request_id!r} is already running")
+        if key in self._admitted:
+            raise errors.already_exists(f"request_id {key[1]!r} is already running")
         if len(self._admitted) >= self.config.max_inflight:
             raise errors.resource_exhausted(
                 f"router has {len(self._admitted)} requests in flight (max_inflight "
                 f"{self.config.max_inflight}); retry later",
                 retry_after_s=0.5,
             )
-        self._admitted.add(request_id)
+        self._admitted.add(key)
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -221,23 +264,33 @@ class RouterServer(rgrpc.RouterServicer):
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
         t_start = time.perf_counter()
-        rid = request.request_id or uuid.uuid4().hex
-        check_request_id(rid)
-        self._admit(rid)
+        label = request.request_id
+        if label:
+            check_request_id(label)
+        server_id = uuid.uuid4().hex  # the request's id on the workers and in logs
+        tenant = self._tenant()
+        rid = label or server_id  # what the client calls it
+        key = (tenant, rid)
+        self._admit(key)
         claimed = False
+        claim = f"{tenant}/{label}"
         try:
-            if request.request_id and self._request_ids is not None:
+            if label and self._request_ids is not None:
                 ttl = context.time_remaining() or self.config.request_id_ttl_s
-                claimed = await self._request_ids.claim(rid, ttl + 1.0)
+                claimed = await self._request_ids.claim(claim, ttl + 1.0)
                 if not claimed:
                     raise errors.already_exists(
                         f"request_id {rid!r} is already running (on another router)"
                     )
-            spec = await self._spec(request, rid, context.time_remaining())
+            if label or tenant:
+                log.info("request %s: label %r, tenant %r", server_id, label, tenant)
+            spec = await self._spec(
+                request, server_id, context.time_remaining(), self._cache_salt(tenant)
+            )
             placement = await self.placer.place(spec)
-            call = self._calls[rid] = self._open(spec, placement, t_start)
+            call = self._calls[key] = self._open(spec, placement, t_start, rid, tenant)
             try:
-                if rid in self._early_aborts:
+                if key in self._early_aborts:
                     call.aborted = True
                     raise asyncio.CancelledError
                 async for response in self.hops.run(call, context):
@@ -260,12 +313,14 @@ class RouterServer(rgrpc.RouterServicer):
             finally:
                 self._close(call)
         finally:
-            self._admitted.discard(rid)
-            self._early_aborts.discard(rid)
+            self._admitted.discard(key)
+            self._early_aborts.discard(key)
             if claimed and self._request_ids is not None:
-                self._spawn(self._request_ids.release(rid))
+                self._spawn(self._request_ids.release(claim))
 
-    def _open(self, spec: RequestSpec, placement: Placement, t_start: float) -> Call:
+    def _open(
+        self, spec: RequestSpec, placement: Placement, t_start: float, public_id: str, tenant: str
+    ) -> Call:
         timings = rpb.Timings(
             queue_ms=(time.perf_counter() - t_start) * 1e3,
             disaggregated=placement.disaggregated,
@@ -279,11 +334,11 @@ class RouterServer(rgrpc.RouterServicer):
         usage = rpb.Usage(prompt_tokens=spec.num_prompt_tokens)
         return Call(
             spec, placement, dispatch, t_start, usage, timings,
-            worker_rid=worker_request_id(spec.request_id),
+            worker_rid=worker_request_id(spec.request_id), public_id=public_id, tenant=tenant,
         )  # fmt: skip
 
     def _close(self, call: Call) -> None:
-        self._calls.pop(call.spec.request_id, None)
+        self._calls.pop((call.tenant, call.public_id), None)
         call.dispatch.finish()
         if not call.finished or call.aborted:
             # Client cancelled, deadline passed, Abort, or a worker failed: stop both sides.
@@ -303,7 +358,7 @@ class RouterServer(rgrpc.RouterServicer):
             usage=call.usage,
             timings=call.timings,
         )
-        return rpb.GenerateResponse(request_id=call.spec.request_id, complete=complete)
+        return rpb.GenerateResponse(request_id=call.public_id, complete=complete)
 
     def _record(self, call: Call) -> None:
         if self._request_log is None:
@@ -360,12 +415,14 @@ class RouterServer(rgrpc.RouterServicer):
     async def Abort(
         self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rpb.AbortResponse:
-        call = self._calls.get(request.request_id)
+        key = (self._tenant(), request.request_id)
+        call = self._calls.get(key)
         if call is None:
-            if request.request_id in self._admitted:  # not placed yet
-                self._early_aborts.add(request.request_id)
+            if key in self._admitted:  # not placed yet
+                self._early_aborts.add(key)
                 return rpb.AbortResponse(found=True)
-            return rpb.AbortResponse(found=False)
+            # The same answer whether the id is unknown or another tenant's.
+            raise errors.not_found(f"no running request {request.request_id!r}")
         call.aborted = True
         if call.worker_call is not None:
             call.worker_call.cancel()

@@ -87,7 +87,9 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stop a running request (same effect as cancelling its Generate call).
+        """Stop a running request of the caller's tenant (same effect as cancelling its Generate
+        call). NOT_FOUND for an id that is not running, or is another tenant's: the answer does
+        not tell the two apart.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

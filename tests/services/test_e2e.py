@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.security import AuthConfig, internal_metadata
 from services.up import Cluster, UpConfig, wait_for_router
 from tandem.client import AsyncTandemClient, TandemClient, TandemError
 from tandem.config import CacheConfig, EngineConfig
@@ -62,10 +63,27 @@ def reference(model_dir):
     )
 
 
+class _ClusterKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the cluster key `tandem up` gave its processes: workers refuse calls without."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        auth = AuthConfig(cluster_secret_file=str(cluster.cluster_secret_file))
+        self.metadata = internal_metadata(auth)
+
+    def _details(self, details):  # type: ignore[no-untyped-def]
+        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+
 def worker_stub(cluster: Cluster, role: str):
     line = next(c.ready_line for c in cluster.children if c.name == f"{role}-0")
     address = line.split()[-1]
-    channel = grpc.insecure_channel(address)
+    channel = grpc.intercept_channel(grpc.insecure_channel(address), _ClusterKey(cluster))
     stub_cls = wgrpc.PrefillWorkerStub if role == "prefill" else wgrpc.DecodeWorkerStub
     return stub_cls(channel), address
 

@@ -32,7 +32,7 @@ from services.common.process import (
 )
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
-from services.common.security import AuthConfig
+from services.common.security import AuthConfig, Internal, server_port_credentials
 from services.common.worker.engine_loop import EngineLoop, OutputQueue
 from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineConfig, EngineRole
@@ -164,6 +164,8 @@ class Worker:
     async def start(self) -> None:
         self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop())
         self.loop_runner.start()
+        # Every worker RPC is internal (the router and other workers call them); health and
+        # reflection stay open (the kubelet's gRPC probe sends no metadata).
         self.server, port = await start_grpc_server(
             self.config.host,
             self.config.port,
@@ -172,6 +174,9 @@ class Worker:
             self.health,
             options=[("grpc.so_reuseport", 0)],
             serving=False,
+            auth_rules={name: Internal() for name in self.service_names},
+            auth=self.config.auth,
+            credentials=server_port_credentials(self.config.auth),
         )
         self.address = f"{self.config.advertise_host or self.config.host}:{port}"
         # Health says NOT_SERVING until the first requests would not pay for allocator
@@ -281,7 +286,7 @@ class Worker:
             await self.loop.call(
                 lambda e: e.add_request(
                     spec.request_id, list(spec.prompt_token_ids), spec.params,
-                    output_token_ids, emitted,
+                    output_token_ids, emitted, spec.cache_salt,
                 )
             )  # fmt: skip
         except ValueError as exc:
