@@ -4,11 +4,14 @@ run-until-stop, gRPC server, and the keepalive options of channels between servi
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -62,13 +65,77 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
         pass
 
 
-def setup_logging(name: str) -> None:
-    """Log to stderr as `name`."""
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def setup_logging(name: str, log_format: str | None = None) -> None:
+    """Log to stderr as service `name`, one line per record whatever the record holds, so
+    client strings in it (request ids, model names, chat roles) can neither forge log lines
+    nor drive a terminal.
+
+    `log_format`: "text" (`time name LEVEL logger: message`, with line breaks, control and
+    bidirectional characters escaped, tracebacks included) or "json" (one ASCII JSON object
+    per line: time, level, service, logger, message, and exception or stack when there is
+    one); None reads TANDEM_LOG_FORMAT, "text" when unset. Raises ValueError for another."""
+    if log_format is None:
+        log_format = os.environ.get("TANDEM_LOG_FORMAT") or "text"
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(log_formatter(name, log_format))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+def log_formatter(service: str, log_format: str = "text") -> logging.Formatter:
+    """The formatter `setup_logging` installs for `service`. Raises ValueError for a format
+    other than "text" and "json"."""
+    log_format = log_format.strip().lower()
+    if log_format == "json":
+        return _JsonLogFormatter(service)
+    if log_format == "text":
+        service = escape_log_text(service).replace("%", "%%")
+        return _OneLineLogFormatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    raise ValueError(f"log format must be 'text' or 'json', got {log_format!r}")
+
+
+# What could end a line or act on a terminal: C0 and C1 controls, DEL, the Unicode line and
+# paragraph separators, and the bidirectional marks and overrides that reorder shown text.
+_UNSAFE_LOG_CHARS = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+)
+
+
+def escape_log_text(text: str) -> str:
+    """`text` with every unsafe character written as its Python escape (\\n, \\x1b,
+    \\u2028, ...): one line, inert in a terminal. Backslashes are kept as they are."""
+    return _UNSAFE_LOG_CHARS.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+class _OneLineLogFormatter(logging.Formatter):
+    """A `logging.Formatter` whose whole output (message, traceback, stack) is escaped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape_log_text(super().format(record))
+
+
+class _JsonLogFormatter(logging.Formatter):
+    """One JSON object per record; ASCII only, so it is one line whatever the record holds."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.fromtimestamp(record.created, UTC)
+        entry = {
+            "time": when.isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "service": self._service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exception"] = record.exc_text
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=True)
 
 
 def configure_native_libraries(environ: MutableMapping[str, str] = os.environ) -> None:

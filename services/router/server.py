@@ -221,8 +221,8 @@ class RouterServer(rgrpc.RouterServicer):
         chat = request.chat
         messages = [{"role": m.role, "content": m.content} for m in chat.messages]
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
-        return self.tokenizer.encode(text, add_special_tokens=False), text
+        # Message content stays text: only the template's own markers become special tokens.
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_gen)
 
     async def _spec(
         self,

@@ -2,19 +2,39 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import jinja2
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded alongside generated ones, so decoders that depend on the preceding
 # token (e.g. SentencePiece's leading-space handling) render the first generated token right.
 _CONTEXT_TOKENS = 5
+# `encode_chat` marks control tokens in messages with two characters from the supplementary
+# private use planes (U+F0000..U+10FFFD) that the request, template and vocabulary do not use.
+_MARK_CHARS = range(0xF0000, 0x10FFFE)
+# An added token of the plain-text copy of the tokenizer: a stretch encoded right after it is
+# tokenized as a stretch after a control token is (see `_encode_plain`).
+_LEAD_TOKEN = "\U0010fffd\U0010fffctandem-stretch\U0010fffc\U0010fffd"
+
+
+class _Controls(NamedTuple):
+    """The added tokens that only the chat template may write."""
+
+    tokens: dict[int, AddedToken]
+    ids: frozenset[int]
+    pattern: re.Pattern[str] | None  # their texts, longest first; None when there are none
+    normalized: bool  # some match on normalized text, so only the tokenizer can find them
+    added_chars: frozenset[str]  # the characters of every added token
 
 
 class Tokenizer:
@@ -47,6 +67,9 @@ class Tokenizer:
             raise ValueError("add_bos_token is true but the tokenizer has no bos_token")
         self.add_bos_token = add_bos_token
         self._template: jinja2.Template | None = None
+        # Built on first use; threads racing there build equal values, and either one wins.
+        self._controls: _Controls | None = None
+        self._plain: tuple[HFTokenizer, int] | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -145,13 +168,189 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """Render `messages` ({role, content} mappings) with the model's chat template."""
+        """Render `messages` ({role, content} mappings) with the model's chat template.
+
+        Encoding this text reads special-token text inside the messages as special tokens;
+        `encode_chat` encodes client messages safely."""
+        return self._render(self._checked_messages(messages), add_generation_prompt)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> tuple[list[int], str]:
+        """Render and encode `messages` so that the strings in them (content, role, any other
+        field) never become control tokens; only the template's own markers do.
+
+        Control tokens are the special added tokens plus the non-special added tokens that the
+        template's literal text contains (e.g. `<think>`, `<tool_call>`), as in transformers'
+        `sanitize_control_tokens`. Other added tokens match everywhere, as in the tokenizer.
+        The ids are those of the rendered text with control tokens matched only where the
+        template wrote them; so a chat without control-token text in its strings gets exactly
+        `encode(apply_chat_template(...), add_special_tokens=False)`. No BOS is added: the
+        template writes it.
+
+        How: each control-token text in a message is wrapped in two private marker characters
+        before rendering, so templates that look for it (e.g. `split('</think>')`) still work.
+        The rendered text is encoded; a control token next to a marker is the client's. Every
+        stretch between two template control tokens that holds a marker is encoded again,
+        markers removed and control tokens not matched:
+
+            rendered:  <|start_header_id|>user<|end_header_id|>\n\nhi [<|eot_id|>]<|eot_id|>
+            stretches:                    [ 0 ]                [  1: re-encoded  ]
+
+        A template that splits a message at a control token (`content.split('</think>')`) leaves
+        a lone marker next to the pieces, which `trim` does not remove: whitespace there stays
+        (as in transformers). Templates that build control-token text out of message text
+        (e.g. with `lower`) defeat the marking; no known chat template does.
+
+        Returns (ids, rendered text without markers). Raises ValueError as `apply_chat_template`
+        does, or when the vocabulary spells such text with a control token (fail closed)."""
+        checked = self._checked_messages(messages)
+        controls = self._chat_controls()
+        spans = {
+            (idx, key): found
+            for idx, message in enumerate(checked)
+            for key, value in message.items()
+            if isinstance(value, str) and (found := self._control_spans(value, controls))
+        }
+        if not spans:
+            text = self._render(checked, add_generation_prompt)
+            return self._tok.encode(text, add_special_tokens=False).ids, text
+        in_use = [v for m in checked for v in m.values() if isinstance(v, str)]
+        in_use += [self.chat_template or "", self.bos_token or "", self.eos_token or ""]
+        start, end = _free_chars(2, in_use, controls.added_chars | set(_LEAD_TOKEN))
+        for (idx, key), found in spans.items():
+            value: str = checked[idx][key]
+            bounds = [0, *(i for span in found for i in span), len(value)]
+            pieces = [value[a:b] for a, b in itertools.pairwise(bounds)]
+            pieces[1::2] = [start + piece + end for piece in pieces[1::2]]  # the control texts
+            checked[idx][key] = "".join(pieces)
+        rendered = self._render(checked, add_generation_prompt)
+        ids = self._encode_marked(rendered, (start, end), controls)
+        return ids, rendered.replace(start, "").replace(end, "")
+
+    def _encode_marked(
+        self,
+        rendered: str,
+        marks: tuple[str, str],
+        controls: _Controls,
+        reencode_all: bool = False,
+    ) -> list[int]:
+        """Ids of `rendered`, whose client control-token texts are wrapped in `marks`. With
+        `reencode_all` every stretch is encoded again (a parity check for tests)."""
+        start_mark, end_mark = marks
+        encoding = self._tok.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        stretch_ids: list[int] = []
+        start = 0  # where the current stretch starts in `rendered`
+
+        def end_stretch(end: int) -> None:
+            stretch = rendered[start:end]
+            if reencode_all or start_mark in stretch or end_mark in stretch:
+                plain = stretch.replace(start_mark, "").replace(end_mark, "")
+                stretch_ids[:] = self._encode_plain(plain, start > 0, controls)
+            ids.extend(stretch_ids)
+            stretch_ids.clear()
+
+        for tid, (a, b) in zip(encoding.ids, encoding.offsets, strict=True):
+            # Either mark next to it makes it the client's: a template may slice one off.
+            clients = rendered[a - 1 : a] == start_mark or rendered[b : b + 1] == end_mark
+            if (
+                tid in controls.ids
+                and not clients
+                and _is_match(self._tok, controls.tokens[tid], rendered[a:b])
+            ):
+                end_stretch(a)
+                ids.append(tid)
+                start = b
+            else:
+                stretch_ids.append(tid)
+        end_stretch(len(rendered))
+        return ids
+
+    def _control_spans(self, text: str, controls: _Controls) -> list[tuple[int, int]]:
+        """Where `text` holds control-token text, as the tokenizer would match it."""
+        if controls.normalized:
+            encoding = self._tok.encode(text, add_special_tokens=False)
+            return [
+                (a, b)
+                for tid, (a, b) in zip(encoding.ids, encoding.offsets, strict=True)
+                if tid in controls.ids and _is_match(self._tok, controls.tokens[tid], text[a:b])
+            ]
+        if controls.pattern is None:
+            return []
+        return [m.span() for m in controls.pattern.finditer(text)]
+
+    def _encode_plain(self, text: str, after_control: bool, controls: _Controls) -> list[int]:
+        """Ids of `text` with no control token matched, tokenized as a stretch that follows a
+        control token (`after_control`) or starts the input. Tokenizers treat a stretch by its
+        offset in the input (SentencePiece's Metaspace adds "▁" only at offset 0), so a stretch
+        after a control token is encoded after `_LEAD_TOKEN`, whose id is then dropped."""
+        if self._plain is None:
+            # A copy, so that no setting of the shared tokenizer changes under another thread.
+            config = json.loads(self._tok.to_str())
+            for entry in config.get("added_tokens", []):
+                if entry.get("id") in controls.ids:
+                    entry["special"] = True  # so that `encode_special_tokens` skips it
+            plain = HFTokenizer.from_str(json.dumps(config))
+            plain.encode_special_tokens = True
+            plain.add_tokens([AddedToken(_LEAD_TOKEN, special=False, normalized=False)])
+            lead_id = plain.token_to_id(_LEAD_TOKEN)
+            assert lead_id is not None
+            self._plain = (plain, lead_id)
+        plain, lead_id = self._plain
+        lead = _LEAD_TOKEN if after_control else ""
+        encoding = plain.encode(lead + text, add_special_tokens=False)
+        ids: list[int] = encoding.ids
+        num_lead = int(after_control)
+        assert ids[:num_lead] == [lead_id] * num_lead
+        for tid, (a, b) in itertools.islice(
+            zip(ids, encoding.offsets, strict=True), num_lead, None
+        ):
+            if tid == lead_id or (
+                tid in controls.ids
+                and _is_match(self._tok, controls.tokens[tid], (lead + text)[a:b])
+            ):
+                raise ValueError(
+                    "chat messages hold text that this tokenizer cannot encode without "
+                    "control tokens"
+                )
+        return ids[num_lead:]
+
+    def _chat_controls(self) -> _Controls:
+        if self._controls is None:
+            assert self.chat_template is not None
+            ast = self._compiled_template().environment.parse(self.chat_template)
+            literals = [node.data for node in ast.find_all(jinja2.nodes.TemplateData)]
+            literals += [
+                node.value
+                for node in ast.find_all(jinja2.nodes.Const)
+                if isinstance(node.value, str)
+            ]
+            template_text = "\0".join(literals)  # so no token matches across two literals
+            added = self._tok.get_added_tokens_decoder()
+            tokens = {
+                tid: token
+                for tid, token in added.items()
+                # Whitespace tokens (Gemma's "\n") are ordinary text in templates.
+                if token.special or (token.content in template_text and not token.content.isspace())
+            }
+            texts = sorted({token.content for token in tokens.values()}, key=len, reverse=True)
+            self._controls = _Controls(
+                tokens=tokens,
+                ids=frozenset(tokens),
+                pattern=re.compile("|".join(map(re.escape, texts))) if texts else None,
+                normalized=any(token.normalized for token in tokens.values()),
+                added_chars=frozenset("".join(token.content for token in added.values())),
+            )
+        return self._controls
+
+    def _checked_messages(self, messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
         if self.chat_template is None:
             raise ValueError(
                 "model has no chat template (no chat_template.jinja and no chat_template in "
                 "tokenizer_config.json); send a plain prompt instead"
             )
-        rendered: list[dict[str, Any]] = []
+        checked: list[dict[str, Any]] = []
         for idx, message in enumerate(messages):
             if not isinstance(message, Mapping):
                 raise ValueError(f"message {idx} must be a mapping, got {type(message).__name__}")
@@ -160,10 +359,13 @@ class Tokenizer:
                     raise ValueError(
                         f"message {idx} must have a string {key!r}, got {message.get(key)!r}"
                     )
-            rendered.append(dict(message))
+            checked.append(dict(message))
+        return checked
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         try:
             return self._compiled_template().render(
-                messages=rendered,
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -259,6 +461,23 @@ class IncrementalDetokenizer:
 
 def _raise_exception(message: str) -> NoReturn:
     raise ValueError(f"chat template error: {message}")
+
+
+def _is_match(tok: HFTokenizer, token: AddedToken, text: str) -> bool:
+    """Whether `token` was matched on `text` (the text under its offsets), rather than being
+    what the model gives for text it does not know (an unknown token is often special)."""
+    if token.normalized and tok.normalizer is not None:
+        text = tok.normalizer.normalize_str(text)
+    return (text.strip() if token.lstrip or token.rstrip else text) == token.content
+
+
+def _free_chars(num: int, texts: Sequence[str], avoid: frozenset[str]) -> list[str]:
+    """`num` private use characters that occur in none of `texts` and are not in `avoid`."""
+    used = set(avoid).union(*texts)
+    free = list(itertools.islice((c for c in map(chr, _MARK_CHARS) if c not in used), num))
+    if len(free) < num:
+        raise ValueError("chat messages use every private use character")
+    return free
 
 
 def _read_json(path: Path) -> dict[str, Any]:
