@@ -214,6 +214,7 @@ def handoff_to_proto(handoff: KVHandoff) -> wpb.KvHandle:
             epoch=handoff.epoch,
             expires_at_unix_s=handoff.expires_at,
         ),
+        signature=handoff.signature,
     )
 
 
@@ -227,6 +228,7 @@ def handoff_from_proto(msg: wpb.KvHandle) -> KVHandoff:
         lease_id=msg.lease.lease_id,
         epoch=msg.lease.epoch,
         expires_at=msg.lease.expires_at_unix_s,
+        signature=msg.signature,
     )
 
 

@@ -11,12 +11,21 @@ layout (dtype, block geometry) differs from this worker's cache is not a transie
 but a misconfigured deployment: the call ends with FAILED_PRECONDITION naming the fields, before
 any block is reserved or read. Without a hand-off, the prompt is prefilled here (conditional
 disaggregation).
+
+A hand-off is trusted only as far as it is proven, before anything is reserved, read or
+dialled: its signature (with a cluster secret, `tandem.transfer.signing`) must hold for this
+call's request id and for the hashes this worker computes from the request's own tokens and
+cache salt, and (with Redis) its owner must be a prefill worker the registry knows (or knew
+moments ago) at that address and incarnation. Otherwise the call ends with PERMISSION_DENIED:
+not a transient failure to recover around. Pulled blocks join this worker's prefix cache only
+under hashes it computed itself (`LLMEngine.reserve_kv`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -29,12 +38,23 @@ from services.common.errors import (
     resource_exhausted,
     rpc,
 )
+from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
+from services.common.security import derive_key, load_secret
 from services.common.worker.engine_loop import output_batches
 from services.common.worker.kv_reader import KVReader, ReadDone
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
+from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec
-from tandem.transfer import KVHandoff, LayoutMismatch, TransferError, check_compatible, plan_read
+from tandem.transfer import (
+    KVHandoff,
+    LayoutMismatch,
+    TransferError,
+    check_compatible,
+    plan_read,
+    prompt_hashes,
+    verify_handoff,
+)
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -52,6 +72,47 @@ class Pulled(NamedTuple):
     failure: str = ""  # why not committed
 
 
+def permission_denied(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.PERMISSION_DENIED, message)
+
+
+class PrefillRoster:
+    """The prefill workers a decode worker may pull from, fed by a `WorkerWatcher`: those
+    registered now, and those that left less than `retain_s` ago. A worker that died after
+    handing off signed genuine handles: reading from it fails like any transfer failure and
+    is recovered (kv_failed / recompute), not refused as forged.
+
+    A worker is known by (worker id = agent name, address, epoch); a restart is a new epoch.
+    """
+
+    def __init__(self, retain_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.retain_s = retain_s
+        self._clock = clock
+        self._live: dict[str, WorkerInfo] = {}
+        self._departed: dict[tuple[str, str, int], float] = {}  # identity -> when it left
+
+    def update(self, joined: Iterable[WorkerInfo], left_ids: Iterable[str]) -> None:
+        """`WorkerWatcher.on_change`: a restarted worker is in both lists."""
+        now = self._clock()
+        for worker_id in left_ids:
+            info = self._live.pop(worker_id, None)
+            if info is not None:
+                self._departed[(info.worker_id, info.address, info.epoch)] = now
+        for info in joined:
+            if info.role == EngineRole.PREFILL.value:
+                self._live[info.worker_id] = info
+        for identity, left_at in list(self._departed.items()):
+            if now - left_at > self.retain_s:
+                del self._departed[identity]
+
+    def knows(self, worker_id: str, address: str, epoch: int) -> bool:
+        info = self._live.get(worker_id)
+        if info is not None and info.address == address and info.epoch == epoch:
+            return True
+        left_at = self._departed.get((worker_id, address, epoch))
+        return left_at is not None and self._clock() - left_at <= self.retain_s
+
+
 class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     role = EngineRole.DECODE
     service_names = ("tandem.v1.DecodeWorker",)
@@ -61,11 +122,40 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         self._reader = KVReader(self.transport)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_recomputed = 0
+        secret_file = self.config.auth.cluster_secret_file
+        self._handoff_key = (
+            derive_key(load_secret(secret_file), "kv-handoff") if secret_file else None
+        )
+        # A handle stays usable for the owner's lease (lease_ttl_s, the same flag on both
+        # roles): keep departed owners known well past that.
+        self._roster = PrefillRoster(retain_s=max(60.0, 2 * self.config.lease_ttl_s))
+        self._watcher: WorkerWatcher | None = None
+        self._watch_registry: Registry | None = None
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         wgrpc.add_DecodeWorkerServicer_to_server(self, server)
 
+    async def start(self) -> None:
+        if self._handoff_key is None:
+            log.warning("KV hand-offs unsigned: set cluster_secret_file")
+        if self.config.redis_url:
+            # Before the worker is ready: the first hand-off already meets a populated view.
+            self._watch_registry = Registry(self.config.redis_url, self.config.registry_ttl_s)
+            self._watcher = WorkerWatcher(
+                self._watch_registry, self.config.heartbeat_interval_s, self._roster.update
+            )
+            await self._watcher.start()
+        else:
+            log.warning(
+                "no redis_url: KV hand-offs are not checked against registered prefill workers"
+            )
+        await super().start()
+
     async def stop(self) -> None:
+        if self._watcher is not None:
+            await self._watcher.stop()
+        if self._watch_registry is not None:
+            await self._watch_registry.close()
         for ch in self._channels.values():
             await ch.close()
         await super().stop()
@@ -74,7 +164,9 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     def _prefill_stub(self, address: str) -> wgrpc.PrefillWorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            from services.common.security import internal_channel
+
+            ch = self._channels[address] = internal_channel(address, self.config.auth)
         return wgrpc.PrefillWorkerStub(ch)
 
     # -- RPCs ------------------------------------------------------------------------------
@@ -134,18 +226,23 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     async def _pull_kv(
         self, spec: RequestSpec, outputs: Sequence[int], emitted: int, handoff: KVHandoff
     ) -> Pulled:
-        """Check the layout, reserve, read, confirm. Raises ServiceError when the request
-        cannot be served here (invalid, no free blocks within kv_wait_s, or a KV layout
-        that differs from this worker's)."""
+        """Check the handle, reserve, read, confirm. Raises ServiceError when the request
+        cannot be served here (invalid, no free blocks within kv_wait_s, a KV layout that
+        differs from this worker's, or a handle that is not proven genuine for this request:
+        PERMISSION_DENIED)."""
         rid, prompt = spec.request_id, list(spec.prompt_token_ids)
         try:
             # Pure and cheap: before reserving, so a misconfigured pair holds no block here.
+            # First, so that a pair with different block sizes (which also sign different
+            # hashes) is told what differs.
             check_compatible(handoff.remote.layout, self.transport.layout)
         except LayoutMismatch as exc:
             raise self._layout_error(handoff, exc) from None
+        self._check_signature(spec, handoff)
+        await self._check_owner(handoff)
         try:
             reserved = await self.loop.call_until(
-                lambda e: e.reserve_kv(rid, prompt, outputs, spec.params, emitted),
+                lambda e: e.reserve_kv(rid, prompt, outputs, spec.params, emitted, spec.cache_salt),
                 self.config.kv_wait_s,
             )
         except ValueError as exc:
@@ -192,6 +289,42 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         else:
             await self.loop.call(lambda e: e.commit_kv(rid))
         return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3, failure)
+
+    def _check_signature(self, spec: RequestSpec, handoff: KVHandoff) -> None:
+        """The owner signed this handle for this request id and for the prompt hashes this
+        worker computes from the request's own tokens and salt. Raises PERMISSION_DENIED."""
+        if self._handoff_key is None:
+            return  # no cluster secret: unsigned hand-offs (warned at start)
+        keys = hash_keys(self.engine.model_id, spec.cache_salt)
+        hashes = prompt_hashes(spec.prompt_token_ids, self.engine.kv.block_size, keys)
+        if not verify_handoff(self._handoff_key, spec.request_id, hashes, handoff):
+            what = "missing" if not handoff.signature else "does not match"
+            log.warning(
+                "KV hand-off for %r from %r refused: signature %s",
+                spec.request_id, handoff.remote.agent_name, what,
+            )  # fmt: skip
+            raise permission_denied(
+                f"KV hand-off signature invalid ({what} for request {spec.request_id!r} and "
+                f"its prompt): the handle was altered, meant for another request, or signed "
+                f"with another cluster secret"
+            )
+
+    async def _check_owner(self, handoff: KVHandoff) -> None:
+        """The handle's owner is a prefill worker the registry knows, at that address and
+        incarnation, before anything dials it. Raises PERMISSION_DENIED."""
+        if self._watcher is None:
+            return  # no Redis: static test setups (warned at start)
+        owner = (handoff.remote.agent_name, handoff.owner_address, handoff.epoch)
+        if self._roster.knows(*owner):
+            return
+        await self._watcher.refresh()  # it may have joined since the last poll
+        if self._roster.knows(*owner):
+            return
+        log.warning("KV hand-off refused: owner %r at %r (epoch %d) is not registered", *owner)
+        raise permission_denied(
+            f"KV hand-off owner {handoff.remote.agent_name!r} at {handoff.owner_address!r} "
+            f"(epoch {handoff.epoch}) is not a registered prefill worker"
+        )
 
     def _layout_error(self, handoff: KVHandoff, exc: LayoutMismatch) -> ServiceError:
         log.error("KV hand-off from %s refused: %s", handoff.remote.agent_name, exc)

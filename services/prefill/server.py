@@ -4,10 +4,15 @@ A Prefill call runs the prompt to its first token. The prompt's blocks then stay
 under a lease until the decode worker confirms with ReleaseKv after reading them, or the
 lease expires; either way they return to the pool exactly once. The lease rules live in
 `tandem.transfer.lease.LeaseTable`; this file wires them to the engine and the RPCs.
+
+With a cluster secret, every hand-off is signed (`tandem.transfer.signing`): over the request
+id, the prompt's hashes under the request's cache salt, and every field of the handle, so the
+decode worker can refuse a handle that was forged, altered, or meant for another prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -15,10 +20,13 @@ import grpc
 
 from services.common import convert
 from services.common.errors import rpc
+from services.common.security import derive_key, load_secret
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.engine import LLMEngine
-from tandem.transfer import KVHandoff, LeaseTable
+from tandem.engine.prefix_hash import hash_keys
+from tandem.engine.request import RequestSpec
+from tandem.transfer import KVHandoff, LeaseTable, prompt_hashes, sign_handoff
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -38,11 +46,17 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         self._progress_stop = threading.Event()
         self._progress = threading.Thread(target=self._drive_transfers, daemon=True)
         self.num_expired_leases = 0
+        secret_file = self.config.auth.cluster_secret_file
+        self._handoff_key = (
+            derive_key(load_secret(secret_file), "kv-handoff") if secret_file else None
+        )
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         wgrpc.add_PrefillWorkerServicer_to_server(self, server)
 
     async def start(self) -> None:
+        if self._handoff_key is None:
+            log.warning("KV hand-offs unsigned: set cluster_secret_file")
         await super().start()
         self.loop.add_hook(self._expire_leases)
         self._progress.start()
@@ -96,7 +110,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                     epoch=lease.epoch,
                     expires_at=lease.expires_at,
                 )
-                resp.kv.CopyFrom(convert.handoff_to_proto(handoff))
+                resp.kv.CopyFrom(convert.handoff_to_proto(self._sign(spec, handoff)))
             return resp
         finally:
             self.num_active_rpcs -= 1
@@ -104,6 +118,16 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             if not handed_off:
                 # Cancelled, failed or finished at token 1: nothing may stay pinned.
                 self.loop.post(lambda e: e.abort(rid))
+
+    def _sign(self, spec: RequestSpec, handoff: KVHandoff) -> KVHandoff:
+        """`handoff` signed for `spec` (unchanged without a cluster secret). The hashes are
+        the ones the decode worker computes from its own request: same tokens, same salt."""
+        if self._handoff_key is None:
+            return handoff
+        keys = hash_keys(self.engine.model_id, spec.cache_salt)
+        hashes = prompt_hashes(spec.prompt_token_ids, handoff.block_size, keys)
+        signature = sign_handoff(self._handoff_key, spec.request_id, hashes, handoff)
+        return dataclasses.replace(handoff, signature=signature)
 
     @rpc
     async def ReleaseKv(

@@ -146,7 +146,7 @@ class LLMEngine:
             torch.device(config.device),
         )
         self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, (self.model_id,))
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, self.model_id)
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
         self.runner = ModelRunner(self.model, self.kv_cache, block_size, sampler)
@@ -276,8 +276,11 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         output_token_ids: Sequence[int] = (),
+        cache_salt: str = "",
     ) -> Request:
-        """Validate and build a request (not yet queued).
+        """Validate and build a request (not yet queued). `cache_salt` joins the model id in
+        its block hashes (`prefix_hash.hash_keys`): only requests with the same salt share
+        cached blocks.
 
         Raises:
             ValueError: empty or over-long prompt, token ids outside the vocabulary, a
@@ -307,6 +310,7 @@ class LLMEngine:
             arrival_time=self.clock(),
             hand_off=self.config.role == EngineRole.PREFILL and not output_token_ids,
             output_token_ids=list(output_token_ids),
+            cache_salt=cache_salt,
             device=self.config.device,
         )
         if output_token_ids and request.generator is not None and not params.greedy:
@@ -321,6 +325,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         output_token_ids: Sequence[int] = (),
         num_emitted_chars: int | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """Queue a request. Raises ValueError on bad input (see make_request).
 
@@ -328,8 +333,9 @@ class LLMEngine:
             output_token_ids: tokens already generated elsewhere (a decode worker that
                 recomputes a handed-off prompt); generation continues after them.
             num_emitted_chars: characters of their text already streamed (default: all).
+            cache_salt: the tenant's prefix-cache salt ("" = the shared cache).
         """
-        request = self.make_request(request_id, prompt, params, output_token_ids)
+        request = self.make_request(request_id, prompt, params, output_token_ids, cache_salt)
         self._track(request, num_emitted_chars)
         self.scheduler.add_request(request)
         return request
@@ -376,15 +382,21 @@ class LLMEngine:
         output_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         num_emitted_chars: int | None = None,
+        cache_salt: str = "",
     ) -> tuple[list[int], int] | None:
         """Decode role: blocks for a prompt computed elsewhere.
+
+        The blocks join this engine's prefix cache (at commit_kv) under hashes computed here
+        from `prompt_token_ids` and `cache_salt`, never under hashes the sender names.
 
         Returns (block table, tokens already cached here) -- fill KV for the prompt's
         positions from the second value on -- or None when the cache is full right now.
         """
         if not output_token_ids:
             raise ValueError("output_token_ids must hold the prefill worker's first token")
-        request = self.make_request(request_id, prompt_token_ids, params, output_token_ids)
+        request = self.make_request(
+            request_id, prompt_token_ids, params, output_token_ids, cache_salt
+        )
         reserved = self.scheduler.reserve_kv(request)
         if reserved is not None:
             self._track(request, num_emitted_chars)

@@ -107,7 +107,10 @@ class Request:
             the tokens the prefill worker already produced).
         num_computed_tokens: tokens whose KV is in this engine's cache.
         hand_off: stop after the first new token and keep the blocks (prefill role).
-        block_hashes: prefix hashes of every full block of prompt + output.
+        cache_salt: the tenant's salt (RequestSpec.cache_salt), one of the block hashes' extra
+            keys: requests with different salts never share a cached block.
+        block_hashes: prefix hashes of every full block of prompt + output, under
+            `prefix_hash.hash_keys(model_id, cache_salt)`.
         device: where a seeded request's generator lives; the engine passes its own, since
             sampling noise is drawn on the logits' device.
         generator: the request's own stream when it has a seed (made in __post_init__).
@@ -119,6 +122,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
     hand_off: bool = False
+    cache_salt: str = ""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit when first scheduled
@@ -163,7 +167,12 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def update_block_hashes(self, block_size: int, extra_keys: tuple[str, ...]) -> None:
-        """Extend block_hashes to cover every full block of prompt + output."""
+        """Extend block_hashes to cover every full block of prompt + output.
+
+        Args:
+            extra_keys: `prefix_hash.hash_keys(model_id, self.cache_salt)`; the same on
+                every call for one request (the chain is extended, never recomputed).
+        """
         num_full = self.num_tokens // block_size
         have = len(self.block_hashes)
         if num_full > have:

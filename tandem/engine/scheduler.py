@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from tandem.config import SchedulerConfig
 from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling import SampleResult
 
@@ -68,17 +69,25 @@ class TokenEvent:
 
 
 class Scheduler:
+    """Plans the steps of one engine over its KV cache manager.
+
+    Args:
+        model_id: the first extra key of every block hash; a request's own `cache_salt`
+            follows it (`prefix_hash.hash_keys`), so requests with different salts never
+            share a cached block.
+    """
+
     def __init__(
         self,
         config: SchedulerConfig,
         kv: KVCacheManager,
         max_model_len: int,
-        extra_keys: tuple[str, ...] = (),
+        model_id: str = "",
     ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.extra_keys = extra_keys
+        self.model_id = model_id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
@@ -86,8 +95,12 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------
 
+    def _update_hashes(self, request: Request) -> None:
+        keys = hash_keys(self.model_id, request.cache_salt)
+        request.update_block_hashes(self.kv.block_size, keys)
+
     def add_request(self, request: Request) -> None:
-        request.update_block_hashes(self.kv.block_size, self.extra_keys)
+        self._update_hashes(request)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -98,7 +111,10 @@ class Scheduler:
         for positions [cached, num_prompt_tokens) and then calls `commit_kv`. None if too
         few blocks are free (nothing changed).
         """
-        request.update_block_hashes(self.kv.block_size, self.extra_keys)
+        # Hashed here from the request's own tokens and salt: the blocks filled from outside
+        # are published to the prefix cache (commit_kv) under these hashes, never under
+        # anything the KV's sender claims.
+        self._update_hashes(request)
         hits, num_cached = self.kv.get_computed_blocks(request)
         # The request's tokens include the prefill worker's output; only the prompt's KV is
         # supplied, so only prompt blocks may come from the local prefix cache.
@@ -118,6 +134,7 @@ class Scheduler:
         if request is None:
             raise ValueError(f"request {request_id} is not waiting for KV")
         request.num_computed_tokens = request.num_prompt_tokens
+        # Under the hashes reserve_kv computed from the request's own tokens and salt.
         self.kv.cache_blocks(request)
         request.status = RequestStatus.WAITING
         # It already holds its blocks: put it first so those blocks start earning.
@@ -215,7 +232,7 @@ class Scheduler:
                 request.logprobs.append((result.logprob, result.top_logprobs))
             if request.first_token_time is None:
                 request.first_token_time = now
-            request.update_block_hashes(self.kv.block_size, self.extra_keys)
+            self._update_hashes(request)
             status = self._check_stop(request)
             if status is not None:
                 self.finish(request.request_id, status, now)

@@ -5,6 +5,9 @@
     reader.read(handle, local_block_ids, notif=b"req-42")   # LayoutMismatch: nothing read
     owner.poll()                                     # -> [b"req-42"]: the blocks may be freed
 
+A hand-off (`KVHandoff`: the handle, its lease, the owner's address) is signed by its owner
+and verified by the reader before any read (`tandem.transfer.signing`).
+
 `"nixl"` moves data between processes (and hosts) with NIXL; `"local"` copies between engines
 of one process. Both honour the `KVTransport` contract in `tandem.transfer.base`.
 """
@@ -23,6 +26,7 @@ from tandem.transfer.base import (
 from tandem.transfer.layout import KVLayout, LayoutMismatch, check_compatible, layout_diff
 from tandem.transfer.lease import Confirmation, KVHandoff, Lease, LeaseTable
 from tandem.transfer.local import LocalTransport
+from tandem.transfer.signing import prompt_hashes, sign_handoff, verify_handoff
 
 __all__ = [
     "TRANSPORT_KINDS",
@@ -42,6 +46,9 @@ __all__ = [
     "layout_diff",
     "make_transport",
     "plan_read",
+    "prompt_hashes",
+    "sign_handoff",
+    "verify_handoff",
 ]
 
 

@@ -126,6 +126,8 @@ class KVHandoff:
         num_tokens: prompt tokens whose KV the blocks hold.
         owner_address: the owner's gRPC address, where the lease is confirmed.
         lease_id, epoch: identify the lease; expires_at is when it lapses (owner's clock).
+        signature: the owner's HMAC over every other field, the request id and the prompt's
+            hashes (`tandem.transfer.signing`); empty when the cluster has no secret.
     """
 
     remote: RemoteKV
@@ -135,6 +137,7 @@ class KVHandoff:
     lease_id: str
     epoch: int
     expires_at: float
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         if self.block_size != self.remote.layout.block_size:
