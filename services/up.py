@@ -18,6 +18,15 @@ appended to, not truncated. Once a child exits more than `max_restarts` times wi
 `tandem up` turns into exit status 1. A restarted Redis is empty: workers' heartbeats
 re-register them and the router's registry watcher picks them up (see
 `services/common/redis/registry.py`).
+
+Secrets and addresses: Redis gets a random password (and a socket only this user may open),
+and the run directory a random cluster secret (`cluster.secret`, mode 0600) that every
+process is given with `--cluster-secret-file`. The password travels in the environment
+(REDIS_PASSWORD to Redis, TANDEM_REDIS_URL to the services), never on a command line, which
+any local user can read with `ps`. With `api_keys` the router wants an API key: one is
+generated for tenant "default" (`api_key`, and the router's `api-keys` file, mode 0600).
+The gRPC listeners are on `host` (127.0.0.1), UCX's own on loopback (`LOOPBACK_UCX_ENV`);
+the controller's metrics server is off.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -35,11 +45,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from services.common.redis.server import PASSWORD_ENV
 from services.common.supervision import GiveUp, RestartConfig, RestartPolicy, describe_exit
 
 _PR_SET_PDEATHSIG = 1
 _SUPERVISE_POLL_S = 0.2
 _RESTART_DEFAULTS = RestartConfig()
+# UCX opens a TCP listener on every network device it may use (its tcp transport), so a
+# worker would listen on the host's external addresses too; on one host, loopback is all it
+# needs (KV moves by cma/shared memory or CUDA IPC; TCP carries only control). A
+# UCX_NET_DEVICES of the user's environment wins.
+LOOPBACK_UCX_ENV = {"UCX_NET_DEVICES": "lo"}
 
 
 def _die_with_parent() -> None:
@@ -61,6 +77,7 @@ class UpConfig:
     dtype: str = "auto"
     disagg_min_uncached_tokens: int = 64  # router: shorter prompts skip the prefill worker
     redis_port: int = 0  # 0: a unix socket in the run directory
+    api_keys: bool = False  # the router wants an API key (a generated one: Cluster.api_key)
     run_dir: str = ""  # logs and sockets; default: a fresh temporary directory
     ready_timeout_s: float = 120.0
     autoscale: bool = False  # run the ratio controller with the local actuator
@@ -101,6 +118,9 @@ class Child:
     module_args: list[str]  # `python -m` arguments, reused as they are by a restart
     ready_marker: str  # the stdout line containing this says the child is serving
     ready_line: str = ""
+    # Added to this process's environment, and reused by a restart: secrets go here, not
+    # into module_args.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,11 +138,14 @@ class _Recovery:
 class Cluster:
     config: UpConfig
     children: list[Child] = field(default_factory=list)
-    redis_url: str = ""
+    redis_url: str = ""  # holds the Redis password: never print it (redact_url)
     router_address: str = ""
     controller_address: str = ""
     run_dir: Path = Path()
+    cluster_secret_file: Path = Path()
+    api_key: str = ""  # with config.api_keys: the key of tenant "default"
     _worker_args: list[str] = field(default_factory=list)
+    _service_env: dict[str, str] = field(default_factory=dict)
     _next_index: dict[str, int] = field(default_factory=dict)
     _stopping: set[str] = field(default_factory=set)
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -152,13 +175,30 @@ class Cluster:
         )
         # A --dir of ours: a SIGKILLed server wrapper would leak a temporary one per restart.
         redis_args += ["--dir", str(self.run_dir / "redis-data")]
-        redis = self._spawn("redis", ["services.common.redis.server", *redis_args], " at ")
+        redis = self._spawn(
+            "redis",
+            ["services.common.redis.server", *redis_args],
+            " at ",
+            env={PASSWORD_ENV: secrets.token_urlsafe(32)},
+        )
         self.redis_url = redis.ready_line.rsplit(" at ", 1)[1].strip()
+        self.cluster_secret_file = _write_private(
+            self.run_dir / "cluster.secret", secrets.token_bytes(32).hex()
+        )
+        key_args = []
+        if cfg.api_keys:
+            self.api_key = secrets.token_urlsafe(32)
+            keys = _write_private(self.run_dir / "api-keys", f"{self.api_key} default\n")
+            key_args = ["--api-keys-file", str(keys)]
+        ucx = {k: v for k, v in LOOPBACK_UCX_ENV.items() if k not in os.environ}
+        self._service_env = {"TANDEM_REDIS_URL": self.redis_url, **ucx}
         self._worker_args = [
             "--model-dir",
             cfg.model_dir,
-            "--redis-url",
-            self.redis_url,
+            "--host",
+            cfg.host,
+            "--cluster-secret-file",
+            str(self.cluster_secret_file),
             "--transport",
             cfg.transport,
             "--kv-cache-bytes",
@@ -181,16 +221,18 @@ class Cluster:
                 "services.router",
                 "--model-dir",
                 cfg.model_dir,
-                "--redis-url",
-                self.redis_url,
+                "--cluster-secret-file",
+                str(self.cluster_secret_file),
                 "--host",
                 cfg.host,
                 "--port",
                 str(cfg.port),
                 "--disagg-min-uncached-tokens",
                 str(cfg.disagg_min_uncached_tokens),
+                *key_args,
             ],
             "READY",
+            env=self._service_env,
         )
         self.router_address = router.ready_line.split()[-1]
         # A restarted router must come back where clients know it, even after --port 0.
@@ -208,7 +250,7 @@ class Cluster:
             self._next_index[role] = i + 1
             name = f"{role}-{i}"
             args = [f"services.{role}", *self._worker_args, "--worker-id", name]
-            return self._spawn(name, args, "READY", wait=False)
+            return self._spawn(name, args, "READY", wait=False, env=self._service_env)
 
     def workers(self, role: str) -> list[Child]:
         """Running workers of a role (and crashed ones being restarted), oldest first, not
@@ -261,7 +303,9 @@ class Cluster:
             ControllerConfig,
             [
                 *self.config.controller_args,
+                # In this process: this argv is no command line anyone can read.
                 "--redis-url", self.redis_url,
+                "--cluster-secret-file", str(self.cluster_secret_file),
                 "--actuator", "local",
                 "--host", self.config.host,
                 "--port", str(self.config.admin_port),
@@ -296,9 +340,18 @@ class Cluster:
             self.stop()
             raise RuntimeError(f"controller did not start: {failure[0]}")
 
-    def _spawn(self, name: str, module_args: list[str], ready: str, wait: bool = True) -> Child:
+    def _spawn(
+        self,
+        name: str,
+        module_args: list[str],
+        ready: str,
+        wait: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> Child:
         log_path = self.run_dir / f"{name}.log"
-        child = Child(name, _popen(module_args, log_path, "w"), log_path, module_args, ready)
+        env = dict(env or {})
+        proc = _popen(module_args, log_path, "w", env=env)
+        child = Child(name, proc, log_path, module_args, ready, env=env)
         with self._lock:
             self.children.append(child)
         if wait:
@@ -440,7 +493,7 @@ class Cluster:
             f"\n--- tandem up: restart {recovery.attempt} of {child.name} "
             f"(the previous process {recovery.reason}) ---\n"
         )
-        child.proc = _popen(child.module_args, child.log_path, "a", header)
+        child.proc = _popen(child.module_args, child.log_path, "a", header, child.env)
         recovery.ready_by = now + self.config.ready_timeout_s
         assert child.proc.stdout is not None
         threading.Thread(
@@ -455,10 +508,15 @@ class Cluster:
 
 
 def _popen(
-    module_args: list[str], log_path: Path, mode: str, header: str = ""
+    module_args: list[str],
+    log_path: Path,
+    mode: str,
+    header: str = "",
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    """`python -m module_args`, stdout piped (for the ready line), stderr to `log_path`
-    (opened with `mode`: "w" for a first start, "a" for a restart, after `header`)."""
+    """`python -m module_args` with `env` added to ours, stdout piped (for the ready line),
+    stderr to `log_path` (opened with `mode`: "w" for a first start, "a" for a restart,
+    after `header`)."""
     with open(log_path, mode) as log_file:  # the child keeps its own descriptor
         log_file.write(header)
         log_file.flush()
@@ -472,8 +530,17 @@ def _popen(
             # Own session: a terminal's Ctrl-C reaches only `tandem up`, which stops the
             # children in order (and a child that got it too would look like a crash).
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
+
+
+def _write_private(path: Path, text: str) -> Path:
+    """`text` (a secret) in a file only this user can read."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # a file left by an earlier run keeps its mode otherwise
+        f.write(text)
+    return path
 
 
 def _say(message: str) -> None:
@@ -487,12 +554,13 @@ def _read_until(stream: IO[str], marker: str, found: list[str]) -> None:
             return
 
 
-def wait_for_router(address: str, timeout_s: float = 60.0) -> None:
-    """Until the router answers and at least one decode worker serves a request."""
+def wait_for_router(address: str, timeout_s: float = 60.0, api_key: str | None = None) -> None:
+    """Until the router answers and at least one decode worker serves a request (sent with
+    `api_key`; None: TandemClient's default, $TANDEM_API_KEY)."""
     from tandem.client import TandemClient, TandemError
 
     deadline = time.monotonic() + timeout_s
-    with TandemClient(address, timeout_s=30) as client:
+    with TandemClient(address, timeout_s=30, api_key=api_key) as client:
         while True:
             try:
                 client.generate([5], max_tokens=1)

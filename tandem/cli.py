@@ -201,6 +201,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         restart_max_backoff_s=args.restart_max_backoff_s,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s,
+        api_keys=args.api_keys,
     )
     cluster = Cluster(config)
     print(
@@ -212,11 +213,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster.start()
     try:
         address = cluster.router_address
-        wait_for_router(address)
+        key = cluster.api_key or None
+        wait_for_router(address, api_key=key)
         print(
             f"ready in {time.perf_counter() - t0:.1f}s; logs in {cluster.run_dir}", file=sys.stderr
         )
-        with TandemClient(address) as client:
+        with TandemClient(address, api_key=key) as client:
             for prompt in DEMO_PROMPTS:
                 result = client.generate(prompt, max_tokens=24, temperature=0.0)
                 how = (
@@ -242,6 +244,12 @@ Tandem is serving {model_dir.name} on {address}. Call it:
 
 A process that dies is restarted; Ctrl-C stops every process."""
         )
+        if key:
+            print(
+                f"\nThe router wants an API key (tenant 'default'; file {cluster.run_dir}/api-keys"
+                f"):\n  export TANDEM_API_KEY={key}\n(the client and `tandem generate` read it; "
+                "grpcurl: -H 'authorization: Bearer $TANDEM_API_KEY')"
+            )
         if cluster.controller_address:
             print(
                 f"The ratio controller scales workers; watch and tune it with:\n"
@@ -305,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--autoscale", action="store_true", help="run the ratio controller: add/remove workers"
     )
     u.add_argument("--admin-port", type=int, default=50061, help="controller admin API port")
+    u.add_argument(
+        "--api-keys",
+        action="store_true",
+        help="require an API key on the router (one is generated and printed)",
+    )
     u.add_argument(
         "--controller-args",
         default="",

@@ -3,9 +3,11 @@ schema against the config dataclasses, RBAC, env, probes and API versions per cl
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 import yaml
 
 from services.common.flags import Leaf, leaves, parse_config
+from services.common.security import KeyRing
 from services.common.worker.shell import WorkerConfig
 from services.controller.config import ControllerConfig
 from services.router.config import RouterConfig
@@ -37,26 +40,39 @@ CONFIGS: dict[str, type] = {
     "decode": WorkerConfig,
     "controller": ControllerConfig,
 }
+# Every component: the internal plane's credential files (values auth.clusterSecret,
+# auth.internalTls), mounted from Secrets, or "" when off.
+INTERNAL_AUTH = {
+    "cluster_secret_file": "auth.clusterSecret",
+    "internal_tls_cert_file": "auth.internalTls",
+    "internal_tls_key_file": "auth.internalTls",
+    "internal_ca_file": "auth.internalTls",
+}
 CHART_CONTROLLED: dict[type, dict[str, str]] = {
     RouterConfig: {
-        "host": "0.0.0.0",
+        "host": "listenAddress (the pod IP)",
         "port": "router.port",
         "redis_url": "bundled or external Redis",
         "model_dir": "model.dir",
         "prefill_addresses": "not rendered: workers are found through Redis",
         "decode_addresses": "not rendered: workers are found through Redis",
+        "api_keys_file": "auth.apiKeys",
+        "tls_cert_file": "auth.tls",
+        "tls_key_file": "auth.tls",
+        **INTERNAL_AUTH,
     },
     WorkerConfig: {
-        "host": "0.0.0.0",
+        "host": "listenAddress (the pod IP)",
         "port": "<role>.port",
         "advertise_host": "the pod IP",
         "worker_id": "the pod name",
         "redis_url": "bundled or external Redis",
         "model_dir": "model.dir",
         "role": "not rendered: the service's own (python -m services.<role>)",
+        **INTERNAL_AUTH,
     },
     ControllerConfig: {
-        "host": "0.0.0.0",
+        "host": "listenAddress (the pod IP)",
         "port": "controller.port",
         "metrics_port": "controller.metricsPort",
         "redis_url": "bundled or external Redis",
@@ -64,6 +80,8 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
         "prefill_deployment": "the chart's prefill Deployment",
         "decode_deployment": "the chart's decode Deployment",
         "kubeconfig": "empty: in-cluster credentials",
+        "admin_keys_file": "auth.adminKeys",
+        **INTERNAL_AUTH,
     },
 }
 NOT_RENDERED = {"prefill_addresses", "decode_addresses", "role"}
@@ -107,6 +125,20 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
     "controller": {"target_utilization": 0.55, "max_decode": 12, "actuator": "none"},
 }
 RELEASE, NAMESPACE = "tandem", "tandem"
+POD_IP = {"fieldRef": {"fieldPath": "status.podIP"}}
+# The credential Secrets each component mounts by default (values `auth`).
+AUTH_VOLUMES = {
+    "router": ["api-keys", "cluster-secret"],
+    "prefill": ["cluster-secret"],
+    "decode": ["cluster-secret"],
+    "controller": ["cluster-secret", "admin-keys"],
+}
+AUTH_OFF = [
+    "--set", "auth.apiKeys.enabled=false",
+    "--set", "auth.clusterSecret.enabled=false",
+    "--set", "auth.adminKeys.enabled=false",
+    "--set", "auth.redisPassword.enabled=false",
+]  # fmt: skip
 
 
 def _name(component: str, release: str = RELEASE) -> str:
@@ -148,13 +180,21 @@ def _json_type(tp: Any) -> str | list[str]:
 # -- lint and Kubernetes schemas -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)]], ids=["default", "gpu"])
+TLS_ON = [
+    "--set", "auth.tls.secretName=router-tls",
+    "--set", "auth.internalTls.secretName=tandem-mtls",
+]  # fmt: skip
+VARIANTS = [[], ["-f", str(GPU_VALUES)], TLS_ON, ["--set", "auth.tls.secretName=router-tls"]]
+VARIANT_IDS = ["default", "gpu", "tls", "router-tls"]
+
+
+@pytest.mark.parametrize("values", [*VARIANTS, AUTH_OFF], ids=[*VARIANT_IDS, "auth-off"])
 def test_lint_strict(helm: Helm, values: list[str]) -> None:
     proc = helm.run("lint", "--strict", str(CHART), *values)
     assert "0 chart(s) failed" in proc.stdout, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("values", [[], ["-f", str(GPU_VALUES)]], ids=["default", "gpu"])
+@pytest.mark.parametrize("values", [*VARIANTS, AUTH_OFF], ids=[*VARIANT_IDS, "auth-off"])
 def test_render_passes_kubernetes_validate(helm: Helm, values: list[str]) -> None:
     manifest = helm.template(*values)
     proc = kubernetes_validate(manifest, "1.30")
@@ -209,16 +249,31 @@ def test_pdb_version_and_probe_kind_follow_the_cluster(
                 assert probe["grpc"] == {"port": port}
                 assert "exec" not in probe
             else:
-                command = probe["exec"]["command"]
-                assert command[:5] == [
-                    "python",
-                    "-m",
-                    "services.common.healthcheck",
-                    "--port",
-                    str(port),
-                ]
-                assert float(command[command.index("--timeout-s") + 1]) < probe["timeoutSeconds"]
+                # The server listens on the pod IP, which exec probes learn from TANDEM_HOST
+                # through a shell (they expand no downward-API variables themselves).
+                shell, flag, script = probe["exec"]["command"]
+                assert (shell, flag) == ("sh", "-c")
+                args = script.split()
+                assert args[:6] == [
+                    "exec", "python", "-m", "services.common.healthcheck", "--port", str(port)
+                ]  # fmt: skip
+                assert args[args.index("--host") + 1] == '"$TANDEM_HOST"'
+                assert float(args[args.index("--timeout-s") + 1]) < probe["timeoutSeconds"]
+                assert env_of(container)["TANDEM_HOST"] == POD_IP
                 assert "grpc" not in probe
+
+
+def test_exec_probe_without_the_pod_ip(helm: Helm) -> None:
+    """listenAddress 0.0.0.0: the servers listen on every interface (kubectl port-forward
+    reaches them) and the exec probe dials its default, 127.0.0.1."""
+    objects = helm.render("--kube-version", "1.20.2", "--set", "listenAddress=0.0.0.0")
+    for component in TANDEM_COMPONENTS:
+        (container,) = containers(one(objects, "Deployment", _name(component)))
+        assert env_of(container)["TANDEM_HOST"] == "0.0.0.0"
+        port = str(container["ports"][0]["containerPort"])
+        command = container["readinessProbe"]["exec"]["command"]
+        assert command[:5] == ["python", "-m", "services.common.healthcheck", "--port", port]
+        assert "--host" not in command
 
 
 def test_a_component_startup_probe_overrides_the_shared_one(helm: Helm) -> None:
@@ -311,9 +366,10 @@ def test_per_role_pod_settings(helm: Helm, tmp_path: Path) -> None:
         assert pod["nodeSelector"] == {"pool": component}
         assert pod["tolerations"] == values[component]["tolerations"]
         assert pod["affinity"] == {"nodeAffinity": node_affinity}
-        # Appended after the chart's own volumes (the model's; none for the controller).
+        # Appended after the chart's own volumes (the model's, none for the controller; then
+        # the credential Secrets).
         model = [] if component == "controller" else ["model"]
-        assert [v["name"] for v in pod["volumes"]] == [*model, "extra"]
+        assert [v["name"] for v in pod["volumes"]] == [*model, *AUTH_VOLUMES[component], "extra"]
         assert pod["volumes"][-1] == {"name": "extra", "configMap": {"name": f"cm-{component}"}}
         (container,) = pod["containers"]
         assert container["volumeMounts"][-1] == {
@@ -332,6 +388,9 @@ def test_per_role_pod_settings(helm: Helm, tmp_path: Path) -> None:
     for component in TANDEM_COMPONENTS:
         pod = _pod(objects, component)
         assert not {"runtimeClassName", "priorityClassName"} & set(pod)
+    controller = _pod(objects, "controller")
+    assert [v["name"] for v in controller["volumes"]] == AUTH_VOLUMES["controller"]
+    objects = helm.render(*AUTH_OFF)
     assert "volumes" not in _pod(objects, "controller")
     assert "volumeMounts" not in _pod(objects, "controller")["containers"][0]
 
@@ -572,8 +631,7 @@ def test_worker_pods(helm: Helm) -> None:
         (container,) = pod["containers"]
         env = env_of(container)
         assert container["command"] == ["python", "-m", f"services.{role}"]
-        assert env["TANDEM_HOST"] == "0.0.0.0"
-        assert env["TANDEM_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["TANDEM_HOST"] == env["TANDEM_ADVERTISE_HOST"] == POD_IP
         assert env["TANDEM_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["TANDEM_PORT"] == str(container["ports"][0]["containerPort"])
         assert env["TANDEM_MODEL_DIR"] == "/models/tandem-tiny-small"
@@ -611,11 +669,15 @@ def test_generated_demo_model_by_default(helm: Helm) -> None:
             "tandem", "make-tiny-model", "/models/tandem-tiny-small", "--preset", "small"
         ]  # fmt: skip
         assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
-        assert pod["volumes"] == [{"name": "model", "emptyDir": {}}]
+        assert pod["volumes"][0] == {"name": "model", "emptyDir": {}}
+        assert [v["name"] for v in pod["volumes"]] == ["model", *AUTH_VOLUMES[component]]
         (container,) = pod["containers"]
-        assert container["volumeMounts"] == [
-            {"name": "model", "mountPath": "/models", "readOnly": True}
-        ]
+        assert container["volumeMounts"][0] == {
+            "name": "model",
+            "mountPath": "/models",
+            "readOnly": True,
+        }
+        assert len(container["volumeMounts"]) == len(pod["volumes"])
     assert "initContainers" not in _pod(objects, "controller")
 
 
@@ -631,12 +693,15 @@ def test_model_volume_from_values(helm: Helm, tmp_path: Path) -> None:
     for component in MODEL_PODS:
         pod = _pod(objects, component)
         assert "initContainers" not in pod  # nothing to generate
-        assert pod["volumes"] == [
-            {"name": "model", "persistentVolumeClaim": {"claimName": "llama", "readOnly": True}}
-        ]
-        assert pod["containers"][0]["volumeMounts"] == [
-            {"name": "model", "mountPath": "/weights", "readOnly": True}
-        ]
+        assert pod["volumes"][0] == {
+            "name": "model",
+            "persistentVolumeClaim": {"claimName": "llama", "readOnly": True},
+        }
+        assert pod["containers"][0]["volumeMounts"][0] == {
+            "name": "model",
+            "mountPath": "/weights",
+            "readOnly": True,
+        }
         assert env_of(pod["containers"][0])["TANDEM_MODEL_DIR"] == "/weights/llama"
     with pytest.raises(HelmError, match="model.dir .* must lie under model.mountPath"):
         helm.template("--set", "model.dir=/elsewhere/llama")
@@ -655,9 +720,9 @@ def test_baked_model(helm: Helm, tmp_path: Path, gpu: bool) -> None:
         assert env_of(container)["TANDEM_MODEL_DIR"] == "/opt/tandem/model"
         volumes = [v["name"] for v in pod.get("volumes", [])]
         mounts = [m["name"] for m in container.get("volumeMounts", [])]
-        # The GPU workers keep their memory-backed /dev/shm; nothing else is mounted.
+        # The GPU workers keep their memory-backed /dev/shm and the credentials; no model.
         shm = ["dshm"] if gpu and component != "router" else []
-        assert volumes == shm and mounts == shm, component
+        assert volumes == mounts == [*shm, *AUTH_VOLUMES[component]], component
     proc = kubernetes_validate(yaml.safe_dump_all(objects), "1.30")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with pytest.raises(HelmError, match="either model.baked .* or model.volume, not both"):
@@ -712,14 +777,35 @@ def _redis_urls(objects: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def test_bundled_redis(helm: Helm) -> None:
+    """The bundled Redis requires the generated password; every component's URL carries it
+    as $(REDIS_PASSWORD), an env entry filled from the Secret, declared before the URL."""
     objects = helm.render()
     statefulset = one(objects, "StatefulSet", _name("redis"))
     service = one(objects, "Service", _name("redis"))
     assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
-    assert containers(statefulset)[0]["image"] == "redis:7.2"
+    (redis,) = containers(statefulset)
+    assert redis["image"] == "redis:7.2"
     port = service["spec"]["ports"][0]["port"]
-    url = f"redis://{_name('redis')}:{port}/0"
+    url = f"redis://:$(REDIS_PASSWORD)@{_name('redis')}:{port}/0"
     assert _redis_urls(objects) == dict.fromkeys(["router", "prefill", "decode", "controller"], url)
+    from_secret = {"secretKeyRef": {"name": _name("redis-password"), "key": "redis-password"}}
+    for workload in _workloads(objects):
+        names = [e["name"] for e in containers(workload)[0]["env"]]
+        assert env_of(containers(workload)[0])["REDIS_PASSWORD"] == from_secret
+        if "TANDEM_REDIS_URL" in names:  # the kubelet expands only variables defined earlier
+            assert names.index("REDIS_PASSWORD") < names.index("TANDEM_REDIS_URL")
+    args = redis["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert env_of(redis)["REDISCLI_AUTH"] == from_secret  # the redis-cli readiness probe
+    assert redis["readinessProbe"]["exec"]["command"][0] == "redis-cli"
+
+    # auth.redisPassword off: no password anywhere.
+    objects = helm.render("--set", "auth.redisPassword.enabled=false")
+    plain = f"redis://{_name('redis')}:{port}/0"
+    assert _redis_urls(objects) == dict.fromkeys(TANDEM_COMPONENTS, plain)
+    (redis,) = containers(one(objects, "StatefulSet", _name("redis")))
+    assert "--requirepass" not in redis["args"] and "env" not in redis
+    assert find(objects, "Secret", _name("redis-password")) == []
 
 
 def test_external_redis(helm: Helm) -> None:
@@ -732,6 +818,29 @@ def test_external_redis(helm: Helm) -> None:
         helm.template("--set", "redis.enabled=false")
     with pytest.raises(HelmError, match="not both"):
         helm.template("--set", f"redis.url={url}")
+    assert find(objects, "Secret", _name("redis-password")) == []  # none to generate
+
+
+def test_external_redis_password_from_a_secret(helm: Helm) -> None:
+    objects = helm.render(
+        "--set", "redis.enabled=false",
+        "--set", "redis.url=rediss://cache.example.com:6380/2",
+        "--set", "auth.redisPassword.existingSecret=cache-auth",
+    )  # fmt: skip
+    url = "rediss://:$(REDIS_PASSWORD)@cache.example.com:6380/2"
+    assert _redis_urls(objects) == dict.fromkeys(["router", "prefill", "decode", "controller"], url)
+    for workload in _workloads(objects):
+        env = env_of(containers(workload)[0])
+        assert env["REDIS_PASSWORD"] == {
+            "secretKeyRef": {"name": "cache-auth", "key": "redis-password"}
+        }
+    assert find(objects, "Secret", _name("redis-password")) == []
+    with pytest.raises(HelmError, match="redis.url holds credentials"):
+        helm.template(
+            "--set", "redis.enabled=false",
+            "--set", "redis.url=redis://:hunter2@cache:6379/0",
+            "--set", "auth.redisPassword.existingSecret=cache-auth",
+        )  # fmt: skip
 
 
 # -- network policy ----------------------------------------------------------------------------
@@ -820,3 +929,187 @@ def test_service_monitor(helm: Helm) -> None:
     assert {"name": "metrics", "port": 9090} in [
         {"name": p["name"], "port": p["port"]} for p in service["spec"]["ports"]
     ]
+
+
+# -- credentials (values `auth`) -------------------------------------------------------------
+
+GENERATED = ("api-keys", "cluster-secret", "admin-keys", "redis-password")  # Secret = its key
+# component -> credential env -> the file it names, by default.
+AUTH_FILES = {
+    "router": {
+        "TANDEM_API_KEYS_FILE": "/etc/tandem/api-keys/api-keys",
+        "TANDEM_TLS_CERT_FILE": "",
+        "TANDEM_TLS_KEY_FILE": "",
+    },
+    "prefill": {},
+    "decode": {},
+    "controller": {"TANDEM_ADMIN_KEYS_FILE": "/etc/tandem/admin-keys/admin-keys"},
+}
+INTERNAL_FILES = {
+    "TANDEM_CLUSTER_SECRET_FILE": "/etc/tandem/cluster-secret/cluster-secret",
+    "TANDEM_INTERNAL_TLS_CERT_FILE": "",
+    "TANDEM_INTERNAL_TLS_KEY_FILE": "",
+    "TANDEM_INTERNAL_CA_FILE": "",
+}
+
+
+def _secrets(objects: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The rendered Secrets: name -> key -> decoded value."""
+    return {
+        o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in o["data"].items()}
+        for o in find(objects, "Secret")
+    }
+
+
+def _auth_env(container: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in env_of(container).items() if k.endswith("_FILE")}
+
+
+def _plain_strings(objects: list[dict[str, Any]]) -> list[str]:
+    """Every env value, command and argument of every container (init ones included)."""
+    out = []
+    for workload in _workloads(objects):
+        pod = workload["spec"]["template"]["spec"]
+        for container in pod["containers"] + pod.get("initContainers", []):
+            out += [e["value"] for e in container.get("env", []) if "value" in e]
+            out += container.get("command", []) + container.get("args", [])
+    return out
+
+
+def test_generated_credentials_are_mounted_where_they_are_used(helm: Helm) -> None:
+    objects = helm.render()
+    secrets = _secrets(objects)
+    assert set(secrets) == {_name(what) for what in GENERATED}
+    for what in GENERATED:
+        assert list(secrets[_name(what)]) == [what]
+    values = {what: secrets[_name(what)][what] for what in GENERATED}
+
+    # The files parse as the services will read them.
+    for what, tenant, scopes in (
+        ("api-keys", "default", {"generate"}),
+        ("admin-keys", "admin", {"admin"}),
+    ):
+        (line,) = values[what].splitlines()
+        principal = KeyRing.parse(values[what]).lookup(line.split()[0])
+        assert principal is not None, what
+        assert (principal.tenant, principal.scopes) == (tenant, scopes)
+    assert len(values["cluster-secret"]) >= 64 and len(values["redis-password"]) >= 32
+
+    for component in TANDEM_COMPONENTS:
+        pod = _pod(objects, component)
+        (container,) = pod["containers"]
+        assert _auth_env(container) == {**AUTH_FILES[component], **INTERNAL_FILES}, component
+        volumes = {v["name"]: v for v in pod["volumes"] if "secret" in v}
+        assert list(volumes) == AUTH_VOLUMES[component]
+        for name, volume in volumes.items():
+            assert volume["secret"]["secretName"] == _name(name)
+            assert volume["secret"]["items"] == [{"key": name, "path": name}]
+            assert volume["secret"]["defaultMode"] == 0o444  # the image runs as uid 10001
+            assert {"name": name, "mountPath": f"/etc/tandem/{name}", "readOnly": True} in (
+                container["volumeMounts"]
+            )
+
+    # No secret is written into the manifest outside its Secret.
+    plain = _plain_strings(objects)
+    for what, value in values.items():
+        token = value.split()[0]
+        assert not [p for p in plain if token in p], f"the {what} value is in plain text"
+
+
+def test_each_render_generates_fresh_credentials(helm: Helm) -> None:
+    """`helm template` sees no cluster: nothing to look up, so new values (an install keeps
+    them on upgrade: tests/deploy/test_kube.py)."""
+    first, second = _secrets(helm.render()), _secrets(helm.render())
+    assert set(first) == set(second)
+    for name in first:
+        assert first[name] != second[name], name
+
+
+def test_credentials_off(helm: Helm) -> None:
+    objects = helm.render(*AUTH_OFF)
+    assert find(objects, "Secret") == []
+    for component in TANDEM_COMPONENTS:
+        (container,) = _pod(objects, component)["containers"]
+        files = {**AUTH_FILES[component], **INTERNAL_FILES}
+        assert _auth_env(container) == dict.fromkeys(files, "")
+        assert not [m for m in container.get("volumeMounts", []) if "/etc/tandem" in m["mountPath"]]
+
+
+def test_existing_secrets_are_used_as_they_are(helm: Helm, tmp_path: Path) -> None:
+    names = {
+        "apiKeys": "my-api-keys",
+        "clusterSecret": "my-cluster",
+        "adminKeys": "my-admin",
+        "redisPassword": "my-redis",
+    }
+    values = {"auth": {key: {"existingSecret": name} for key, name in names.items()}}
+    objects = helm.render(*_values(tmp_path, values))
+    assert find(objects, "Secret") == []  # the chart generates nothing
+    router = _pod(objects, "router")
+    assert {v["name"]: v["secret"]["secretName"] for v in router["volumes"] if "secret" in v} == {
+        "api-keys": "my-api-keys",
+        "cluster-secret": "my-cluster",
+    }
+    controller = _pod(objects, "controller")
+    assert {
+        v["name"]: v["secret"]["secretName"] for v in controller["volumes"] if "secret" in v
+    } == {"cluster-secret": "my-cluster", "admin-keys": "my-admin"}
+    (redis,) = containers(one(objects, "StatefulSet", _name("redis")))
+    assert env_of(redis)["REDIS_PASSWORD"]["secretKeyRef"]["name"] == "my-redis"
+
+
+@pytest.mark.parametrize("internal", [False, True], ids=["router-tls", "router-and-internal-tls"])
+def test_tls_secrets(helm: Helm, monkeypatch: pytest.MonkeyPatch, internal: bool) -> None:
+    """Router TLS from a kubernetes.io/tls Secret, internal mTLS from a Secret with a CA too;
+    a TLS port is probed over TCP (the kubelet's gRPC probe speaks no TLS), and the files
+    reach each config through its env."""
+    flags = TLS_ON if internal else TLS_ON[:2]
+    objects = helm.render(*flags)
+    router = _pod(objects, "router")
+    (container,) = router["containers"]
+    env = env_of(container)
+    assert env["TANDEM_TLS_CERT_FILE"] == "/etc/tandem/tls/tls.crt"
+    assert env["TANDEM_TLS_KEY_FILE"] == "/etc/tandem/tls/tls.key"
+    (tls,) = [v for v in router["volumes"] if v["name"] == "tls"]
+    assert tls["secret"]["secretName"] == "router-tls"
+    assert [i["key"] for i in tls["secret"]["items"]] == ["tls.crt", "tls.key"]
+    for component in TANDEM_COMPONENTS:
+        (container,) = _pod(objects, component)["containers"]
+        env = env_of(container)
+        tls_port = internal or component == "router"
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            probe = container[kind]
+            port = container["ports"][0]["containerPort"]
+            assert probe.get("tcpSocket") == ({"port": port} if tls_port else None), component
+        if not internal:
+            assert env["TANDEM_INTERNAL_CA_FILE"] == ""
+            continue
+        assert env["TANDEM_INTERNAL_TLS_CERT_FILE"] == "/etc/tandem/internal-tls/tls.crt"
+        assert env["TANDEM_INTERNAL_TLS_KEY_FILE"] == "/etc/tandem/internal-tls/tls.key"
+        assert env["TANDEM_INTERNAL_CA_FILE"] == "/etc/tandem/internal-tls/ca.crt"
+        # The env parses into the component's config (AuthConfig checks the three together).
+        for name in list(os.environ):
+            if name.startswith("TANDEM_"):
+                monkeypatch.delenv(name)
+        for name, value in env.items():
+            if name.startswith("TANDEM_"):
+                monkeypatch.setenv(name, value if isinstance(value, str) else "from-the-pod")
+        cls = CONFIGS[component]
+        parsed: Any = parse_config(cls, argv=[], fixed=FIXED.get(cls))
+        assert parsed.auth.internal_tls and parsed.auth.cluster_secret_file
+        if component == "router":
+            assert parsed.tls_cert_file == "/etc/tandem/tls/tls.crt"
+            assert parsed.api_keys_file == "/etc/tandem/api-keys/api-keys"
+    proc = kubernetes_validate(yaml.safe_dump_all(objects), "1.30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_schema_rejects_bad_auth_values(helm: Helm) -> None:
+    for flag, message in (
+        ("auth.apiKeys.enabled=yes", "auth.apiKeys.enabled: Invalid type"),
+        ("auth.tls.secret=x", "Additional property secret is not allowed"),
+        ("auth.apiKey.enabled=true", "Additional property apiKey is not allowed"),
+        ("listenAddress=", "listenAddress: String length must be greater than or equal to 1"),
+    ):
+        with pytest.raises(HelmError, match=re.escape(message)):
+            helm.template("--set", flag)

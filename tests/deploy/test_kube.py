@@ -1,10 +1,16 @@
-"""`helm install` of deploy/helm/tandem into a real kube-apiserver 1.20.2, then the
-controller's ServiceAccount (a TokenRequest token) against RBAC: it can read and patch the
-scale of the two worker Deployments and nothing else. No pods run (no kubelet)."""
+"""`helm install` of deploy/helm/tandem into a real kube-apiserver 1.20.2, with its
+credentials on (generated API keys, cluster secret, admin keys and Redis password) and TLS
+(router TLS and internal mTLS from Secrets made here with openssl), then the controller's
+ServiceAccount (a TokenRequest token) against RBAC: it can read and patch the scale of the
+two worker Deployments and nothing else. The generated credentials survive `helm upgrade`
+(the chart looks them up). No pods run (no kubelet)."""
 
 from __future__ import annotations
 
+import base64
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +23,17 @@ NAMESPACE, OTHER_NAMESPACE, RELEASE = "serving", "elsewhere", "tandem"
 PREFILL, DECODE, ROUTER = "tandem-prefill", "tandem-decode", "tandem-router"
 CONTROLLER = "tandem-controller"
 IMAGE_FLAGS = ["--set", "image.repository=registry.invalid/tandem", "--set", "image.tag=test"]
+ROUTER_TLS, INTERNAL_TLS = "router-tls", "tandem-mtls"
+AUTH_FLAGS = [
+    "--set", f"auth.tls.secretName={ROUTER_TLS}",
+    "--set", f"auth.internalTls.secretName={INTERNAL_TLS}",
+]  # fmt: skip
+GENERATED = {  # Secret -> its key
+    "tandem-api-keys": "api-keys",
+    "tandem-cluster-secret": "cluster-secret",
+    "tandem-admin-keys": "admin-keys",
+    "tandem-redis-password": "redis-password",
+}
 
 
 class Installed:
@@ -29,8 +46,9 @@ class Installed:
 
     def install(self) -> None:
         proc = self.helm.run(
-            "install", RELEASE, str(CHART), *self.flags, "--create-namespace", *IMAGE_FLAGS
-        )
+            "install", RELEASE, str(CHART), *self.flags, "--create-namespace", *IMAGE_FLAGS,
+            *AUTH_FLAGS,
+        )  # fmt: skip
         self.install_output = proc.stdout
         self.present = True
 
@@ -40,8 +58,41 @@ class Installed:
             self.present = False
 
 
+def _tls_secrets(kube: KubeCluster, workdir: Path) -> None:
+    """The namespace, a CA, and the two TLS Secrets the release names (as cert-manager
+    would write them: tls.crt, tls.key, and ca.crt for the internal one)."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=workdir)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=ca",
+            "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=tandem", "-keyout", "tls.key",
+            "-out", "tls.csr")  # fmt: skip
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-out", "tls.crt")  # fmt: skip
+
+    def data(*names: str) -> dict[str, bytes | str]:
+        return {n: base64.b64encode((workdir / n).read_bytes()).decode() for n in names}
+
+    with kube.api_client() as api:
+        core = client.CoreV1Api(api)
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
+        for name, keys, kind in (
+            (ROUTER_TLS, ("tls.crt", "tls.key"), "kubernetes.io/tls"),
+            (INTERNAL_TLS, ("tls.crt", "tls.key", "ca.crt"), "kubernetes.io/tls"),
+        ):
+            secret = client.V1Secret(
+                metadata=client.V1ObjectMeta(name=name), type=kind, data=data(*keys)
+            )
+            core.create_namespaced_secret(NAMESPACE, secret)
+
+
 @pytest.fixture(scope="module")
-def installed(kube: KubeCluster, helm: Helm) -> Iterator[Installed]:
+def installed(
+    kube: KubeCluster, helm: Helm, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Installed]:
+    _tls_secrets(kube, tmp_path_factory.mktemp("tls"))
     release = Installed(kube, helm)
     release.install()
     try:
@@ -93,9 +144,9 @@ def test_install_creates_the_release_objects(
     assert deployments[ROUTER].spec.template.spec.containers[0].image == (
         "registry.invalid/tandem:test"
     )
-    # The 1.20 API server got exec probes (its kubelets cannot probe gRPC natively).
+    # Every gRPC port speaks TLS here: TCP probes (the exec ones: test_gpu_values_...).
     probe = deployments[PREFILL].spec.template.spec.containers[0].readiness_probe
-    assert probe._exec.command[:3] == ["python", "-m", "services.common.healthcheck"]
+    assert probe.tcp_socket.port == 50052 and probe._exec is None
     # No replicas in the worker manifests: the API server's default, until the controller acts.
     assert deployments[PREFILL].spec.replicas == 1 and deployments[DECODE].spec.replicas == 1
     assert deployments[ROUTER].spec.replicas == 2
@@ -123,6 +174,53 @@ def test_install_creates_the_release_objects(
     assert sorted(p.metadata.name for p in policies) == sorted(
         [ROUTER, "tandem-workers", CONTROLLER, "tandem-redis"]
     )
+
+
+def _generated(admin: Any) -> dict[str, str]:
+    core = _core(admin)
+    return {
+        name: base64.b64decode(core.read_namespaced_secret(name, NAMESPACE).data[key]).decode()
+        for name, key in GENERATED.items()
+    }
+
+
+def test_install_generates_the_credentials_and_mounts_them(
+    installed: Installed, admin: Any
+) -> None:
+    values = _generated(admin)
+    assert values["tandem-api-keys"].split()[1:] == ["default"]
+    assert values["tandem-admin-keys"].split()[1:] == ["admin", "admin"]
+    assert len(values["tandem-cluster-secret"]) >= 64
+    deployments = {
+        d.metadata.name: d for d in _apps(admin).list_namespaced_deployment(NAMESPACE).items
+    }
+    expected = {
+        ROUTER: {"api-keys": "tandem-api-keys", "tls": ROUTER_TLS},
+        PREFILL: {},
+        DECODE: {},
+        CONTROLLER: {"admin-keys": "tandem-admin-keys"},
+    }
+    for name, own in expected.items():
+        pod = deployments[name].spec.template.spec
+        secrets = {v.name: v.secret.secret_name for v in pod.volumes or [] if v.secret}
+        assert secrets == {
+            **own, "cluster-secret": "tandem-cluster-secret", "internal-tls": INTERNAL_TLS
+        }, name  # fmt: skip
+        (container,) = pod.containers
+        env = {e.name: e for e in container.env}
+        assert (
+            env["TANDEM_CLUSTER_SECRET_FILE"].value == "/etc/tandem/cluster-secret/cluster-secret"
+        )
+        assert env["TANDEM_INTERNAL_CA_FILE"].value == "/etc/tandem/internal-tls/ca.crt"
+        assert env["REDIS_PASSWORD"].value_from.secret_key_ref.name == "tandem-redis-password"
+        assert "$(REDIS_PASSWORD)@tandem-redis" in env["TANDEM_REDIS_URL"].value
+        # TLS ports get TCP probes; no secret value is in the stored manifest.
+        assert container.readiness_probe.tcp_socket.port == container.ports[0].container_port
+        stored = str(deployments[name].to_dict())
+        assert not [v for v in values.values() if v.split()[0] in stored]
+    router_env = {e.name: e.value for e in deployments[ROUTER].spec.template.spec.containers[0].env}
+    assert router_env["TANDEM_API_KEYS_FILE"] == "/etc/tandem/api-keys/api-keys"
+    assert router_env["TANDEM_TLS_CERT_FILE"] == "/etc/tandem/tls/tls.crt"
 
 
 def test_install_prints_how_to_reach_the_router_and_controller(installed: Installed) -> None:
@@ -201,12 +299,16 @@ def test_upgrade_keeps_the_controllers_worker_counts(
     _apps(controller_identity).patch_namespaced_deployment_scale(
         DECODE, NAMESPACE, {"spec": {"replicas": 4}}
     )
+    credentials = _generated(admin)
     installed.helm.run(
-        "upgrade", RELEASE, str(CHART), *installed.flags, *IMAGE_FLAGS,
+        "upgrade", RELEASE, str(CHART), *installed.flags, *IMAGE_FLAGS, *AUTH_FLAGS,
         "--set", "router.replicas=3",
     )  # fmt: skip
     assert apps.read_namespaced_deployment(DECODE, NAMESPACE).spec.replicas == 4
     assert apps.read_namespaced_deployment(ROUTER, NAMESPACE).spec.replicas == 3
+    # The generated keys, secret and password are looked up, not made anew: running pods
+    # and clients keep working across an upgrade.
+    assert _generated(admin) == credentials
 
 
 def test_uninstall_removes_the_release(
@@ -235,6 +337,11 @@ def test_gpu_values_are_accepted(kube: KubeCluster, helm: Helm, admin: Any) -> N
         decode = _apps(admin).read_namespaced_deployment("gpu-tandem-decode", "gpu")
         (container,) = decode.spec.template.spec.containers
         assert container.resources.limits["nvidia.com/gpu"] == "1"
+        # The 1.20 API server got exec probes (its kubelets cannot probe gRPC natively),
+        # through a shell that passes the pod IP the worker listens on.
+        command = container.readiness_probe._exec.command
+        assert command[:2] == ["sh", "-c"] and "services.common.healthcheck" in command[2]
+        assert '--host "$TANDEM_HOST"' in command[2]
     finally:
         helm.run("uninstall", "gpu", *flags)
 

@@ -48,6 +48,7 @@ from services.common.redis.scripts import (
     SNAPSHOT_LUA,
     WORKERS_KEY,
 )
+from services.common.redis.url import redact_url
 from tandem.index.base import (
     MAX_WORKERS_PER_MODEL,
     ApplyResult,
@@ -147,8 +148,10 @@ class RedisPrefixIndex(PrefixIndex):
     Failures raise `IndexUnavailable` with the cause chained.
 
     Updates go through redis-py (redis.asyncio). Lookups use `LookupClient`, a lean MGET
-    over plain asyncio streams ~4x cheaper than redis-py's parser without hiredis, unless
-    `fast_lookup` is False or the URL needs more than it speaks (TLS): then redis-py too.
+    over asyncio streams (AUTH and TLS as the URL says) ~4x cheaper than redis-py's parser
+    without hiredis, unless `fast_lookup` is False or the URL needs more than it speaks
+    (e.g. an `ssl_*` parameter it does not know): then redis-py too. Errors name the URL
+    with its password redacted.
 
     The clients bind to the event loop they are first used in; create, use and `close()` the
     index inside one loop. Several indexes (routers, workers) may share one Redis.
@@ -194,7 +197,8 @@ class RedisPrefixIndex(PrefixIndex):
         try:
             return await op
         except (RedisError, OSError) as exc:
-            raise IndexUnavailable(f"prefix index {what} failed at {self._url}: {exc!r}") from exc
+            where = redact_url(self._url)
+            raise IndexUnavailable(f"prefix index {what} failed at {where}: {exc!r}") from exc
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
         if not isinstance(batch, EventBatch):

@@ -8,6 +8,9 @@ follow joins and departures without restarting.
 
 Redis is soft state here: losing it (or restarting it empty) loses nothing that heartbeats do
 not rewrite within one interval, and both `Heartbeat` and `WorkerWatcher` ride out outages.
+Wrong credentials are not an outage: when Redis refuses the URL's password (NOAUTH,
+WRONGPASS, NOPERM) on the first beat or poll, `start()` raises `RedisAuthError`, so a
+misconfigured service stops at start-up saying so.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from services.common.redis.url import RedisAuthError, is_auth_error
 from services.common.redis.worker_info import KEY_PREFIX, ROLES, WorkerInfo
 
 # WorkerInfo and its key prefix are re-exported: callers import them from here.
@@ -168,11 +172,15 @@ class Heartbeat:
         return self._task is not None and not self._failing
 
     async def start(self) -> None:
-        """Register once now (a Redis failure is logged, not raised), then keep beating."""
+        """Register once now (an unreachable Redis is logged, not raised), then keep beating.
+
+        Raises:
+            RedisAuthError: Redis refused the credentials in the registry's URL.
+        """
         if self._task is not None:
             raise RuntimeError(f"Heartbeat for {self._worker_id!r} already started")
         self._stop = asyncio.Event()
-        await self._beat()
+        await self._beat(first=True)
         self._task = asyncio.create_task(self._run(), name=f"heartbeat:{self._worker_id}")
 
     async def stop(self, deregister: bool = True) -> None:
@@ -192,12 +200,14 @@ class Heartbeat:
                     self._worker_id, exc, self._registry.ttl_s,
                 )  # fmt: skip
 
-    async def _beat(self) -> None:
+    async def _beat(self, first: bool = False) -> None:
         info = self._info_fn()
         self._worker_id = info.worker_id
         try:
             await self._registry.register(info)
         except _REDIS_DOWN as exc:
+            if first and is_auth_error(exc):
+                raise RedisAuthError.of(self._registry.redis_url, exc) from None
             if not self._failing:
                 self._failing = True
                 logger.warning(
@@ -269,11 +279,15 @@ class WorkerWatcher:
 
     async def start(self) -> None:
         """Poll once now (so the snapshot is populated on return if Redis is up), then keep
-        polling in the background."""
+        polling in the background.
+
+        Raises:
+            RedisAuthError: Redis refused the credentials in the registry's URL.
+        """
         if self._task is not None:
             raise RuntimeError("WorkerWatcher already started")
         self._stop = asyncio.Event()
-        await self.refresh()
+        await self._refresh(first=True)
         self._task = asyncio.create_task(self._run(), name="worker-watcher")
 
     async def stop(self) -> None:
@@ -285,10 +299,15 @@ class WorkerWatcher:
 
     async def refresh(self) -> None:
         """Poll Redis once now and update the snapshot (or mark it stale)."""
+        await self._refresh()
+
+    async def _refresh(self, first: bool = False) -> None:
         async with self._lock:  # the loop and a caller's refresh() must not interleave diffs
             try:
                 workers = await self._registry.list_workers()
             except _REDIS_DOWN as exc:
+                if first and is_auth_error(exc):
+                    raise RedisAuthError.of(self._registry.redis_url, exc) from None
                 self._stale = True
                 if not self._outage_logged:
                     self._outage_logged = True

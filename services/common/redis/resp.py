@@ -2,18 +2,25 @@
 
 `LookupClient` pools plain asyncio streams to Redis and sends pre-encoded requests;
 `parse_reply` parses a whole reply from one buffer (with a fast path for an MGET of short
-bitmaps) and `encode_command` encodes the few commands it sends itself (AUTH, SELECT).
+bitmaps) and `encode_command` encodes the few commands it sends itself (AUTH, SELECT). It
+speaks the URL's credentials (AUTH [user] password) and TLS (`rediss://`) as redis-py would.
 `RedisPrefixIndex` uses it for lookups only; everything else goes through redis-py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
-from redis.exceptions import ResponseError
+from redis.asyncio.connection import (
+    RedisSSLContext,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 
 _READ_CHUNK = 1 << 16
 
@@ -78,6 +85,18 @@ def parse_reply(buf: bytes, pos: int = 0) -> tuple[Any, int] | None:
     raise ResponseError(f"unexpected RESP reply type {kind!r} from Redis")
 
 
+def _ssl_context(params: dict[str, Any]) -> ssl.SSLContext | None:
+    """The SSLContext redis-py's SSLConnection would build from a URL's `ssl_*` parameters
+    (its defaults: certificate required, host name checked); None for parameters it does
+    not know or files it cannot load, so that redis-py reports those itself."""
+    options: dict[str, Any] = {"cert_reqs": "required", "check_hostname": True}
+    options.update({key.removeprefix("ssl_"): value for key, value in params.items()})
+    try:
+        return RedisSSLContext(**options).get()
+    except (TypeError, ValueError, OSError, RedisError):
+        return None
+
+
 class _Connection:
     """One plain asyncio stream to Redis, one request at a time."""
 
@@ -122,9 +141,11 @@ class LookupClient:
     Why not redis-py: without hiredis (not installed here) its pure-Python parser awaits a
     readline/readexactly per array element, so a 256-block lookup takes ~1.0 ms at p50
     against ~0.28 ms with this client, which parses the whole reply from one buffer (both
-    measured by benchmarks/bench_index.py on the same machine). Only plain TCP and
-    unix-socket URLs with optional username/password/db are spoken (`for_url` returns None
-    otherwise, and the index then looks up through redis-py).
+    measured by benchmarks/bench_index.py on the same machine). TCP, TLS (`rediss://`, with
+    redis-py's `ssl_*` URL parameters and defaults: the certificate and host name verified
+    unless `ssl_cert_reqs=none`) and unix-socket URLs with optional username/password/db are
+    spoken (`for_url` returns None for anything else, and the index then looks up through
+    redis-py). Each new connection sends AUTH first when the URL has a password.
 
     Connections are pooled (up to `max_idle` kept), one request in flight each. A request
     that meets a dead pooled connection is resent on the next pooled or a new one (MGET is
@@ -132,8 +153,15 @@ class LookupClient:
     a connection whose request failed or was cancelled midway is closed, never reused.
     """
 
-    def __init__(self, connect_kwargs: dict[str, Any], timeout_s: float, max_idle: int) -> None:
+    def __init__(
+        self,
+        connect_kwargs: dict[str, Any],
+        timeout_s: float,
+        max_idle: int,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._kw = connect_kwargs
+        self._ssl = ssl_context
         self._timeout_s = timeout_s
         self._max_idle = max_idle
         self._idle: list[_Connection] = []
@@ -145,25 +173,34 @@ class LookupClient:
         except ValueError:
             return None
         connection_class = kw.pop("connection_class", None)
-        if connection_class not in (None, UnixDomainSocketConnection):
-            return None  # TLS or something else we do not speak
+        context = None
+        if connection_class is SSLConnection:
+            context = _ssl_context({k: kw.pop(k) for k in list(kw) if k.startswith("ssl_")})
+            if context is None:
+                return None
+        elif connection_class not in (None, UnixDomainSocketConnection):
+            return None  # something else we do not speak
         if set(kw) - {"host", "port", "path", "db", "username", "password"}:
             return None
-        return cls(kw, timeout_s, max_idle)
+        return cls(kw, timeout_s, max_idle, context)
 
     async def _connect(self) -> _Connection:
         kw = self._kw
         if "path" in kw:
             reader, writer = await asyncio.open_unix_connection(kw["path"])
         else:
+            # With ssl, the server's certificate is checked against the host name we dial.
             reader, writer = await asyncio.open_connection(
-                kw.get("host", "localhost"), kw.get("port", 6379)
+                kw.get("host", "localhost"), kw.get("port", 6379), ssl=self._ssl
             )
         conn = _Connection(reader, writer)
         try:
             if kw.get("password") is not None:
                 user = [kw["username"].encode()] if kw.get("username") else []
-                await conn.request(encode_command([b"AUTH", *user, kw["password"].encode()]))
+                try:
+                    await conn.request(encode_command([b"AUTH", *user, kw["password"].encode()]))
+                except ResponseError as exc:  # WRONGPASS: the same class redis-py raises
+                    raise AuthenticationError(str(exc)) from None
             if kw.get("db"):
                 await conn.request(encode_command([b"SELECT", str(kw["db"]).encode()]))
         except BaseException:

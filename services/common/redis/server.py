@@ -5,7 +5,12 @@ persistence off, waits until it answers PING, and tears it down again. The child
 parent's life with `PR_SET_PDEATHSIG`, so a SIGKILLed test runner or `tandem up` never leaves an
 orphaned server behind.
 
-Run one in the foreground with `python -m services.common.redis.server [--port N]`.
+With a `password` the server requires AUTH (`requirepass`, or an ACL user with `username`)
+and `url` carries the credentials. The password goes to the server in a config file of mode
+0600 in its directory, never on a command line, where `ps` would show it to other users.
+
+Run one in the foreground with `python -m services.common.redis.server [--port N]` (with the
+password, if any, in the environment variable REDIS_PASSWORD).
 """
 
 from __future__ import annotations
@@ -29,12 +34,18 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from services.common.redis.url import redact_url, with_credentials
+
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _READY_TIMEOUT_S = 10.0
 _STOP_GRACE_S = 5.0
 _LOG_TAIL_CHARS = 2000
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 _MAX_UNIX_SOCKET_PATH = 107
+# `main` reads the server's password from here: the environment of a process is readable only
+# by its user, its command line by everyone.
+PASSWORD_ENV = "REDIS_PASSWORD"
+_UNQUOTABLE = frozenset(" \"'\\")
 
 
 def find_redis_server() -> str:
@@ -91,7 +102,8 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class RedisServer:
-    """A Redis server child process listening on a unix socket and/or a TCP port.
+    """A Redis server child process listening on a unix socket and/or a TCP port (on
+    127.0.0.1).
 
     Addressing: `port=None` or `port=0` means no TCP listener; without a TCP port and without
     `unix_socket`, the server listens on `redis.sock` in a fresh temporary directory. `url`
@@ -101,6 +113,10 @@ class RedisServer:
 
     Persistence is off (`--save '' --appendonly no`): a restarted server comes back empty,
     which is what "Redis restarted" tests want.
+
+    Credentials: with `password`, clients must AUTH: as the default user (`requirepass`), or,
+    with `username` too, as that ACL user (all keys and commands), the default user being
+    disabled. `url` includes them, percent-encoded (`unix://:PASS@/dir/redis.sock`).
 
     Caveat: PR_SET_PDEATHSIG fires when the *thread* that spawned the child exits, so call
     `start()`/`restart()` from a long-lived thread (e.g. the main thread), not from a
@@ -112,9 +128,19 @@ class RedisServer:
         port: int | None = None,
         unix_socket: str | Path | None = None,
         workdir: Path | None = None,
+        password: str | None = None,
+        username: str | None = None,
     ) -> None:
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"port must be in [0, 65535] or None, got {port}")
+        if username is not None and not password:
+            raise ValueError("a username needs a password")
+        for what, value in (("password", password), ("username", username)):
+            # Written into the server's config file as one token: nothing that needs quoting.
+            if value is not None and (not value.isprintable() or set(value) & _UNQUOTABLE):
+                raise ValueError(f"{what} must be printable, without spaces, quotes or backslashes")
+        self._password = password or None
+        self._username = username
         self._port = port or 0
         self._unix_socket: Path | None = Path(unix_socket) if unix_socket is not None else None
         if self._unix_socket is not None and len(str(self._unix_socket)) > _MAX_UNIX_SOCKET_PATH:
@@ -132,17 +158,27 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """`unix:///path/redis.sock` or `redis://127.0.0.1:PORT`.
+        """`unix:///path/redis.sock` or `redis://127.0.0.1:PORT`, with `:PASSWORD@` (or
+        `USER:PASSWORD@`) when the server has a password: a secret, see `redacted_url`.
 
         Known once `start()` has been called; it stays valid across `kill()`/`restart()` so
         clients can keep their URL while the server comes and goes.
         """
         sock = self._socket_path()
         if sock is not None:
-            return f"unix://{sock}"
-        if self._port:
-            return f"redis://127.0.0.1:{self._port}"
-        raise RuntimeError("RedisServer.url is unknown until start() has been called")
+            url = f"unix://{sock}"
+        elif self._port:
+            url = f"redis://127.0.0.1:{self._port}"
+        else:
+            raise RuntimeError("RedisServer.url is unknown until start() has been called")
+        if self._password is not None:
+            url = with_credentials(url, self._password, self._username or "")
+        return url
+
+    @property
+    def redacted_url(self) -> str:
+        """`url` without the password, for logs and messages."""
+        return redact_url(self.url)
 
     @property
     def pid(self) -> int | None:
@@ -185,18 +221,24 @@ class RedisServer:
         does not become ready in time; RuntimeError too when already running.
         """
         if self.running:
-            raise RuntimeError(f"RedisServer already running (pid {self.pid}) at {self.url}")
+            raise RuntimeError(
+                f"RedisServer already running (pid {self.pid}) at {self.redacted_url}"
+            )
         if self._binary is None:
             self._binary = find_redis_server()
         data_dir = self._data_dir()
         data_dir.mkdir(parents=True, exist_ok=True)
         sock = self._socket_path()
-        cmd = [
-            self._binary,
+        cmd = [self._binary]
+        if self._password is not None:
+            cmd.append(str(self._write_auth_config(data_dir)))  # the config file comes first
+        cmd += [
             "--save", "",
             "--appendonly", "no",
             "--daemonize", "no",
             "--port", str(self._port),
+            # Loopback only (the default binds every interface; `url` says 127.0.0.1).
+            "--bind", "127.0.0.1",
             "--dir", str(data_dir),
         ]  # fmt: skip
         if sock is not None:
@@ -222,18 +264,25 @@ class RedisServer:
             raise
         return self
 
+    def _write_auth_config(self, data_dir: Path) -> Path:
+        """The credentials as a config file only we can read (mode 0600)."""
+        assert self._password is not None
+        if self._username is None:
+            text = f"requirepass {self._password}\n"
+        else:
+            text = f"user default off\nuser {self._username} on >{self._password} ~* &* +@all\n"
+        path = data_dir / "auth.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # an existing file keeps its mode through O_CREAT
+            f.write(text)
+        return path
+
     def _wait_ready(self) -> None:
         assert self._proc is not None
-        sock = self._socket_path()
         # No client-side retries: redis-py's default backoff would stretch each failed probe
         # to seconds, and this loop does its own polling.
-        no_retry = Retry(NoBackoff(), 0)
-        if sock is not None:
-            client = redis.Redis(unix_socket_path=str(sock), socket_timeout=1.0, retry=no_retry)
-        else:
-            client = redis.Redis(
-                host="127.0.0.1", port=self._port, socket_timeout=1.0, retry=no_retry
-            )
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + _READY_TIMEOUT_S
         try:
             while True:
@@ -241,7 +290,7 @@ class RedisServer:
                 if code is not None:
                     raise RuntimeError(
                         f"Redis server {self._binary} exited with code {code} while starting at "
-                        f"{self.url}; "
+                        f"{self.redacted_url}; "
                         f"log tail:\n{self._log_tail()}"
                     )
                 try:
@@ -252,7 +301,8 @@ class RedisServer:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"Redis server {self._binary} did not answer PING within "
-                        f"{_READY_TIMEOUT_S:.0f} s at {self.url}; log tail:\n{self._log_tail()}"
+                        f"{_READY_TIMEOUT_S:.0f} s at {self.redacted_url}; log tail:\n"
+                        f"{self._log_tail()}"
                     )
                 time.sleep(0.02)
         finally:
@@ -315,7 +365,11 @@ class RedisServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one server in the foreground until SIGINT/SIGTERM; print its URL first."""
+    """Run one server in the foreground until SIGINT/SIGTERM; print its URL first.
+
+    The password, if any, comes from the environment (`REDIS_PASSWORD`), and the URL printed
+    on stdout carries it: stdout is the caller's (a pipe to `tandem up`, or a terminal), while
+    the server's log gets nothing secret."""
     parser = argparse.ArgumentParser(
         prog="python -m services.common.redis.server",
         description="Run a throwaway Redis/Valkey server (no persistence) in the foreground.",
@@ -329,7 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_sigterm)
-    server = RedisServer(port=args.port, unix_socket=args.unix_socket, workdir=args.dir)
+    server = RedisServer(
+        port=args.port,
+        unix_socket=args.unix_socket,
+        workdir=args.dir,
+        password=os.environ.get(PASSWORD_ENV) or None,
+    )
     try:
         server.start()
         print(f"redis server ({server.binary}) pid {server.pid} at {server.url}", flush=True)

@@ -54,13 +54,136 @@ The Tandem image: image.tag when set, else "<appVersion>-<image.variant>", the t
 {{- end -}}
 
 {{/*
-The Redis URL every process gets: the bundled StatefulSet's Service, or redis.url.
+Where Redis is, without credentials: the bundled StatefulSet's Service, or redis.url.
 */}}
-{{- define "tandem.redisUrl" -}}
+{{- define "tandem.redisAddress" -}}
 {{- if .Values.redis.enabled -}}
 {{- printf "redis://%s:%d/0" (include "tandem.componentName" (dict "root" . "component" "redis")) (int .Values.redis.port) -}}
 {{- else -}}
 {{- required "redis.url is required when redis.enabled is false (e.g. redis://my-redis:6379/0)" .Values.redis.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Secret holding the Redis password (key redis-password), or "" when clients send none:
+the bundled Redis gets a generated one unless auth.redisPassword.existingSecret is set; an
+external Redis gets one only from existingSecret.
+*/}}
+{{- define "tandem.redisPasswordSecret" -}}
+{{- $auth := .Values.auth.redisPassword -}}
+{{- if $auth.enabled -}}
+{{- if $auth.existingSecret -}}
+{{- $auth.existingSecret -}}
+{{- else if .Values.redis.enabled -}}
+{{- include "tandem.componentName" (dict "root" . "component" "redis-password") -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Redis URL every process gets (TANDEM_REDIS_URL): tandem.redisAddress with the password,
+when there is one, as `$(REDIS_PASSWORD)`, which the kubelet fills in from the REDIS_PASSWORD
+env entry (tandem.redisEnv) so that the manifest never holds it.
+*/}}
+{{- define "tandem.redisUrl" -}}
+{{- $address := include "tandem.redisAddress" . -}}
+{{- if include "tandem.redisPasswordSecret" . -}}
+{{- $parts := splitn "://" 2 $address -}}
+{{- if contains "@" $parts._1 -}}
+{{- fail "redis.url holds credentials and auth.redisPassword.existingSecret is set: drop them from the URL" -}}
+{{- end -}}
+{{- printf "%s://:$(REDIS_PASSWORD)@%s" $parts._0 $parts._1 -}}
+{{- else -}}
+{{- $address -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The env entries of a Tandem container for Redis: REDIS_PASSWORD (from its Secret, when
+there is one) first, then TANDEM_REDIS_URL, which refers to it. */}}
+{{- define "tandem.redisEnv" -}}
+{{- with include "tandem.redisPasswordSecret" . }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: redis-password
+{{- end }}
+- name: TANDEM_REDIS_URL
+  value: {{ include "tandem.redisUrl" . | quote }}
+{{- end -}}
+
+{{/* TANDEM_HOST of a Tandem container: the pod's IP (downward API) with listenAddress
+"podIP", else listenAddress as given. */}}
+{{- define "tandem.hostEnv" -}}
+- name: TANDEM_HOST
+{{- if eq .Values.listenAddress "podIP" }}
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- else }}
+  value: {{ .Values.listenAddress | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The credential Secrets a component mounts, as a list of dicts: volume (its name, also the
+directory /etc/tandem/<volume>), secret (the Secret's name), keys (Secret key -> file name)
+and env (TANDEM_* variable -> Secret key of the file it names). Call with
+(dict "root" $ "component" "router"); the result is YAML (fromYamlArray it).
+*/}}
+{{- define "tandem.authSecrets" -}}
+{{- $root := .root }}
+{{- $auth := $root.Values.auth }}
+{{- $mounts := list }}
+{{- if and (eq .component "router") $auth.apiKeys.enabled }}
+{{- $name := $auth.apiKeys.existingSecret | default (include "tandem.componentName" (dict "root" $root "component" "api-keys")) }}
+{{- $mounts = append $mounts (dict "volume" "api-keys" "secret" $name "keys" (list "api-keys") "env" (dict "TANDEM_API_KEYS_FILE" "api-keys")) }}
+{{- end }}
+{{- if and (eq .component "router") $auth.tls.secretName }}
+{{- $mounts = append $mounts (dict "volume" "tls" "secret" $auth.tls.secretName "keys" (list "tls.crt" "tls.key") "env" (dict "TANDEM_TLS_CERT_FILE" "tls.crt" "TANDEM_TLS_KEY_FILE" "tls.key")) }}
+{{- end }}
+{{- if $auth.clusterSecret.enabled }}
+{{- $name := $auth.clusterSecret.existingSecret | default (include "tandem.componentName" (dict "root" $root "component" "cluster-secret")) }}
+{{- $mounts = append $mounts (dict "volume" "cluster-secret" "secret" $name "keys" (list "cluster-secret") "env" (dict "TANDEM_CLUSTER_SECRET_FILE" "cluster-secret")) }}
+{{- end }}
+{{- if $auth.internalTls.secretName }}
+{{- $mounts = append $mounts (dict "volume" "internal-tls" "secret" $auth.internalTls.secretName "keys" (list "tls.crt" "tls.key" "ca.crt") "env" (dict "TANDEM_INTERNAL_TLS_CERT_FILE" "tls.crt" "TANDEM_INTERNAL_TLS_KEY_FILE" "tls.key" "TANDEM_INTERNAL_CA_FILE" "ca.crt")) }}
+{{- end }}
+{{- if and (eq .component "controller") $auth.adminKeys.enabled }}
+{{- $name := $auth.adminKeys.existingSecret | default (include "tandem.componentName" (dict "root" $root "component" "admin-keys")) }}
+{{- $mounts = append $mounts (dict "volume" "admin-keys" "secret" $name "keys" (list "admin-keys") "env" (dict "TANDEM_ADMIN_KEYS_FILE" "admin-keys")) }}
+{{- end }}
+{{- toYaml $mounts }}
+{{- end -}}
+
+{{/* The credential env of a component: every *_file field the chart owns, naming the
+mounted file, or "" (off). Same arguments as tandem.authSecrets. */}}
+{{- define "tandem.authEnv" -}}
+{{- $files := dict "TANDEM_CLUSTER_SECRET_FILE" "" "TANDEM_INTERNAL_TLS_CERT_FILE" "" "TANDEM_INTERNAL_TLS_KEY_FILE" "" "TANDEM_INTERNAL_CA_FILE" "" }}
+{{- if eq .component "router" }}
+{{- $_ := merge $files (dict "TANDEM_API_KEYS_FILE" "" "TANDEM_TLS_CERT_FILE" "" "TANDEM_TLS_KEY_FILE" "") }}
+{{- end }}
+{{- if eq .component "controller" }}
+{{- $_ := set $files "TANDEM_ADMIN_KEYS_FILE" "" }}
+{{- end }}
+{{- range $mount := include "tandem.authSecrets" . | fromYamlArray }}
+{{- range $env, $key := $mount.env }}
+{{- $_ := set $files $env (printf "/etc/tandem/%s/%s" $mount.volume $key) }}
+{{- end }}
+{{- end }}
+{{- range $env, $path := $files }}
+- name: {{ $env }}
+  value: {{ $path | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Whether a component's gRPC port speaks TLS ("true" or ""): the router's with auth.tls,
+the others' with auth.internalTls. Call with (dict "root" $ "component" "router"). */}}
+{{- define "tandem.tlsPort" -}}
+{{- if eq .component "router" -}}
+{{- if .root.Values.auth.tls.secretName }}true{{ end -}}
+{{- else if .root.Values.auth.internalTls.secretName -}}
+true
 {{- end -}}
 {{- end -}}
 
@@ -103,13 +226,26 @@ component's config dataclass (services/common/flags.py). Keys come sorted.
 
 {{/*
 A gRPC health probe (grpc.health.v1.Health/Check, service ""). Kubernetes >= 1.24 checks it
-natively; older clusters exec services.common.healthcheck in the container.
-Call with (dict "root" $ "port" 50051 "probe" .Values.probes.readiness).
+natively; older clusters exec services.common.healthcheck in the container, which dials
+127.0.0.1 unless told the pod IP the server listens on (listenAddress podIP: through a
+shell, as exec probes expand no downward-API variables). A TLS port ("tls" true) gets a TCP
+probe: neither the kubelet's gRPC probe nor the healthcheck speaks TLS.
+Call with (dict "root" $ "port" 50051 "tls" "" "probe" .Values.probes.readiness).
 */}}
 {{- define "tandem.grpcProbe" -}}
-{{- if semverCompare ">=1.24-0" .root.Capabilities.KubeVersion.Version }}
+{{- $timeout := max 1 (sub (int .probe.timeoutSeconds) 1) }}
+{{- if .tls }}
+tcpSocket:
+  port: {{ .port }}
+{{- else if semverCompare ">=1.24-0" .root.Capabilities.KubeVersion.Version }}
 grpc:
   port: {{ .port }}
+{{- else if eq .root.Values.listenAddress "podIP" }}
+exec:
+  command:
+    - sh
+    - -c
+    - {{ printf "exec %s -m services.common.healthcheck --port %d --timeout-s %d --host \"$TANDEM_HOST\"" .root.Values.python (int .port) $timeout | quote }}
 {{- else }}
 exec:
   command:
@@ -119,22 +255,24 @@ exec:
     - --port
     - {{ .port | quote }}
     - --timeout-s
-    - {{ max 1 (sub (int .probe.timeoutSeconds) 1) | quote }}
+    - {{ $timeout | quote }}
 {{- end }}
 {{ toYaml .probe }}
 {{- end -}}
 
-{{/* readiness, liveness and startup probes of a gRPC container; same arguments, plus
-"startup": the component's own startupProbe keys, which override probes.startup (workers
-load weights and warm up before they report SERVING: minutes on a GPU). */}}
+{{/* readiness, liveness and startup probes of a gRPC container; call with (dict "root" $
+"component" "router" "port" 50051 "startup" .startupProbe): "startup" are the component's own
+startupProbe keys, which override probes.startup (workers load weights and warm up before
+they report SERVING: minutes on a GPU). */}}
 {{- define "tandem.grpcProbes" -}}
 {{- $startup := merge (deepCopy (.startup | default dict)) .root.Values.probes.startup }}
+{{- $tls := include "tandem.tlsPort" . }}
 readinessProbe:
-  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" .root.Values.probes.readiness) | trim | nindent 2 }}
+  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "tls" $tls "probe" .root.Values.probes.readiness) | trim | nindent 2 }}
 livenessProbe:
-  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" .root.Values.probes.liveness) | trim | nindent 2 }}
+  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "tls" $tls "probe" .root.Values.probes.liveness) | trim | nindent 2 }}
 startupProbe:
-  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "probe" $startup) | trim | nindent 2 }}
+  {{- include "tandem.grpcProbe" (dict "root" .root "port" .port "tls" $tls "probe" $startup) | trim | nindent 2 }}
 {{- end -}}
 
 {{/*
@@ -155,11 +293,16 @@ generated
 
 {{/*
 A pod's volumes: the model's (unless baked), the workers' memory-backed /dev/shm (with
-transfer.shmSizeLimit), then the component's extraVolumes. Empty when there are none.
-Call with (dict "root" $ "model" true "shm" false "extra" .extraVolumes).
+transfer.shmSizeLimit), the component's credential Secrets (tandem.authSecrets, with
+"component"), then the component's extraVolumes. Empty when there are none.
+Call with (dict "root" $ "component" "router" "model" true "shm" false "extra" .extraVolumes).
 */}}
 {{- define "tandem.volumes" -}}
 {{- $values := .root.Values }}
+{{- $secrets := list }}
+{{- if .component }}
+{{- $secrets = include "tandem.authSecrets" . | fromYamlArray }}
+{{- end }}
 {{- if and .model (ne (include "tandem.modelSource" .root) "baked") }}
 - name: model
 {{- if $values.model.volume }}
@@ -174,6 +317,18 @@ Call with (dict "root" $ "model" true "shm" false "extra" .extraVolumes).
     medium: Memory
     sizeLimit: {{ $values.transfer.shmSizeLimit }}
 {{- end }}
+{{- range $secrets }}
+- name: {{ .volume }}
+  secret:
+    secretName: {{ .secret }}
+    # 0444: the image's non-root user reads it without an fsGroup (read-only mount).
+    defaultMode: 0444
+    items:
+      {{- range .keys }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
+{{- end }}
 {{- with .extra }}
 {{ toYaml . }}
 {{- end }}
@@ -183,6 +338,10 @@ Call with (dict "root" $ "model" true "shm" false "extra" .extraVolumes).
 the component's extraVolumeMounts). */}}
 {{- define "tandem.volumeMounts" -}}
 {{- $values := .root.Values }}
+{{- $secrets := list }}
+{{- if .component }}
+{{- $secrets = include "tandem.authSecrets" . | fromYamlArray }}
+{{- end }}
 {{- if and .model (ne (include "tandem.modelSource" .root) "baked") }}
 - name: model
   mountPath: {{ $values.model.mountPath }}
@@ -191,6 +350,11 @@ the component's extraVolumeMounts). */}}
 {{- if and .shm $values.transfer.shmSizeLimit }}
 - name: dshm
   mountPath: /dev/shm
+{{- end }}
+{{- range $secrets }}
+- name: {{ .volume }}
+  mountPath: /etc/tandem/{{ .volume }}
+  readOnly: true
 {{- end }}
 {{- with .extra }}
 {{ toYaml . }}
