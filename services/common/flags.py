@@ -154,7 +154,9 @@ def parse_config(
             type=conv,
             default=default,
             required=required and raw is None,
-            help=f"(env {leaf.env}; default {default!r})",
+            # An environment value may be a secret (a Redis URL's password): not in --help.
+            help=f"(env {leaf.env}; "
+            + ("set from the environment)" if raw is not None else f"default {default!r})"),
         )
     ns = vars(parser.parse_args(argv))
     values = {by_name[name].path: value for name, value in {**ns, **fixed}.items()}
