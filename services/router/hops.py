@@ -83,17 +83,28 @@ class Call:
 class HopFailed(Exception):
     """A worker failed the current hop; recovery decides what follows."""
 
-    def __init__(self, fault: Fault, worker_id: str, why: str, breaker: bool = True) -> None:
+    def __init__(
+        self,
+        fault: Fault,
+        worker_id: str,
+        why: str,
+        breaker: bool = True,
+        unreachable: bool = False,
+    ) -> None:
         super().__init__(f"{fault.value} on {worker_id}: {why}")
         self.fault = fault
         self.worker_id = worker_id
         self.why = why
         self.breaker = breaker  # counts against the worker's circuit breaker
+        self.unreachable = unreachable  # the connection itself failed (UNAVAILABLE)
 
 
 class Hops:
     """Runs calls through the workers. `complete(call, reason, stop)` builds the final
-    message; `abort_workers(rid, placement)` cleans up a failed attempt in the background."""
+    message; `abort_workers(rid, placement)` cleans up a failed attempt in the background;
+    `retire_channel(address)` makes the next call to a worker whose connection failed open a
+    fresh one (a channel closed by keepalive sits in reconnect backoff, and would fail the
+    first request after the worker recovers)."""
 
     def __init__(
         self,
@@ -101,6 +112,7 @@ class Hops:
         channel: Callable[[str], grpc.aio.Channel],
         complete: Callable[[Call, rpb.FinishReason, str], rpb.GenerateResponse],
         abort_workers: Callable[[str, Placement], None],
+        retire_channel: Callable[[str], None],
         hop_timeout_s: float,
         recovery: RecoveryConfig,
         min_reprefill_tokens: int,
@@ -109,6 +121,7 @@ class Hops:
         self._channel = channel
         self._complete = complete
         self._abort_workers = abort_workers
+        self._retire_channel = retire_channel
         self.hop_timeout_s = hop_timeout_s
         self.recovery = recovery
         self.min_reprefill_tokens = min_reprefill_tokens
@@ -257,7 +270,9 @@ class Hops:
         ours = code is grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 0.05)
         if code in _WORKER_FAULTS or ours:
             what = "hop_timeout_s passed" if ours else f"{code.name}: {exc.details()}"
-            return HopFailed(fault, worker_id, what)
+            return HopFailed(
+                fault, worker_id, what, unreachable=code is grpc.StatusCode.UNAVAILABLE
+            )
         return errors.from_worker(exc)
 
     # -- recovery ----------------------------------------------------------------------------
@@ -268,6 +283,10 @@ class Hops:
         if failed.breaker:
             self.placer.worker_failed(failed.worker_id, str(failed))
         placement = call.placement
+        if failed.unreachable:
+            for w in (placement.decode, placement.prefill):
+                if w is not None and w.worker_id == failed.worker_id:
+                    self._retire_channel(w.address)
         local = placement.cached_tokens if placement.prefill is None else 0
         failure = Failure(
             fault=failed.fault,

@@ -75,6 +75,7 @@ class RouterServer(rgrpc.RouterServicer):
             self._channel,
             self._complete,
             lambda rid, placement: self._spawn(self._abort_workers(rid, placement)),
+            self._retire_channel,
             config.hop_timeout_s,
             config.recovery,
             config.routing.disagg_min_uncached_tokens,
@@ -83,6 +84,7 @@ class RouterServer(rgrpc.RouterServicer):
         self.health = health.aio.HealthServicer()
         self.address = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []  # replaced; their calls may still run
         # Keyed by (tenant, the client's id for the request): a tenant sees only its own.
         self._admitted: set[tuple[str, str]] = set()  # between admission and the end
         self._calls: dict[tuple[str, str], Call] = {}  # the placed ones
@@ -141,7 +143,7 @@ class RouterServer(rgrpc.RouterServicer):
             await self._request_log.stop()
         if self._request_ids is not None:
             await self._request_ids.close()
-        for ch in self._channels.values():
+        for ch in [*self._channels.values(), *self._retired]:
             await ch.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -166,6 +168,14 @@ class RouterServer(rgrpc.RouterServicer):
         if not tenant or tenant in self.shared_cache_tenants:
             return ""
         return f"tenant:{tenant}"
+
+    def _retire_channel(self, address: str) -> None:
+        """The next call to `address` opens a new channel (see Hops). The old one is closed
+        at stop: closing it now would cancel calls that may still be running on it."""
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            self._retired.append(ch)
+            del self._retired[:-64]  # bounded; the dropped ones are garbage-collected
 
     # -- the public request -> RequestSpec ------------------------------------------------
 

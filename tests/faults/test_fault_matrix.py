@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -239,6 +240,7 @@ def test_sigstop_decode_migrates_within_keepalive_and_recovers(fleet: Fleet, ref
     cases = prompts(4, 8)
     max_tokens = 400
     stopped: list[bool] = []
+    frozen_at: list[float] = []
 
     async def scenario() -> list[Result]:
         started = [asyncio.Event() for _ in cases]
@@ -248,6 +250,7 @@ def test_sigstop_decode_migrates_within_keepalive_and_recovers(fleet: Fleet, ref
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WAIT_S)
         fleet.kill("d1", signal.SIGSTOP)
+        frozen_at.append(time.monotonic())
         results = list(await asyncio.gather(*tasks))
         # Finished while d1 is still frozen (it stays stopped ~10 s): nobody waited it out.
         stopped.append(fleet.procs["d1"].poll() is None)
@@ -266,7 +269,19 @@ def test_sigstop_decode_migrates_within_keepalive_and_recovers(fleet: Fleet, ref
     for r in results:
         if r.migrations:
             assert "decode_failed on d1" in r.recoveries[0] and r.decode_worker == "d0"
+    # d1 stays frozen ~10 s; requests keep coming (the breaker's probes reach d1 and fail
+    # over) and every one of them is served.
+    while time.monotonic() < frozen_at[0] + 10.0:
+        [probe] = run_all([generate(fleet.addresses["r0"], prompts(1, 8)[0], 4)])
+        assert probe.finish_reason == "length" and probe.decode_worker == "d0", probe.recoveries
+        time.sleep(0.2)
     fleet.kill("d1", signal.SIGCONT)  # back; its abandoned requests free their blocks
+    fleet.wait_registered("d1")
+    # The router's first calls to the thawed worker use a fresh connection, not the one
+    # keepalive closed (still in reconnect backoff): nothing fails over.
+    after = run_all([generate(fleet.addresses["r0"], p, 64) for p in prompts(4, 8)])
+    assert not any(r.recoveries for r in after), [r.recoveries for r in after]
+    assert any(r.decode_worker == "d1" for r in after)
 
 
 def test_redis_killed_then_restarted(fleet: Fleet, reference) -> None:

@@ -563,9 +563,15 @@ def test_redis_lookup_client_speaks_auth_and_db() -> None:
             client.close()
 
 
-def test_redis_tls_urls_fall_back_to_redis_py_lookups() -> None:
+def test_redis_tls_urls_keep_the_fast_lookup_unless_it_cannot_speak_them() -> None:
+    """The lean lookup client speaks TLS (tests/services/test_redis_auth.py checks it against
+    a TLS proxy); a URL parameter it does not know sends lookups through redis-py."""
+
     async def body() -> None:
         index = RedisPrefixIndex("rediss://localhost:1")  # connects lazily
+        assert index.fast_lookup
+        await index.close()
+        index = RedisPrefixIndex("redis://localhost:1?client_name=x")
         assert not index.fast_lookup
         await index.close()
 
