@@ -70,7 +70,9 @@ def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
     request itself, or on the deployment (FAILED_PRECONDITION: misconfigured workers, which
     a retry would meet again; PERMISSION_DENIED: a KV hand-off whose signature or owner the
     decode worker refused, forged or signed with another cluster secret, which no retry
-    fixes either), passes through; anything else is the worker's failure, retryable."""
+    fixes either), passes through; UNAUTHENTICATED (the worker refused our cluster
+    credentials) is a misconfiguration too (FAILED_PRECONDITION); anything else is the
+    worker's failure, retryable."""
     code = exc.code()
     if code in (
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -81,6 +83,13 @@ def from_worker(exc: grpc.aio.AioRpcError) -> ServiceError:
         grpc.StatusCode.PERMISSION_DENIED,
     ):
         return ServiceError(code, exc.details() or code.name, retry_after(exc))
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        # The worker refused this service's internal credentials: a deployment whose
+        # processes disagree on the cluster secret or CA. Retrying meets the same answer.
+        return failed_precondition(
+            "a worker refused the router's cluster credentials (cluster_secret_file or the "
+            "internal CA differ between router and workers)"
+        )
     return unavailable(f"worker failed ({code.name}: {exc.details()}); retry", retry_after(exc))
 
 

@@ -231,3 +231,22 @@ def test_status_and_hint_round_trip_over_grpc(error: ServiceError) -> None:
         assert errors.retry_after(exc) == error.retry_after_s
         passed = errors.from_worker(exc)  # UNAVAILABLE's message gains "worker failed"
         assert (passed.code, passed.retry_after_s) == (error.code, error.retry_after_s)
+
+
+def test_a_worker_refusing_our_cluster_credentials_is_a_deployment_problem() -> None:
+    class Refused(grpc.aio.AioRpcError):
+        def __init__(self) -> None:
+            pass
+
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAUTHENTICATED
+
+        def details(self) -> str:
+            return "needs the cluster key"
+
+        def trailing_metadata(self):  # type: ignore[no-untyped-def]
+            return ()
+
+    error = errors.from_worker(Refused())
+    assert error.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert "cluster_secret_file" in error.message
