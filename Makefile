@@ -29,6 +29,7 @@ lint: install
 deploy-tools:
 	scripts/ensure-kube.sh
 	scripts/ensure-helm.sh
+	scripts/ensure-prometheus.sh
 
 unit: install deploy-tools
 	$(BIN)/pytest -q

@@ -25,8 +25,11 @@ process is given with `--cluster-secret-file`. The password travels in the envir
 (REDIS_PASSWORD to Redis, TANDEM_REDIS_URL to the services), never on a command line, which
 any local user can read with `ps`. With `api_keys` the router wants an API key: one is
 generated for tenant "default" (`api_key`, and the router's `api-keys` file, mode 0600).
-The gRPC listeners are on `host` (127.0.0.1), UCX's own on loopback (`LOOPBACK_UCX_ENV`);
-the controller's metrics server is off.
+The gRPC listeners are on `host` (127.0.0.1), UCX's own on loopback (`LOOPBACK_UCX_ENV`).
+
+Metrics: every router and worker (and the controller, with autoscale) serves Prometheus
+/metrics on `host` at a port picked here before it starts (`--metrics-port`), so a restarted
+child serves where scrapers already look: `Cluster.metrics_addresses`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import ctypes
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -118,6 +122,7 @@ class Child:
     module_args: list[str]  # `python -m` arguments, reused as they are by a restart
     ready_marker: str  # the stdout line containing this says the child is serving
     ready_line: str = ""
+    metrics_address: str = ""  # host:port of its Prometheus /metrics; "" without one
     # Added to this process's environment, and reused by a restart: secrets go here, not
     # into module_args.
     env: dict[str, str] = field(default_factory=dict)
@@ -144,6 +149,7 @@ class Cluster:
     run_dir: Path = Path()
     cluster_secret_file: Path = Path()
     api_key: str = ""  # with config.api_keys: the key of tenant "default"
+    controller_metrics_address: str = ""  # with autoscale: the controller's /metrics
     _worker_args: list[str] = field(default_factory=list)
     _service_env: dict[str, str] = field(default_factory=dict)
     _next_index: dict[str, int] = field(default_factory=dict)
@@ -230,6 +236,7 @@ class Cluster:
                 "--disagg-min-uncached-tokens",
                 str(cfg.disagg_min_uncached_tokens),
                 *key_args,
+                *self._metrics_args(),
             ],
             "READY",
             env=self._service_env,
@@ -250,7 +257,22 @@ class Cluster:
             self._next_index[role] = i + 1
             name = f"{role}-{i}"
             args = [f"services.{role}", *self._worker_args, "--worker-id", name]
+            args += self._metrics_args()
             return self._spawn(name, args, "READY", wait=False, env=self._service_env)
+
+    @property
+    def metrics_addresses(self) -> dict[str, str]:
+        """Child name ("router", "prefill-0", "decode-0", ...; "controller" with autoscale)
+        -> "host:port" of its Prometheus /metrics, for the processes running now."""
+        with self._lock:
+            found = {c.name: c.metrics_address for c in self.children if c.metrics_address}
+        if self.controller_metrics_address:
+            found["controller"] = self.controller_metrics_address
+        return found
+
+    def _metrics_args(self) -> list[str]:
+        """A free port for a child's /metrics, fixed in its arguments (a restart reuses it)."""
+        return ["--metrics-port", str(_free_port(self.config.host))]
 
     def workers(self, role: str) -> list[Child]:
         """Running workers of a role (and crashed ones being restarted), oldest first, not
@@ -299,6 +321,7 @@ class Cluster:
         from services.controller.config import ControllerConfig
         from services.controller.server import Controller
 
+        metrics_port = _free_port(self.config.host)
         config = parse_config(
             ControllerConfig,
             [
@@ -309,7 +332,7 @@ class Cluster:
                 "--actuator", "local",
                 "--host", self.config.host,
                 "--port", str(self.config.admin_port),
-                "--metrics-port", "0",
+                "--metrics-port", str(metrics_port),
             ],
             prog="tandem up --controller-args",
         )  # fmt: skip
@@ -326,6 +349,7 @@ class Cluster:
                 ready.set()
                 return
             self.controller_address = controller.address
+            self.controller_metrics_address = f"{self.config.host}:{metrics_port}"
             self._controller_stop = (asyncio.get_running_loop(), stop)
             ready.set()
             await stop.wait()
@@ -352,6 +376,9 @@ class Cluster:
         env = dict(env or {})
         proc = _popen(module_args, log_path, "w", env=env)
         child = Child(name, proc, log_path, module_args, ready, env=env)
+        if "--metrics-port" in module_args:
+            port = module_args[module_args.index("--metrics-port") + 1]
+            child.metrics_address = f"{self.config.host}:{port}"
         with self._lock:
             self.children.append(child)
         if wait:
@@ -532,6 +559,13 @@ def _popen(
             start_new_session=True,
             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on `host` now (the child binds it moments later)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _write_private(path: Path, text: str) -> Path:

@@ -218,6 +218,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(
             f"ready in {time.perf_counter() - t0:.1f}s; logs in {cluster.run_dir}", file=sys.stderr
         )
+        metrics = ", ".join(f"{n} {a}" for n, a in sorted(cluster.metrics_addresses.items()))
+        print(f"Prometheus /metrics: {metrics}", file=sys.stderr)
         with TandemClient(address, api_key=key) as client:
             for prompt in DEMO_PROMPTS:
                 result = client.generate(prompt, max_tokens=24, temperature=0.0)

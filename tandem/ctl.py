@@ -5,10 +5,11 @@ tandem ctl explain [-n 5]               the last decisions with their model figu
 tandem ctl set-ratio P D                pin P prefill and D decode workers
 tandem ctl set-sla --ttft-p90 MS --itl-p90 MS
 tandem ctl auto                         back to automatic control
+tandem ctl top [--interval S] [--once]  live view: workers, latency, P:D (q quits)
 
 A controller with admin keys needs one: --admin-key-file PATH (a file holding the key), or
-the key in TANDEM_ADMIN_KEY. set-ratio, set-sla and auto need scope "admin"; status and
-explain "admin" or "read".
+the key in TANDEM_ADMIN_KEY. set-ratio, set-sla and auto need scope "admin"; status,
+explain and top "admin" or "read".
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import select
+import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TextIO
 
 from tandem.control import ROLES
 
@@ -86,6 +89,138 @@ def format_decisions(resp: Any) -> str:
     return "\n".join(out)
 
 
+# -- top ---------------------------------------------------------------------------------------
+
+# Redraw in place: cursor home, each line cleared to its end, the rest of the screen cleared.
+HOME, CLEAR_EOL, CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
+# The alternate screen (the shell's screen comes back on exit), cursor hidden while shown.
+ENTER_SCREEN, LEAVE_SCREEN = "\x1b[?1049h\x1b[?25l", "\x1b[?25h\x1b[?1049l"
+
+
+def _ms(v: float) -> str:
+    return "n/a" if math.isnan(v) else f"{v:.0f} ms"
+
+
+def render_top(s: Any, address: str, now: float) -> list[str]:
+    """The `tandem ctl top` screen for one StatusResponse `s` of the controller at `address`,
+    at wall-clock time `now` (lines without escape codes or trailing newlines)."""
+    roles = {r.role: r for r in s.roles}
+    p, d = roles.get("prefill"), roles.get("decode")
+
+    def ratio(field: str) -> str:
+        return f"{getattr(p, field, 0)}:{getattr(d, field, 0)}"
+
+    age = f"{now - s.observed_unix:.0f} s ago" if s.observed_unix else "not yet"
+    r = s.recent
+    lines = [
+        f"tandem ctl top  {address}  {time.strftime('%H:%M:%S', time.localtime(now))}  "
+        f"mode {s.mode}  actuator {s.actuator}  observed {age}",
+        f"P:D  current {ratio('current')}  wanted {ratio('desired')}  live {ratio('live')}",
+    ]
+    lines += [f"  {role.role}: {role.reason}" for role in s.roles]
+    lines += [
+        f"last {r.window_s:.0f} s: {r.requests} requests  TTFT p50 {_ms(r.ttft_p50_ms)} "
+        f"p90 {_ms(r.ttft_p90_ms)}  ITL p50 {_ms(r.itl_p50_ms)} p90 {_ms(r.itl_p90_ms)}",
+        "",
+    ]
+    names = [w.worker_id + (" [draining]" if w.draining else "") for w in s.workers]
+    width = max([24, *map(len, names)])
+    lines.append(
+        f"{'ROLE':<8} {'WORKER':<{width}} {'WAITING':>7} {'RUNNING':>7} {'KV USED/TOTAL':>18} "
+        f"{'STEP':>9} {'TOK/S':>8}"
+    )
+    for w, name in zip(s.workers, names, strict=True):
+        used = w.num_blocks - w.num_free_blocks
+        share = f"({100 * used / w.num_blocks:.0f}%)" if w.num_blocks else "(-)"
+        lines.append(
+            f"{w.role:<8} {name:<{width}} {w.num_waiting:>7} {w.num_running:>7} "
+            f"{f'{used}/{w.num_blocks} {share}':>18} {f'{w.step_ms:.1f} ms':>9} "
+            f"{w.tokens_per_s:>8.0f}"
+        )
+    if not s.workers:
+        lines.append("(no workers heartbeating)")
+    if s.last_error:
+        lines += ["", f"last error: {s.last_error}"]
+    return lines
+
+
+def _fit(lines: list[str], columns: int, rows: int) -> list[str]:
+    """Cut the frame to the terminal: a wrapped line would break the in-place redraw."""
+    return [line[:columns] for line in lines[:rows]]
+
+
+def top(
+    fetch: Callable[[], Any],
+    address: str,
+    interval_s: float,
+    out: TextIO,
+    keys: IO[Any] | None,
+    now: Callable[[], float] = time.time,
+) -> int:
+    """Redraw the status every `interval_s` until `q` is read from `keys` (a terminal in
+    cbreak mode, or None: run until interrupted). `fetch` returns a StatusResponse or raises
+    grpc.RpcError; an unreachable controller is shown and retried, a refused key ends it."""
+    import grpc
+
+    out.write(ENTER_SCREEN)
+    try:
+        while True:
+            try:
+                lines = render_top(fetch(), address, now())
+            except grpc.RpcError as exc:
+                if exc.code() in (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                ):
+                    raise
+                lines = [
+                    f"tandem ctl top  {address}",
+                    f"cannot reach the controller: {exc.code().name}: {exc.details()} (retrying)",
+                ]
+            size = shutil.get_terminal_size()
+            frame = _fit(lines, size.columns, size.lines - 1)
+            out.write(HOME + "".join(line + CLEAR_EOL + "\n" for line in frame))
+            out.write("q: quit" + CLEAR_EOL + CLEAR_BELOW)
+            out.flush()
+            deadline = time.monotonic() + interval_s
+            while (left := deadline - time.monotonic()) > 0:
+                if keys is None:
+                    time.sleep(left)
+                    break
+                ready, _, _ = select.select([keys], [], [], left)
+                if ready:
+                    typed = os.read(keys.fileno(), 64)
+                    if not typed or b"q" in typed.lower():  # q, Q, or the terminal closed
+                        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        out.write(LEAVE_SCREEN)
+        out.flush()
+
+
+def _run_top(args: argparse.Namespace, fetch: Callable[[], Any]) -> int:
+    """`top` on this terminal: keys read in cbreak mode (restored on exit); without a
+    terminal, or with --once, one plain frame."""
+    if not args.interval > 0:
+        print(f"error: --interval: need seconds > 0, got {args.interval}", file=sys.stderr)
+        return 2
+    if args.once or not sys.stdout.isatty():
+        print("\n".join(render_top(fetch(), args.address, time.time())))
+        return 0
+    if not sys.stdin.isatty():
+        return top(fetch, args.address, args.interval, sys.stdout, None)
+    import termios
+    import tty
+
+    saved = termios.tcgetattr(sys.stdin)
+    try:
+        tty.setcbreak(sys.stdin)
+        return top(fetch, args.address, args.interval, sys.stdout, sys.stdin)
+    finally:
+        termios.tcsetattr(sys.stdin, termios.TCSADRAIN, saved)
+
+
 def run(args: argparse.Namespace) -> int:
     import grpc
 
@@ -103,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.address) as channel:
         stub = agrpc.AdminStub(channel)
         try:
+            if args.action == "top":
+                return _run_top(args, lambda: stub.Status(apb.StatusRequest(), **call))
             if args.action == "status":
                 print(format_status(stub.Status(apb.StatusRequest(), **call)))
             elif args.action == "explain":
@@ -159,4 +296,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--ttft-p90", type=float, help="TTFT p90 target, ms")
     s.add_argument("--itl-p90", type=float, help="ITL p90 target, ms")
     actions.add_parser("auto", help="return to automatic control")
+    t = actions.add_parser(
+        "top", help="live view of the workers, request latency and the P:D ratio (q quits)"
+    )
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    t.add_argument("--once", action="store_true", help="print one frame and exit")
     c.set_defaults(func=run)

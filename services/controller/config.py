@@ -33,6 +33,8 @@ class ControllerConfig:
         scope "admin"; Status and Explain one with "admin" or "read" (`tandem ctl
         --admin-key-file`, or TANDEM_ADMIN_KEY). Empty: the admin API takes calls without a
         key (keep its port private).
+    otlp_endpoint: OTLP gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, or
+        none (services.common.tracing; the controller itself records no spans yet).
     """
 
     redis_url: str = ""
@@ -51,6 +53,7 @@ class ControllerConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     admin_keys_file: str = ""
+    otlp_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.actuator not in ACTUATORS:

@@ -59,6 +59,8 @@ ADMIN_RULES: dict[str, Rule] = {
     f"/{SERVICE_NAME}/Status": Bearer("admin", "read"),
     f"/{SERVICE_NAME}/Explain": Bearer("admin", "read"),
 }
+# `tandem ctl top` shows request latency over the last minute.
+RECENT_S = 60.0
 SETTINGS_PREFIX = "tandem:control:settings:"
 _REDIS_DOWN = (RedisError, OSError)
 
@@ -103,6 +105,7 @@ class Controller(agrpc.AdminServicer):
         self._workers = SampleWindow[WorkerSample](config.window_s)
         self._requests = SampleWindow[RequestSample](config.window_s)
         self._latest: list[WorkerInfo] = []
+        self._observed_at = 0.0
         self._current: dict[str, int] = {}
         self._tick_lock = asyncio.Lock()
         self._stop = asyncio.Event()
@@ -215,6 +218,7 @@ class Controller(agrpc.AdminServicer):
         if not self.model_id and infos:
             self.model_id = infos[0].model
         self._latest = [w for w in infos if w.model == self.model_id]
+        self._observed_at = now
         self._workers.extend(sample_of(w, now) for w in self._latest)
         if self._reader is None and self.model_id and self._redis is not None:
             self._reader = RequestLogReader(self._redis, self.model_id)
@@ -311,6 +315,45 @@ class Controller(agrpc.AdminServicer):
             actuator=self.actuator.name,
             last_error=self.last_error,
             last_decision_unix=last.decision.t if last else 0.0,
+            workers=[
+                apb.WorkerStatus(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    address=w.address,
+                    num_running=w.num_running,
+                    num_waiting=w.num_waiting,
+                    num_blocks=w.num_blocks,
+                    num_free_blocks=w.num_free_blocks,
+                    step_ms=w.step_ms,
+                    tokens_per_s=w.tokens_per_s,
+                    busy_frac=w.busy_frac,
+                    draining=w.draining,
+                    updated_unix=w.updated_at,
+                )
+                for w in sorted(self._latest, key=lambda w: (ROLES.index(w.role), w.worker_id))
+            ],
+            recent=self._recent_latency(time.time()),
+            observed_unix=self._observed_at,
+        )
+
+    def _recent_latency(self, now: float) -> apb.LatencySummary:
+        """p50/p90 of the requests finished in the last RECENT_S (as much of it as the
+        window holds): what an operator watching `tandem ctl top` sees."""
+        window_s = min(RECENT_S, self.config.window_s)
+        reqs = [r for r in self._requests if r.t >= now - window_s]
+        ttfts = [r.ttft_ms for r in reqs]
+        itls = [r.itl_ms for r in reqs if r.output_tokens > 1]
+
+        def pct(values: list[float], q: float) -> float:
+            return percentile(values, q) if values else math.nan
+
+        return apb.LatencySummary(
+            window_s=window_s,
+            requests=len(reqs),
+            ttft_p50_ms=pct(ttfts, 50),
+            ttft_p90_ms=pct(ttfts, 90),
+            itl_p50_ms=pct(itls, 50),
+            itl_p90_ms=pct(itls, 90),
         )
 
     @rpc

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 
 import grpc
 
-from services.common import convert
+from services.common import convert, tracing
 from services.common.errors import rpc
 from services.common.security import derive_key, load_secret
 from services.common.worker.shell import Worker
@@ -46,6 +47,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         self._progress_stop = threading.Event()
         self._progress = threading.Thread(target=self._drive_transfers, daemon=True)
         self.num_expired_leases = 0
+        self._lease_spans: dict[str, tracing.Span] = {}  # request id -> tandem.lease (traced)
         secret_file = self.config.auth.cluster_secret_file
         self._handoff_key = (
             derive_key(load_secret(secret_file), "kv-handoff") if secret_file else None
@@ -80,6 +82,8 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         for lease in self.leases.expire():
             engine.release(lease.request_id)
             self.num_expired_leases += 1
+            self.metrics.lease_expired.inc()
+            tracing.end_lease(self._lease_spans.pop(lease.request_id, None), "expired")
             log.warning("lease %s of %s expired unconfirmed", lease.lease_id, lease.request_id)
 
     # -- RPCs ------------------------------------------------------------------------------
@@ -88,19 +92,34 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> wpb.PrefillResponse:
+        t_start = time.perf_counter()
         spec, stream = self.admit(request, context)
         rid = spec.request_id
+        span = tracing.start_span("tandem.prefill", tracing.remote_parent(context))
+        span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
         self.num_active_rpcs += 1
         handed_off = False
         try:
             await self.add_request(spec)
             out = await stream.get()
             assert out is not None
+            tracing.engine_phases(
+                span,
+                "tandem.prefill.queue",
+                "tandem.prefill.compute",
+                t_start,
+                self.loop.last_step_s,
+            )
+            span.set_attribute("tandem.cached_tokens", out.num_cached_tokens)
             resp = convert.prefill_response_to_proto(rid, out)
             if out.handed_off:
                 # The engine pinned the blocks at hand-off; the lease bounds how long.
                 lease = self.leases.grant(rid)
                 handed_off = True
+                if span.is_recording():
+                    self._lease_spans[rid] = tracing.start_lease(
+                        span, lease.lease_id, self.config.lease_ttl_s
+                    )
                 handoff = KVHandoff(
                     remote=self.transport.export(out.block_ids),
                     block_size=self.engine.kv.block_size,
@@ -112,7 +131,11 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                 )
                 resp.kv.CopyFrom(convert.handoff_to_proto(self._sign(spec, handoff)))
             return resp
+        except BaseException as exc:
+            tracing.fail(span, exc)
+            raise
         finally:
+            span.end()
             self.num_active_rpcs -= 1
             self.loop.close_stream(rid)
             if not handed_off:
@@ -134,6 +157,8 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         self, request: wpb.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> wpb.ReleaseKvResponse:
         answer = self.leases.confirm(request.lease_id, request.request_id, request.epoch)
+        lease_span = self._lease_spans.pop(request.request_id, None)
+        tracing.end_lease(lease_span, "confirmed" if answer.valid else "lapsed")
         if answer.release is not None:
             rid = answer.release
             self.loop.post(lambda e: e.release(rid))
@@ -144,4 +169,5 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rpb.AbortResponse:
         self.leases.revoke(request.request_id)
+        tracing.end_lease(self._lease_spans.pop(request.request_id, None), "revoked")
         return rpb.AbortResponse(found=await self.loop.call(lambda e: e.abort(request.request_id)))

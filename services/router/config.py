@@ -19,6 +19,8 @@ class RouterConfig:
     model_dir: the served model (the router reads its tokenizer and config only).
     model_id: name clients use; default: the directory name.
     host, port: where the public gRPC API listens.
+    metrics_port: Prometheus /metrics over HTTP on `host` (services.common.metrics); -1: off,
+        0: any free port (logged).
     redis_url: worker registry and prefix index. Empty: use the static address lists.
     prefill_addresses, decode_addresses: static workers (tests, single-host setups).
     max_inflight: concurrent Generate calls before RESOURCE_EXHAUSTED.
@@ -45,12 +47,15 @@ class RouterConfig:
     recovery: the per-request retry budget and fallbacks (tandem.routing.recovery).
     breaker: per-worker circuit breakers from RPC outcomes (tandem.routing.health).
     auth: the internal plane's credentials (services.common.security.AuthConfig).
+    otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty: the
+        OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.tracing).
     """
 
     model_dir: str
     model_id: str = ""
     host: str = "127.0.0.1"
     port: int = 50051
+    metrics_port: int = -1
     redis_url: str = ""
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
@@ -69,10 +74,13 @@ class RouterConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    otlp_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
             raise ValueError(f"max_inflight must be positive, got {self.max_inflight}")
+        if self.metrics_port < -1:
+            raise ValueError(f"metrics_port must be >= -1 (-1: off), got {self.metrics_port}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("TLS needs tls_cert_file and tls_key_file together")
         for name in ("hop_timeout_s", "keepalive_s", "request_id_ttl_s"):

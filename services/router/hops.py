@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common import convert, errors
+from services.common import convert, errors, tracing
+from services.common.metrics import RouterMetrics
 from services.router.placer import Placer
 from tandem.engine.request import RequestSpec
 from tandem.routing import Dispatch, Placement
@@ -75,6 +76,8 @@ class Call:
     failed: set[str] = field(default_factory=set)  # workers that failed this request
     public_id: str = ""  # what the client calls it: its label, or the server's id
     tenant: str = ""
+    t_last_token: float = 0.0  # perf_counter when the last token reached the client (metrics)
+    span: tracing.Span = tracing.INVALID_SPAN  # tandem.generate: the parent of worker spans
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.t_start) * 1e3
@@ -116,8 +119,10 @@ class Hops:
         hop_timeout_s: float,
         recovery: RecoveryConfig,
         min_reprefill_tokens: int,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.placer = placer
+        self.metrics = metrics or RouterMetrics()
         self._channel = channel
         self._complete = complete
         self._abort_workers = abort_workers
@@ -157,7 +162,9 @@ class Hops:
         left = context.time_remaining()
         stub = wgrpc.PrefillWorkerStub(self._channel(worker.address))
         call.worker_call = stub.Prefill(
-            request, timeout=self.hop_timeout_s if left is None else min(left, self.hop_timeout_s)
+            request,
+            timeout=self.hop_timeout_s if left is None else min(left, self.hop_timeout_s),
+            metadata=tracing.headers(call.span),
         )
         try:
             resp: wpb.PrefillResponse = await call.worker_call
@@ -207,7 +214,9 @@ class Hops:
                 self.recovery.reprefill and call.recoveries < self.recovery.max_recoveries
             )
         stub = wgrpc.DecodeWorkerStub(self._channel(worker.address))
-        call.worker_call = stream = stub.Decode(request, timeout=context.time_remaining())
+        call.worker_call = stream = stub.Decode(
+            request, timeout=context.time_remaining(), metadata=tracing.headers(call.span)
+        )
         answered = False
         while True:
             try:
@@ -249,6 +258,10 @@ class Hops:
         raise HopFailed(Fault.DECODE_FAILED, worker.worker_id, "stream ended without a result")
 
     def _streamed(self, call: Call, chunk: rpb.Chunk) -> None:
+        call.t_last_token = self.metrics.streamed(
+            call.timings.disaggregated, call.t_start, call.t_last_token, len(chunk.token_ids),
+            time.perf_counter(),
+        )  # fmt: skip
         call.outputs.extend(chunk.token_ids)
         call.emitted_chars += len(chunk.text)
         call.usage.completion_tokens = len(call.outputs)
@@ -299,6 +312,8 @@ class Hops:
         )
         step = plan_recovery(failure, self.placer.workers(), self.recovery)
         line = f"{failed}: {step.describe()}"
+        tracing.recovery_step(call.span, failed.fault.value, step.action.value, line)
+        self.metrics.recovery(failed.fault.value, step.action.value)
         log.warning("request %s: %s", call.spec.request_id, line)
         call.timings.recoveries.append(line)
         # Whatever the failed attempt still holds (a pinned lease, a half-run request on a

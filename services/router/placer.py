@@ -11,6 +11,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from services.common import tracing
 from services.common.errors import unavailable
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
@@ -66,8 +67,11 @@ class Placer:
         if self._index is not None:
             await self._index.close()
 
-    async def place(self, spec: RequestSpec) -> Placement:
-        """Raises ServiceError(UNAVAILABLE) when no decode worker is available."""
+    async def place(
+        self, spec: RequestSpec, span: tracing.Span = tracing.INVALID_SPAN
+    ) -> Placement:
+        """Raises ServiceError(UNAVAILABLE) when no decode worker is available. `span`
+        (tandem.route) gets the decision, its reason and the candidates' scores."""
         # The same chained hashes the workers publish (tandem.engine.prefix_hash).
         hashes = hash_blocks(
             list(spec.prompt_token_ids),
@@ -83,7 +87,11 @@ class Placer:
             self._sequence,
             prefix_key(hashes, self.config.routing.affinity_blocks),
         )
-        placement = choose(route, self.workers(), self.config.routing)
+        workers = self.workers()
+        placement = choose(route, workers, self.config.routing)
+        tracing.annotate_route(
+            span, route, workers, self.config.routing, placement, self.index_degraded
+        )
         if placement is None:
             raise unavailable(self._no_decode_message(), retry_after_s=1.0)
         self.claim(placement.decode.worker_id)
@@ -104,23 +112,36 @@ class Placer:
     def workers(self) -> list[WorkerLoad]:
         """Every healthy worker of this model with its load, as the placement policy sees it:
         known to the registry (or listed) and not held out by its circuit breaker."""
-        if self._watcher is not None:
-            infos = [w for w in self._watcher.snapshot().values() if w.model == self.model_id]
-        else:
-            infos = [
-                WorkerInfo(worker_id=a, role=role, address=a, model=self.model_id, epoch=0)
-                for role, addrs in (
-                    ("prefill", self.config.prefill_addresses),
-                    ("decode", self.config.decode_addresses),
-                )
-                for a in addrs
-            ]
         now = time.monotonic()
         return [
             self.inflight.with_inflight(w.load())
-            for w in infos
+            for w in self._known()
             if self.breakers.allows(w.worker_id, now, w.epoch or None)
         ]
+
+    def _known(self) -> list[WorkerInfo]:
+        """Every worker of this model the registry knows (or the static lists name)."""
+        if self._watcher is not None:
+            return [w for w in self._watcher.snapshot().values() if w.model == self.model_id]
+        return [
+            WorkerInfo(worker_id=a, role=role, address=a, model=self.model_id, epoch=0)
+            for role, addrs in (
+                ("prefill", self.config.prefill_addresses),
+                ("decode", self.config.decode_addresses),
+            )
+            for a in addrs
+        ]
+
+    def worker_states(self) -> dict[tuple[str, str], int]:
+        """How many workers of this model per (role, "healthy" | "open_breaker"): whether
+        placement may use them now (tandem_router_workers)."""
+        counts: dict[tuple[str, str], int] = {}
+        now = time.monotonic()
+        for w in self._known():
+            ok = self.breakers.allows(w.worker_id, now, w.epoch or None)
+            key = (w.role, "healthy" if ok else "open_breaker")
+            counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def claim(self, worker_id: str) -> None:
         """A request goes to the worker (its probe, if its breaker is half-open)."""

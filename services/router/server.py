@@ -14,14 +14,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from http.server import HTTPServer
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health
 
-from services.common import convert, errors, security
+from services.common import convert, errors, security, tracing
 from services.common.errors import ServiceError, invalid_argument, rpc
+from services.common.metrics import RouterMetrics, start_metrics_server, stop_metrics_server
 from services.common.process import channel_options, start_grpc_server
 from services.common.redis.request_ids import RequestIds
 from services.common.redis.request_log import RequestLog
@@ -67,6 +69,11 @@ class RouterServer(rgrpc.RouterServicer):
             _PROMPT_CHARS_SLACK * self.max_model_len * self.tokenizer.max_token_chars()
         )
         self.placer = Placer(config, self.model_id)
+        self.metrics = RouterMetrics()
+        self.metrics.running.set_function(lambda: len(self._admitted))
+        self.metrics.index_degraded.set_function(lambda: float(self.placer.index_degraded))
+        self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
+        self._metrics_server: HTTPServer | None = None
         self.shared_cache_tenants = {
             t.strip() for t in config.shared_cache_tenants.split(",") if t.strip()
         }
@@ -79,6 +86,7 @@ class RouterServer(rgrpc.RouterServicer):
             config.hop_timeout_s,
             config.recovery,
             config.routing.disagg_min_uncached_tokens,
+            metrics=self.metrics,
         )
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -98,6 +106,7 @@ class RouterServer(rgrpc.RouterServicer):
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        tracing.setup_tracing("tandem-router", self.config.otlp_endpoint)
         log.info("router routing: %r, recovery: %r", self.config.routing, self.config.recovery)
         await self.placer.start()
         if self.config.redis_url:
@@ -134,8 +143,26 @@ class RouterServer(rgrpc.RouterServicer):
         self.address = f"{self.config.host}:{port}"
         scheme = "TLS" if credentials else "plaintext"
         log.info("router serving %s on %s (%s)", self.model_id, self.address, scheme)
+        if self.config.metrics_port >= 0:
+            self._start_metrics()
+
+    def _start_metrics(self) -> None:
+        """/metrics on host:metrics_port, and the worker gauges kept current for it."""
+        self._metrics_server, port = start_metrics_server(
+            self.config.host, self.config.metrics_port, self.metrics.registry
+        )
+        self.metrics_address = f"{self.config.host}:{port}"
+        log.info("router metrics on http://%s/metrics", self.metrics_address)
+        self._spawn(self._refresh_worker_gauges())
+
+    async def _refresh_worker_gauges(self) -> None:
+        while self._metrics_server is not None:
+            self.metrics.set_workers(self.placer.worker_states())
+            await asyncio.sleep(self.config.worker_refresh_s)
 
     async def stop(self) -> None:
+        stop_metrics_server(self._metrics_server)
+        self._metrics_server = None
         if self.server is not None:
             await self.server.stop(grace=2.0)
         await self.placer.stop()
@@ -281,9 +308,16 @@ class RouterServer(rgrpc.RouterServicer):
         tenant = self._tenant()
         rid = label or server_id  # what the client calls it
         key = (tenant, rid)
-        self._admit(key)
+        try:
+            self._admit(key)
+        except ServiceError as refused:
+            self.metrics.raised(refused, completed=False)
+            raise
+        span = tracing.start_span("tandem.generate", tracing.remote_parent(context))
+        span.set_attribute("tandem.request_id", server_id)
         claimed = False
         claim = f"{tenant}/{label}"
+        call: Call | None = None  # once placed
         try:
             if label and self._request_ids is not None:
                 ttl = context.time_remaining() or self.config.request_id_ttl_s
@@ -294,11 +328,15 @@ class RouterServer(rgrpc.RouterServicer):
                     )
             if label or tenant:
                 log.info("request %s: label %r, tenant %r", server_id, label, tenant)
-            spec = await self._spec(
-                request, server_id, context.time_remaining(), self._cache_salt(tenant)
-            )
-            placement = await self.placer.place(spec)
+            with tracing.span("tandem.tokenize", span):
+                spec = await self._spec(
+                    request, server_id, context.time_remaining(), self._cache_salt(tenant)
+                )
+            span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
+            with tracing.span("tandem.route", span) as route_span:
+                placement = await self.placer.place(spec, route_span)
             call = self._calls[key] = self._open(spec, placement, t_start, rid, tenant)
+            call.span = span
             try:
                 if key in self._early_aborts:
                     call.aborted = True
@@ -322,7 +360,13 @@ class RouterServer(rgrpc.RouterServicer):
                 raise
             finally:
                 self._close(call)
+                span.set_attribute("tandem.output_tokens", call.usage.completion_tokens)
+        except BaseException as exc:
+            tracing.fail(span, exc)
+            self.metrics.raised(exc, completed=call is not None and call.finished)
+            raise
         finally:
+            span.end()
             self._admitted.discard(key)
             self._early_aborts.discard(key)
             if claimed and self._request_ids is not None:
@@ -340,6 +384,7 @@ class RouterServer(rgrpc.RouterServicer):
             route_cached_tokens=placement.cached_tokens,
             index_degraded=self.placer.index_degraded,
         )
+        self.metrics.placed(placement, timings.queue_ms / 1e3)
         dispatch = self.placer.inflight.dispatch(placement, spec.num_prompt_tokens)
         usage = rpb.Usage(prompt_tokens=spec.num_prompt_tokens)
         return Call(
@@ -350,6 +395,10 @@ class RouterServer(rgrpc.RouterServicer):
     def _close(self, call: Call) -> None:
         self._calls.pop((call.tenant, call.public_id), None)
         call.dispatch.finish()
+        usage = call.usage
+        self.metrics.tokens(
+            usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens
+        )
         if not call.finished or call.aborted:
             # Client cancelled, deadline passed, Abort, or a worker failed: stop both sides.
             self._spawn(self._abort_workers(call.worker_rid, call.placement))
@@ -359,6 +408,8 @@ class RouterServer(rgrpc.RouterServicer):
     ) -> rpb.GenerateResponse:
         """The final message of a request; a finished one's timings go to the controller."""
         call.finished = True
+        aborted = finish_reason == rpb.FINISH_REASON_ABORT
+        self.metrics.completed(call.timings.disaggregated, aborted, call.elapsed_ms() / 1e3)
         if finish_reason != rpb.FINISH_REASON_ABORT:
             call.timings.total_ms = call.elapsed_ms()
             self._record(call)

@@ -39,7 +39,7 @@ class Sla(_message.Message):
     def __init__(self, ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "roles", "sla", "window_requests", "sla_attainment", "ttft_p90_ms", "itl_p90_ms", "actuator", "last_error", "last_decision_unix")
+    __slots__ = ("mode", "roles", "sla", "window_requests", "sla_attainment", "ttft_p90_ms", "itl_p90_ms", "actuator", "last_error", "last_decision_unix", "workers", "recent", "observed_unix")
     MODE_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
     SLA_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class StatusResponse(_message.Message):
     ACTUATOR_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_DECISION_UNIX_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_UNIX_FIELD_NUMBER: _ClassVar[int]
     mode: str
     roles: _containers.RepeatedCompositeFieldContainer[RoleStatus]
     sla: Sla
@@ -60,7 +63,54 @@ class StatusResponse(_message.Message):
     actuator: str
     last_error: str
     last_decision_unix: float
-    def __init__(self, mode: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleStatus, _Mapping]]] = ..., sla: _Optional[_Union[Sla, _Mapping]] = ..., window_requests: _Optional[int] = ..., sla_attainment: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., actuator: _Optional[str] = ..., last_error: _Optional[str] = ..., last_decision_unix: _Optional[float] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    recent: LatencySummary
+    observed_unix: float
+    def __init__(self, mode: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleStatus, _Mapping]]] = ..., sla: _Optional[_Union[Sla, _Mapping]] = ..., window_requests: _Optional[int] = ..., sla_attainment: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., actuator: _Optional[str] = ..., last_error: _Optional[str] = ..., last_decision_unix: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recent: _Optional[_Union[LatencySummary, _Mapping]] = ..., observed_unix: _Optional[float] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "num_running", "num_waiting", "num_blocks", "num_free_blocks", "step_ms", "tokens_per_s", "busy_frac", "draining", "updated_unix")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRAC_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    address: str
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    step_ms: float
+    tokens_per_s: float
+    busy_frac: float
+    draining: bool
+    updated_unix: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., step_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., busy_frac: _Optional[float] = ..., draining: _Optional[bool] = ..., updated_unix: _Optional[float] = ...) -> None: ...
+
+class LatencySummary(_message.Message):
+    __slots__ = ("window_s", "requests", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms")
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    window_s: float
+    requests: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    def __init__(self, window_s: _Optional[float] = ..., requests: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p50_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ...) -> None: ...
 
 class ExplainRequest(_message.Message):
     __slots__ = ("limit",)

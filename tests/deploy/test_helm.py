@@ -52,6 +52,7 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
     RouterConfig: {
         "host": "listenAddress (the pod IP)",
         "port": "router.port",
+        "metrics_port": "router.metricsPort",
         "redis_url": "bundled or external Redis",
         "model_dir": "model.dir",
         "prefill_addresses": "not rendered: workers are found through Redis",
@@ -64,6 +65,7 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
     WorkerConfig: {
         "host": "listenAddress (the pod IP)",
         "port": "<role>.port",
+        "metrics_port": "<role>.metricsPort",
         "advertise_host": "the pod IP",
         "worker_id": "the pod name",
         "redis_url": "bundled or external Redis",
@@ -859,15 +861,26 @@ def test_network_policies(helm: Helm) -> None:
     for spec in policies.values():
         assert spec["policyTypes"] == ["Ingress"]
 
-    # Clients reach the router's port only, from anywhere.
-    assert policies[_name("router")]["ingress"] == [{"ports": [{"port": 50051, "protocol": "TCP"}]}]
-    # Release pods reach the workers' gRPC ports; workers reach each other on any port.
+    # Clients reach the router's port from anywhere; release pods its metrics port.
+    assert policies[_name("router")]["ingress"] == [
+        {"ports": [{"port": 50051, "protocol": "TCP"}]},
+        {
+            "from": [{"podSelector": {"matchLabels": release}}],
+            "ports": [{"port": 9091, "protocol": "TCP"}],
+        },
+    ]
+    # Release pods reach the workers' gRPC and metrics ports; workers reach each other on any
+    # port.
     worker_policy = policies[_name("workers")]
     assert worker_policy["podSelector"] == {"matchLabels": release, "matchExpressions": [workers]}
     from_release, from_workers = worker_policy["ingress"]
     assert from_release == {
         "from": [{"podSelector": {"matchLabels": release}}],
-        "ports": [{"port": 50052, "protocol": "TCP"}, {"port": 50053, "protocol": "TCP"}],
+        "ports": [
+            {"port": 50052, "protocol": "TCP"},
+            {"port": 50053, "protocol": "TCP"},
+            {"port": 9092, "protocol": "TCP"},
+        ],
     }
     assert from_workers == {
         "from": [{"podSelector": {"matchLabels": release, "matchExpressions": [workers]}}]
@@ -902,33 +915,157 @@ def test_network_policy_peers_from_values(helm: Helm, tmp_path: Path) -> None:
         "from": [monitoring],
         "ports": [{"port": 9090, "protocol": "TCP"}],
     }
+    # The same peers reach the router's and the workers' metrics ports, and only those.
+    router_metrics = router["ingress"][2]
+    assert router_metrics == {"from": [monitoring], "ports": [{"port": 9091, "protocol": "TCP"}]}
+    workers = one(objects, "NetworkPolicy", _name("workers"))["spec"]
+    assert workers["ingress"][1] == {
+        "from": [monitoring],
+        "ports": [{"port": 9092, "protocol": "TCP"}],
+    }
     assert find(helm.render("--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
 
 
-# -- ServiceMonitor ----------------------------------------------------------------------------
+# -- metrics ports, ServiceMonitors, PodMonitor -----------------------------------------------
+
+MONITOR_APIS = [
+    "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
+]  # fmt: skip
+MONITORS_ON = [
+    "--set", "controller.serviceMonitor.enabled=true",
+    "--set", "router.serviceMonitor.enabled=true",
+    "--set", "podMonitor.enabled=true",
+]  # fmt: skip
+METRICS_PORTS = {"router": 9091, "prefill": 9092, "decode": 9092, "controller": 9090}
 
 
-def test_service_monitor(helm: Helm) -> None:
-    assert find(helm.render(), "ServiceMonitor") == []
-    with pytest.raises(HelmError, match="does not serve monitoring.coreos.com/v1 ServiceMonitor"):
-        helm.template("--set", "controller.serviceMonitor.enabled=true")
-
+def test_metrics_ports(helm: Helm) -> None:
+    """Every service's metrics port: a named container port, TANDEM_METRICS_PORT, and for the
+    router and controller a Service port."""
+    objects = helm.render()
+    for component, port in METRICS_PORTS.items():
+        (container,) = containers(one(objects, "Deployment", _name(component)))
+        assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
+        assert env_of(container)["TANDEM_METRICS_PORT"] == str(port)
+    for component in ("router", "controller"):
+        service = one(objects, "Service", _name(component))
+        assert {
+            "name": "metrics",
+            "port": METRICS_PORTS[component],
+            "targetPort": "metrics",
+            "protocol": "TCP",
+            "appProtocol": "http",
+        } in service["spec"]["ports"]
+    # 0 turns a /metrics off: no port, and the services' "off" (-1) in the env.
     objects = helm.render(
-        "--set",
-        "controller.serviceMonitor.enabled=true",
-        "--api-versions",
-        "monitoring.coreos.com/v1/ServiceMonitor",
-    )
-    monitor = one(objects, "ServiceMonitor", _name("controller"))
+        "--set", "router.metricsPort=0",
+        "--set", "decode.metricsPort=0",
+        "--set", "prefill.metricsPort=9200",
+    )  # fmt: skip
+    expected: dict[str, int | None] = {"router": None, "decode": None, "prefill": 9200}
+    for component, want in expected.items():
+        (container,) = containers(one(objects, "Deployment", _name(component)))
+        assert [p["containerPort"] for p in container["ports"] if p["name"] == "metrics"] == (
+            [want] if want else []
+        )
+        assert env_of(container)["TANDEM_METRICS_PORT"] == str(want or -1)
+    ports = one(objects, "Service", _name("router"))["spec"]["ports"]
+    assert [p["name"] for p in ports] == ["grpc"]
+
+
+def test_monitors_are_off_by_default(helm: Helm) -> None:
+    objects = helm.render(*MONITOR_APIS)
+    assert find(objects, "ServiceMonitor") == [] and find(objects, "PodMonitor") == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "kind"),
+    [
+        ("controller.serviceMonitor.enabled=true", "ServiceMonitor"),
+        ("router.serviceMonitor.enabled=true", "ServiceMonitor"),
+        ("podMonitor.enabled=true", "PodMonitor"),
+    ],
+)
+def test_monitors_need_their_crd(helm: Helm, flag: str, kind: str) -> None:
+    with pytest.raises(HelmError, match=f"does not serve monitoring.coreos.com/v1 {kind}"):
+        helm.template("--set", flag)
+
+
+@pytest.mark.parametrize("component", ["controller", "router"])
+def test_service_monitor(helm: Helm, component: str) -> None:
+    objects = helm.render(
+        "--set", f"{component}.serviceMonitor.enabled=true",
+        "--set-json", f'{component}.serviceMonitor.labels={{"release": "kube-prometheus"}}',
+        "--set", f"{component}.serviceMonitor.scrapeTimeout=5s",
+        *MONITOR_APIS,
+    )  # fmt: skip
+    (monitor,) = find(objects, "ServiceMonitor")
+    assert monitor["metadata"]["name"] == _name(component)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    service = one(objects, "Service", _name("controller"))
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    service = one(objects, "Service", _name(component))
     assert (
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
-    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
-    assert {"name": "metrics", "port": 9090} in [
+    # The selector picks this component's Service and no other.
+    for other in find(objects, "Service"):
+        if other is not service:
+            labels = other["metadata"]["labels"].items()
+            assert not monitor["spec"]["selector"]["matchLabels"].items() <= labels
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "5s"}
+    ]
+    assert {"name": "metrics", "port": METRICS_PORTS[component]} in [
         {"name": p["name"], "port": p["port"]} for p in service["spec"]["ports"]
     ]
+    with pytest.raises(HelmError, match=f"needs {component}.metricsPort > 0"):
+        helm.template(
+            "--set", f"{component}.serviceMonitor.enabled=true",
+            "--set", f"{component}.metricsPort=0",
+            *MONITOR_APIS,
+        )  # fmt: skip
+
+
+def test_pod_monitor_selects_the_worker_pods(helm: Helm) -> None:
+    objects = helm.render("--set", "podMonitor.enabled=true", *MONITOR_APIS)
+    (monitor,) = find(objects, "PodMonitor")
+    assert monitor["metadata"]["name"] == _name("workers")
+    spec = monitor["spec"]
+    assert spec["podMetricsEndpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    ]
+    selector = spec["selector"]
+    (expression,) = selector["matchExpressions"]
+    for workload in _workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        selected = selector["matchLabels"].items() <= labels.items() and (
+            labels.get(expression["key"]) in expression["values"]
+        )
+        assert selected == (_component(workload) in ("prefill", "decode")), _component(workload)
+        if selected:
+            (container,) = containers(workload)
+            assert "metrics" in [p["name"] for p in container["ports"]]
+    with pytest.raises(HelmError, match="needs prefill.metricsPort > 0"):
+        helm.template("--set", "podMonitor.enabled=true", "--set", "prefill.metricsPort=0",
+                      *MONITOR_APIS)  # fmt: skip
+
+
+def test_monitors_on_pass_kubernetes_validate(helm: Helm) -> None:
+    # (helm 3.10's lint takes no --api-versions, so it cannot render the monitors: lint runs
+    # on the other variants in test_lint_strict.)
+    manifest = helm.template(*MONITORS_ON, *MONITOR_APIS)
+    objects = [o for o in yaml.safe_load_all(manifest) if o]
+    kinds = [o["kind"] for o in objects]
+    assert kinds.count("ServiceMonitor") == 2 and kinds.count("PodMonitor") == 1
+    proc = kubernetes_validate(manifest, "1.30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # kubernetes-validate has no schemas for the Prometheus Operator's CRDs: it skips those
+    # three with a warning and checks every other object.
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "WARN" in line]
+    assert len(warnings) == 3
+    assert all("monitoring.coreos.com/v1" in line for line in warnings), warnings
+    assert proc.stdout.count("passed for resource") == len(objects) - 3
 
 
 # -- credentials (values `auth`) -------------------------------------------------------------

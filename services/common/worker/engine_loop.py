@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from services.common.metrics import WorkerMetrics
 from tandem.engine.engine import LLMEngine, RequestOutput
 
 T = TypeVar("T")
@@ -63,9 +64,15 @@ OutputQueue = asyncio.Queue[RequestOutput | None]
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         self.engine = engine
         self.loop = loop
+        self.metrics = metrics  # step time, queue time, prefix-cache tokens (after each step)
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -162,6 +169,8 @@ class EngineLoop:
             self.last_step_s = time.perf_counter() - t0
             self.num_steps += 1
             self.meter.record(self.last_step_s, engine.num_tokens_computed - tokens_before)
+            if self.metrics is not None:
+                self.metrics.after_step(engine, self.last_step_s)
             if outputs:
                 self.loop.call_soon_threadsafe(self._dispatch, outputs)
 

@@ -11,11 +11,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from http.server import HTTPServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from services.common import convert
+from services.common import convert, tracing
 from services.common.errors import (
     already_exists,
     invalid_argument,
@@ -24,6 +25,7 @@ from services.common.errors import (
     unavailable,
 )
 from services.common.flags import parse_config
+from services.common.metrics import WorkerMetrics, start_metrics_server, stop_metrics_server
 from services.common.process import (
     configure_native_libraries,
     run_until_signal,
@@ -56,6 +58,8 @@ class WorkerConfig:
         engine: model, dtype, device, KV cache and scheduler (tandem.config.EngineConfig).
         worker_id: unique name (also the NIXL agent name); default role-pid.
         host, port: where the gRPC server listens (port 0: any free port).
+        metrics_port: Prometheus /metrics over HTTP on `host` (services.common.metrics); -1:
+            off, 0: any free port (logged).
         advertise_host: host put in the registry (default: host).
         redis_url: registry; empty = do not register (tests that dial workers directly).
         transport: KV transport, "nixl" or "local".
@@ -69,12 +73,15 @@ class WorkerConfig:
             ones get RESOURCE_EXHAUSTED with a retry hint (the router then tries later or
             elsewhere).
         auth: the internal plane's credentials (services.common.security.AuthConfig).
+        otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty:
+            the OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.tracing).
     """
 
     engine: EngineConfig
     worker_id: str = ""
     host: str = "127.0.0.1"
     port: int = 0
+    metrics_port: int = -1
     advertise_host: str = ""
     redis_url: str = ""
     transport: str = "nixl"
@@ -85,12 +92,15 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     max_queued_requests: int = 256
     auth: AuthConfig = field(default_factory=AuthConfig)
+    otlp_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.max_queued_requests <= 0:
             raise ValueError(
                 f"max_queued_requests must be positive, got {self.max_queued_requests}"
             )
+        if self.metrics_port < -1:
+            raise ValueError(f"metrics_port must be >= -1 (-1: off), got {self.metrics_port}")
         if self.transport not in TRANSPORT_KINDS:
             raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
         for name in ("lease_ttl_s", "kv_wait_s", "heartbeat_interval_s", "registry_ttl_s"):
@@ -115,6 +125,9 @@ class Worker:
                     dataclasses.replace(config.engine, role=self.role), progress=_load_progress()
                 )
         self.engine = engine
+        self.metrics = WorkerMetrics(self.role.value, self.engine.stats)
+        self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
+        self._metrics_server: HTTPServer | None = None
         with _phase(f"KV cache registered with the {config.transport} transport"):
             self.transport: KVTransport = make_transport(config.transport, self.worker_id)
             self.transport.register(self.engine.kv_cache)
@@ -162,7 +175,8 @@ class Worker:
         )
 
     async def start(self) -> None:
-        self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop())
+        tracing.setup_tracing(f"tandem-{self.role.value}", self.config.otlp_endpoint)
+        self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics)
         self.loop_runner.start()
         # Every worker RPC is internal (the router and other workers call them); health and
         # reflection stay open (the kubelet's gRPC probe sends no metadata).
@@ -198,6 +212,12 @@ class Worker:
             )
             await self._heartbeat.start()
         log.info("%s %s serving on %s", self.role.value, self.worker_id, self.address)
+        if self.config.metrics_port >= 0:
+            self._metrics_server, port = start_metrics_server(
+                self.config.host, self.config.metrics_port, self.metrics.registry
+            )
+            self.metrics_address = f"{self.config.host}:{port}"
+            log.info("%s metrics on http://%s/metrics", self.worker_id, self.metrics_address)
 
     async def drain_and_stop(self) -> None:
         """Stop admitting, let in-flight requests finish (bounded), deregister, stop."""
@@ -210,6 +230,8 @@ class Worker:
         await self.stop()
 
     async def stop(self) -> None:
+        stop_metrics_server(self._metrics_server)
+        self._metrics_server = None
         if self._publisher is not None:
             await self._publisher.stop()
         if self._index is not None:
@@ -282,6 +304,7 @@ class Worker:
     ) -> None:
         """Queue `spec` on the engine. Raises ServiceError(INVALID_ARGUMENT) when the engine
         refuses it (the message names the rule)."""
+        self.metrics.admitted(spec.request_id)  # queue time and prefix-cache tokens
         try:
             await self.loop.call(
                 lambda e: e.add_request(
