@@ -225,7 +225,7 @@ def markdown(r: dict[str, Any]) -> str:
     p = r["pooled"]
     where = (
         f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} CPUs, shared, load "
-        f"{m.get('loadavg_1_5_15', ['?'])[0]}; commit {m.get('git_commit', '?')}, "
+        f"{m.get('loadavg_1_5_15', [0.0])[0]:.1f}; commit {m.get('git_commit', '?')}, "
         f"{m.get('date', '?')}"
     )
     return f"""{SECTION}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from services.common import tracing
@@ -36,8 +36,14 @@ class Placer:
     """Chooses a (prefill, decode) pair per request. `place` never fails because the index
     is down: placement then uses load alone and `index_degraded` says so."""
 
-    def __init__(self, config: RouterConfig, model_id: str) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        model_id: str,
+        on_join: Callable[[WorkerInfo], None] | None = None,
+    ) -> None:
         self.config = config
+        self._on_join = on_join  # e.g. the router drops a connection from an earlier outage
         self.model_id = model_id
         self.inflight = InflightLoad()
         self.breakers = CircuitBreakers(config.breaker)
@@ -184,6 +190,8 @@ class Placer:
     def _on_workers_change(self, joined: list[WorkerInfo], left: list[str]) -> None:
         for w in joined:
             log.info("worker joined: %s (%s) at %s", w.worker_id, w.role, w.address)
+            if self._on_join is not None:
+                self._on_join(w)
         for worker_id in left:
             log.info("worker left: %s", worker_id)
             self.breakers.forget(worker_id)

@@ -68,7 +68,9 @@ class RouterServer(rgrpc.RouterServicer):
         self.max_prompt_chars = (
             _PROMPT_CHARS_SLACK * self.max_model_len * self.tokenizer.max_token_chars()
         )
-        self.placer = Placer(config, self.model_id)
+        # A worker (re)joining the registry gets a fresh connection: the old one may sit in
+        # reconnect backoff from the outage that took it out.
+        self.placer = Placer(config, self.model_id, lambda w: self._retire_channel(w.address))
         self.metrics = RouterMetrics()
         self.metrics.running.set_function(lambda: len(self._admitted))
         self.metrics.index_degraded.set_function(lambda: float(self.placer.index_degraded))

@@ -68,7 +68,7 @@ class Fleet:
                 "--redis-url", self.redis.url,
                 "--port", "0",
                 "--worker-refresh-s", "0.1",
-                "--keepalive-s", "0.5",
+                "--keepalive-s", "1.0",
                 "--disagg-min-uncached-tokens", "32",
                 *extra,
             ]  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import pytest
 import redis
 
 from services.common.redis.server import RedisServer
+from services.up import Cluster, UpConfig, wait_for_router
 
 
 @pytest.fixture(scope="session")
@@ -107,3 +109,33 @@ def procs() -> SimpleNamespace:
     """Start service processes: procs.worker(role, model_dir, redis_url, id, *flags),
     procs.router(model_dir, redis_url, *flags) -> (process, address); procs.stop(*p)."""
     return SimpleNamespace(spawn=spawn, worker=worker, router=router, stop=stop)
+
+
+@contextlib.contextmanager
+def up_cluster(model_dir: Path, run_dir: Path, **overrides: object) -> Iterator[Cluster]:
+    """A `tandem up` cluster (Redis, router, 1 prefill + 1 decode worker, router on a free
+    port) that has answered a request; stopped on exit. `overrides`: UpConfig fields."""
+    config = UpConfig(
+        model_dir=str(model_dir),
+        port=0,
+        kv_cache_bytes=KV_BYTES,
+        run_dir=str(run_dir),
+        **overrides,  # type: ignore[arg-type]
+    )
+    c = Cluster(config)
+    c.start()
+    try:
+        wait_for_router(c.router_address)
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """One `tandem up` cluster for tests that only read what it exports (metrics, a
+    Prometheus scraping it): they must not stop, kill or reconfigure its processes."""
+    with up_cluster(tiny_model_dir, tmp_path_factory.mktemp("shared-run")) as c:
+        yield c

@@ -8,42 +8,27 @@ from __future__ import annotations
 import shutil
 import subprocess
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import metric_names
-from services.up import Cluster, UpConfig, wait_for_router
+from services.up import Cluster
 from tandem.client import TandemClient
-from tandem.model.tiny import make_tiny_model
 
 KV_BYTES = 64 << 20
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("metrics") / "tiny", preset="tiny")
-    c = Cluster(
-        UpConfig(
-            model_dir=str(model_dir),
-            port=0,
-            kv_cache_bytes=KV_BYTES,
-            run_dir=str(tmp_path_factory.mktemp("run")),
-        )
-    )
-    c.start()
-    try:
-        wait_for_router(c.router_address)
-        with TandemClient(c.router_address) as client:
-            long = client.generate(list(range(5, 205)), max_tokens=8, ignore_eos=True)
-            short = client.generate([5, 6, 7], max_tokens=8, ignore_eos=True)
-        assert long.disaggregated and not short.disaggregated
-        yield c
-    finally:
-        c.stop()
+def cluster(shared_cluster: Cluster) -> Cluster:
+    """The shared cluster after one disaggregated and one colocated request."""
+    with TandemClient(shared_cluster.router_address) as client:
+        long = client.generate(list(range(5, 205)), max_tokens=8, ignore_eos=True)
+        short = client.generate([5, 6, 7], max_tokens=8, ignore_eos=True)
+    assert long.disaggregated and not short.disaggregated
+    return shared_cluster
 
 
 def scrape(address: str) -> str:

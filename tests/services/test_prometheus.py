@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.up import Cluster, UpConfig, wait_for_router
+from services.up import Cluster
 from tandem.client import TandemClient
-from tandem.model.tiny import make_tiny_model
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/helm/tandem/dashboards/tandem.json"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -106,22 +105,8 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("prom") / "tiny", preset="tiny")
-    c = Cluster(
-        UpConfig(
-            model_dir=str(model_dir),
-            port=0,
-            kv_cache_bytes=64 << 20,
-            run_dir=str(tmp_path_factory.mktemp("run")),
-        )
-    )
-    c.start()
-    try:
-        wait_for_router(c.router_address)
-        yield c
-    finally:
-        c.stop()
+def cluster(shared_cluster: Cluster) -> Cluster:
+    return shared_cluster
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,11 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tspb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsgrpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from services.up import Cluster, UpConfig, wait_for_router
+from services.up import Cluster
 from tandem.model.tiny import make_tiny_model
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
+from tests.services.conftest import up_cluster
 
 KV_BYTES = 64 << 20
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -104,20 +105,12 @@ def cluster(collector, tmp_path_factory) -> Iterator[Cluster]:
         # The children inherit these: the standard OpenTelemetry variables turn tracing on.
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: spans arrive quickly
-        c = Cluster(
-            UpConfig(
-                model_dir=str(model_dir),
-                port=0,
-                kv_cache_bytes=KV_BYTES,
-                run_dir=str(tmp_path_factory.mktemp("run")),
-            )
-        )
-        c.start()
+        cm = up_cluster(model_dir, tmp_path_factory.mktemp("run"))
+        c = cm.__enter__()  # started while the variables are set
     try:
-        wait_for_router(c.router_address)
         yield c
     finally:
-        c.stop()
+        cm.__exit__(None, None, None)
 
 
 def generate(cluster: Cluster, prompt: list[int], metadata: tuple = ()) -> rpb.Complete:
