@@ -50,6 +50,10 @@ def channel_options(keepalive_s: float = 1.0) -> list[tuple[str, int]]:
         ("grpc.http2.ping_timeout_ms", interval_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),  # 0: ping even when no data was sent
+        # Subchannels of its own: gRPC otherwise shares them between channels to the same
+        # address, so a fresh channel (for a worker back from an outage) would inherit the
+        # old connection's reconnect backoff.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 

@@ -112,5 +112,6 @@ def test_channel_options_name_the_keepalive_settings() -> None:
     assert options["grpc.http2.ping_timeout_ms"] == 500
     assert options["grpc.keepalive_permit_without_calls"] == 1
     assert options["grpc.http2.max_pings_without_data"] == 0
+    assert options["grpc.use_local_subchannel_pool"] == 1  # a new channel = new connections
     with pytest.raises(ValueError):
         channel_options(0.0)
