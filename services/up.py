@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -163,6 +164,12 @@ class Cluster:
     _policy: RestartPolicy | None = None
     _recovering: dict[str, _Recovery] = field(default_factory=dict)
     _supervisor: threading.Thread | None = None
+    # Starts the workers the controller adds. A child dies with the *thread* that started it
+    # (PR_SET_PDEATHSIG), and the controller's own threads end before the children are
+    # stopped: started from there, an added worker would be SIGKILLed instead of drained.
+    _spawner: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="spawner")
+    )
     _halt: threading.Event = field(default_factory=threading.Event)
     _released: threading.Event = field(default_factory=threading.Event)
     _failed: threading.Event = field(default_factory=threading.Event)
@@ -290,7 +297,8 @@ class Cluster:
         return len(self.workers(role))
 
     def add_worker(self, role: str) -> None:
-        child = self._spawn_worker(role)
+        """Start one more worker of `role` (from any thread: see `_spawner`)."""
+        child = self._spawner.submit(self._spawn_worker, role).result()
         print(f"started {child.name}", file=sys.stderr)
 
     def remove_worker(self, role: str) -> None:
@@ -428,6 +436,7 @@ class Cluster:
             # Only now may the supervisor thread end: PR_SET_PDEATHSIG fires when the *thread*
             # that started a child exits, and it started every restarted child.
             self._released.set()
+            self._spawner.shutdown(wait=False)
             supervisor = self._supervisor
             if supervisor is not None and supervisor is not threading.current_thread():
                 supervisor.join(timeout=10)

@@ -134,6 +134,27 @@ def test_a_killed_decode_worker_is_restarted_under_its_name_and_serves(cluster, 
     assert header in log and log.index(header) > 0, "the crashed process's log was truncated"
 
 
+def test_a_worker_added_from_a_passing_thread_outlives_it_and_drains(cluster, stderr):
+    """The controller adds workers from threads that end before the cluster stops; a child
+    tied to such a thread would be SIGKILLed with it instead of drained."""
+    starter = threading.Thread(target=cluster.add_worker, args=("decode",))
+    starter.start()
+    starter.join(60)
+    added = cluster.workers("decode")[-1]
+    assert added.name != "decode-0"
+    r = redis.Redis.from_url(cluster.redis_url)
+    try:
+        deadline = time.monotonic() + 60
+        while not r.exists(KEY_PREFIX + added.name):  # warmed up and registered
+            assert added.proc.poll() is None, f"{added.name} died: {added.proc.returncode}"
+            assert time.monotonic() < deadline, f"{added.name} never registered"
+            time.sleep(0.1)
+    finally:
+        r.close()
+    cluster.remove_worker("decode")  # the newest: SIGTERM, it drains and exits
+    assert added.proc.wait(timeout=60) == 0
+
+
 def test_a_killed_redis_comes_back_and_the_router_follows_the_new_one(cluster, stderr):
     url = cluster.redis_url
     old_pid = kill(cluster, "redis")
