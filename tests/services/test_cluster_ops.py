@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -18,6 +17,7 @@ import pytest
 
 from tandem.client import TandemClient, TandemError
 from tandem.model.tiny import make_tiny_model
+from tests.services.processes import alive, children_of
 
 KV_BYTES = 64 << 20
 GRPCURL = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
@@ -185,15 +185,15 @@ def test_tandem_up_serves_and_ctrl_c_leaves_no_process(model_dir, tmp_path):
         out = "".join(lines)
         assert "demo:" in out and "Tandem is serving" in out
         address = re.search(r"127\.0\.0\.1:\d+", out).group(0)  # type: ignore[union-attr]
-        children = _children(proc.pid)
+        children = children_of(proc.pid)
         assert len(children) >= 4  # redis, router, prefill, decode
         with TandemClient(address) as client:
             assert client.generate("hello", max_tokens=3).completion_tokens == 3
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         time.sleep(0.5)
-        alive = [pid for pid in children if _alive(pid)]
-        assert not alive, f"processes left behind: {alive}"
+        left_behind = [pid for pid in children if alive(pid)]
+        assert not left_behind, f"processes left behind: {left_behind}"
     finally:
         if proc.poll() is None:  # a failed assertion must not leave a cluster running
             proc.send_signal(signal.SIGINT)
@@ -201,24 +201,3 @@ def test_tandem_up_serves_and_ctrl_c_leaves_no_process(model_dir, tmp_path):
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from services.common.security import AuthConfig, internal_metadata
-from services.up import Cluster, UpConfig, wait_for_router
+from services.up import Cluster
 from tandem.client import AsyncTandemClient, TandemClient, TandemError
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
@@ -28,8 +28,7 @@ from tandem.model.tiny import make_tiny_model
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
-
-KV_BYTES = 64 << 20
+from tests.services.conftest import KV_BYTES, up_cluster
 
 
 @pytest.fixture(scope="module")
@@ -39,20 +38,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory) -> Iterator[Cluster]:
-    c = Cluster(
-        UpConfig(
-            model_dir=str(model_dir),
-            port=0,
-            kv_cache_bytes=KV_BYTES,
-            run_dir=str(tmp_path_factory.mktemp("run")),
-        )
-    )
-    c.start()
-    try:
-        wait_for_router(c.router_address)
+    with up_cluster(model_dir, tmp_path_factory.mktemp("run")) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

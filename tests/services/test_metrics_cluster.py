@@ -17,7 +17,6 @@ from services.common.metrics import metric_names
 from services.up import Cluster
 from tandem.client import TandemClient
 
-KV_BYTES = 64 << 20
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 

@@ -24,7 +24,6 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tests.services.conftest import up_cluster
 
-KV_BYTES = 64 << 20
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 WAIT_S = 30.0

@@ -22,34 +22,26 @@ import pytest
 import redis
 
 from services.common.redis.worker_info import KEY_PREFIX
-from services.up import Child, Cluster, UpConfig, wait_for_router
+from services.up import Child, Cluster
 from tandem.client import Result, TandemClient, TandemError
+from tests.services.conftest import KV_BYTES, up_cluster
+from tests.services.processes import alive, children_of
 
-KV_BYTES = 64 << 20
 WAIT_S = 60.0
 MAX_RESTARTS = 2
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(
-        UpConfig(
-            model_dir=str(tiny_model_dir),
-            port=0,
-            kv_cache_bytes=KV_BYTES,
-            run_dir=str(tmp_path_factory.mktemp("run")),
-            restart_backoff_s=0.1,
-            restart_max_backoff_s=0.2,
-            max_restarts=MAX_RESTARTS,
-            restart_window_s=600.0,
-        )
-    )
-    c.start()
-    try:
-        wait_for_router(c.router_address)
+    with up_cluster(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("run"),
+        restart_backoff_s=0.1,
+        restart_max_backoff_s=0.2,
+        max_restarts=MAX_RESTARTS,
+        restart_window_s=600.0,
+    ) as c:
         yield c
-    finally:
-        c.stop()
 
 
 class Stderr:
@@ -255,7 +247,7 @@ class TandemUp:
             time.sleep(0.1)
 
     def child(self, module: bytes) -> int:
-        [pid] = [p for p in _children(self.proc.pid) if module in _cmdline(p)]
+        [pid] = [p for p in children_of(self.proc.pid) if module in _cmdline(p)]
         return pid
 
     def close(self) -> None:
@@ -279,14 +271,14 @@ def test_tandem_up_restarts_then_ctrl_c_stops_all_without_restarts(tiny_model_di
                 r"\(restart 1\)\ndecode-0 back \(pid (\d+)\)"
             ).group(1)
         )
-        children = _children(up.proc.pid)
+        children = children_of(up.proc.pid)
         assert new_pid in children and old_pid not in children
         os.killpg(up.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole foreground group
         assert up.proc.wait(timeout=WAIT_S) == 0, "".join(up.err)
         up.wait_err(r"stopping \.\.\.\nstopped\n")
         assert "".join(up.err).count("restarting") == 1, "".join(up.err)
         time.sleep(0.5)
-        assert not [pid for pid in children if _alive(pid)], "processes left behind"
+        assert not [pid for pid in children if alive(pid)], "processes left behind"
     finally:
         up.close()
 
@@ -296,7 +288,7 @@ def test_tandem_up_exits_1_when_it_gives_up(tiny_model_dir: Path) -> None:
     try:
         up.serving()
         redis_pid = up.child(b"services.common.redis.server")
-        children = _children(up.proc.pid)
+        children = children_of(up.proc.pid)
         os.kill(redis_pid, signal.SIGKILL)
         assert up.proc.wait(timeout=WAIT_S) == 1, "".join(up.err)
         up.wait_err(
@@ -306,30 +298,9 @@ def test_tandem_up_exits_1_when_it_gives_up(tiny_model_dir: Path) -> None:
         )
         assert "restarting" not in "".join(up.err)
         time.sleep(0.5)
-        assert not [pid for pid in children if _alive(pid)], "processes left behind"
+        assert not [pid for pid in children if alive(pid)], "processes left behind"
     finally:
         up.close()
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _cmdline(pid: int) -> bytes:
