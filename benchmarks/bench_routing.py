@@ -402,6 +402,7 @@ def run_policy(
         UpConfig(
             model_dir=str(MODEL_DIR),
             port=0,
+            http_port=0,
             num_prefill=2,
             num_decode=1,
             run_dir=str(log_dir),

@@ -514,6 +514,7 @@ def bench_disagg(model_dir: Path, sizes: Sizes, log_dir: Path) -> dict[str, Any]
         DISAGG: UpConfig(
             model_dir=str(model_dir),
             port=0,
+            http_port=0,
             num_prefill=1,
             num_decode=1,
             transport="nixl",
@@ -523,6 +524,7 @@ def bench_disagg(model_dir: Path, sizes: Sizes, log_dir: Path) -> dict[str, Any]
         COLOC: UpConfig(
             model_dir=str(model_dir),
             port=0,
+            http_port=0,
             num_prefill=0,
             num_decode=2,
             transport="nixl",

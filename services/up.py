@@ -74,6 +74,7 @@ class UpConfig:
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000  # the router's OpenAI HTTP API; 0: a free port; -1: off
     num_prefill: int = 1
     num_decode: int = 1
     transport: str = "nixl"
@@ -146,6 +147,7 @@ class Cluster:
     children: list[Child] = field(default_factory=list)
     redis_url: str = ""  # holds the Redis password: never print it (redact_url)
     router_address: str = ""
+    http_address: str = ""  # host:port of the OpenAI HTTP API ("" when off)
     controller_address: str = ""
     run_dir: Path = Path()
     cluster_secret_file: Path = Path()
@@ -228,6 +230,11 @@ class Cluster:
         ]
         for child in started:
             self._wait_ready(child, "READY")
+        http_args = []
+        if cfg.http_port >= 0:
+            # Fixed here, not by the router: a restarted router comes back on the same port.
+            self.http_address = f"{cfg.host}:{cfg.http_port or _free_port(cfg.host)}"
+            http_args = ["--http-port", self.http_address.rsplit(":", 1)[1]]
         router = self._spawn(
             "router",
             [
@@ -243,6 +250,7 @@ class Cluster:
                 "--disagg-min-uncached-tokens",
                 str(cfg.disagg_min_uncached_tokens),
                 *key_args,
+                *http_args,
                 *self._metrics_args(),
             ],
             "READY",

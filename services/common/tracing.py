@@ -96,7 +96,13 @@ def enabled() -> bool:
     return _provider is not None
 
 
-def remote_parent(context: grpc.aio.ServicerContext) -> otel_context.Context | None:
+class MetadataCarrier(Protocol):
+    """A call's incoming metadata (grpc.aio.ServicerContext, or the HTTP API's headers)."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
+
+
+def remote_parent(context: MetadataCarrier) -> otel_context.Context | None:
     """The caller's trace context from the call's metadata; None when tracing is off or the
     call carries none (the span then starts a trace)."""
     if _provider is None:

@@ -19,6 +19,9 @@ class RouterConfig:
     model_dir: the served model (the router reads its tokenizer and config only).
     model_id: name clients use; default: the directory name.
     host, port: where the public gRPC API listens.
+    http_port: the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+        /v1/models, /health; services.router.openai_http) on `host`, with the same keys and
+        TLS as the gRPC API; -1: off, 0: any free port (logged).
     metrics_port: Prometheus /metrics over HTTP on `host` (services.common.metrics); -1: off,
         0: any free port (logged).
     redis_url: worker registry and prefix index. Empty: use the static address lists.
@@ -55,6 +58,7 @@ class RouterConfig:
     model_id: str = ""
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = -1
     metrics_port: int = -1
     redis_url: str = ""
     prefill_addresses: tuple[str, ...] = ()
@@ -79,6 +83,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
             raise ValueError(f"max_inflight must be positive, got {self.max_inflight}")
+        if self.http_port < -1:
+            raise ValueError(f"http_port must be >= -1 (-1: off), got {self.http_port}")
         if self.metrics_port < -1:
             raise ValueError(f"metrics_port must be >= -1 (-1: off), got {self.metrics_port}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

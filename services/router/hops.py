@@ -19,8 +19,9 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -47,6 +48,15 @@ _WORKER_FAULTS = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
+
+
+class CallContext(Protocol):
+    """What handling a request needs of its call: a grpc.aio.ServicerContext has both; the
+    HTTP API (services.router.http) passes its own."""
+
+    def time_remaining(self) -> float | None: ...
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
 
 
 def worker_request_id(request_id: str) -> str:
@@ -132,7 +142,7 @@ class Hops:
         self.min_reprefill_tokens = min_reprefill_tokens
 
     async def run(
-        self, call: Call, context: grpc.aio.ServicerContext
+        self, call: Call, context: CallContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
         """The client's messages. Raises ServiceError when the request cannot finish."""
         while True:
@@ -151,7 +161,7 @@ class Hops:
     # -- hops ------------------------------------------------------------------------------
 
     async def _prefill(
-        self, call: Call, context: grpc.aio.ServicerContext
+        self, call: Call, context: CallContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
         worker = call.placement.prefill
         assert worker is not None
@@ -196,7 +206,7 @@ class Hops:
         call.kv = resp.kv
 
     async def _decode(
-        self, call: Call, context: grpc.aio.ServicerContext
+        self, call: Call, context: CallContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
         worker = call.placement.decode
         rid = call.public_id
@@ -272,7 +282,7 @@ class Hops:
         exc: grpc.aio.AioRpcError,
         fault: Fault,
         worker_id: str,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
     ) -> Exception:
         """A failed worker call as HopFailed (a worker fault: recover) or ServiceError (the
         request's own outcome, or a cancel by Abort, which the caller handles)."""

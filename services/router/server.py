@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from http.server import HTTPServer
 from pathlib import Path
@@ -28,7 +28,8 @@ from services.common.process import channel_options, start_grpc_server
 from services.common.redis.request_ids import RequestIds
 from services.common.redis.request_log import RequestLog
 from services.router.config import RouterConfig
-from services.router.hops import Call, Hops, worker_request_id
+from services.router.hops import Call, CallContext, Hops, worker_request_id
+from services.router.openai_http import OpenAIServer
 from services.router.placer import Placer
 from tandem.control import RequestSample
 from tandem.engine.request import RequestSpec, check_prompt
@@ -91,6 +92,7 @@ class RouterServer(rgrpc.RouterServicer):
             metrics=self.metrics,
         )
         self.server: grpc.aio.Server | None = None
+        self.http: OpenAIServer | None = None  # the OpenAI HTTP API, when http_port >= 0
         self.health = health.aio.HealthServicer()
         self.address = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -145,6 +147,11 @@ class RouterServer(rgrpc.RouterServicer):
         self.address = f"{self.config.host}:{port}"
         scheme = "TLS" if credentials else "plaintext"
         log.info("router serving %s on %s (%s)", self.model_id, self.address, scheme)
+        if self.config.http_port >= 0:
+            self.http = OpenAIServer(self, keyring)
+            cfg = self.config
+            await self.http.start(cfg.host, cfg.http_port, cfg.tls_cert_file, cfg.tls_key_file)
+            log.info("router OpenAI API on %s://%s/v1", self.http.scheme, self.http.address)
         if self.config.metrics_port >= 0:
             self._start_metrics()
 
@@ -163,6 +170,8 @@ class RouterServer(rgrpc.RouterServicer):
             await asyncio.sleep(self.config.worker_refresh_s)
 
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         stop_metrics_server(self._metrics_server)
         self._metrics_server = None
         if self.server is not None:
@@ -302,12 +311,21 @@ class RouterServer(rgrpc.RouterServicer):
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
+        async for response in self.generate(request, context, self._tenant()):
+            yield response
+
+    async def generate(
+        self, request: rpb.GenerateRequest, context: CallContext, tenant: str
+    ) -> AsyncGenerator[rpb.GenerateResponse, None]:
+        """One request of `tenant`, from admission to its last message: the gRPC API and the
+        HTTP API (services.router.http) both serve through here. Raises ServiceError (after an
+        in-stream Error message once the stream has started); cancelling the iteration (a
+        client gone) aborts the request on both workers."""
         t_start = time.perf_counter()
         label = request.request_id
         if label:
             check_request_id(label)
         server_id = uuid.uuid4().hex  # the request's id on the workers and in logs
-        tenant = self._tenant()
         rid = label or server_id  # what the client calls it
         key = (tenant, rid)
         try:

@@ -47,6 +47,7 @@ def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
         UpConfig(
             model_dir=str(small_model_dir),
             port=0,
+            http_port=0,
             num_prefill=1,
             num_decode=1,
             autoscale=True,

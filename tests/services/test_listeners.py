@@ -299,6 +299,7 @@ def test_tandem_up_with_api_keys(tiny_model_dir: Path, tmp_path: Path) -> None:
         UpConfig(
             model_dir=str(tiny_model_dir),
             port=0,
+            http_port=0,
             num_prefill=0,
             kv_cache_bytes=KV_BYTES,
             run_dir=str(tmp_path),

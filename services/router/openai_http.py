@@ -1,0 +1,333 @@
+"""The router's OpenAI-compatible HTTP API (FastAPI on uvicorn, in the router's event loop).
+
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. A request goes
+through RouterServer.generate exactly as a gRPC Generate does: the same admission, limits,
+placement, recovery, metrics and tenants (API keys from the same KeyRing, in
+`Authorization: Bearer`). The rules (bodies, answers, error objects) are pure code in
+services.router.openai_protocol; this module does the I/O:
+
+- errors before the first token are HTTP statuses (400/401/403/404/409/429/503/504) with
+  OpenAI's error object and Retry-After on pushback; a failure mid-stream is an SSE `error`
+  event (the status line has gone);
+- a client that disconnects, streaming or not, cancels the request, which aborts it on both
+  workers;
+- `X-Request-Id` is the request's label (Abort, duplicate detection), echoed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from services.common import security, tracing
+from services.common.errors import ServiceError
+from services.router import openai_protocol as oai
+from tandem.v1 import router_pb2 as rpb
+
+if TYPE_CHECKING:
+    from services.router.server import RouterServer
+
+log = logging.getLogger(__name__)
+# A request body larger than this is refused (413) before it is read into memory; the router
+# then refuses prompts that cannot fit the model by their length.
+MAX_BODY_BYTES = 32 << 20
+SCOPE = "generate"  # the API key scope the HTTP API needs, as gRPC Generate does
+
+
+class HttpCallContext:
+    """RouterServer.generate's view of an HTTP call (hops.CallContext): no deadline, and the
+    W3C trace headers a caller sent."""
+
+    def __init__(self, headers: Any) -> None:
+        self._metadata = [(k, headers[k]) for k in tracing.TRACE_HEADERS if k in headers]
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]]:
+        return self._metadata
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn inside a process that handles its own signals (run_until_signal)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class OpenAIServer:
+    """The HTTP API of one RouterServer."""
+
+    def __init__(self, router: RouterServer, keyring: security.KeyRing | None) -> None:
+        self.router = router
+        self.keyring = keyring
+        self.address = ""
+        self.scheme = "http"
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._created = int(time.time())
+        self.app = self._build_app()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int, cert_file: str = "", key_file: str = "") -> None:
+        """Listen on host:port (0: any free port; `address` says which)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family)
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+            ssl_certfile=cert_file or None,
+            ssl_keyfile=key_file or None,
+        )
+        self._server = _Uvicorn(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.01)
+        self.scheme = "https" if cert_file else "http"
+        self.address = f"{host}:{sock.getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+        self._server = self._task = None
+
+    # -- the app ---------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/v1/models", self._models, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+        app.add_api_route("/v1/completions", self._completions, methods=["POST"])
+        return app
+
+    async def _health(self) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._principal(request)
+        except oai.ApiError as error:
+            return _error_response(error)
+        router = self.router
+        return JSONResponse(oai.models(router.model_id, router.max_model_len, self._created))
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        """Validate, then answer whole or as a stream; a client gone cancels the request."""
+        try:
+            principal = self._principal(request)
+            body = await _read_json(request)
+            parse = oai.parse_chat if chat else oai.parse_completion
+            router = self.router
+            parsed = parse(body, router.model_id, router.max_model_len)
+        except oai.ApiError as error:
+            return _error_response(error)
+        label = request.headers.get("x-request-id", "")
+        parsed.request.request_id = label
+        tenant = principal.tenant if principal is not None else ""
+        prefix = "chatcmpl" if chat else "cmpl"
+        answer = oai.Answer(
+            f"{prefix}-{uuid.uuid4().hex}", self.router.model_id, chat, parsed, self._token_text
+        )
+        if parsed.user:
+            log.info("request %s: user %r", answer.id, parsed.user)
+        messages = self.router.generate(parsed.request, HttpCallContext(request.headers), tenant)
+        headers = {"x-request-id": label or answer.id}
+        # Until the first message (admission, validation, placement, TTFT) errors are
+        # statuses; the client leaving meanwhile cancels the request.
+        first = await _unless_disconnected(request, _first(messages))
+        if first is None:
+            await messages.aclose()
+            return Response(status_code=499)
+        if isinstance(first, oai.ApiError):
+            return _error_response(first, headers)
+        if parsed.stream:
+            events = _events(answer, first, messages)
+            return _EventStream(events, headers)
+        whole = await _unless_disconnected(request, _collect(answer, first, messages))
+        if whole is None:
+            await messages.aclose()
+            return Response(status_code=499)
+        if isinstance(whole, oai.ApiError):
+            return _error_response(whole, headers)
+        return JSONResponse(whole, headers=headers)
+
+    def _principal(self, request: Request) -> security.Principal | None:
+        """The caller's key, checked as gRPC checks it (Bearer "generate"); None without keys."""
+        if self.keyring is None:
+            return None
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        token = token.strip()
+        principal = self.keyring.lookup(token) if scheme.lower() == "bearer" and token else None
+        if principal is None:
+            raise oai.from_status(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+        if SCOPE not in principal.scopes:
+            message = f"key {principal.key_id} lacks scope {SCOPE}"
+            raise oai.from_status(grpc.StatusCode.PERMISSION_DENIED, message)
+        return principal
+
+    def _token_text(self, token_id: int) -> str:
+        return self.router.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+Messages = AsyncGenerator[rpb.GenerateResponse, None]
+
+
+async def _read_json(request: Request) -> Any:
+    """The body as JSON, at most MAX_BODY_BYTES. Raises ApiError (400, 413)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise oai.ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise oai.invalid("body", f"not valid JSON ({exc})") from None
+
+
+async def _next(messages: Messages) -> rpb.GenerateResponse | None:
+    """The next chunk or completion (in-stream Error messages are skipped: the ServiceError
+    raised right after carries the same status); None at the end."""
+    async for message in messages:
+        if message.WhichOneof("kind") != "error":
+            return message
+    return None
+
+
+async def _first(messages: Messages) -> rpb.GenerateResponse | oai.ApiError:
+    try:
+        message = await _next(messages)
+    except ServiceError as error:
+        return oai.from_status(error.code, error.message, error.retry_after_ms)
+    if message is None:
+        return oai.from_status(grpc.StatusCode.INTERNAL, "the request ended without an answer")
+    return message
+
+
+async def _collect(
+    answer: oai.Answer, message: rpb.GenerateResponse | None, messages: Messages
+) -> dict[str, Any] | oai.ApiError:
+    """The whole answer of a non-streaming request."""
+    try:
+        while message is not None:
+            if message.WhichOneof("kind") == "complete":
+                return answer.whole(message.complete)
+            answer.chunk(message.chunk)
+            message = await _next(messages)
+    except ServiceError as error:
+        return oai.from_status(error.code, error.message, error.retry_after_ms)
+    return oai.from_status(grpc.StatusCode.INTERNAL, "the request ended without completing")
+
+
+async def _events(
+    answer: oai.Answer, message: rpb.GenerateResponse | None, messages: Messages
+) -> AsyncGenerator[bytes, None]:
+    """Server-sent events: OpenAI's chunks, the usage chunk if asked for, `[DONE]`; a
+    failure mid-stream is one `error` event."""
+    try:
+        if answer.chat:
+            yield _sse(answer.first())
+        while message is not None:
+            if message.WhichOneof("kind") == "complete":
+                yield _sse(answer.last(message.complete))
+                if answer.parsed.include_usage:
+                    yield _sse(answer.usage_chunk(message.complete))
+                break
+            yield _sse(answer.chunk(message.chunk))
+            message = await _next(messages)
+        yield b"data: [DONE]\n\n"
+    except ServiceError as error:
+        yield _sse(oai.from_status(error.code, error.message, error.retry_after_ms).body())
+    finally:
+        await messages.aclose()  # a client gone: the request is aborted on both workers
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or None (work cancelled) when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """A text/event-stream response that stops (and closes its iterator, aborting the
+    request) as soon as the client disconnects, whatever the ASGI server's spec version."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+        headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        super().__init__(events, headers=headers, media_type="text/event-stream")
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        task = asyncio.ensure_future(stream())
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await task
+        finally:
+            watch.cancel()
+            await self.events.aclose()
+
+
+def _error_response(error: oai.ApiError, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse(error.body(), error.status, headers={**(headers or {}), **error.headers()})

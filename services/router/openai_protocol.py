@@ -1,0 +1,452 @@
+"""The OpenAI HTTP API's rules, as pure code: request bodies -> GenerateRequest, the router's
+GenerateResponse messages -> OpenAI JSON objects, ServiceError -> OpenAI error objects.
+
+No I/O here (services.router.openai_http serves it). Every refusal is an `ApiError` naming the
+field, so a client sees a 400 it can act on rather than a 422 listing validator internals.
+Extensions beyond OpenAI's fields (vLLM's names): top_k, min_p, repetition_penalty,
+ignore_eos, stop_token_ids.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tandem.v1 import router_pb2 as rpb
+
+JSON = dict[str, Any]
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs limit in OpenAI's API
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs limit
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_FINISH = {
+    rpb.FINISH_REASON_STOP: "stop",
+    rpb.FINISH_REASON_LENGTH: "length",
+    rpb.FINISH_REASON_ABORT: "abort",
+}
+# gRPC status -> (HTTP status, OpenAI error type, OpenAI error code).
+_HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.CANCELLED: (499, "invalid_request_error", "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "timeout"),
+}
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_ms: int = 0,
+    ) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.retry_after_ms = retry_after_ms
+
+    def body(self) -> JSON:
+        error = {"message": self.message, "type": self.type, "param": self.param}
+        return {"error": {**error, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        """Pushback the openai client honours (retry-after-ms first, then retry-after)."""
+        if not self.retry_after_ms:
+            return {}
+        seconds = max(1, math.ceil(self.retry_after_ms / 1e3))
+        return {"retry-after-ms": str(self.retry_after_ms), "retry-after": str(seconds)}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def from_status(code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> ApiError:
+    """The HTTP face of a gRPC status the router raised (anything unlisted: 500)."""
+    status, type_, error_code = _HTTP_ERRORS.get(code, (500, "server_error", None))
+    return ApiError(status, message, type_, None, error_code, retry_after_ms)
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A request body as the router takes it, and how to answer it.
+
+    logprobs: per-token logprobs wanted; top_logprobs: how many alternatives per token.
+    """
+
+    request: rpb.GenerateRequest
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    user: str = ""
+
+
+def parse_chat(body: Any, model_id: str, default_max_tokens: int) -> ParsedRequest:
+    """POST /v1/chat/completions. Raises ApiError."""
+    body = _object(body)
+    _refuse_unsupported(body)
+    request = rpb.GenerateRequest(model=_model(body, model_id))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        role, content = _message(message, f"messages[{i}]")
+        request.chat.messages.add(role=role, content=content)
+    if "add_generation_prompt" in body:
+        request.chat.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    max_tokens = _int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1)
+    _sampling(request.sampling, body, max_tokens or default_max_tokens)
+    if logprobs:
+        request.sampling.logprobs = top
+    return _parsed(body, request, logprobs, top)
+
+
+def parse_completion(body: Any, model_id: str, default_max_tokens: int) -> ParsedRequest:
+    """POST /v1/completions (the legacy text API). Raises ApiError."""
+    body = _object(body)
+    _refuse_unsupported(body)
+    if _bool(body, "echo", False):
+        raise invalid("echo", "echo is not supported")
+    if body.get("suffix") not in (None, ""):
+        raise invalid("suffix", "suffix (insertion) is not supported")
+    best_of = _int(body, "best_of", 1, 1)
+    if best_of != 1:
+        raise invalid("best_of", f"only 1 is supported, got {best_of}")
+    request = rpb.GenerateRequest(model=_model(body, model_id))
+    prompt = body.get("prompt")
+    # One prompt per request: a string, [string], a list of token ids, or [[ids]].
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "must not be empty")
+        request.text = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        request.token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise invalid("prompt", f"one prompt per request is supported, got {len(prompt)}")
+    else:
+        raise invalid("prompt", "must be a non-empty string or a list of token ids")
+    top = _int(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    _sampling(request.sampling, body, _int(body, "max_tokens", None, 1) or default_max_tokens)
+    if top is not None:
+        request.sampling.logprobs = top
+    return _parsed(body, request, top is not None, top or 0)
+
+
+def _parsed(body: JSON, request: rpb.GenerateRequest, logprobs: bool, top: int) -> ParsedRequest:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "only allowed when stream is true")
+        include_usage = _bool(_object(options, "stream_options"), "include_usage", False)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", f"must be a string, got {_kind(user)}")
+    return ParsedRequest(request, stream, include_usage, logprobs, top, user or "")
+
+
+def _refuse_unsupported(body: JSON) -> None:
+    """Fields that would change the answer and that Tandem cannot honour: refused, never
+    silently ignored."""
+    n = _int(body, "n", 1, 1)
+    if n != 1:
+        raise invalid("n", f"one choice per request is supported, got {n}; send n requests")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise invalid(name, "tool and function calling are not supported")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise invalid(name, "tool and function calling are not supported")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise invalid("response_format", 'only {"type": "text"} is supported')
+    if body.get("logit_bias"):
+        raise invalid("logit_bias", "logit_bias is not supported")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise invalid("modalities", 'only ["text"] is supported')
+
+
+def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
+    msg.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        value = _float(body, name)
+        if value is not None:
+            setattr(msg, name, value)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _float(body, name)
+        if value is not None:
+            setattr(msg, name, value)
+    seed = _int(body, "seed", None)
+    if seed is not None:
+        msg.seed = seed % 2**64  # OpenAI takes any int64; the engine a uint64
+    top_k = _int(body, "top_k", None)
+    if top_k is not None and top_k > 0:  # vLLM's "-1 = off" is also off here
+        msg.top_k = top_k
+    if "ignore_eos" in body:
+        msg.ignore_eos = _bool(body, "ignore_eos", False)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise invalid("stop", "must be a non-empty string or a list of them")
+        msg.stop.extend(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise invalid("stop_token_ids", "must be a list of token ids")
+        msg.stop_token_ids.extend(ids)
+
+
+def _message(message: Any, where: str) -> tuple[str, str]:
+    message = _object(message, where)
+    role = message.get("role")
+    if role not in _CHAT_ROLES:
+        roles = ", ".join(sorted(_CHAT_ROLES))
+        raise invalid(f"{where}.role", f"must be one of {roles}, got {role!r}")
+    if message.get("tool_calls"):
+        raise invalid(f"{where}.tool_calls", "tool calling is not supported")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for j, part in enumerate(content):
+            part = _object(part, f"{where}.content[{j}]")
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(
+                    f"{where}.content[{j}]",
+                    f"only text parts are supported, got type {part.get('type')!r}",
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise invalid(f"{where}.content", f"must be a string or text parts, got {_kind(content)}")
+    # Templates know system; OpenAI's newer "developer" role is the same instruction slot.
+    return ("system" if role == "developer" else role), content
+
+
+def _model(body: JSON, model_id: str) -> str:
+    model = body.get("model")
+    if model in (None, ""):
+        return ""  # the router's only model
+    if not isinstance(model, str):
+        raise invalid("model", f"must be a string, got {_kind(model)}")
+    if model != model_id:
+        raise ApiError(
+            404,
+            f"The model {model!r} does not exist; this server serves {model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    return model
+
+
+def _object(value: Any, where: str = "body") -> JSON:
+    if not isinstance(value, dict):
+        raise invalid(where, f"must be a JSON object, got {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
+    return "null" if value is None else names.get(type(value), "object")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bool(body: JSON, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, f"must be a boolean, got {_kind(value)}")
+    return value
+
+
+def _int(body: JSON, name: str, default: Any, lo: int | None = None, hi: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise invalid(name, f"must be an integer, got {_kind(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise invalid(name, f"must be {bounds}, got {value}")
+    return value
+
+
+def _float(body: JSON, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise invalid(name, f"must be a finite number, got {_kind(value)}")
+    return float(value)
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+def usage(u: rpb.Usage) -> JSON:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
+
+
+def finish_reason(reason: int) -> str:
+    return _FINISH.get(reason, "stop")  # type: ignore[call-overload]
+
+
+@dataclass(slots=True)
+class Answer:
+    """Builds one request's OpenAI objects from the router's messages, in either shape.
+
+    `token_text(id)` is the text of one token (for logprobs). `chat` selects
+    chat.completion[.chunk] objects, else text_completion.
+    """
+
+    id: str
+    model: str
+    chat: bool
+    parsed: ParsedRequest
+    token_text: Callable[[int], str]
+    created: int = field(default_factory=lambda: int(time.time()))
+    text: list[str] = field(default_factory=list)
+    logprobs: list[rpb.TokenLogprob] = field(default_factory=list)
+    chars: int = 0  # text so far (completions' text_offset)
+
+    def chunk(self, chunk: rpb.Chunk) -> JSON:
+        """A streamed chunk (and the text and logprobs kept for a whole answer)."""
+        self.text.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs)
+        logprobs = self._logprobs(chunk.logprobs, chunk.text) if self.parsed.logprobs else None
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": chunk.text}}
+            return self._envelope([{**choice, "logprobs": logprobs, "finish_reason": None}])
+        choice = {"index": 0, "text": chunk.text}
+        return self._envelope([{**choice, "logprobs": logprobs, "finish_reason": None}])
+
+    def first(self) -> JSON:
+        """Chat streams open with the assistant role (OpenAI's first chunk)."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+        return self._envelope([{**choice, "logprobs": None, "finish_reason": None}])
+
+    def last(self, complete: rpb.Complete) -> JSON:
+        """The stream's closing chunk: no content, the finish reason."""
+        reason = finish_reason(complete.finish_reason)
+        key, empty = ("delta", {}) if self.chat else ("text", "")
+        return self._envelope([{"index": 0, key: empty, "logprobs": None, "finish_reason": reason}])
+
+    def usage_chunk(self, complete: rpb.Complete) -> JSON:
+        """stream_options.include_usage: a last chunk with no choices and the usage."""
+        return {**self._envelope([]), "usage": usage(complete.usage)}
+
+    def whole(self, complete: rpb.Complete) -> JSON:
+        """The non-streaming answer, from every chunk seen."""
+        text = "".join(self.text)
+        logprobs = self._logprobs(self.logprobs, text, 0) if self.parsed.logprobs else None
+        reason = finish_reason(complete.finish_reason)
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": logprobs}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs}
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [{**choice, "finish_reason": reason}],
+            "usage": usage(complete.usage),
+        }
+
+    def _envelope(self, choices: list[JSON]) -> JSON:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        env: JSON = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.parsed.include_usage:
+            env["usage"] = None
+        return env
+
+    def _logprobs(
+        self, entries: Sequence[rpb.TokenLogprob], text: str, offset: int | None = None
+    ) -> JSON:
+        if self.chat:
+            return {"content": [self._chat_logprob(e) for e in entries]}
+        if offset is None:
+            offset = self.chars
+            self.chars += len(text)
+        return self._completion_logprobs(entries, offset)
+
+    def _chat_logprob(self, entry: rpb.TokenLogprob) -> JSON:
+        top = [_token_entry(self.token_text(t.token_id), t.logprob) for t in entry.top]
+        return {**_token_entry(self.token_text(entry.token_id), entry.logprob), "top_logprobs": top}
+
+    def _completion_logprobs(self, entries: Sequence[rpb.TokenLogprob], offset: int) -> JSON:
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        tops: list[Mapping[str, float] | None] = [
+            {self.token_text(t.token_id): t.logprob for t in e.top} if e.top else None
+            for e in entries
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+def _token_entry(text: str, logprob: float) -> JSON:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def models(model_id: str, max_model_len: int, created: int) -> JSON:
+    """GET /v1/models."""
+    model = {"id": model_id, "object": "model", "created": created, "owned_by": "tandem"}
+    return {"object": "list", "data": [{**model, "max_model_len": max_model_len}]}
