@@ -30,6 +30,7 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from services.common import security, tracing
@@ -121,6 +122,8 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self._models, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
         app.add_api_route("/v1/completions", self._completions, methods=["POST"])
+        app.add_exception_handler(StarletteHTTPException, _http_exception)
+        app.add_exception_handler(Exception, _unexpected)
         return app
 
     async def _health(self) -> Response:
@@ -327,6 +330,19 @@ class _EventStream(StreamingResponse):
         finally:
             watch.cancel()
             await self.events.aclose()
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Unknown paths and methods (404, 405) in OpenAI's error shape, not FastAPI's."""
+    assert isinstance(exc, StarletteHTTPException)
+    what = f"{request.method} {request.url.path}"
+    return _error_response(oai.ApiError(exc.status_code, f"{what}: {exc.detail}"))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug: logged with its traceback; the client sees a 500 without internals."""
+    log.exception("HTTP %s %s failed", request.method, request.url.path)
+    return _error_response(oai.ApiError(500, "internal error", "server_error"))
 
 
 def _error_response(error: oai.ApiError, headers: dict[str, str] | None = None) -> Response:

@@ -4,6 +4,7 @@ its READY line names the bound address; and what /proc says about processes."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,13 @@ def spawn_logged(module: str, log: Path, *args: str) -> tuple[subprocess.Popen[s
     line = proc.stdout.readline()
     assert line.startswith("READY"), f"{module} failed to start: {log.read_text()[-2000:]}"
     return proc, line.split()[-1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a process binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def children_of(pid: int) -> list[int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from tandem.index import (
     PrefixIndex,
 )
 from tandem.index.base import leading_counts_reference
+from tests.services.processes import free_port
 
 APPLIED, DUPLICATE, NEED_SNAPSHOT = (
     ApplyResult.APPLIED,
@@ -74,13 +74,6 @@ async def _join(index: PrefixIndex, worker: str, hashes: list[int], model: str =
     """First contact: a worker's first batch asks for a snapshot, which it sends."""
     assert await index.apply(EventBatch(worker, model, 1, 1, tuple(hashes))) is NEED_SNAPSHOT
     assert await index.snapshot(worker, model, 1, 1, hashes) is APPLIED
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # -- events -> index -> lookup ------------------------------------------------------------
@@ -532,7 +525,7 @@ def test_redis_reply_parser_handles_every_split() -> None:
 
 
 def test_redis_lookup_client_speaks_auth_and_db() -> None:
-    with RedisServer(port=_free_port()) as server:
+    with RedisServer(port=free_port()) as server:
         admin = redis.Redis.from_url(server.url)
         admin.config_set("requirepass", "s3cret")
         admin.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -24,16 +23,11 @@ import yaml
 
 from services.up import Cluster
 from tandem.client import TandemClient
+from tests.services.processes import free_port
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/helm/tandem/dashboards/tandem.json"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 WAIT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Prometheus:
@@ -53,7 +47,7 @@ class Prometheus:
             ],
         }
         (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = (directory / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
             [

@@ -1,0 +1,55 @@
+"""Reaching the workers of a `tandem up` cluster from a test: stubs carrying the cluster key
+its processes require, and the check that a cluster holds nothing after its requests."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from services.common.security import AuthConfig, internal_metadata
+from services.up import Cluster
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wgrpc
+
+
+class _ClusterKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds the cluster key `tandem up` gave its processes: workers refuse calls without."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        auth = AuthConfig(cluster_secret_file=str(cluster.cluster_secret_file))
+        self.metadata = internal_metadata(auth)
+
+    def _details(self, details):  # type: ignore[no-untyped-def]
+        return details._replace(metadata=[*(details.metadata or ()), *self.metadata])
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        return continuation(self._details(details), request)
+
+
+def worker_stub(cluster: Cluster, role: str):
+    line = next(c.ready_line for c in cluster.children if c.name == f"{role}-0")
+    address = line.split()[-1]
+    channel = grpc.intercept_channel(grpc.insecure_channel(address), _ClusterKey(cluster))
+    stub_cls = wgrpc.PrefillWorkerStub if role == "prefill" else wgrpc.DecodeWorkerStub
+    return stub_cls(channel), address
+
+
+def assert_all_free(cluster: Cluster) -> None:
+    """Every block of both workers is free and no lease is outstanding (allowing a moment
+    for aborts that race with the end of the client's call)."""
+    deadline = time.monotonic() + 5
+    while True:
+        stats = [
+            worker_stub(cluster, r)[0].GetStats(wpb.GetStatsRequest())
+            for r in ("prefill", "decode")
+        ]
+        ok = all(s.num_free_blocks == s.num_blocks and s.num_pinned_requests == 0 for s in stats)
+        ok = ok and all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert ok, stats
