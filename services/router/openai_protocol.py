@@ -151,7 +151,9 @@ def parse_completion(body: Any, model_id: str, default_max_tokens: int) -> Parse
         request.text = prompt
     elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(
+        isinstance(p, str | list) for p in prompt
+    ):
         raise invalid("prompt", f"one prompt per request is supported, got {len(prompt)}")
     else:
         raise invalid("prompt", "must be a non-empty string or a list of token ids")

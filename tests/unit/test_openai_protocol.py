@@ -1,0 +1,329 @@
+"""The OpenAI API's rules (services/router/openai_protocol.py): bodies -> GenerateRequest,
+router messages -> OpenAI objects, gRPC statuses -> HTTP errors. Exact, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from services.router import openai_protocol as oai
+from tandem.v1 import router_pb2 as rpb
+
+MODEL = "m"
+DEFAULT_MAX = 100
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body: Any) -> oai.ParsedRequest:
+    return oai.parse_chat({"model": MODEL, "messages": USER, **body}, MODEL, DEFAULT_MAX)
+
+
+def completion(**body: Any) -> oai.ParsedRequest:
+    return oai.parse_completion({"model": MODEL, "prompt": "p", **body}, MODEL, DEFAULT_MAX)
+
+
+def refusal(parse: Any, **body: Any) -> oai.ApiError:
+    with pytest.raises(oai.ApiError) as err:
+        parse(**body)
+    return err.value
+
+
+def test_chat_fields_map_to_the_request() -> None:
+    parsed = oai.parse_chat(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": t} for t in "ab"]},
+                {"role": "assistant", "content": "c", "name": "bot"},
+            ],
+            "max_completion_tokens": 7,
+            "max_tokens": 99,  # the newer field wins
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": -1,
+            "stop": "END",
+            "presence_penalty": 0.25,
+            "frequency_penalty": -0.5,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "u-1",
+            "top_k": 5,
+            "ignore_eos": True,
+            "stop_token_ids": [2, 3],
+            "add_generation_prompt": False,
+        },
+        MODEL,
+        DEFAULT_MAX,
+    )  # fmt: skip
+    req = parsed.request
+    assert [(m.role, m.content) for m in req.chat.messages] == [
+        ("system", "be brief"),
+        ("user", "ab"),
+        ("assistant", "c"),
+    ]
+    assert req.chat.add_generation_prompt is False
+    assert req.model == MODEL and req.request_id == ""
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.seed) == (7, 0.5, pytest.approx(0.9), 2**64 - 1)
+    assert (list(s.stop), s.presence_penalty, s.frequency_penalty) == (["END"], 0.25, -0.5)
+    assert (s.logprobs, s.top_k, s.ignore_eos, list(s.stop_token_ids)) == (3, 5, True, [2, 3])
+    assert (parsed.stream, parsed.include_usage, parsed.logprobs, parsed.top_logprobs) == (
+        True,
+        True,
+        True,
+        3,
+    )
+    assert parsed.user == "u-1"
+
+
+def test_chat_defaults_leave_the_engine_defaults() -> None:
+    parsed = oai.parse_chat({"messages": USER}, MODEL, DEFAULT_MAX)
+    s = parsed.request.sampling
+    assert s.max_tokens == DEFAULT_MAX  # up to the context, as OpenAI does
+    for name in ("temperature", "top_p", "seed", "logprobs", "top_k", "ignore_eos"):
+        assert not s.HasField(name), name
+    assert parsed.request.model == ""  # no model: the router's only one
+    assert not parsed.request.chat.HasField("add_generation_prompt")
+    assert (parsed.stream, parsed.include_usage, parsed.logprobs) == (False, False, False)
+    assert chat(logprobs=True).request.sampling.logprobs == 0  # the sampled token only
+    assert not chat(top_k=-1).request.sampling.HasField("top_k")  # vLLM's "off"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"messages": []}, "messages", "non-empty list"),
+        ({"messages": "hi"}, "messages", "non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "robot"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "integer"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0]", "image_url"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]},
+         "messages[0].tool_calls", "not supported"),
+        ({"n": 2}, "n", "one choice"),
+        ({"n": 0}, "n", ">= 1"),
+        ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({"tool_choice": "auto"}, "tool_choice", "not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+        ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+        ({"modalities": ["audio"]}, "modalities", "text"),
+        ({"temperature": "hot"}, "temperature", "finite number, got string"),
+        ({"temperature": True}, "temperature", "boolean"),
+        ({"top_p": float("nan")}, "top_p", "finite number"),
+        ({"max_tokens": 0}, "max_tokens", ">= 1, got 0"),
+        ({"max_tokens": 1.5}, "max_tokens", "integer, got number"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "[0, 20]"),
+        ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        ({"logprobs": 1}, "logprobs", "boolean"),
+        ({"stop": ["a", ""]}, "stop", "non-empty string"),
+        ({"stop": 5}, "stop", "non-empty string"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "token ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "stream is true"),
+        ({"stream": True, "stream_options": []}, "stream_options", "JSON object"),
+        ({"user": 5}, "user", "string"),
+        ({"model": 5}, "model", "string"),
+    ],
+)  # fmt: skip
+def test_chat_refusals_name_the_field(body: dict[str, Any], param: str, says: str) -> None:
+    err = refusal(chat, **body)
+    assert (err.status, err.param, err.type) == (400, param, "invalid_request_error")
+    assert err.message.startswith(f"{param}: ") and says in err.message
+    error = {"message": err.message, "type": "invalid_request_error", "param": param}
+    assert err.body() == {"error": {**error, "code": None}}
+
+
+def test_unknown_model_is_404_model_not_found() -> None:
+    err = refusal(chat, model="gpt-4")
+    assert (err.status, err.param, err.code) == (404, "model", "model_not_found")
+    assert "'gpt-4'" in err.message and "'m'" in err.message
+
+
+def test_a_body_that_is_no_object_is_refused() -> None:
+    with pytest.raises(oai.ApiError) as err:
+        oai.parse_chat([1], MODEL, DEFAULT_MAX)
+    assert err.value.param == "body"
+    assert err.value.message == "body: must be a JSON object, got array"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "ids"),
+    [
+        ("hello", "hello", []),
+        (["hello"], "hello", []),
+        ([1, 2, 3], "", [1, 2, 3]),
+        ([[4, 5]], "", [4, 5]),
+    ],
+)
+def test_completion_prompts(prompt: Any, text: str, ids: list[int]) -> None:
+    req = completion(prompt=prompt).request
+    assert (req.text, list(req.token_ids.ids)) == (text, ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"prompt": ""}, "prompt", "must not be empty"),
+        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request is supported, got 2"),
+        ({"prompt": [[1], [2]]}, "prompt", "got 2"),
+        ({"prompt": [1, -2]}, "prompt", "token ids"),
+        ({"prompt": [True]}, "prompt", "token ids"),
+        ({"prompt": None}, "prompt", "non-empty string"),
+        ({"echo": True}, "echo", "not supported"),
+        ({"suffix": "x"}, "suffix", "not supported"),
+        ({"best_of": 2}, "best_of", "only 1"),
+        ({"logprobs": 6}, "logprobs", "[0, 5]"),
+        ({"logprobs": True}, "logprobs", "integer"),
+    ],
+)
+def test_completion_refusals(body: dict[str, Any], param: str, says: str) -> None:
+    err = refusal(completion, **body)
+    assert (err.status, err.param) == (400, param) and says in err.message
+
+
+def test_completion_logprobs_and_max_tokens() -> None:
+    parsed = completion(logprobs=2, max_tokens=9)
+    assert (parsed.logprobs, parsed.top_logprobs, parsed.request.sampling.logprobs) == (True, 2, 2)
+    assert parsed.request.sampling.max_tokens == 9
+    zero = completion(logprobs=0)
+    assert (zero.logprobs, zero.request.sampling.logprobs) == (True, 0)
+    assert completion().request.sampling.max_tokens == DEFAULT_MAX
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "type_", "error_code"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", None),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error", "invalid_api_key"),
+        (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error", None),
+        (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "not_found"),
+        (grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", "conflict"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "rate_limit_exceeded"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable", "service_unavailable"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout", "timeout"),
+        (grpc.StatusCode.FAILED_PRECONDITION, 500, "server_error", None),
+        (grpc.StatusCode.INTERNAL, 500, "server_error", None),
+    ],
+)
+def test_statuses_map_to_http(
+    code: grpc.StatusCode, status: int, type_: str, error_code: str | None
+) -> None:
+    err = oai.from_status(code, "why")
+    assert (err.status, err.type, err.code, err.message) == (status, type_, error_code, "why")
+    assert err.headers() == {}
+
+
+def test_pushback_becomes_retry_after_headers() -> None:
+    err = oai.from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", retry_after_ms=1500)
+    assert err.headers() == {"retry-after-ms": "1500", "retry-after": "2"}
+    assert oai.from_status(grpc.StatusCode.UNAVAILABLE, "x", 1).headers()["retry-after"] == "1"
+
+
+TEXTS = {1: "He", 2: "llo", 3: "!", 9: "lo"}
+
+
+def answer(parsed: oai.ParsedRequest, chat_: bool) -> oai.Answer:
+    return oai.Answer("id-1", MODEL, chat_, parsed, TEXTS.__getitem__, created=123)
+
+
+def chunk(ids: list[int], text: str, with_logprobs: bool = False) -> rpb.Chunk:
+    msg = rpb.Chunk(token_ids=ids, text=text)
+    if with_logprobs:
+        for i in ids:
+            top = [rpb.TopLogprob(token_id=9, logprob=-1.0)]
+            msg.logprobs.add(token_id=i, logprob=-0.5, top=top)
+    return msg
+
+
+COMPLETE = rpb.Complete(
+    finish_reason=rpb.FINISH_REASON_LENGTH,
+    usage=rpb.Usage(prompt_tokens=4, completion_tokens=3, cached_prompt_tokens=2),
+)
+USAGE = {
+    "prompt_tokens": 4,
+    "completion_tokens": 3,
+    "total_tokens": 7,
+    "prompt_tokens_details": {"cached_tokens": 2},
+}
+
+
+def test_chat_stream_objects() -> None:
+    a = answer(chat(stream=True, stream_options={"include_usage": True}), chat_=True)
+    head = {"id": "id-1", "object": "chat.completion.chunk", "created": 123, "model": MODEL}
+    assert a.first() == {
+        **head,
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}],
+        "usage": None,
+    }  # fmt: skip
+    assert a.chunk(chunk([1, 2], "Hello")) == {
+        **head,
+        "choices": [{"index": 0, "delta": {"content": "Hello"}, "logprobs": None,
+                     "finish_reason": None}],
+        "usage": None,
+    }  # fmt: skip
+    assert a.last(COMPLETE)["choices"] == [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    ]
+    assert a.usage_chunk(COMPLETE) == {**head, "choices": [], "usage": USAGE}
+
+
+def test_chat_whole_answer_with_logprobs() -> None:
+    a = answer(chat(logprobs=True, top_logprobs=1), chat_=True)
+    a.chunk(chunk([1], "He", with_logprobs=True))
+    a.chunk(chunk([2, 3], "llo!", with_logprobs=True))
+    whole = a.whole(COMPLETE)
+    assert whole["object"] == "chat.completion" and "usage" in whole
+    assert whole["usage"] == USAGE
+    choice = whole["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Hello!"}
+    assert choice["finish_reason"] == "length"
+    alt = {"token": "lo", "logprob": -1.0, "bytes": [108, 111]}
+    assert choice["logprobs"] == {
+        "content": [
+            {"token": "He", "logprob": -0.5, "bytes": [72, 101], "top_logprobs": [alt]},
+            {"token": "llo", "logprob": -0.5, "bytes": [108, 108, 111], "top_logprobs": [alt]},
+            {"token": "!", "logprob": -0.5, "bytes": [33], "top_logprobs": [alt]},
+        ]
+    }
+
+
+def test_completion_logprobs_offsets_run_across_chunks() -> None:
+    a = answer(completion(logprobs=1, stream=True), chat_=False)
+    first = a.chunk(chunk([1], "He", with_logprobs=True))
+    second = a.chunk(chunk([2, 3], "llo!", with_logprobs=True))
+    assert first["object"] == "text_completion" and "usage" not in first
+    assert first["choices"][0]["text"] == "He"
+    assert first["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert second["choices"][0]["logprobs"] == {
+        "tokens": ["llo", "!"],
+        "token_logprobs": [-0.5, -0.5],
+        "top_logprobs": [{"lo": -1.0}, {"lo": -1.0}],
+        "text_offset": [2, 5],
+    }
+    assert a.last(COMPLETE)["choices"] == [
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    ]
+    whole = a.whole(COMPLETE)["choices"][0]
+    assert whole["text"] == "Hello!"
+    assert whole["logprobs"]["text_offset"] == [0, 2, 5]
+
+
+def test_finish_reasons() -> None:
+    assert oai.finish_reason(rpb.FINISH_REASON_STOP) == "stop"
+    assert oai.finish_reason(rpb.FINISH_REASON_LENGTH) == "length"
+    assert oai.finish_reason(rpb.FINISH_REASON_ABORT) == "abort"
+
+
+def test_models_list() -> None:
+    assert oai.models("m", 2048, 5) == {
+        "object": "list",
+        "data": [
+            {"id": "m", "object": "model", "created": 5, "owned_by": "tandem",
+             "max_model_len": 2048}
+        ],  # fmt: skip
+    }
