@@ -53,6 +53,7 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
         "host": "listenAddress (the pod IP)",
         "port": "router.port",
         "metrics_port": "router.metricsPort",
+        "http_port": "router.httpPort",
         "redis_url": "bundled or external Redis",
         "model_dir": "model.dir",
         "prefill_addresses": "not rendered: workers are found through Redis",
@@ -247,6 +248,10 @@ def test_pdb_version_and_probe_kind_follow_the_cluster(
         port = container["ports"][0]["containerPort"]
         for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
             probe = container[kind]
+            if _component(workload) == "router" and kind == "livenessProbe":
+                # Through the HTTP API (the kubelet's HTTP probes work on every version).
+                assert probe["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+                continue
             if native_grpc:
                 assert probe["grpc"] == {"port": port}
                 assert "exec" not in probe
@@ -861,9 +866,9 @@ def test_network_policies(helm: Helm) -> None:
     for spec in policies.values():
         assert spec["policyTypes"] == ["Ingress"]
 
-    # Clients reach the router's port from anywhere; release pods its metrics port.
+    # Clients reach the router's gRPC and HTTP ports from anywhere; release pods its metrics.
     assert policies[_name("router")]["ingress"] == [
-        {"ports": [{"port": 50051, "protocol": "TCP"}]},
+        {"ports": [{"port": 50051, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"}]},
         {
             "from": [{"podSelector": {"matchLabels": release}}],
             "ports": [{"port": 9091, "protocol": "TCP"}],
@@ -971,7 +976,34 @@ def test_metrics_ports(helm: Helm) -> None:
         )
         assert env_of(container)["TANDEM_METRICS_PORT"] == str(want or -1)
     ports = one(objects, "Service", _name("router"))["spec"]["ports"]
-    assert [p["name"] for p in ports] == ["grpc"]
+    assert [p["name"] for p in ports] == ["grpc", "http"]
+
+
+def test_openai_http_port(helm: Helm) -> None:
+    """The router's HTTP API: a named container port, TANDEM_HTTP_PORT, a Service port and a
+    liveness probe on /health (HTTPS with the router's TLS); httpPort 0 turns all off."""
+    objects = helm.render("--set", "router.service.httpPort=80")
+    (container,) = containers(one(objects, "Deployment", _name("router")))
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+    assert env_of(container)["TANDEM_HTTP_PORT"] == "8000"
+    service = one(objects, "Service", _name("router"))
+    assert {
+        "name": "http", "port": 80, "targetPort": "http", "protocol": "TCP", "appProtocol": "http",
+    } in service["spec"]["ports"]  # fmt: skip
+    http_get = {"path": "/health", "port": "http", "scheme": "HTTP"}
+    assert container["livenessProbe"]["httpGet"] == http_get
+    assert container["livenessProbe"]["periodSeconds"] == 10
+    assert "grpc" in container["readinessProbe"] and "grpc" in container["startupProbe"]
+    tls = helm.render("--set", "auth.tls.secretName=router-tls")
+    (container,) = containers(one(tls, "Deployment", _name("router")))
+    assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    off = helm.render("--set", "router.httpPort=0")
+    (container,) = containers(one(off, "Deployment", _name("router")))
+    assert all(p["name"] != "http" for p in container["ports"])
+    assert env_of(container)["TANDEM_HTTP_PORT"] == "-1"
+    assert "grpc" in container["livenessProbe"]
+    ports = one(off, "Service", _name("router"))["spec"]["ports"]
+    assert [p["name"] for p in ports] == ["grpc", "metrics"]
 
 
 def test_monitors_are_off_by_default(helm: Helm) -> None:
@@ -1217,6 +1249,10 @@ def test_tls_secrets(helm: Helm, monkeypatch: pytest.MonkeyPatch, internal: bool
         for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
             probe = container[kind]
             port = container["ports"][0]["containerPort"]
+            if component == "router" and kind == "livenessProbe":
+                # HTTPS: the kubelet does not verify the certificate.
+                assert probe["httpGet"]["scheme"] == "HTTPS"
+                continue
             assert probe.get("tcpSocket") == ({"port": port} if tls_port else None), component
         if not internal:
             assert env["TANDEM_INTERNAL_CA_FILE"] == ""
