@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import ssl
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.client import AsyncTandemClient, Result, TandemClient, TandemError
 from tests.services.certs import make_ca, make_cert
+from tests.services.processes import free_port
 
 KEY_A = "tenant-a-key-0123456789"
 KEY_B = "tenant-b-key-0123456789"
@@ -44,11 +47,15 @@ def fleet(tiny_model_dir, redis_server, procs, tmp_path_factory) -> Iterator[Sim
     ]
     common = ("--api-keys-file", str(keys), "--disagg-min-uncached-tokens", "32")
     plain = procs.router(tiny_model_dir, url, *common)
+    https_port = free_port()
     tls = procs.router(
         tiny_model_dir, url, *common,
         "--tls-cert-file", str(d / "router.pem"), "--tls-key-file", str(d / "router.key"),
+        "--http-port", str(https_port),
     )  # fmt: skip
-    yield SimpleNamespace(plain=plain[1], tls=tls[1], ca=str(d / "ca.pem"))
+    yield SimpleNamespace(
+        plain=plain[1], tls=tls[1], ca=str(d / "ca.pem"), https=f"127.0.0.1:{https_port}"
+    )
     procs.stop(plain[0], tls[0], *(p for p, _ in workers))
 
 
@@ -144,3 +151,22 @@ def test_tls_router_serves_a_client_that_trusts_its_ca_only(fleet) -> None:
         assert code_of(lambda: c.generate([5], max_tokens=1)) == grpc.StatusCode.UNAVAILABLE
     with TandemClient(fleet.tls, timeout_s=10, api_key=KEY_A, tls=True) as c:  # system CAs
         assert code_of(lambda: c.generate([5], max_tokens=1)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_router_serves_https_with_the_same_certificate_and_keys(fleet) -> None:
+    base_url = f"https://{fleet.https}/v1"
+    trusting = ssl.create_default_context(cafile=fleet.ca)
+    http_client = openai.DefaultHttpxClient(verify=trusting)
+    with openai.OpenAI(
+        base_url=base_url, api_key=KEY_A, max_retries=0, http_client=http_client
+    ) as c:
+        out = c.completions.create(model="", prompt=[5, 6, 7], max_tokens=3)
+        assert out.choices[0].finish_reason == "length"
+        with pytest.raises(openai.PermissionDeniedError):  # the gRPC API's keys and scopes
+            c.with_options(api_key=KEY_READ).completions.create(model="", prompt="x")
+    # Plain HTTP to the TLS port, or a client that does not trust the CA: no answer.
+    for url, verify in ((f"http://{fleet.https}/v1", True), (base_url, True)):
+        client = openai.DefaultHttpxClient(verify=verify)
+        with openai.OpenAI(base_url=url, api_key=KEY_A, max_retries=0, http_client=client) as c:
+            with pytest.raises(openai.APIConnectionError):
+                c.completions.create(model="", prompt="x", max_tokens=1)
