@@ -8,8 +8,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.config import MODEL_DTYPES, CacheConfig
+
+if TYPE_CHECKING:
+    from tandem.client import TandemClient
 
 MODEL_CACHE_DIR = Path.home() / ".cache" / "tandem" / "models"
 # The generated random model: the fallback default (TANDEM_DEFAULT_MODEL=random, or no network).
@@ -200,12 +204,82 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_PROMPTS = (
-    "The quick brown fox",
-    "Tandem splits serving in two: prefill workers compute a prompt's KV cache, decode "
-    "workers pull those blocks and stream the tokens, and a router pairs them for every "
-    "request so that long prompts never stall the tokens of short ones.",
+QUESTION = "What is the capital of France?"
+# Two chat turns: a short one (prefilled and decoded on one decode worker) and one whose prompt
+# is long enough under any tokenizer to be prefilled on a prefill worker and handed over.
+DEMO_CHATS = (
+    (QUESTION, 24),
+    (
+        "Explain in two sentences why the sky is blue. Keep the answer simple, as if talking "
+        "to a ten year old child who has never studied physics, and avoid any technical words "
+        "such as wavelength, scattering, or molecule; a friendly tone is best. If you can, end "
+        "with one short and surprising fact about the colours of sunsets that a child would "
+        "enjoy telling their friends at school the next day.",
+        48,
+    ),
 )
+
+
+def _demo(client: TandemClient) -> None:
+    """The demo turns through the gRPC API, and which path each took."""
+    for question, max_tokens in DEMO_CHATS:
+        messages = [{"role": "user", "content": question}]
+        result = client.generate(messages=messages, max_tokens=max_tokens, temperature=0.0)
+        how = (
+            f"disaggregated: prefill on {result.prefill_worker}, KV pulled by "
+            f"{result.decode_worker}"
+            if result.disaggregated
+            else f"colocated: short prompt, prefilled and decoded on {result.decode_worker}"
+        )
+        shown = question if len(question) < 60 else question[:57] + "..."
+        print(f"\ndemo: {shown!r} ({result.prompt_tokens} prompt tokens)")
+        print(f"   -> {result.text.strip()!r}")
+        print(
+            f"      {result.completion_tokens} tokens, TTFT {result.first_token_ms:.1f} ms, "
+            f"total {result.total_ms:.1f} ms ({how})"
+        )
+
+
+def _how_to_call(model: str, address: str, http: str, key: str | None) -> str:
+    """What `tandem up` prints once serving: gRPC, curl and openai calls that work as is
+    (greedy and bounded: OpenAI's defaults, temperature 1 and no max_tokens, let a small model
+    ramble up to its context)."""
+    auth = ' -H "Authorization: Bearer $TANDEM_API_KEY"' if key else ""
+    openai_key = 'os.environ["TANDEM_API_KEY"]' if key else '"none"'
+    grpc_key = '-H "authorization: Bearer $TANDEM_API_KEY" ' if key else ""
+    grpc_body = (
+        f'{{"chat": {{"messages": [{{"role": "user", "content": "{QUESTION}"}}]}}, '
+        '"sampling": {"temperature": 0, "max_tokens": 64}}'
+    )
+    body = (
+        f'{{"messages": [{{"role": "user", "content": "{QUESTION}"}}], "temperature": 0, '
+        '"max_tokens": 64}'
+    )
+    text = f"""
+Tandem is serving {model}.
+
+gRPC on {address}:
+  python:  from tandem.client import TandemClient
+           chat = [{{"role": "user", "content": "{QUESTION}"}}]
+           print(TandemClient("{address}").generate(messages=chat, temperature=0).text)
+  cli:     .venv/bin/tandem generate --router {address} --chat "{QUESTION}"
+  grpcurl: grpcurl -plaintext {grpc_key}-d '{grpc_body}' \\
+             {address} tandem.v1.Router/Generate
+"""
+    if http:
+        text += f"""
+OpenAI API, base_url http://{http}/v1:
+  curl:    curl http://{http}/v1/chat/completions{auth} \\
+             -H "Content-Type: application/json" -d '{body}'
+  openai:  {"import os; " if key else ""}from openai import OpenAI
+           client = OpenAI(base_url="http://{http}/v1", api_key={openai_key})
+           chat = [{{"role": "user", "content": "{QUESTION}"}}]
+           answer = client.chat.completions.create(
+               model="{model}", messages=chat, temperature=0, max_tokens=64
+           )
+           print(answer.choices[0].message.content)
+"""
+    return text + "\nA process that dies is restarted; Ctrl-C stops every process."
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -225,12 +299,49 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     # The field's own name, as the services' flags; --kv-cache-mb is the old spelling.
-    parser.add_argument("--kv-cache-bytes", type=int, default=CacheConfig().kv_cache_bytes)
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help=f"KV cache per worker on a CPU (default: {CacheConfig().kv_cache_bytes}; `tandem up`: "
+        "enough for one full context of the model, at least that)",
+    )
     parser.add_argument("--kv-cache-mb", type=int, default=None, help="(old spelling) MiB")
 
 
 def _kv_cache_bytes(args: argparse.Namespace) -> int:
-    return int(args.kv_cache_mb) << 20 if args.kv_cache_mb is not None else int(args.kv_cache_bytes)
+    if args.kv_cache_mb is not None:
+        return int(args.kv_cache_mb) << 20
+    if args.kv_cache_bytes is not None:
+        return int(args.kv_cache_bytes)
+    return CacheConfig().kv_cache_bytes
+
+
+def up_kv_cache(
+    model_dir: Path, requested: int | None, device: str, dtype: str
+) -> tuple[int, str]:
+    """`tandem up`'s KV cache per worker and a line saying what it holds: `requested`, or
+    (None) enough blocks for one full context of the model, at least the engine's default."""
+    from tandem.config import DEFAULT_BLOCK_SIZE, EngineConfig
+    from tandem.model.config import ModelConfig
+
+    if device.startswith("cuda"):
+        return requested or CacheConfig().kv_cache_bytes, "KV cache: sized from the GPU's memory"
+    model = ModelConfig.from_dir(model_dir)
+    resolved = EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype).resolved_dtype
+    per_token = model.kv_elements_per_token * (4 if resolved == "float32" else 2)
+    block = DEFAULT_BLOCK_SIZE * per_token
+    context = model.max_position_embeddings
+    full = -(-context // DEFAULT_BLOCK_SIZE) * block
+    size = requested if requested is not None else max(CacheConfig().kv_cache_bytes, full)
+    tokens = size // block * DEFAULT_BLOCK_SIZE
+    held = (
+        f"{tokens} tokens: the model's full context of {context}"
+        if tokens >= context
+        else f"{tokens} tokens: contexts capped at {tokens} of the model's {context} "
+        f"(--kv-cache-bytes {full} holds it all)"
+    )
+    return size, f"KV cache: {size / 2**20:.0f} MiB per worker ({resolved}) = {held}"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -241,13 +352,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tandem.client import TandemClient
 
     model_dir = resolve_model(args.model)
+    requested = None if args.kv_cache_mb is None and args.kv_cache_bytes is None else (
+        _kv_cache_bytes(args)
+    )
+    kv_cache_bytes, kv_line = up_kv_cache(model_dir, requested, args.device, args.dtype)
     config = UpConfig(
         model_dir=str(model_dir),
         port=args.port,
+        http_port=args.http_port,
         num_prefill=args.num_prefill,
         num_decode=args.num_decode,
         transport=args.transport,
-        kv_cache_bytes=_kv_cache_bytes(args),
+        kv_cache_bytes=kv_cache_bytes,
         device=args.device,
         dtype=args.dtype,
         autoscale=args.autoscale,
@@ -262,7 +378,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = Cluster(config)
     print(
         f"starting redis, router, {config.num_prefill} prefill and {config.num_decode} decode "
-        "worker(s) ...",
+        f"worker(s) serving {model_dir.name} ...\n{kv_line}",
         file=sys.stderr,
     )
     t0 = time.perf_counter()
@@ -277,36 +393,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         metrics = ", ".join(f"{n} {a}" for n, a in sorted(cluster.metrics_addresses.items()))
         print(f"Prometheus /metrics: {metrics}", file=sys.stderr)
         with TandemClient(address, api_key=key) as client:
-            for prompt in DEMO_PROMPTS:
-                result = client.generate(prompt, max_tokens=24, temperature=0.0)
-                how = (
-                    f"prefill on {result.prefill_worker}, KV pulled by {result.decode_worker}"
-                    if result.disaggregated
-                    else f"short prompt: prefilled and decoded on {result.decode_worker}"
-                )
-                shown = prompt if len(prompt) < 40 else prompt[:37] + "..."
-                print(f"\ndemo: {shown!r} ({result.prompt_tokens} tokens) -> {result.text!r}")
-                print(
-                    f"      {result.completion_tokens} tokens, "
-                    f"TTFT {result.first_token_ms:.1f} ms, total {result.total_ms:.1f} ms ({how})"
-                )
-        print(
-            f"""
-Tandem is serving {model_dir.name} on {address}. Call it:
-
-  python:  from tandem.client import TandemClient
-           print(TandemClient("{address}").generate("Hello", max_tokens=32).text)
-  cli:     .venv/bin/tandem generate --router {address} "Hello"
-  grpcurl: grpcurl -plaintext -d '{{"text": "Hello", "sampling": {{"max_tokens": 16}}}}' \\
-             {address} tandem.v1.Router/Generate
-
-A process that dies is restarted; Ctrl-C stops every process."""
-        )
+            _demo(client)
+        print(_how_to_call(model_dir.name, address, cluster.http_address, key))
         if key:
             print(
                 f"\nThe router wants an API key (tenant 'default'; file {cluster.run_dir}/api-keys"
                 f"):\n  export TANDEM_API_KEY={key}\n(the client and `tandem generate` read it; "
-                "grpcurl: -H 'authorization: Bearer $TANDEM_API_KEY')"
+                "the commands above send it)"
             )
         if cluster.controller_address:
             print(
@@ -362,7 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("up", help="start a local cluster: redis, router, prefill, decode")
     u.add_argument("--model", help=MODEL_HELP)
-    u.add_argument("--port", type=int, default=50051, help="router port")
+    u.add_argument("--port", type=int, default=50051, help="router port (gRPC)")
+    u.add_argument(
+        "--http-port", type=int, default=8000, help="the OpenAI HTTP API's port; -1: off"
+    )
     u.add_argument("--num-prefill", type=int, default=1)
     u.add_argument("--num-decode", type=int, default=1)
     u.add_argument("--transport", default="nixl", choices=["nixl", "local"])

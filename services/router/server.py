@@ -176,6 +176,10 @@ class RouterServer(rgrpc.RouterServicer):
         self._metrics_server = None
         if self.server is not None:
             await self.server.stop(grace=2.0)
+        if self._background:
+            # The requests the stop cut short are being aborted on their workers: let those
+            # calls go out before the channels close.
+            await asyncio.wait(set(self._background), timeout=3.0)
         await self.placer.stop()
         if self._request_log is not None:
             await self._request_log.stop()
@@ -472,6 +476,8 @@ class RouterServer(rgrpc.RouterServicer):
                 await stub_cls(self._channel(address)).Abort(req, timeout=2.0)
             except grpc.aio.AioRpcError as exc:
                 log.warning("abort of %s on %s failed: %s", worker_rid, address, exc.code().name)
+            except grpc.aio.UsageError:  # the router is stopping: its channels are closed
+                log.warning("abort of %s on %s skipped: router stopping", worker_rid, address)
 
     @rpc
     async def Tokenize(

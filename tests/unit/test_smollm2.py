@@ -25,7 +25,7 @@ from tandem.model.tokenizer import Tokenizer
 transformers = pytest.importorskip("transformers")
 
 SPEC = SMOLLM2_135M_INSTRUCT
-PAD_ID = 2  # <|im_end|>; only silences generate's warning: nothing is padded
+PAD_ID = 2  # <|im_end|>, as the GGUF says; nothing is padded (one prompt per generate)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 CONVERSATIONS: list[list[dict[str, str]]] = [
     [
@@ -119,9 +119,13 @@ def tokenizer(smollm2: tuple[Path, Path]) -> Tokenizer:
 
 
 def _hf_greedy(model: Any, prompt_ids: Sequence[int], num_tokens: int) -> list[int]:
+    input_ids = torch.tensor([list(prompt_ids)])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([list(prompt_ids)]),
+            input_ids,
+            # Explicit: generate would otherwise mask every prompt token equal to the pad id,
+            # and SmolLM2's pad token is <|im_end|>, which every chat turn ends with.
+            attention_mask=torch.ones_like(input_ids),
             max_new_tokens=num_tokens,
             do_sample=False,
             pad_token_id=PAD_ID,
