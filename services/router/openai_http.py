@@ -24,7 +24,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 import uvicorn
@@ -36,16 +36,27 @@ from starlette.types import Receive, Scope, Send
 from services.common import security, tracing
 from services.common.errors import ServiceError
 from services.router import openai_protocol as oai
+from services.router.hops import CallContext
+from tandem.model.tokenizer import Tokenizer
 from tandem.v1 import router_pb2 as rpb
-
-if TYPE_CHECKING:
-    from services.router.server import RouterServer
 
 log = logging.getLogger(__name__)
 # A request body larger than this is refused (413) before it is read into memory; the router
 # then refuses prompts that cannot fit the model by their length.
 MAX_BODY_BYTES = 32 << 20
 SCOPE = "generate"  # the API key scope the HTTP API needs, as gRPC Generate does
+
+
+class Router(Protocol):
+    """What the HTTP API needs of the router (services.router.server.RouterServer)."""
+
+    model_id: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def generate(
+        self, request: rpb.GenerateRequest, context: CallContext, tenant: str
+    ) -> AsyncGenerator[rpb.GenerateResponse, None]: ...
 
 
 class HttpCallContext:
@@ -73,7 +84,7 @@ class _Uvicorn(uvicorn.Server):
 class OpenAIServer:
     """The HTTP API of one RouterServer."""
 
-    def __init__(self, router: RouterServer, keyring: security.KeyRing | None) -> None:
+    def __init__(self, router: Router, keyring: security.KeyRing | None) -> None:
         self.router = router
         self.keyring = keyring
         self.address = ""

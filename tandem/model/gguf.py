@@ -5,7 +5,8 @@ tokenizer.json, tokenizer_config.json, generation_config.json) that `ModelConfig
 loader and `Tokenizer.from_dir` already read, so a GGUF model runs wherever a HF one does.
 
 Supported: the `llama` architecture; tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1; the `gpt2`
-(byte-level BPE) tokenizer model with the gpt-2, llama-bpe, smollm and qwen2 pre-tokenizers.
+(byte-level BPE) tokenizer model with the gpt-2, llama-bpe, smollm and qwen2 pre-tokenizers, and
+the `llama` (SentencePiece BPE with byte fallback) tokenizer model.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import numpy.typing as npt
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as HFTokenizer
+
+from tandem.model.gguf_tokenizer import build_tokenizer
+from tandem.model.gguf_tokenizer import metadata as _field
 
 QK = 32  # elements per block of Q8_0, Q4_0 and Q4_1
 
@@ -42,10 +44,6 @@ _ELEMENT_BYTES = {
 }
 SUPPORTED_TYPES = tuple(_ELEMENT_BYTES) + tuple(_BLOCK_BYTES)
 
-# llama.cpp token types (llama-vocab.h)
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
 # llama.cpp per-layer tensor name -> HF name inside `model.layers.N.`
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -63,16 +61,6 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
 
 # -- dequantization ----------------------------------------------------------------------------
 
@@ -181,11 +169,6 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return split.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
 def _f32(value: Any) -> float:
     """A GGUF f32 as the shortest decimal that round-trips (1e-05, not 9.99999974e-06)."""
     return float(str(np.float32(value)))
@@ -267,101 +250,6 @@ def load_tensors(
 
 
 # -- tokenizer ---------------------------------------------------------------------------------
-
-
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre in ("gpt-2", "default"):
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
-    if split is None:
-        raise ValueError(
-            f"unsupported GGUF pre-tokenizer {pre!r}; supported: default, gpt-2, llama-bpe, "
-            "qwen2, smollm"
-        )
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-
-
-def build_tokenizer(reader: GGUFReader) -> tuple[HFTokenizer, dict[str, Any]]:
-    """The `tokenizers` Tokenizer and a `tokenizer_config.json` dict from GGUF metadata.
-
-    Raises:
-        ValueError: a tokenizer model other than `gpt2`, or missing vocabulary.
-    """
-    model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {model!r}; supported: gpt2")
-    tokens: list[str] | None = _field(reader, "tokenizer.ggml.tokens")
-    merges: list[str] | None = _field(reader, "tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise ValueError("GGUF gpt2 tokenizer needs tokenizer.ggml.tokens and .merges")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
-
-    vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=pairs,  # type: ignore[arg-type]
-            ignore_merges=pre in ("llama-bpe", "llama3"),
-        )
-    )
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    tok.decoder = decoders.ByteLevel()
-    specials = [
-        AddedToken(tokens[i], special=True, normalized=False)
-        for i, t in enumerate(types)
-        if t == _TOKEN_CONTROL
-    ]
-    user = [
-        AddedToken(tokens[i], special=False, normalized=False)
-        for i, t in enumerate(types)
-        if t == _TOKEN_USER_DEFINED
-    ]
-    tok.add_special_tokens(specials)
-    tok.add_tokens(user)
-
-    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
-    bos = None if bos_id is None else tokens[int(bos_id)]
-    eos = None if eos_id is None else tokens[int(eos_id)]
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
-    lead = [bos] if add_bos and bos is not None else []
-    tail = [eos] if add_eos and eos is not None else []
-    if lead or tail:
-        tok.post_processor = processors.TemplateProcessing(
-            single=" ".join(lead + ["$A"] + tail),
-            pair=" ".join(lead + ["$A"] + lead + ["$B"] + tail),
-            special_tokens=[(t, vocab[t]) for t in dict.fromkeys(lead + tail)],
-        )
-    tok_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "add_bos_token": bool(lead),
-        "add_eos_token": bool(tail),
-        "clean_up_tokenization_spaces": False,
-    }
-    template = _field(reader, "tokenizer.chat_template")
-    if template is not None:
-        tok_config["chat_template"] = str(template)
-    return tok, tok_config
-
-
-# -- conversion --------------------------------------------------------------------------------
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
