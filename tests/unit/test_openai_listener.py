@@ -1,0 +1,41 @@
+"""The HTTP API's listener: connections it accepts send each write at once (TCP_NODELAY), so
+an SSE stream's first chunk is not held back by Nagle until the client's delayed ACK."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from services.router.openai_http import listen_socket
+
+
+def accepted_nodelay(listener: socket.socket) -> int:
+    """TCP_NODELAY of a connection asyncio accepts on `listener` (as uvicorn does)."""
+
+    async def scenario() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            conn = writer.get_extra_info("socket")
+            accepted.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=listener)
+        async with server:
+            _, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+            value = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return value
+
+    return asyncio.run(scenario())
+
+
+def test_accepted_connections_have_nodelay() -> None:
+    listener = listen_socket("127.0.0.1", 0)
+    assert listener.proto == socket.IPPROTO_TCP
+    assert accepted_nodelay(listener) != 0
+
+
+def test_a_plain_create_server_socket_would_not() -> None:
+    """The control: what the listener replaced leaves Nagle on."""
+    assert accepted_nodelay(socket.create_server(("127.0.0.1", 0))) == 0
