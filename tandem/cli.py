@@ -341,7 +341,8 @@ def up_kv_cache(
         else f"{tokens} tokens: contexts capped at {tokens} of the model's {context} "
         f"(--kv-cache-bytes {full} holds it all)"
     )
-    return size, f"KV cache: {size / 2**20:.0f} MiB per worker ({resolved}) = {held}"
+    shown = f"{size / 2**20:.0f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+    return size, f"KV cache: {shown} per worker ({resolved}) = {held}"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
