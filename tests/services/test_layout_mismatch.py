@@ -5,7 +5,6 @@ the router passes to the client, and neither worker keeps a block. Real processe
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.processes import spawn_logged
+from tests.services.workers import wait_all_free
 
 KV_BYTES = 8 << 20
 
@@ -71,20 +71,13 @@ def _stats(address: str, stub_cls: type) -> wpb.WorkerStats:
 
 
 def _assert_all_free(cluster: dict) -> None:  # type: ignore[type-arg]
-    """Both workers' blocks are all free, nothing pinned or queued (the router's aborts of
-    the failed request race with the end of the client's call: allow a moment)."""
-    deadline = time.monotonic() + 5
-    while True:
-        stats = [
+    """Both workers' blocks are all free, nothing pinned or queued."""
+    wait_all_free(
+        lambda: [
             _stats(cluster["prefill"], wgrpc.PrefillWorkerStub),
             _stats(cluster["decode"], wgrpc.DecodeWorkerStub),
         ]
-        ok = all(s.num_free_blocks == s.num_blocks and s.num_pinned_requests == 0 for s in stats)
-        ok = ok and all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
-        if ok or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert ok, stats
+    )
 
 
 def _generate(router: str, prompt: list[int]) -> tuple[list[rpb.GenerateResponse], grpc.RpcError]:

@@ -4,6 +4,7 @@ its processes require, and the check that a cluster holds nothing after its requ
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -39,14 +40,22 @@ def worker_stub(cluster: Cluster, role: str):
 
 
 def assert_all_free(cluster: Cluster) -> None:
-    """Every block of both workers is free and no lease is outstanding (allowing a moment
-    for aborts that race with the end of the client's call)."""
-    deadline = time.monotonic() + 5
-    while True:
-        stats = [
+    """Every block of both workers of a `tandem up` cluster is free, nothing is pinned,
+    running or queued."""
+    wait_all_free(
+        lambda: [
             worker_stub(cluster, r)[0].GetStats(wpb.GetStatsRequest())
             for r in ("prefill", "decode")
         ]
+    )
+
+
+def wait_all_free(read_stats: Callable[[], list[wpb.WorkerStats]], timeout_s: float = 5) -> None:
+    """Until the workers `read_stats` reads hold no block, lease or request (allowing a
+    moment for aborts that race with the end of the client's call); else fail with them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = read_stats()
         ok = all(s.num_free_blocks == s.num_blocks and s.num_pinned_requests == 0 for s in stats)
         ok = ok and all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
         if ok or time.monotonic() > deadline:
