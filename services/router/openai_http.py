@@ -6,7 +6,7 @@ placement, recovery, metrics and tenants (API keys from the same KeyRing, in
 `Authorization: Bearer`). The rules (bodies, answers, error objects) are pure code in
 services.router.openai_protocol; this module does the I/O:
 
-- errors before the first token are HTTP statuses (400/401/403/404/409/429/503/504) with
+- errors before the first token are HTTP statuses (400/401/403/404/409/429/503) with
   OpenAI's error object and Retry-After on pushback; a failure mid-stream is an SSE `error`
   event (the status line has gone);
 - a client that disconnects, streaming or not, cancels the request, which aborts it on both
@@ -200,8 +200,7 @@ class OpenAIServer:
         if isinstance(first, oai.ApiError):
             return _error_response(first, headers)
         if parsed.stream:
-            events = _events(answer, first, messages)
-            return _EventStream(events, headers)
+            return _EventStream(_events(answer, first, messages), messages, headers)
         whole = await _unless_disconnected(request, _collect(answer, first, messages))
         if whole is None:
             await messages.aclose()
@@ -334,10 +333,13 @@ class _EventStream(StreamingResponse):
     """A text/event-stream response that stops (and closes its iterator, aborting the
     request) as soon as the client disconnects, whatever the ASGI server's spec version."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], messages: Messages, headers: dict[str, str]
+    ) -> None:
         headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
         super().__init__(events, headers=headers, media_type="text/event-stream")
         self.events = events
+        self.messages = messages  # closed here too: a client gone before the first event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream() -> None:
@@ -357,6 +359,7 @@ class _EventStream(StreamingResponse):
         finally:
             watch.cancel()
             await self.events.aclose()
+            await self.messages.aclose()
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
