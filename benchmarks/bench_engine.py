@@ -2,13 +2,15 @@
 roofline, time to first token with a shared prefix, and the loader's peak memory.
 
     python benchmarks/bench_engine.py [throughput|roofline|prefix|loader|all] [--quick]
-        [--model-dir DIR] [--results-dir DIR] [--threads N]
+        [--model-dir DIR] [--results-dir DIR] [--threads N] [--hf-batch-sizes 16,64]
 
 Progress goes to stderr, a markdown table to stdout, JSON to <results-dir>/<name>.json and a
 plot of whatever results exist to <results-dir>/engine.png. `--quick` shrinks every workload
-(smoke test, well under a minute) and `--threads N` sets torch's thread count for both
-systems; either suffixes the file names (`-quick`, `-tN`) so that such a run never overwrites
-the numbers of a default run.
+(smoke test, well under a minute), `--threads N` sets torch's thread count for both
+systems and `--hf-batch-sizes` replaces the HF batch sizes of the throughput benchmark (e.g.
+`16` alone, for a bigger model whose full run would take too long); each suffixes the file
+names (`-quick`, `-tN`, `-hf16`) so that such a run never overwrites the numbers of a default
+run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -448,6 +450,7 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     engine = make_engine(model_dir)
     weight_bytes = engine.model.weights.num_bytes()
     embed = engine.model.weights.embed
+    lm_head_ptr = engine.model.weights.lm_head.data_ptr()
     prompt = random_tokens(random.Random(1), sizes.decode_prompt_len, vocab_size(model_dir))
     threads = torch.get_num_threads()
 
@@ -484,8 +487,11 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     log(f"roofline: read bandwidth, best of {len(bandwidth.times)}: {bw / 1e9:.2f} GB/s")
     roofline = weight_bytes / bw
     fraction = roofline / step
-    # Decode reads one row of the embedding table, not all of it.
-    touched = weight_bytes - embed.numel() * embed.element_size() + embed[0].nbytes
+    # Decode reads one row of the embedding table, not all of it; unless lm_head is the same
+    # table (tied embeddings, as SmolLM2's), which the step reads whole.
+    touched = weight_bytes
+    if lm_head_ptr != embed.data_ptr():
+        touched += embed[0].nbytes - embed.numel() * embed.element_size()
     return {
         "weight_bytes": weight_bytes,
         "threads": threads,
@@ -749,9 +755,12 @@ def bench_loader(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
 # -- reporting -----------------------------------------------------------------------------
 
 
-def variant_suffix(quick: bool, threads: int | None) -> str:
+def variant_suffix(
+    quick: bool, threads: int | None, hf_batch_sizes: tuple[int, ...] | None = None
+) -> str:
     """File-name suffix of a non-default run, so it never overwrites the default results."""
-    return ("-quick" if quick else "") + (f"-t{threads}" if threads else "")
+    hf = f"-hf{'-'.join(map(str, hf_batch_sizes))}" if hf_batch_sizes else ""
+    return ("-quick" if quick else "") + (f"-t{threads}" if threads else "") + hf
 
 
 def result_path(results_dir: Path, name: str, suffix: str, ext: str = "json") -> Path:
@@ -978,14 +987,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="torch threads for both systems (default: torch's)",
     )
+    parser.add_argument(
+        "--hf-batch-sizes",
+        type=lambda raw: tuple(int(x) for x in raw.split(",")),
+        default=None,
+        help="throughput: HF generate batch sizes, e.g. 16 (default: 16,64; 4,8 with --quick)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads <= 0:
             parser.error("--threads must be positive")
         torch.set_num_threads(args.threads)
-    suffix = variant_suffix(args.quick, args.threads)
+    if args.hf_batch_sizes is not None and min(args.hf_batch_sizes, default=0) <= 0:
+        parser.error("--hf-batch-sizes must be positive integers")
+    suffix = variant_suffix(args.quick, args.threads, args.hf_batch_sizes)
 
     sizes = QUICK if args.quick else FULL
+    if args.hf_batch_sizes:
+        sizes = replace(sizes, hf_batch_sizes=args.hf_batch_sizes)
     model_dir = ensure_model(args.model_dir)
     names = BENCHMARKS if args.benchmark == "all" else (args.benchmark,)
     runners = {
