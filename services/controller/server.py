@@ -32,6 +32,7 @@ from services.common.errors import invalid_argument, rpc
 from services.common.process import start_grpc_server
 from services.common.redis.registry import Registry, WorkerInfo
 from services.common.redis.request_log import RequestLogReader
+from services.common.redis.url import RedisAuthError, is_auth_error
 from services.common.security import Bearer, KeyRing, Rule
 from services.controller.actuators import Actuator, ActuatorError
 from services.controller.config import ControllerConfig
@@ -245,6 +246,8 @@ class Controller(agrpc.AdminServicer):
         try:
             raw: Any = await self._redis.hgetall(self._settings_key())
         except _REDIS_DOWN as exc:
+            if is_auth_error(exc):  # not an outage: retrying would never help
+                raise RedisAuthError.of(self.config.redis_url, exc) from None
             log.warning("cannot load operator settings from Redis (%s); using flags", exc)
             return
         f = {k.decode(): v.decode() for k, v in raw.items()}

@@ -177,7 +177,7 @@ def test_services_serve_through_a_redis_with_a_password(
 
 
 @pytest.mark.parametrize("how", ["wrong password", "no password"])
-@pytest.mark.parametrize("module", ["services.decode", "services.router"])
+@pytest.mark.parametrize("module", ["services.decode", "services.router", "services.controller"])
 def test_a_service_with_bad_credentials_stops_at_start_up(
     tiny_model_dir: Path, tmp_path: Path, secured_redis: RedisServer, module: str, how: str
 ) -> None:
@@ -187,6 +187,8 @@ def test_a_service_with_bad_credentials_stops_at_start_up(
         url = "unix://" + secured_redis.url.split("@", 1)[1]
     if module == "services.router":
         service = _router(tiny_model_dir, tmp_path, url)
+    elif module == "services.controller":
+        service = Service(module, tmp_path / "controller.log", url, "--port", "0")
     else:
         service = _worker("decode", tiny_model_dir, tmp_path, url, "d-bad")
     code = service.exit_code()
