@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from http.server import HTTPServer
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health
 
-from services.common import convert, errors, security, tracing
+from services.common import errors, security, tracing
 from services.common.errors import ServiceError, invalid_argument, rpc
 from services.common.metrics import RouterMetrics, start_metrics_server, stop_metrics_server
 from services.common.process import channel_options, start_grpc_server
@@ -31,10 +30,9 @@ from services.router.config import RouterConfig
 from services.router.hops import Call, CallContext, Hops, worker_request_id
 from services.router.openai_http import OpenAIServer
 from services.router.placer import Placer
+from services.router.prompts import Prompts
 from tandem.control import RequestSample
-from tandem.engine.request import RequestSpec, check_prompt
-from tandem.model.config import ModelConfig
-from tandem.model.tokenizer import Tokenizer
+from tandem.engine.request import RequestSpec
 from tandem.routing import Placement
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
@@ -43,8 +41,6 @@ from tandem.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Router"
 MAX_REQUEST_ID_CHARS = 256
-# Normalizers can drop characters, so the early length check leaves this much slack.
-_PROMPT_CHARS_SLACK = 4
 
 __all__ = ["RouterConfig", "RouterServer"]
 
@@ -62,13 +58,11 @@ def check_request_id(request_id: str) -> None:
 class RouterServer(rgrpc.RouterServicer):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.tokenizer = Tokenizer.from_dir(config.model_dir)
-        self.model_config = ModelConfig.from_dir(config.model_dir)
         self.model_id = config.model_id or config.model_dir.rstrip("/").split("/")[-1]
-        self.max_model_len = self.model_config.max_position_embeddings
-        self.max_prompt_chars = (
-            _PROMPT_CHARS_SLACK * self.max_model_len * self.tokenizer.max_token_chars()
-        )
+        self.prompts = Prompts(config.model_dir, self.model_id)
+        self.tokenizer = self.prompts.tokenizer
+        self.model_config = self.prompts.model_config
+        self.max_model_len = self.prompts.max_model_len
         # A worker (re)joining the registry gets a fresh connection: the old one may sit in
         # reconnect backoff from the outage that took it out.
         self.placer = Placer(config, self.model_id, lambda w: self._retire_channel(w.address))
@@ -104,8 +98,6 @@ class RouterServer(rgrpc.RouterServicer):
         self._background: set[asyncio.Task[None]] = set()
         self._request_log: RequestLog | None = None
         self._request_ids: RequestIds | None = None
-        # Tokenizing a long prompt takes milliseconds to seconds: never on the event loop.
-        self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -187,7 +179,7 @@ class RouterServer(rgrpc.RouterServicer):
             await self._request_ids.close()
         for ch in [*self._channels.values(), *self._retired]:
             await ch.close()
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -218,84 +210,6 @@ class RouterServer(rgrpc.RouterServicer):
         if ch is not None:
             self._retired.append(ch)
             del self._retired[:-64]  # bounded; the dropped ones are garbage-collected
-
-    # -- the public request -> RequestSpec ------------------------------------------------
-
-    def _check_size(self, request: rpb.GenerateRequest | rpb.TokenizeRequest) -> None:
-        """Refuse a prompt that cannot fit before spending any time on it."""
-        kind = request.WhichOneof("input")
-        if kind == "text":
-            chars = len(request.text)
-        elif kind == "chat":
-            chars = sum(len(m.content) + len(m.role) for m in request.chat.messages)
-        elif kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
-            n = len(request.token_ids.ids)
-            if n >= self.max_model_len:
-                raise invalid_argument(
-                    f"token_ids: {n} tokens; the model's context is {self.max_model_len}"
-                )
-            return
-        else:
-            return
-        if chars > self.max_prompt_chars:
-            raise invalid_argument(
-                f"{kind}: {chars} characters cannot fit the model's context of "
-                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
-            )
-
-    async def _prompt(
-        self, request: rpb.GenerateRequest | rpb.TokenizeRequest
-    ) -> tuple[list[int], str]:
-        """Token ids (and the prompt text, if any) of a request. Raises ServiceError."""
-        if request.model and request.model != self.model_id:
-            raise invalid_argument(
-                f"model: unknown model {request.model!r}; this router serves {self.model_id!r}"
-            )
-        self._check_size(request)
-        kind = request.WhichOneof("input")
-        if kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
-            return list(request.token_ids.ids), ""
-        if kind not in ("text", "chat"):
-            raise invalid_argument("input: set text, chat or token_ids")
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._tokenize_pool, self._tokenize, request)
-        except ValueError as exc:
-            raise invalid_argument(f"{kind}: {exc}") from None
-
-    def _tokenize(
-        self, request: rpb.GenerateRequest | rpb.TokenizeRequest
-    ) -> tuple[list[int], str]:
-        """On a tokenizer thread. Raises ValueError."""
-        if request.WhichOneof("input") == "text":
-            text = request.text
-            return (self.tokenizer.encode(text) if text else []), text
-        chat = request.chat
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        # Message content stays text: only the template's own markers become special tokens.
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_gen)
-
-    async def _spec(
-        self,
-        request: rpb.GenerateRequest,
-        request_id: str,
-        timeout_s: float | None,
-        cache_salt: str = "",
-    ) -> RequestSpec:
-        """The request as every later hop sees it, validated once. Raises ServiceError."""
-        tokens, _ = await self._prompt(request)
-        vocab = self.model_config.vocab_size
-        try:
-            check_prompt(tokens, vocab, self.max_model_len)
-        except ValueError as exc:
-            raise invalid_argument(f"{request.WhichOneof('input') or 'input'}: {exc}") from None
-        try:
-            params = convert.sampling_from_proto(request.sampling)
-            params.validate_for_vocab(vocab)
-        except ValueError as exc:
-            raise invalid_argument(f"sampling.{exc}") from None
-        return RequestSpec(request_id, tuple(tokens), params, self.model_id, timeout_s, cache_salt)
 
     def _admit(self, key: tuple[str, str]) -> None:
         """Count the request in, atomically (no await between the checks and the count)."""
@@ -353,7 +267,7 @@ class RouterServer(rgrpc.RouterServicer):
             if label or tenant:
                 log.info("request %s: label %r, tenant %r", server_id, label, tenant)
             with tracing.span("tandem.tokenize", span):
-                spec = await self._spec(
+                spec = await self.prompts.spec(
                     request, server_id, context.time_remaining(), self._cache_salt(tenant)
                 )
             span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
@@ -483,7 +397,7 @@ class RouterServer(rgrpc.RouterServicer):
     async def Tokenize(
         self, request: rpb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> rpb.TokenizeResponse:
-        tokens, text = await self._prompt(request)
+        tokens, text = await self.prompts.prompt(request)
         return rpb.TokenizeResponse(token_ids=tokens, prompt=text)
 
     @rpc

@@ -1,0 +1,112 @@
+"""The public request -> the RequestSpec every later hop carries: the model check, a length
+check before tokenizing (a prompt that cannot fit costs microseconds), tokenizing on a thread
+pool (never on the event loop), and validation with the engine's own rules."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from services.common import convert
+from services.common.errors import invalid_argument
+from tandem.engine.request import RequestSpec, check_prompt
+from tandem.model.config import ModelConfig
+from tandem.model.tokenizer import Tokenizer
+from tandem.v1 import router_pb2 as rpb
+
+# Normalizers can drop characters, so the early length check leaves this much slack.
+_PROMPT_CHARS_SLACK = 4
+
+
+class Prompts:
+    """The served model's tokenizer and limits, applied to public requests."""
+
+    def __init__(self, model_dir: str, model_id: str) -> None:
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_id = model_id
+        self.max_model_len = self.model_config.max_position_embeddings
+        self.max_prompt_chars = (
+            _PROMPT_CHARS_SLACK * self.max_model_len * self.tokenizer.max_token_chars()
+        )
+        # Tokenizing a long prompt takes milliseconds to seconds: never on the event loop.
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def check_size(self, request: rpb.GenerateRequest | rpb.TokenizeRequest) -> None:
+        """Refuse a prompt that cannot fit before spending any time on it."""
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            chars = len(request.text)
+        elif kind == "chat":
+            chars = sum(len(m.content) + len(m.role) for m in request.chat.messages)
+        elif kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
+            n = len(request.token_ids.ids)
+            if n >= self.max_model_len:
+                raise invalid_argument(
+                    f"token_ids: {n} tokens; the model's context is {self.max_model_len}"
+                )
+            return
+        else:
+            return
+        if chars > self.max_prompt_chars:
+            raise invalid_argument(
+                f"{kind}: {chars} characters cannot fit the model's context of "
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
+            )
+
+    async def prompt(
+        self, request: rpb.GenerateRequest | rpb.TokenizeRequest
+    ) -> tuple[list[int], str]:
+        """Token ids (and the prompt text, if any) of a request. Raises ServiceError."""
+        if request.model and request.model != self.model_id:
+            raise invalid_argument(
+                f"model: unknown model {request.model!r}; this router serves {self.model_id!r}"
+            )
+        self.check_size(request)
+        kind = request.WhichOneof("input")
+        if kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
+            return list(request.token_ids.ids), ""
+        if kind not in ("text", "chat"):
+            raise invalid_argument("input: set text, chat or token_ids")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, self._tokenize, request)
+        except ValueError as exc:
+            raise invalid_argument(f"{kind}: {exc}") from None
+
+    def _tokenize(
+        self, request: rpb.GenerateRequest | rpb.TokenizeRequest
+    ) -> tuple[list[int], str]:
+        """On a tokenizer thread. Raises ValueError."""
+        if request.WhichOneof("input") == "text":
+            text = request.text
+            return (self.tokenizer.encode(text) if text else []), text
+        chat = request.chat
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        # Message content stays text: only the template's own markers become special tokens.
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_gen)
+
+    async def spec(
+        self,
+        request: rpb.GenerateRequest,
+        request_id: str,
+        timeout_s: float | None,
+        cache_salt: str = "",
+    ) -> RequestSpec:
+        """The request as every later hop sees it, validated once. Raises ServiceError."""
+        tokens, _ = await self.prompt(request)
+        vocab = self.model_config.vocab_size
+        try:
+            check_prompt(tokens, vocab, self.max_model_len)
+        except ValueError as exc:
+            raise invalid_argument(f"{request.WhichOneof('input') or 'input'}: {exc}") from None
+        try:
+            params = convert.sampling_from_proto(request.sampling)
+            params.validate_for_vocab(vocab)
+        except ValueError as exc:
+            raise invalid_argument(f"sampling.{exc}") from None
+        return RequestSpec(request_id, tuple(tokens), params, self.model_id, timeout_s, cache_salt)
