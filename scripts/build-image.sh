@@ -97,7 +97,14 @@ buildah config "${env_args[@]}" \
   "$ctr"
 buildah unmount "$ctr" >/dev/null
 log "commit $IMAGE"
+previous="$(buildah images --noheading --format '{{.ID}}' "$IMAGE" 2>/dev/null || true)"
 buildah commit --quiet --timestamp "$SOURCE_DATE_EPOCH" "$ctr" "$IMAGE" >/dev/null
+# The tag moved to the new image: the one it named (~2.7 GB) would stay behind untagged at
+# every build. Remove it unless something still uses it.
+current="$(buildah images --noheading --format '{{.ID}}' "$IMAGE")"
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+  buildah rmi "$previous" >/dev/null 2>&1 || true
+fi
 archive="dist/tandem-${VERSION}-${VARIANT}.oci.tar"
 rm -f "$archive"
 buildah push --quiet "$IMAGE" "oci-archive:$archive:$IMAGE"
