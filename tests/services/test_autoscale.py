@@ -81,7 +81,13 @@ def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
         wait_for("a second prefill worker", lambda: cluster.count("prefill") == 2, 120)
         status = admin.Status(apb.StatusRequest())
         assert [r.desired for r in status.roles] == [2, 1]
-        assert status.window_requests > 0  # the router's timings reach the controller
+        # The router's timings reach the controller (the status of one tick may fall in a
+        # window with none finished on a loaded machine: wait for one that has some).
+        wait_for(
+            "the router's timings at the controller",
+            lambda: admin.Status(apb.StatusRequest()).window_requests > 0,
+            60,
+        )
         ups = [
             d for d in admin.Explain(apb.ExplainRequest(limit=100)).decisions
             if d.target["prefill"] > d.current["prefill"]
