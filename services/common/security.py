@@ -334,19 +334,42 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def _bearer(
         self, context: grpc.aio.ServicerContext, method: str, rule: Bearer, keyring: KeyRing
     ) -> Principal:
-        token = _bearer_token(context)
-        principal = keyring.lookup(token) if token else None
-        if principal is None:
-            log.info("refused %s from %s: missing or invalid API key", method, context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
-            raise AssertionError("unreachable: context.abort raises")
-        if not principal.scopes & rule.scopes:
-            needed = " or ".join(sorted(rule.scopes))
-            log.warning("refused %s: key %s lacks scope %s", method, principal.key_id, needed)
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, f"key {principal.key_id} lacks scope {needed}"
-            )
-        return principal
+        try:
+            return check_bearer(keyring, _metadata_value(context, AUTHORIZATION_METADATA), rule)
+        except Refused as refused:
+            level = logging.WARNING if refused.principal is not None else logging.INFO
+            log.log(level, "refused %s from %s: %s", method, context.peer(), refused.message)
+            await context.abort(refused.code, refused.message)
+            raise AssertionError("unreachable: context.abort raises") from None
+
+
+class Refused(Exception):
+    """A Bearer rule refused a call: the status and the message its caller gets.
+    `principal`: the key's owner when the key was valid but lacked the scope."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, principal: Principal | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.principal = principal
+
+
+def check_bearer(keyring: KeyRing, authorization: str | None, rule: Bearer) -> Principal:
+    """The principal of an `authorization` value ("Bearer <key>") that `rule` admits: the
+    one check of the gRPC interceptor and the HTTP API. Raises Refused (UNAUTHENTICATED: no
+    or unknown key; PERMISSION_DENIED: a key without any of the rule's scopes)."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    principal = keyring.lookup(token) if scheme.lower() == "bearer" and token else None
+    if principal is None:
+        raise Refused(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
+    if not principal.scopes & rule.scopes:
+        needed = " or ".join(sorted(rule.scopes))
+        message = f"key {principal.key_id} lacks scope {needed}"
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED, message, principal)
+    return principal
 
 
 def _metadata_value(context: grpc.aio.ServicerContext, name: str) -> str | None:
@@ -354,14 +377,6 @@ def _metadata_value(context: grpc.aio.ServicerContext, name: str) -> str | None:
         if key == name and isinstance(value, str):
             return value
     return None
-
-
-def _bearer_token(context: grpc.aio.ServicerContext) -> str | None:
-    value = _metadata_value(context, AUTHORIZATION_METADATA)
-    if value is None:
-        return None
-    scheme, _, token = value.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 def _has_client_certificate(context: grpc.aio.ServicerContext) -> bool:
