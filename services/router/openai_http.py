@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # A request body larger than this is refused (413) before it is read into memory; the router
 # then refuses prompts that cannot fit the model by their length.
 MAX_BODY_BYTES = 32 << 20
-SCOPE = "generate"  # the API key scope the HTTP API needs, as gRPC Generate does
+RULE = security.Bearer("generate")  # the API key scope the HTTP API needs, as gRPC Generate
 
 
 class Router(Protocol):
@@ -193,7 +193,7 @@ class OpenAIServer:
         headers = {"x-request-id": label or answer.id}
         # Until the first message (admission, validation, placement, TTFT) errors are
         # statuses; the client leaving meanwhile cancels the request.
-        first = await _unless_disconnected(request, _first(messages))
+        first = await _unless_disconnected(request.receive, _first(messages))
         if first is None:
             await messages.aclose()
             return Response(status_code=499)
@@ -201,7 +201,7 @@ class OpenAIServer:
             return _error_response(first, headers)
         if parsed.stream:
             return _EventStream(_events(answer, first, messages), messages, headers)
-        whole = await _unless_disconnected(request, _collect(answer, first, messages))
+        whole = await _unless_disconnected(request.receive, _collect(answer, first, messages))
         if whole is None:
             await messages.aclose()
             return Response(status_code=499)
@@ -210,18 +210,13 @@ class OpenAIServer:
         return JSONResponse(whole, headers=headers)
 
     def _principal(self, request: Request) -> security.Principal | None:
-        """The caller's key, checked as gRPC checks it (Bearer "generate"); None without keys."""
+        """The caller's key, checked as gRPC Generate checks it; None without keys."""
         if self.keyring is None:
             return None
-        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-        token = token.strip()
-        principal = self.keyring.lookup(token) if scheme.lower() == "bearer" and token else None
-        if principal is None:
-            raise oai.from_status(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
-        if SCOPE not in principal.scopes:
-            message = f"key {principal.key_id} lacks scope {SCOPE}"
-            raise oai.from_status(grpc.StatusCode.PERMISSION_DENIED, message)
-        return principal
+        try:
+            return security.check_bearer(self.keyring, request.headers.get("authorization"), RULE)
+        except security.Refused as refused:
+            raise oai.from_status(refused.code, refused.message) from None
 
     def _token_text(self, token_id: int) -> str:
         return self.router.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -308,20 +303,20 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or None (work cancelled) when the client disconnects first."""
+async def _unless_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
+    """`work`'s result, or None when the client disconnects first. `work` is cancelled then,
+    and when this call is (it never outlives its caller)."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request.receive))
+    watch = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return None
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
 
 
 async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
@@ -348,16 +343,10 @@ class _EventStream(StreamingResponse):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        task = asyncio.ensure_future(stream())
-        watch = asyncio.ensure_future(_disconnected(receive))
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, OSError):
-                await task
+            with contextlib.suppress(OSError):  # the client went away mid-send
+                await _unless_disconnected(receive, stream())
         finally:
-            watch.cancel()
             await self.events.aclose()
             await self.messages.aclose()
 

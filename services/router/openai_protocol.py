@@ -22,6 +22,10 @@ from tandem.v1 import router_pb2 as rpb
 JSON = dict[str, Any]
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs limit in OpenAI's API
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs limit
+# Sampling fields that are numbers on both sides, under the same names.
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _FINISH = {
     rpb.FINISH_REASON_STOP: "stop",
@@ -202,11 +206,7 @@ def _refuse_unsupported(body: JSON) -> None:
 
 def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
     msg.max_tokens = max_tokens
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-        value = _float(body, name)
-        if value is not None:
-            setattr(msg, name, value)
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in _FLOAT_FIELDS:
         value = _float(body, name)
         if value is not None:
             setattr(msg, name, value)
