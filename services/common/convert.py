@@ -13,6 +13,7 @@ from services.common.redis.worker_info import WorkerInfo
 from tandem.engine.engine import RequestOutput
 from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import LogprobEntry, SamplingParams
+from tandem.routing.stall import HopProgress
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
@@ -187,6 +188,18 @@ def chunk_to_proto(outs: Sequence[RequestOutput]) -> rpb.Chunk:
         if out.logprobs:
             chunk.logprobs.extend(logprobs_to_proto(out.new_token_ids, out.logprobs))
     return chunk
+
+
+def progress_to_proto(p: HopProgress) -> wpb.Progress:
+    return wpb.Progress(
+        queue_position=p.queue_position,
+        computed_tokens=p.computed_tokens,
+        engine_steps=p.engine_steps,
+    )
+
+
+def progress_from_proto(msg: wpb.Progress) -> HopProgress:
+    return HopProgress(msg.queue_position, msg.computed_tokens, msg.engine_steps)
 
 
 def worker_stats_to_proto(info: WorkerInfo, num_pinned_requests: int) -> wpb.WorkerStats:

@@ -58,6 +58,11 @@ ACTIONS = ("reprefill", "recompute", "migrate", "fail")
 WORKER_STATES = ("healthy", "open_breaker")
 TRANSFER_OUTCOMES = ("committed", "lapsed", "failed", "refused")
 ROLES = ("prefill", "decode")
+EJECTIONS = ("unreachable", "stalled", "error")  # why a router took a worker out of rotation
+ABORT_OUTCOMES = ("answered", "late", "failed")  # late: answered after ABORT_LATE_S
+ABORT_LATE_S = 0.1
+ABORT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+REFUSALS = ("queue_delay", "inflight")
 # Defined in services/controller/server.py (its own registry and port).
 CONTROLLER_METRICS = frozenset(
     {"tandem_controller_replicas", "tandem_controller_sla_attainment",
@@ -183,6 +188,38 @@ class RouterMetrics:
             "tandem_router_workers", "Workers this router knows, by role and breaker state.",
             ["role", "state"], registry=r,
         )  # fmt: skip
+        ejections = Counter(
+            "tandem_router_ejections", "Workers taken out of rotation, by reason.",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.ejections = {e: ejections.labels(e) for e in EJECTIONS}
+        aborts = Counter(
+            "tandem_router_worker_aborts",
+            f"Abort calls to workers: answered, late (after {ABORT_LATE_S:g}s) or failed.",
+            ["role", "outcome"], registry=r,
+        )  # fmt: skip
+        self.worker_aborts = {(w, o): aborts.labels(w, o) for w in ROLES for o in ABORT_OUTCOMES}
+        abort_s = Histogram(
+            "tandem_router_worker_abort_seconds", "Round trip of an answered Abort call.",
+            ["role"], buckets=ABORT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.worker_abort_s = {w: abort_s.labels(w) for w in ROLES}
+        refusals = Counter(
+            "tandem_router_admission_refusals",
+            "Requests refused at admission: expected queue delay over the limit, or "
+            "max_inflight reached.", ["reason"], registry=r,
+        )  # fmt: skip
+        self.refusals = {x: refusals.labels(x) for x in REFUSALS}
+        self.queue_delay_estimate = Histogram(
+            "tandem_router_queue_delay_estimate_seconds",
+            "Expected delay to the first token at admission (tandem.routing.admission).",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_delay = Histogram(
+            "tandem_router_queue_delay_seconds",
+            "Actual admission to first token of requests that had an estimate.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         for reason in ROUTE_REASONS:  # every series exists from the start
             for path in PATHS:
                 self.decisions.labels(path, reason)
@@ -237,6 +274,14 @@ class RouterMetrics:
 
     def recovery(self, fault: str, action: str) -> None:
         self.recoveries.labels(fault, action).inc()
+
+    def worker_abort(self, role: str, seconds: float | None) -> None:
+        """An Abort call to a worker of `role` answered after `seconds` (None: it failed)."""
+        if seconds is None:
+            self.worker_aborts[(role, "failed")].inc()
+            return
+        self.worker_abort_s[role].observe(seconds)
+        self.worker_aborts[(role, "late" if seconds > ABORT_LATE_S else "answered")].inc()
 
     # -- state -----------------------------------------------------------------------------
 
@@ -347,6 +392,20 @@ class WorkerMetrics:
                 "tandem_worker_lease_expired", "Hand-off leases that lapsed unconfirmed.",
                 registry=r,
             )  # fmt: skip
+        self.aborts = Counter(
+            "tandem_worker_aborts", "Abort calls answered (found or not).", ["role"],
+            registry=r,
+        ).labels(role)  # fmt: skip
+        self.kv_blocks_reaped = Counter(
+            "tandem_worker_kv_blocks_reaped",
+            "KV blocks freed because no call or lease held their request (a lost abort).",
+            ["role"], registry=r,
+        ).labels(role)  # fmt: skip
+        self.kv_audit_violations = Counter(
+            "tandem_worker_kv_audit_violations",
+            "Strict KV audit: block accounting errors and reaped requests.", ["role"],
+            registry=r,
+        ).labels(role)  # fmt: skip
         self._admitted: collections.deque[str] = collections.deque()  # thread-safe appends
         self._pending: dict[str, bool] = {}  # engine thread only: id -> missed once
 

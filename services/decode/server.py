@@ -55,7 +55,6 @@ from tandem.transfer import (
     prompt_hashes,
     verify_handoff,
 )
-from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
@@ -222,7 +221,11 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             else:
                 await self.add_request(spec, outputs, emitted or None)
             t_joined = time.perf_counter()
-            async for batch in output_batches(stream):
+            async for batch in output_batches(stream, self.config.progress_interval_s):
+                if not batch:  # waiting in the queue or preempted: still alive
+                    progress = convert.progress_to_proto(self.loop.progress(rid))
+                    yield wpb.DecodeResponse(request_id=rid, progress=progress)
+                    continue
                 if num_output_tokens == 0:
                     tracing.engine_phases(
                         span,
@@ -252,7 +255,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             self.num_active_rpcs -= 1
             self.loop.close_stream(rid)
             # Cancelled or failed mid-stream: free everything this request holds here.
-            self.loop.post(lambda e: e.abort(rid))
+            self.loop.abort(rid)
 
     async def _pull_kv(
         self,
@@ -376,9 +379,3 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             f"{exc} (prefill worker {handoff.remote.agent_name!r}, decode worker "
             f"{self.worker_id!r}): run both with the same model and dtype"
         )
-
-    @rpc
-    async def Abort(
-        self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> rpb.AbortResponse:
-        return rpb.AbortResponse(found=await self.loop.call(lambda e: e.abort(request.request_id)))

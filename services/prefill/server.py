@@ -16,19 +16,20 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from services.common import convert, tracing
-from services.common.errors import rpc
+from services.common.errors import ServiceError, rpc
 from services.common.security import derive_key, load_secret
+from services.common.worker.engine_loop import Quiet, next_output
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.engine import LLMEngine
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec
 from tandem.transfer import KVHandoff, LeaseTable, prompt_hashes, sign_handoff
-from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
@@ -91,7 +92,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
     @rpc
     async def Prefill(
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> wpb.PrefillResponse:
+    ) -> AsyncIterator[wpb.PrefillEvent]:
         t_start = time.perf_counter()
         spec, stream = self.admit(request, context)
         rid = spec.request_id
@@ -101,8 +102,15 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         handed_off = False
         try:
             await self.add_request(spec)
-            out = await stream.get()
-            assert out is not None
+            wait_s = self.config.progress_interval_s
+            while isinstance(out := await next_output(stream, wait_s), Quiet):
+                # Queued or computing: the router's stall clock sees the engine move.
+                progress = convert.progress_to_proto(self.loop.progress(rid))
+                yield wpb.PrefillEvent(progress=progress)
+            if out is None or out.finish_reason == "abort":
+                if rid in self._aborted:
+                    raise ServiceError(grpc.StatusCode.ABORTED, f"request_id {rid!r} was aborted")
+                raise ServiceError(grpc.StatusCode.INTERNAL, "the engine step failed")
             tracing.engine_phases(
                 span,
                 "tandem.prefill.queue",
@@ -112,7 +120,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             )
             span.set_attribute("tandem.cached_tokens", out.num_cached_tokens)
             resp = convert.prefill_response_to_proto(rid, out)
-            if out.handed_off:
+            if out.handed_off and rid not in self._aborted:
                 # The engine pinned the blocks at hand-off; the lease bounds how long.
                 lease = self.leases.grant(rid)
                 handed_off = True
@@ -130,7 +138,9 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                     expires_at=lease.expires_at,
                 )
                 resp.kv.CopyFrom(convert.handoff_to_proto(self._sign(spec, handoff)))
-            return resp
+            elif out.handed_off:  # aborted while the hand-off was on its way here
+                raise ServiceError(grpc.StatusCode.ABORTED, f"request_id {rid!r} was aborted")
+            yield wpb.PrefillEvent(result=resp)
         except BaseException as exc:
             tracing.fail(span, exc)
             raise
@@ -140,7 +150,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             self.loop.close_stream(rid)
             if not handed_off:
                 # Cancelled, failed or finished at token 1: nothing may stay pinned.
-                self.loop.post(lambda e: e.abort(rid))
+                self.loop.abort(rid)
 
     def _sign(self, spec: RequestSpec, handoff: KVHandoff) -> KVHandoff:
         """`handoff` signed for `spec` (unchanged without a cluster secret). The hashes are
@@ -164,10 +174,10 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             self.loop.post(lambda e: e.release(rid))
         return wpb.ReleaseKvResponse(valid=answer.valid)
 
-    @rpc
-    async def Abort(
-        self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> rpb.AbortResponse:
-        self.leases.revoke(request.request_id)
-        tracing.end_lease(self._lease_spans.pop(request.request_id, None), "revoked")
-        return rpb.AbortResponse(found=await self.loop.call(lambda e: e.abort(request.request_id)))
+    def abort(self, request_id: str) -> bool:
+        found = bool(self.leases.revoke(request_id))  # the abort frees the blocks
+        tracing.end_lease(self._lease_spans.pop(request_id, None), "revoked")
+        return super().abort(request_id) or found
+
+    def owns(self, request_id: str) -> bool:
+        return super().owns(request_id) or self.leases.holds(request_id)

@@ -31,9 +31,16 @@ class RouterConfig:
     worker_refresh_s: how often the registry is polled for joins, departures and load.
     index_timeout_s: how long a prefix-index lookup may take before the request is placed
         on load alone.
-    hop_timeout_s: longest a worker may take to answer a Prefill, or between two messages
-        of a Decode stream, before the router counts it as failed and recovers the request
-        elsewhere (a frozen process is found sooner by keepalive).
+    hop_timeout_s: longest a Prefill or Decode hop may go without progress before the
+        router counts the worker as stalled and recovers the request elsewhere. Progress is
+        any output, or a worker's progress report showing its engine stepping, the
+        request's queue position dropping or its computed tokens growing
+        (tandem.routing.stall): a busy worker never stalls, however long its queue. A dead or
+        frozen process is found sooner by keepalive.
+    max_queue_delay_s: refuse a request at once (RESOURCE_EXHAUSTED, HTTP 429, with a
+        retry hint) when its expected wait for the first token -- the prefilling worker's
+        queued prompt tokens at its measured prefill rate (tandem.routing.admission) --
+        exceeds this; 0: no limit.
     keepalive_s: gRPC keepalive ping interval (and timeout) on worker channels: a frozen or
         unreachable worker fails its calls within about twice this.
     request_id_ttl_s: how long a claimed client request id stays claimed in Redis when the
@@ -68,6 +75,7 @@ class RouterConfig:
     worker_refresh_s: float = 0.5
     index_timeout_s: float = 0.05
     hop_timeout_s: float = 30.0
+    max_queue_delay_s: float = 30.0
     keepalive_s: float = 1.0
     request_id_ttl_s: float = 3600.0
     api_keys_file: str = ""
@@ -87,6 +95,8 @@ class RouterConfig:
             raise ValueError(f"http_port must be >= -1 (-1: off), got {self.http_port}")
         if self.metrics_port < -1:
             raise ValueError(f"metrics_port must be >= -1 (-1: off), got {self.metrics_port}")
+        if self.max_queue_delay_s < 0:
+            raise ValueError(f"max_queue_delay_s must be >= 0, got {self.max_queue_delay_s}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("TLS needs tls_cert_file and tls_key_file together")
         for name in ("hop_timeout_s", "keepalive_s", "request_id_ttl_s"):

@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -29,8 +29,9 @@ from services.common import convert, errors, tracing
 from services.common.metrics import RouterMetrics
 from services.router.placer import Placer
 from tandem.engine.request import RequestSpec
-from tandem.routing import Dispatch, Placement
+from tandem.routing import Dispatch, Placement, WorkerLoad
 from tandem.routing.recovery import Action, Failure, Fault, RecoveryConfig, plan_recovery
+from tandem.routing.stall import StallWatch
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -87,6 +88,7 @@ class Call:
     public_id: str = ""  # what the client calls it: its label, or the server's id
     tenant: str = ""
     t_last_token: float = 0.0  # perf_counter when the last token reached the client (metrics)
+    estimate_s: float | None = None  # expected delay to the first token, at admission
     span: tracing.Span = tracing.INVALID_SPAN  # tandem.generate: the parent of worker spans
 
     def elapsed_ms(self) -> float:
@@ -103,6 +105,7 @@ class HopFailed(Exception):
         why: str,
         breaker: bool = True,
         unreachable: bool = False,
+        stalled: bool = False,
     ) -> None:
         super().__init__(f"{fault.value} on {worker_id}: {why}")
         self.fault = fault
@@ -110,6 +113,7 @@ class HopFailed(Exception):
         self.why = why
         self.breaker = breaker  # counts against the worker's circuit breaker
         self.unreachable = unreachable  # the connection itself failed (UNAVAILABLE)
+        self.stalled = stalled  # no progress for hop_timeout_s (alive, maybe hung)
 
 
 class Hops:
@@ -169,19 +173,19 @@ class Hops:
             dataclasses.replace(call.spec, request_id=call.worker_rid),
             call.placement.decode.worker_id,
         )
-        left = context.time_remaining()
         stub = wgrpc.PrefillWorkerStub(self._channel(worker.address))
-        call.worker_call = stub.Prefill(
-            request,
-            timeout=self.hop_timeout_s if left is None else min(left, self.hop_timeout_s),
-            metadata=tracing.headers(call.span),
+        call.worker_call = stream = stub.Prefill(
+            request, timeout=context.time_remaining(), metadata=tracing.headers(call.span)
         )
         try:
-            resp: wpb.PrefillResponse = await call.worker_call
-        except grpc.aio.AioRpcError as exc:
-            raise self._hop_error(
-                call, exc, Fault.PREFILL_FAILED, worker.worker_id, context
-            ) from None
+            resp: wpb.PrefillResponse | None = None
+            async for event in self._events(call, stream, Fault.PREFILL_FAILED, worker, context):
+                if event.WhichOneof("kind") == "result":
+                    resp = event.result
+                    break
+            if resp is None:
+                why = "stream ended without a result"
+                raise HopFailed(Fault.PREFILL_FAILED, worker.worker_id, why)
         finally:
             call.dispatch.prefill_done()
         self.placer.worker_ok(worker.worker_id)
@@ -228,22 +232,7 @@ class Hops:
             request, timeout=context.time_remaining(), metadata=tracing.headers(call.span)
         )
         answered = False
-        while True:
-            try:
-                async with asyncio.timeout(self.hop_timeout_s):
-                    msg = await stream.read()
-            except TimeoutError:
-                stream.cancel()
-                raise HopFailed(
-                    Fault.DECODE_FAILED, worker.worker_id,
-                    f"no message for {self.hop_timeout_s:g}s (hop_timeout_s)",
-                ) from None  # fmt: skip
-            except grpc.aio.AioRpcError as exc:
-                raise self._hop_error(
-                    call, exc, Fault.DECODE_FAILED, worker.worker_id, context
-                ) from None
-            if msg is grpc.aio.EOF:
-                break
+        async for msg in self._events(call, stream, Fault.DECODE_FAILED, worker, context):
             if not answered:
                 answered = True
                 self.placer.worker_ok(worker.worker_id)
@@ -267,7 +256,42 @@ class Hops:
                 raise HopFailed(Fault.KV_PULL_FAILED, owner, msg.kv_failed.reason, breaker=False)
         raise HopFailed(Fault.DECODE_FAILED, worker.worker_id, "stream ended without a result")
 
+    async def _events(
+        self,
+        call: Call,
+        stream: grpc.aio.UnaryStreamCall,
+        fault: Fault,
+        worker: WorkerLoad,
+        context: CallContext,
+    ) -> AsyncIterator[Any]:
+        """A hop's messages, progress reports consumed here: the hop fails as stalled only
+        after hop_timeout_s without any advance (`tandem.routing.stall`), however long a busy
+        worker takes. Raises HopFailed on a stall or a worker fault."""
+        watch = StallWatch(self.hop_timeout_s, time.monotonic())
+        while True:
+            try:
+                async with asyncio.timeout(max(watch.remaining_s(time.monotonic()), 0.0)):
+                    msg = await stream.read()
+            except TimeoutError:
+                stream.cancel()
+                raise HopFailed(
+                    fault, worker.worker_id,
+                    f"no progress for {self.hop_timeout_s:g}s (hop_timeout_s)", stalled=True,
+                ) from None  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                raise self._hop_error(call, exc, fault, worker.worker_id, context) from None
+            if msg is grpc.aio.EOF:
+                return
+            now = time.monotonic()
+            if msg.WhichOneof("kind") == "progress":
+                watch.progress(convert.progress_from_proto(msg.progress), now)
+                continue
+            watch.output(now)
+            yield msg
+
     def _streamed(self, call: Call, chunk: rpb.Chunk) -> None:
+        if not call.t_last_token and chunk.token_ids and call.estimate_s is not None:
+            self.metrics.queue_delay.observe(time.perf_counter() - call.t_start)
         call.t_last_token = self.metrics.streamed(
             call.timings.disaggregated, call.t_start, call.t_last_token, len(chunk.token_ids),
             time.perf_counter(),
@@ -289,22 +313,35 @@ class Hops:
         code = exc.code()
         if call.aborted:
             return exc
-        left = context.time_remaining()
-        ours = code is grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 0.05)
-        if code in _WORKER_FAULTS or ours:
-            what = "hop_timeout_s passed" if ours else f"{code.name}: {exc.details()}"
+        if code in _WORKER_FAULTS:
             return HopFailed(
-                fault, worker_id, what, unreachable=code is grpc.StatusCode.UNAVAILABLE
-            )
+                fault, worker_id, f"{code.name}: {exc.details()}",
+                unreachable=code is grpc.StatusCode.UNAVAILABLE,
+            )  # fmt: skip
         return errors.from_worker(exc)
 
     # -- recovery ----------------------------------------------------------------------------
 
+    def _last_of_role(self, worker_id: str) -> bool:
+        """Is `worker_id` the only healthy worker of its role (as placement sees them)?"""
+        workers = self.placer.workers()
+        role = next((w.role for w in workers if w.worker_id == worker_id), None)
+        return role is not None and not any(
+            w.role == role and w.worker_id != worker_id and not w.draining for w in workers
+        )
+
     def _recover(self, call: Call, failed: HopFailed) -> None:
         """Re-place `call` after `failed`, or raise ServiceError(UNAVAILABLE)."""
         call.failed.add(failed.worker_id)
-        if failed.breaker:
-            self.placer.worker_failed(failed.worker_id, str(failed))
+        if failed.breaker and not (failed.stalled and self._last_of_role(failed.worker_id)):
+            # Never the last healthy worker of its role for a stall: taking it out of
+            # rotation would refuse every request, not spare them a slow worker.
+            if self.placer.worker_failed(failed.worker_id, str(failed)):
+                reason = (
+                    "unreachable" if failed.unreachable else "stalled" if failed.stalled
+                    else "error"
+                )  # fmt: skip
+                self.metrics.ejections[reason].inc()
         placement = call.placement
         if failed.unreachable:
             for w in (placement.decode, placement.prefill):
@@ -319,6 +356,7 @@ class Hops:
             failed=frozenset(call.failed),
             num_uncached_tokens=call.spec.num_prompt_tokens - local,
             min_reprefill_tokens=self.min_reprefill_tokens,
+            prefill_gone=failed.unreachable,
         )
         step = plan_recovery(failure, self.placer.workers(), self.recovery)
         line = f"{failed}: {step.describe()}"

@@ -27,6 +27,7 @@ from tandem.routing import (
     choose,
     prefix_key,
 )
+from tandem.routing.admission import Admission, estimate_delay_s, queued_tokens
 from tandem.routing.health import CircuitBreakers
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,15 @@ class Placer:
         )
         return placement
 
+    def admission(self, spec: RequestSpec, placement: Placement) -> Admission:
+        """Whether `placement` would start `spec` within max_queue_delay_s, from the
+        prefilling worker's queue and measured prefill rate (tandem.routing.admission)."""
+        worker = placement.prefill or placement.decode
+        queued = queued_tokens(worker.queued_prefill_tokens, worker.inflight_prefill_tokens)
+        uncached = spec.num_prompt_tokens - placement.cached_tokens
+        estimate = estimate_delay_s(queued, uncached, worker.prefill_tokens_per_s)
+        return Admission.decide(estimate, self.config.max_queue_delay_s, worker.worker_id)
+
     def workers(self) -> list[WorkerLoad]:
         """Every healthy worker of this model with its load, as the placement policy sees it:
         known to the registry (or listed) and not held out by its circuit breaker."""
@@ -156,11 +166,14 @@ class Placer:
     def worker_ok(self, worker_id: str) -> None:
         self.breakers.success(worker_id)
 
-    def worker_failed(self, worker_id: str, why: str) -> None:
+    def worker_failed(self, worker_id: str, why: str) -> bool:
         """A worker fault seen by this router: out of rotation until its breaker lets a
-        probe through (or it re-registers as a new incarnation)."""
+        probe through (or it re-registers as a new incarnation). True when this took it
+        out of rotation."""
         if self.breakers.failure(worker_id, time.monotonic()):
             log.warning("worker %s out of rotation: %s", worker_id, why)
+            return True
+        return False
 
     def _no_decode_message(self) -> str:
         held = self.breakers.open_workers(time.monotonic())

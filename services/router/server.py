@@ -41,6 +41,9 @@ from tandem.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Router"
 MAX_REQUEST_ID_CHARS = 256
+ABORT_ATTEMPTS = 2  # an abort a worker did not answer is sent once more
+ABORT_TIMEOUT_S = 2.0
+ABORT_RETRY_S = 0.5
 
 __all__ = ["RouterConfig", "RouterServer"]
 
@@ -216,6 +219,7 @@ class RouterServer(rgrpc.RouterServicer):
         if key in self._admitted:
             raise errors.already_exists(f"request_id {key[1]!r} is already running")
         if len(self._admitted) >= self.config.max_inflight:
+            self.metrics.refusals["inflight"].inc()
             raise errors.resource_exhausted(
                 f"router has {len(self._admitted)} requests in flight (max_inflight "
                 f"{self.config.max_inflight}); retry later",
@@ -273,7 +277,15 @@ class RouterServer(rgrpc.RouterServicer):
             span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
             with tracing.span("tandem.route", span) as route_span:
                 placement = await self.placer.place(spec, route_span)
+            admission = self.placer.admission(spec, placement)
+            if admission.estimate_s is not None:
+                self.metrics.queue_delay_estimate.observe(admission.estimate_s)
+            if not admission.admitted:
+                self.metrics.refusals["queue_delay"].inc()
+                log.info("request %s refused: %s", server_id, admission.reason)
+                raise errors.resource_exhausted(admission.reason, admission.retry_after_s)
             call = self._calls[key] = self._open(spec, placement, t_start, rid, tenant)
+            call.estimate_s = admission.estimate_s
             call.span = span
             try:
                 if key in self._early_aborts:
@@ -381,17 +393,35 @@ class RouterServer(rgrpc.RouterServicer):
         task.add_done_callback(self._background.discard)
 
     async def _abort_workers(self, worker_rid: str, placement: Placement) -> None:
+        """Abort one attempt on both its workers, at once. Workers answer an abort without
+        waiting for their engine; one that cannot be reached now gets a second try, and
+        past that its own reaper (leases, orphaned requests) frees what the attempt held."""
         req = rpb.AbortRequest(request_id=worker_rid)
-        targets = [(wgrpc.DecodeWorkerStub, placement.decode.address)]
+        targets = [("decode", wgrpc.DecodeWorkerStub, placement.decode.address)]
         if placement.prefill is not None:
-            targets.append((wgrpc.PrefillWorkerStub, placement.prefill.address))  # type: ignore[arg-type]
-        for stub_cls, address in targets:
+            targets.append(("prefill", wgrpc.PrefillWorkerStub, placement.prefill.address))  # type: ignore[arg-type]
+        await asyncio.gather(*(self._abort_one(req, *target) for target in targets))
+
+    async def _abort_one(
+        self, req: rpb.AbortRequest, role: str, stub_cls: Any, address: str
+    ) -> None:
+        for attempt in range(ABORT_ATTEMPTS):
+            t0 = time.perf_counter()
             try:
-                await stub_cls(self._channel(address)).Abort(req, timeout=2.0)
+                await stub_cls(self._channel(address)).Abort(req, timeout=ABORT_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                log.warning("abort of %s on %s failed: %s", worker_rid, address, exc.code().name)
+                self.metrics.worker_abort(role, None)
+                log.warning(
+                    "abort of %s on %s failed (attempt %d of %d): %s",
+                    req.request_id, address, attempt + 1, ABORT_ATTEMPTS, exc.code().name,
+                )  # fmt: skip
+                await asyncio.sleep(ABORT_RETRY_S)
+                continue
             except grpc.aio.UsageError:  # the router is stopping: its channels are closed
-                log.warning("abort of %s on %s skipped: router stopping", worker_rid, address)
+                log.warning("abort of %s on %s skipped: router stopping", req.request_id, address)
+                return
+            self.metrics.worker_abort(role, time.perf_counter() - t0)
+            return
 
     @rpc
     async def Tokenize(

@@ -155,6 +155,7 @@ class LLMEngine:
         self._emitted: dict[str, int] = {}  # characters of text streamed so far
         self.num_steps = 0
         self.num_tokens_computed = 0  # prompt + generated tokens run through the model
+        self.last_step_prefill_tokens = 0  # prompt tokens (prefill chunks) of the last step
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -413,6 +414,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report each request's progress."""
         out = self.scheduler.schedule()
+        self.last_step_prefill_tokens = sum(
+            s.num_new_tokens for s in out.scheduled if not s.is_decode
+        )
         if out.is_empty:
             return []
         samples = self.runner.execute(out)
@@ -545,3 +549,8 @@ class LLMEngine:
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """Does the engine hold the request (queued, running, handed off, awaiting KV)?
+        One dict lookup: safe to ask from another thread, as a hint."""
+        return request_id in self._requests

@@ -106,6 +106,7 @@ class WorkerLoad:
     draining: bool = False
     inflight_requests: int = 0  # sent by this router, not yet finished
     inflight_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured prompt rate (0: not measured yet)
 
     @property
     def prefill_queue(self) -> int:

@@ -8,8 +8,13 @@ Three faults, each met by one recovery step, all bounded by a per-request budget
   decode_failed   the decode worker died or froze, before or while streaming
 
   prefill faults  -> reprefill on another healthy prefill worker (the same decode worker
-                     pulls from it), or, with none or for a short prompt, recompute: the
-                     decode worker prefills the prompt itself
+                     pulls from it), or, for a short prompt, recompute: the decode worker
+                     prefills the prompt itself. With no other prefill worker, recompute
+                     only when the failed one is gone (unreachable) or the decode worker
+                     has room (its queued prompt tokens plus this prompt within
+                     `recompute_max_queued_tokens`); otherwise fail promptly: moving a live
+                     prefill worker's load onto a busy decode worker only spreads the
+                     overload to the streams it serves
   decode_failed   -> migrate: another healthy decode worker continues from the prompt plus
                      the tokens already streamed (it prefills them itself; seeded sampling
                      resumes where it stopped because the engine advances the seed's stream
@@ -48,14 +53,23 @@ class RecoveryConfig:
     max_recoveries: recovery steps one request may take before it fails (the retry budget).
     reprefill: on a prefill fault, try another prefill worker before recomputing on the
         decode worker. Off: always recompute (the decode workers absorb the prefill work).
+    recompute_max_queued_tokens: with no other prefill worker and the failed one still
+        reachable, the decode worker takes over the prompt only while its queued prompt
+        tokens plus this one's stay within this.
     """
 
     max_recoveries: int = 3
     reprefill: bool = True
+    recompute_max_queued_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.max_recoveries < 0:
             raise ValueError(f"max_recoveries must be >= 0, got {self.max_recoveries}")
+        if self.recompute_max_queued_tokens < 0:
+            raise ValueError(
+                "recompute_max_queued_tokens must be >= 0, got "
+                f"{self.recompute_max_queued_tokens}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +85,8 @@ class Failure:
         num_uncached_tokens: prompt tokens the decode worker would compute on a recompute;
             below `min_reprefill_tokens` a recompute is cheaper than another hand-off.
         min_reprefill_tokens: the router's disaggregation threshold.
+        prefill_gone: the failed prefill worker is unreachable (dead, frozen, cut off), so
+            its queue is gone with it; False: it is alive (errored or stalled).
     """
 
     fault: Fault
@@ -80,6 +96,7 @@ class Failure:
     failed: frozenset[str] = frozenset()
     num_uncached_tokens: int = 0
     min_reprefill_tokens: int = 0
+    prefill_gone: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +168,20 @@ def plan_recovery(
             decode=decode,
         )
     if not prefills:
-        return Recovery(Action.RECOMPUTE, f"{what}; no other healthy prefill worker", decode=decode)
+        queued = decode.prefill_queue + failure.num_uncached_tokens
+        if failure.prefill_gone:
+            why = "no other healthy prefill worker"
+        elif queued <= config.recompute_max_queued_tokens:
+            why = f"no other healthy prefill worker; decode has room ({queued} queued tokens)"
+        else:
+            return Recovery(
+                Action.FAIL,
+                f"{what}; no other healthy prefill worker, and decode worker "
+                f"{decode.worker_id} has no room to prefill {failure.num_uncached_tokens} "
+                f"tokens ({queued} queued > recompute_max_queued_tokens "
+                f"{config.recompute_max_queued_tokens})",
+            )
+        return Recovery(Action.RECOMPUTE, f"{what}; {why}", decode=decode)
     prefill = min(prefills, key=lambda w: w.prefill_queue)
     return Recovery(
         Action.REPREFILL,

@@ -104,6 +104,11 @@ class LeaseTable:
                 del self._leases[lease.lease_id]
         return expired
 
+    def holds(self, request_id: str) -> bool:
+        """Does a lease pin `request_id`'s blocks?"""
+        with self._lock:
+            return any(x.request_id == request_id for x in self._leases.values())
+
     def revoke(self, request_id: str) -> list[Lease]:
         """Remove and return every lease of `request_id` (the request was aborted; its
         blocks are freed by the abort itself)."""

@@ -101,6 +101,24 @@ class PrefillResponse(_message.Message):
     kv: KvHandle
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_router_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., kv: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
+class Progress(_message.Message):
+    __slots__ = ("queue_position", "computed_tokens", "engine_steps")
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    queue_position: int
+    computed_tokens: int
+    engine_steps: int
+    def __init__(self, queue_position: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., engine_steps: _Optional[int] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("progress", "result")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    progress: Progress
+    result: PrefillResponse
+    def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., result: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("request_id", "lease_id", "epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -160,23 +178,25 @@ class DecodeComplete(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., recomputed: _Optional[bool] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "chunk", "complete", "kv_failed")
+    __slots__ = ("request_id", "chunk", "complete", "kv_failed", "progress")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     KV_FAILED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunk: _router_pb2.Chunk
     complete: DecodeComplete
     kv_failed: KvFailed
-    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[_router_pb2.Chunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ..., kv_failed: _Optional[_Union[KvFailed, _Mapping]] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[_router_pb2.Chunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ..., kv_failed: _Optional[_Union[KvFailed, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "num_blocks", "num_free_blocks", "num_pinned_requests", "epoch")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "num_blocks", "num_free_blocks", "num_pinned_requests", "epoch", "num_aborts", "num_reaped_blocks", "num_audit_violations")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +206,9 @@ class WorkerStats(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PINNED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ABORTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REAPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_AUDIT_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -195,4 +218,7 @@ class WorkerStats(_message.Message):
     num_free_blocks: int
     num_pinned_requests: int
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_pinned_requests: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    num_aborts: int
+    num_reaped_blocks: int
+    num_audit_violations: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_pinned_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., num_aborts: _Optional[int] = ..., num_reaped_blocks: _Optional[int] = ..., num_audit_violations: _Optional[int] = ...) -> None: ...

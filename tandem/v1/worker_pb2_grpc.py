@@ -37,10 +37,10 @@ class PrefillWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/tandem.v1.PrefillWorker/Prefill',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
                 _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/ReleaseKv',
@@ -65,7 +65,9 @@ class PrefillWorkerServicer:
     """
 
     def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Progress messages while the request waits or computes (at least every progress
+        interval, so the router tells a busy worker from a stalled one), then one result.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -93,10 +95,10 @@ class PrefillWorkerServicer:
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillEvent.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
@@ -137,12 +139,12 @@ class PrefillWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/tandem.v1.PrefillWorker/Prefill',
             tandem_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            tandem_dot_v1_dot_worker__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

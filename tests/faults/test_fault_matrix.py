@@ -21,6 +21,7 @@ from tandem.client import AsyncTandemClient, Result, TandemError
 from tandem.engine.prefix_hash import hash_blocks
 from tandem.routing.policy import home_rank, prefix_key
 from tests.faults.conftest import MAX_INFLIGHT, WAIT_S, Fleet
+from tests.services.workers import prefill_result
 
 RNG = random.Random(14)
 BLOCK = 16
@@ -130,9 +131,11 @@ def test_handoff_to_dead_owner_reports_kv_failed_and_frees_blocks(fleet: Fleet) 
     sampling = rpb.SamplingParams(max_tokens=8, temperature=0.0)
     with grpc.insecure_channel(fleet.addresses["p1"]) as ch:
         prefill = wgrpc.PrefillWorkerStub(ch)
-        resp = prefill.Prefill(
-            wpb.PrefillRequest(request_id="kvf", prompt_token_ids=prompt, sampling=sampling),
-            timeout=30,
+        resp = prefill_result(
+            prefill.Prefill(
+                wpb.PrefillRequest(request_id="kvf", prompt_token_ids=prompt, sampling=sampling),
+                timeout=30,
+            )
         )
         assert resp.HasField("kv")
         prefill.Abort(rpb.AbortRequest(request_id="kvf"), timeout=5)  # the lease is revoked

@@ -28,7 +28,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES, up_cluster
-from tests.services.workers import assert_all_free
+from tests.services.workers import assert_all_free, prefill_result
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +212,10 @@ def test_decode_recomputes_when_the_lease_cannot_be_confirmed(model_dir, referen
         prompt = random.Random(9).choices(range(5, 512), k=150)
         sampling = rpb.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
         p_stub = wgrpc.PrefillWorkerStub(grpc.insecure_channel(p_addr))
-        first = p_stub.Prefill(
-            wpb.PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling)
+        first = prefill_result(
+            p_stub.Prefill(
+                wpb.PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling)
+            )
         )
         assert first.kv.block_ids and not first.finished
         if failure == "killed":

@@ -39,6 +39,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES
+from tests.services.workers import prefill_result
 
 MAX_TOKENS = 8
 SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -122,9 +123,7 @@ def prefill(
     request = wpb.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING, cache_salt=salt
     )
-    resp: wpb.PrefillResponse = (stub or c.prefill).Prefill(
-        request, metadata=c.metadata, timeout=60
-    )
+    resp = prefill_result((stub or c.prefill).Prefill(request, metadata=c.metadata, timeout=60))
     assert resp.HasField("kv") and not resp.finished
     return resp
 

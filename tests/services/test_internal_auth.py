@@ -25,6 +25,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.certs import make_ca, make_cert
+from tests.services.workers import aprefill_result
 
 SECRET = b"the-cluster-secret-of-this-test-0123"
 ADMIN = "ops-admin-key-0123456789"
@@ -159,9 +160,11 @@ def test_decode_confirms_the_lease_at_the_prefill_worker_with_the_cluster_key(
         prompt = [(7 * i) % 200 + 5 for i in range(40)]
         async with internal_channel(secret_workers.prefill, creds.secret) as p_ch:
             prefill = wgrpc.PrefillWorkerStub(p_ch)
-            first = await prefill.Prefill(
-                wpb.PrefillRequest(request_id="h", prompt_token_ids=prompt, sampling=SAMPLING),
-                timeout=60,
+            first = await aprefill_result(
+                prefill.Prefill(
+                    wpb.PrefillRequest(request_id="h", prompt_token_ids=prompt, sampling=SAMPLING),
+                    timeout=60,
+                )
             )
             async with internal_channel(secret_workers.decode, creds.secret) as d_ch:
                 request = wpb.DecodeRequest(

@@ -4,7 +4,7 @@ its processes require, and the check that a cluster holds nothing after its requ
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable, Iterable
 
 import grpc
 
@@ -12,6 +12,21 @@ from services.common.security import AuthConfig, internal_metadata
 from services.up import Cluster
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
+
+
+def prefill_result(events: Iterable[wpb.PrefillEvent]) -> wpb.PrefillResponse:
+    """The result of a Prefill stream (its progress messages skipped)."""
+    for event in events:
+        if event.WhichOneof("kind") == "result":
+            return event.result
+    raise AssertionError("the Prefill stream ended without a result")
+
+
+async def aprefill_result(events: AsyncIterable[wpb.PrefillEvent]) -> wpb.PrefillResponse:
+    async for event in events:
+        if event.WhichOneof("kind") == "result":
+            return event.result
+    raise AssertionError("the Prefill stream ended without a result")
 
 
 class _ClusterKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

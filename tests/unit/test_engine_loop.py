@@ -4,17 +4,23 @@ output_batches (how a request's outputs are coalesced into stream messages)."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 from services.common.worker.engine_loop import EngineLoop, output_batches
-from tandem.engine.engine import RequestOutput
+from tandem.engine.engine import EngineStats, RequestOutput
 
 
 class IdleEngine:
     """All EngineLoop asks of an engine with nothing to run."""
 
+    scheduler = SimpleNamespace(waiting=[])
+
     def has_unfinished(self) -> bool:
         return False
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 0, 0, 0, 0)
 
 
 def _run_with_loop(body: Any) -> Any:

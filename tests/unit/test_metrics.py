@@ -117,6 +117,22 @@ def test_outcomes_of_a_raised_generate() -> None:
     assert sample(r, total, outcome="error", code="UNKNOWN") == 1
 
 
+def test_worker_aborts_split_answered_late_and_failed() -> None:
+    m = RouterMetrics()
+    r = m.registry
+    m.worker_abort("prefill", 0.004)
+    m.worker_abort("prefill", 0.1)  # at the limit: still answered in time
+    m.worker_abort("prefill", 0.35)
+    m.worker_abort("decode", None)
+    aborts = "tandem_router_worker_aborts_total"
+    assert sample(r, aborts, role="prefill", outcome="answered") == 2
+    assert sample(r, aborts, role="prefill", outcome="late") == 1
+    assert sample(r, aborts, role="decode", outcome="failed") == 1
+    assert sample(r, "tandem_router_worker_abort_seconds_count", role="prefill") == 3
+    assert sample(r, "tandem_router_worker_abort_seconds_count", role="decode") == 0
+    assert sample(r, "tandem_router_worker_abort_seconds_bucket", role="prefill", le="0.005") == 1
+
+
 def test_routing_recoveries_tokens_and_workers() -> None:
     m = RouterMetrics()
     r = m.registry
@@ -176,6 +192,9 @@ def test_metric_names_are_the_spec() -> None:
             "tandem_router_inter_token_latency_seconds",
             "tandem_router_e2e_request_latency_seconds",
             "tandem_router_queue_seconds",
+            "tandem_router_worker_abort_seconds",
+            "tandem_router_queue_delay_estimate_seconds",
+            "tandem_router_queue_delay_seconds",
             suffixes=HISTOGRAM,
         )
         | names(
@@ -185,6 +204,9 @@ def test_metric_names_are_the_spec() -> None:
             "tandem_router_cached_prompt_tokens",
             "tandem_router_routing_decisions",
             "tandem_router_recoveries",
+            "tandem_router_ejections",
+            "tandem_router_worker_aborts",
+            "tandem_router_admission_refusals",
             suffixes=("_total",),
         )
         | names(
@@ -203,6 +225,9 @@ def test_metric_names_are_the_spec() -> None:
         "tandem_worker_requests_waiting",
         "tandem_worker_kv_blocks_used",
         "tandem_worker_kv_blocks_capacity",
+        "tandem_worker_aborts_total",
+        "tandem_worker_kv_blocks_reaped_total",
+        "tandem_worker_kv_audit_violations_total",
         "tandem_build_info",
     )
     assert metric_names("prefill") == worker | {"tandem_worker_lease_expired_total"}

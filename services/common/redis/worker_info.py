@@ -23,7 +23,7 @@ _INT_FIELDS = (
     "queued_prefill_tokens",
 )
 _COUNT_FIELDS = _INT_FIELDS[1:]  # everything but epoch is a count and cannot be negative
-_RATE_FIELDS = ("busy_frac", "tokens_per_s", "step_ms")
+_RATE_FIELDS = ("busy_frac", "tokens_per_s", "step_ms", "prefill_tokens_per_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +32,9 @@ class WorkerInfo:
 
     `busy_frac`, `tokens_per_s` and `step_ms` are the engine's rolling load over the last few
     seconds (fraction of time in steps, tokens computed per second, mean step time); the
-    ratio controller fits its throughput model from them.
+    ratio controller fits its throughput model from them. `prefill_tokens_per_s` is the
+    prompt tokens per second of step time the worker last measured (kept while idle): the
+    router's admission estimate (`tandem.routing.admission`) divides queued tokens by it.
 
     `epoch` identifies the incarnation (e.g. start time in ns): a worker that restarts under the
     same `worker_id` gets a new epoch, and watchers report it as a departure plus a join since
@@ -56,6 +58,7 @@ class WorkerInfo:
     busy_frac: float = 0.0
     tokens_per_s: float = 0.0
     step_ms: float = 0.0
+    prefill_tokens_per_s: float = 0.0
     draining: bool = False
     updated_at: float = 0.0
 
@@ -101,6 +104,7 @@ class WorkerInfo:
             num_free_blocks=self.num_free_blocks,
             num_blocks=self.num_blocks,
             draining=self.draining,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         )
 
     def to_json(self) -> str:

@@ -9,6 +9,7 @@ sleeps on its command queue, so an idle worker costs no CPU.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import queue
 import threading
@@ -19,7 +20,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from services.common.metrics import WorkerMetrics
-from tandem.engine.engine import LLMEngine, RequestOutput
+from tandem.engine.engine import EngineStats, LLMEngine, RequestOutput
+from tandem.routing.stall import HopProgress
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -27,8 +29,10 @@ log = logging.getLogger(__name__)
 
 class StepMeter:
     """Rolling load figures of the engine thread over the last `period_s`: the fraction of
-    time spent in steps, tokens computed per second and the mean step time. Written by the
-    engine thread, read by the heartbeat (a lock keeps the two consistent)."""
+    time spent in steps, tokens computed per second and the mean step time, and the prefill
+    rate (prompt tokens per second of the steps that computed prompts; the last measured one
+    while no step did, so an idle worker still knows its speed). Written by the engine
+    thread, read by the heartbeat (a lock keeps the two consistent)."""
 
     def __init__(self, period_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         if period_s <= 0:
@@ -36,12 +40,25 @@ class StepMeter:
         self.period_s = period_s
         self._clock = clock
         self._started = clock()
-        self._steps: deque[tuple[float, float, int]] = deque()  # (end, duration_s, tokens)
+        # (end, duration_s, tokens, prompt tokens)
+        self._steps: deque[tuple[float, float, int, int]] = deque()
         self._lock = threading.Lock()
+        self._prefill_rate = 0.0  # last measured prompt tokens per second
 
-    def record(self, duration_s: float, num_tokens: int) -> None:
+    def record(self, duration_s: float, num_tokens: int, num_prefill_tokens: int = 0) -> None:
         with self._lock:
-            self._steps.append((self._clock(), duration_s, num_tokens))
+            self._steps.append((self._clock(), duration_s, num_tokens, num_prefill_tokens))
+
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of step time over the window (0 until one was seen)."""
+        self.read()  # drops steps older than the window
+        with self._lock:
+            steps = [(dur, n) for _, dur, _, n in self._steps if n > 0]
+            if steps:
+                busy = sum(dur for dur, _ in steps)
+                if busy > 0:
+                    self._prefill_rate = sum(n for _, n in steps) / busy
+            return self._prefill_rate
 
     def read(self) -> tuple[float, float, float]:
         """(busy fraction in [0, 1], tokens per second, mean step ms; 0 when idle)."""
@@ -53,9 +70,9 @@ class StepMeter:
             steps = list(self._steps)
         span = min(self.period_s, max(now - self._started, 1e-3))
         # A step that began before the window counts only its part inside it.
-        busy = sum(min(dur, end - start) for end, dur, _ in steps)
-        tokens = sum(n for _, _, n in steps)
-        step_ms = 1e3 * sum(dur for _, dur, _ in steps) / len(steps) if steps else 0.0
+        busy = sum(min(dur, end - start) for end, dur, _, _ in steps)
+        tokens = sum(n for _, _, n, _ in steps)
+        step_ms = 1e3 * sum(dur for _, dur, _, _ in steps) / len(steps) if steps else 0.0
         return min(1.0, busy / span), tokens / span, step_ms
 
 
@@ -83,6 +100,10 @@ class EngineLoop:
         self.num_steps = 0
         self.last_step_s = 0.0
         self.meter = StepMeter()
+        # Published by the engine thread after every turn, read anywhere without waiting for
+        # a step: load figures (GetStats, heartbeats) and queue positions (progress).
+        self.snapshot: EngineStats = engine.stats()
+        self._positions: dict[str, int] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -101,6 +122,35 @@ class EngineLoop:
         fut: Future[T] = Future()
         self._commands.put((fn, fut))
         return await asyncio.wrap_future(fut)
+
+    def abort(self, request_id: str) -> None:
+        """Stop `request_id` wherever it is and free its blocks, without waiting for the
+        engine: the command cannot be cancelled (an abort is never lost to its caller's
+        deadline), and a stream still open for the request ends with an "abort" output."""
+
+        def run(engine: LLMEngine) -> None:
+            if engine.abort(request_id):
+                self.loop.call_soon_threadsafe(self._end_aborted, request_id)
+
+        self.post(run)
+
+    def _end_aborted(self, request_id: str) -> None:
+        q = self._streams.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(_aborted(request_id))
+            q.put_nowait(None)
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def progress(self, request_id: str) -> HopProgress:
+        """Where a request stands, from the last published state (no engine wait)."""
+        request = self.engine.get_request(request_id)
+        return HopProgress(
+            queue_position=self._positions.get(request_id, 0),
+            computed_tokens=request.num_computed_tokens if request is not None else 0,
+            engine_steps=self.num_steps,
+        )
 
     def post(self, fn: Callable[[LLMEngine], Any]) -> None:
         """Run fn(engine) on the engine thread between steps, without waiting for it
@@ -157,6 +207,7 @@ class EngineLoop:
                     hook(engine)
                 except Exception:
                     log.exception("engine hook failed")
+            self._publish()
             if self._stopping or not engine.has_unfinished():
                 continue
             t0 = time.perf_counter()
@@ -168,11 +219,21 @@ class EngineLoop:
                 outputs = self._abort_all()
             self.last_step_s = time.perf_counter() - t0
             self.num_steps += 1
-            self.meter.record(self.last_step_s, engine.num_tokens_computed - tokens_before)
+            self.meter.record(
+                self.last_step_s,
+                engine.num_tokens_computed - tokens_before,
+                engine.last_step_prefill_tokens,
+            )
             if self.metrics is not None:
                 self.metrics.after_step(engine, self.last_step_s)
             if outputs:
                 self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _publish(self) -> None:
+        engine = self.engine
+        self.snapshot = engine.stats()
+        waiting = engine.scheduler.waiting
+        self._positions = {r.request_id: i + 1 for i, r in enumerate(waiting)} if waiting else {}
 
     def _run_command(self, fn: Callable[[LLMEngine], Any], fut: Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -186,15 +247,7 @@ class EngineLoop:
         outputs = []
         for r in list(self.engine.scheduler.requests()):
             self.engine.abort(r.request_id)
-            outputs.append(
-                RequestOutput(
-                    request_id=r.request_id,
-                    new_token_ids=[],
-                    new_text="",
-                    finished=True,
-                    finish_reason="abort",
-                )
-            )
+            outputs.append(_aborted(r.request_id))
         return outputs
 
     # -- asyncio loop ----------------------------------------------------------------------
@@ -210,17 +263,48 @@ class EngineLoop:
                 self._streams.pop(out.request_id, None)
 
 
+def _aborted(request_id: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason="abort"
+    )
+
+
 def _log_failure(fut: Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("posted engine command failed", exc_info=fut.exception())
 
 
-async def output_batches(stream: OutputQueue) -> AsyncIterator[list[RequestOutput]]:
+class Quiet(enum.Enum):
+    """`next_output` waited its time without an item."""
+
+    QUIET = 0
+
+
+async def next_output(stream: OutputQueue, wait_s: float | None) -> RequestOutput | None | Quiet:
+    """The stream's next item (an output, or None at its end); Quiet.QUIET when `wait_s`
+    passed without one (the caller reports progress, then waits again). No item is lost to
+    the timeout: a cancelled `Queue.get` takes nothing."""
+    if not stream.empty() or wait_s is None:
+        return await stream.get()
+    try:
+        return await asyncio.wait_for(stream.get(), wait_s)
+    except TimeoutError:
+        return Quiet.QUIET
+
+
+async def output_batches(
+    stream: OutputQueue, heartbeat_s: float | None = None
+) -> AsyncIterator[list[RequestOutput]]:
     """A request's outputs in batches: each waits for one output, then takes every output
     already queued behind it, up to the finishing one. Tokens that piled up while the client
-    was slow (or the event loop busy) so travel as one message; per-message cost dominates."""
+    was slow (or the event loop busy) so travel as one message; per-message cost dominates.
+    With `heartbeat_s`, an empty batch every `heartbeat_s` without output (waiting in the
+    queue, preempted): the caller reports progress."""
     while True:
-        out = await stream.get()
+        out = await next_output(stream, heartbeat_s)
+        if isinstance(out, Quiet):
+            yield []
+            continue
         if out is None:
             return
         batch = [out]

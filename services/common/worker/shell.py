@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2
 
 from services.common import convert, tracing
 from services.common.errors import (
+    ServiceError,
     already_exists,
     invalid_argument,
     resource_exhausted,
@@ -38,13 +39,16 @@ from services.common.security import AuthConfig, Internal, server_port_credentia
 from services.common.worker.engine_loop import EngineLoop, OutputQueue
 from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineConfig, EngineRole
-from tandem.engine.engine import EngineStats, LLMEngine
+from tandem.engine.engine import WARMUP_REQUEST_ID, EngineStats, LLMEngine
+from tandem.engine.orphans import OrphanTracker, RecentIds
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
 from tandem.transfer import TRANSPORT_KINDS, KVTransport, make_transport
+from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
+AUDIT_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,15 @@ class WorkerConfig:
         auth: the internal plane's credentials (services.common.security.AuthConfig).
         otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty:
             the OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.tracing).
+        progress_interval_s: a request without output for this long gets a progress message
+            (queue position, tokens computed, engine steps) on its Prefill or Decode stream,
+            so the router tells a busy worker from a stalled one (tandem.routing.stall).
+        orphan_grace_s: a request that holds KV blocks with neither a call nor a lease for
+            this long is reaped: aborted, its blocks freed, counted and logged
+            (tandem.engine.orphans). The safety net under a lost abort.
+        kv_audit_strict: every second, check the block pool's reference counts against the
+            live requests, and count each failure and each reap as a violation
+            (tandem_worker_kv_audit_violations_total, logged as errors). On in tests.
     """
 
     engine: EngineConfig
@@ -93,6 +106,9 @@ class WorkerConfig:
     max_queued_requests: int = 256
     auth: AuthConfig = field(default_factory=AuthConfig)
     otlp_endpoint: str = ""
+    progress_interval_s: float = 1.0
+    orphan_grace_s: float = 5.0
+    kv_audit_strict: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queued_requests <= 0:
@@ -103,7 +119,10 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be >= -1 (-1: off), got {self.metrics_port}")
         if self.transport not in TRANSPORT_KINDS:
             raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
-        for name in ("lease_ttl_s", "kv_wait_s", "heartbeat_interval_s", "registry_ttl_s"):
+        for name in (
+            "lease_ttl_s", "kv_wait_s", "heartbeat_interval_s", "registry_ttl_s",
+            "progress_interval_s", "orphan_grace_s",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -142,6 +161,12 @@ class Worker:
         self._index: RedisPrefixIndex | None = None
         self._publisher: KVEventPublisher | None = None
         self._registry: Registry | None = None
+        self._orphans = OrphanTracker(config.orphan_grace_s)
+        self._aborted = RecentIds()  # event loop only
+        self._next_audit = 0.0
+        self.num_aborts = 0
+        self.num_reaped_blocks = 0
+        self.num_audit_violations = 0
 
     @property
     def loop(self) -> EngineLoop:
@@ -152,10 +177,12 @@ class Worker:
         raise NotImplementedError
 
     def info(self, s: EngineStats | None = None) -> WorkerInfo:
-        """This worker's registry record. Without `s`, a racy read of the engine's counters
-        from outside its thread: fine for load reporting."""
-        s = s or self.engine.stats()
-        busy, tps, step_ms = self.loop_runner.meter.read() if self.loop_runner else (0, 0, 0)
+        """This worker's registry record. Without `s`, the engine's counters as its thread
+        last published them (never waits for a step)."""
+        runner = self.loop_runner
+        s = s or (runner.snapshot if runner is not None else self.engine.stats())
+        busy, tps, step_ms = runner.meter.read() if runner else (0, 0, 0)
+        prefill_rate = runner.meter.prefill_tokens_per_s() if runner else 0.0
         return WorkerInfo(
             worker_id=self.worker_id,
             role=self.role.value,
@@ -170,6 +197,7 @@ class Worker:
             busy_frac=round(busy, 4),
             tokens_per_s=round(tps, 1),
             step_ms=round(step_ms, 2),
+            prefill_tokens_per_s=round(prefill_rate, 1),
             draining=self.draining,
             updated_at=time.time(),
         )
@@ -198,6 +226,7 @@ class Worker:
         with _phase("warm-up prefill and decode steps"):
             await self.loop.call(lambda e: e.warm_up())
         self.ready = True
+        self.loop.add_hook(self._audit)
         for name in (*self.service_names, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.redis_url:
@@ -254,11 +283,72 @@ class Worker:
     async def GetStats(
         self, request: wpb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStats:
-        def stats(e: LLMEngine) -> wpb.WorkerStats:
-            s = e.stats()  # on the engine thread: consistent counters
-            return convert.worker_stats_to_proto(self.info(s), s.num_handed_off)
+        # What the engine thread last published: consistent counters, no wait for a step.
+        s = self.loop.snapshot
+        stats = convert.worker_stats_to_proto(self.info(s), s.num_handed_off)
+        stats.num_aborts = self.num_aborts
+        stats.num_reaped_blocks = self.num_reaped_blocks
+        stats.num_audit_violations = self.num_audit_violations
+        return stats
 
-        return await self.loop.call(stats)
+    @rpc
+    async def Abort(
+        self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> rpb.AbortResponse:
+        """Answered at once, never behind an engine step: the abort itself is queued for the
+        engine thread where no deadline can cancel it (`EngineLoop.abort`)."""
+        return rpb.AbortResponse(found=self.abort(request.request_id))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop `request_id` on this worker, now or when it arrives. True when it was known."""
+        found = self.owns(request_id) or self.engine.has_request(request_id)
+        self._aborted.add(request_id, time.monotonic())
+        self.loop.abort(request_id)
+        self.num_aborts += 1
+        self.metrics.aborts.inc()
+        log.info("abort %s (%s)", request_id, "running here" if found else "not known here")
+        return found
+
+    def owns(self, request_id: str) -> bool:
+        """Does a call (or, on a prefill worker, a lease) still hold `request_id`? Any
+        thread: one dict lookup per holder."""
+        return self.loop.has_stream(request_id)
+
+    def _audit(self, engine: LLMEngine) -> None:
+        """Engine-thread hook, every AUDIT_INTERVAL_S: reap requests no call or lease has
+        held for orphan_grace_s; in strict mode also check the block accounting."""
+        now = time.monotonic()
+        if now < self._next_audit:
+            return
+        self._next_audit = now + AUDIT_INTERVAL_S
+        if self.config.kv_audit_strict:
+            try:
+                engine.check_integrity()
+            except AssertionError as exc:
+                self._violation(f"KV block accounting: {exc}")
+        live = [
+            r.request_id
+            for r in engine.scheduler.requests()
+            if r.request_id != WARMUP_REQUEST_ID
+        ]
+        for rid in self._orphans.sweep(live, self.owns, now):
+            num_blocks = len(engine.kv.get_block_ids(rid))
+            engine.abort(rid)
+            self.num_reaped_blocks += num_blocks
+            self.metrics.kv_blocks_reaped.inc(num_blocks)
+            what = (
+                f"reaped {num_blocks} KV blocks of {rid}: no call or lease held it for "
+                f"{self.config.orphan_grace_s:g}s (orphan_grace_s)"
+            )
+            if self.config.kv_audit_strict:
+                self._violation(what)
+            else:
+                log.warning(what)
+
+    def _violation(self, what: str) -> None:
+        self.num_audit_violations += 1
+        self.metrics.kv_audit_violations.inc()
+        log.error("KV audit: %s", what)
 
     def admit(
         self, msg: wpb.PrefillRequest | wpb.DecodeRequest, context: grpc.aio.ServicerContext
@@ -291,6 +381,11 @@ class Worker:
             )
         except ValueError as exc:
             raise invalid_argument(f"sampling.{exc}") from None
+        if spec.request_id in self._aborted:
+            # Its abort overtook it: the router has given up on this attempt already.
+            raise ServiceError(
+                grpc.StatusCode.ABORTED, f"request_id {spec.request_id!r} was aborted"
+            )
         try:
             stream = self.loop.open_stream(spec.request_id)
         except KeyError:
