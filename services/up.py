@@ -50,6 +50,7 @@ from pathlib import Path
 
 from services.common.redis.server import PASSWORD_ENV
 from services.common.supervision import GiveUp, RestartConfig, RestartPolicy, describe_exit
+from services.router.config import DEFAULT_MAX_QUEUE_DELAY_S
 from services.up_processes import Child, wait_for_router
 from services.up_processes import free_port as _free_port
 from services.up_processes import popen as _popen
@@ -80,6 +81,8 @@ class UpConfig:
     device: str = "cpu"  # every worker's engine; "cuda" puts them all on the visible GPU(s)
     dtype: str = "auto"
     disagg_min_uncached_tokens: int = 64  # router: shorter prompts skip the prefill worker
+    # router: refuse at once (429) what could not get its first token within this; 0: off
+    max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     redis_port: int = 0  # 0: a unix socket in the run directory
     api_keys: bool = False  # the router wants an API key (a generated one: Cluster.api_key)
     run_dir: str = ""  # logs and sockets; default: a fresh temporary directory
@@ -87,6 +90,9 @@ class UpConfig:
     autoscale: bool = False  # run the ratio controller with the local actuator
     admin_port: int = 50061  # the controller's admin API (with autoscale)
     controller_args: tuple[str, ...] = ()  # ControllerConfig flags, e.g. ("--max-prefill", "4")
+    # With autoscale: the cores the host capacity rule counts (one worker per core); 0:
+    # measured (affinity and cgroup quota, services/controller/host.py).
+    host_cores: int = 0
     # Supervision (see services/common/supervision.py): a child that exits on its own is
     # restarted after restart_backoff_s, doubling per exit up to restart_max_backoff_s; the
     # exit after max_restarts restarts within restart_window_s stops the cluster instead.
@@ -101,6 +107,8 @@ class UpConfig:
                 f"need num_decode >= 1 and num_prefill >= 0, got {self.num_decode}, "
                 f"{self.num_prefill}"
             )
+        if self.host_cores < 0:
+            raise ValueError(f"host_cores must be >= 0 (0: measured), got {self.host_cores}")
         self.restart_config()  # raises ValueError naming the bad knob
 
     def restart_config(self) -> RestartConfig:
@@ -231,6 +239,8 @@ class Cluster:
                 str(cfg.port),
                 "--disagg-min-uncached-tokens",
                 str(cfg.disagg_min_uncached_tokens),
+                "--max-queue-delay-s",
+                str(cfg.max_queue_delay_s),
                 *key_args,
                 *http_args,
                 *self._metrics_args(),
@@ -284,7 +294,18 @@ class Cluster:
             ]
 
     def count(self, role: str) -> int:
+        """Workers of `role` asked for; one still starting counts (it is not added again)."""
         return len(self.workers(role))
+
+    def worker_pids(self) -> list[int]:
+        """Every worker process running now, starting and draining ones included: what
+        holds the host's cores and memory (the local actuator's capacity)."""
+        with self._lock:
+            return [
+                c.proc.pid
+                for c in self.children
+                if c.name.startswith(("prefill-", "decode-")) and c.proc.poll() is None
+            ]
 
     def add_worker(self, role: str) -> None:
         """Start one more worker of `role` (from any thread: see `_spawner`)."""
@@ -317,7 +338,9 @@ class Cluster:
         from services.common.flags import parse_config
         from services.controller.actuators import LocalActuator
         from services.controller.config import ControllerConfig
+        from services.controller.host import HostMeter
         from services.controller.server import Controller
+        from tandem.control.capacity import describe
 
         metrics_port = _free_port(self.config.host)
         config = parse_config(
@@ -336,10 +359,13 @@ class Cluster:
         )  # fmt: skip
         ready = threading.Event()
         failure: list[BaseException] = []
+        # The starting workers are up (READY): their peak memory is what the next one needs.
+        actuator = LocalActuator(self, HostMeter(cores=self.config.host_cores or None))
+        _say(f"autoscale: {describe(actuator.measure())}")
 
         async def serve() -> None:
             stop = asyncio.Event()
-            controller = Controller(config, LocalActuator(self))
+            controller = Controller(config, actuator)
             try:
                 await controller.start()
             except BaseException as exc:

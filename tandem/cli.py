@@ -250,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument(
         "--restart-max-backoff-s", type=float, default=up_default["restart_max_backoff_s"]
     )
+    u.add_argument(
+        "--max-queue-delay-s",
+        type=float,
+        default=up_default["max_queue_delay_s"],
+        help="refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with Retry-After) when "
+        "its expected wait for the first token exceeds this; 0: no limit",
+    )
     u.set_defaults(func=cmd_up)
 
     from tandem.ctl import add_parser as add_ctl_parser

@@ -124,6 +124,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s,
         api_keys=args.api_keys,
+        max_queue_delay_s=args.max_queue_delay_s,
     )
     cluster = Cluster(config)
     print(

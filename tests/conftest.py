@@ -11,6 +11,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every worker a test starts checks its KV block accounting each second and counts a reaped
+# orphan as a violation (WorkerConfig.kv_audit_strict): GetStats.num_audit_violations.
+os.environ.setdefault("TANDEM_KV_AUDIT_STRICT", "1")
 # Triton kernels run on CPU tensors through Triton's interpreter when there is no GPU. Triton
 # reads this when it is first imported, so it is set before any test imports a kernel.
 if not torch.cuda.is_available():

@@ -12,6 +12,8 @@ from tandem.routing import RoutingConfig
 from tandem.routing.health import BreakerConfig
 from tandem.routing.recovery import RecoveryConfig
 
+DEFAULT_MAX_QUEUE_DELAY_S = 30.0
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -75,7 +77,7 @@ class RouterConfig:
     worker_refresh_s: float = 0.5
     index_timeout_s: float = 0.05
     hop_timeout_s: float = 30.0
-    max_queue_delay_s: float = 30.0
+    max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     keepalive_s: float = 1.0
     request_id_ttl_s: float = 3600.0
     api_keys_file: str = ""

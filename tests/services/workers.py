@@ -77,3 +77,5 @@ def wait_all_free(read_stats: Callable[[], list[wpb.WorkerStats]], timeout_s: fl
             break
         time.sleep(0.05)
     assert ok, stats
+    # The strict KV audit (on in tests) found no accounting error and reaped nothing.
+    assert all(s.num_audit_violations == 0 and s.num_reaped_blocks == 0 for s in stats), stats
