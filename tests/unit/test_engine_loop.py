@@ -90,3 +90,50 @@ def test_output_batches_stop_at_the_end_of_stream_marker() -> None:
         return batches
 
     assert asyncio.run(main()) == [[[1]], [[2]]]
+
+
+class AbortingEngine(IdleEngine):
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return request_id == "known"
+
+
+def test_abort_runs_on_the_engine_and_ends_the_open_stream_with_abort() -> None:
+    engine = AbortingEngine()
+
+    async def main() -> list[Any]:
+        loop = EngineLoop(engine, asyncio.get_running_loop())  # type: ignore[arg-type]
+        loop.start()
+        try:
+            known, other = loop.open_stream("known"), loop.open_stream("other")
+            loop.abort("known")  # returns at once: nothing to await, nothing to cancel
+            loop.abort("unknown")
+            got = [await asyncio.wait_for(known.get(), 5), await asyncio.wait_for(known.get(), 5)]
+            await asyncio.sleep(0.2)
+            assert other.empty() and loop.has_stream("other") and not loop.has_stream("known")
+            return got
+        finally:
+            loop.stop()
+
+    out, end = asyncio.run(main())
+    assert out.finished and out.finish_reason == "abort" and out.request_id == "known"
+    assert end is None
+    assert engine.aborted == ["known", "unknown"]
+
+
+def test_next_output_reports_quiet_without_losing_the_item() -> None:
+    from services.common.worker.engine_loop import Quiet, next_output
+
+    async def main() -> list[Any]:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        first = await next_output(q, 0.05)
+        q.put_nowait(_out([1]))
+        second = await next_output(q, 0.05)
+        return [first, second]
+
+    first, second = asyncio.run(main())
+    assert first is Quiet.QUIET
+    assert second.new_token_ids == [1]

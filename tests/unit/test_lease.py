@@ -97,3 +97,13 @@ def test_revoke_drops_every_lease_of_the_request(table: LeaseTable) -> None:
 def test_ttl_must_be_positive() -> None:
     with pytest.raises(ValueError, match="ttl_s must be positive, got 0"):
         LeaseTable(ttl_s=0, epoch=1)
+
+
+def test_holds_names_the_request_under_any_lease() -> None:
+    from tandem.transfer import LeaseTable
+
+    table = LeaseTable(10.0, epoch=1, clock=lambda: 0.0)
+    lease = table.grant("r1")
+    assert table.holds("r1") and not table.holds("r2")
+    table.confirm(lease.lease_id, "r1", 1)
+    assert not table.holds("r1")

@@ -106,3 +106,55 @@ def test_prefill_failure_with_an_unhealthy_decode_worker_moves_the_request():
 def test_config_rejects_negative_budget():
     with pytest.raises(ValueError, match="max_recoveries"):
         RecoveryConfig(max_recoveries=-1)
+
+
+def _alive_prefill_failed(decode_queue: int, tokens: int) -> Failure:
+    del decode_queue
+    return Failure(Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0", "p1"}),
+                   num_uncached_tokens=tokens, min_reprefill_tokens=64,
+                   prefill_gone=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("decode_queued", "tokens", "action"),
+    [
+        (0, 8192, Action.RECOMPUTE),  # exactly at the limit: room
+        (1, 8192, Action.FAIL),  # one token over
+        (6000, 2000, Action.RECOMPUTE),
+        (6000, 2193, Action.FAIL),
+    ],
+)
+def test_a_live_prefill_workers_prompt_moves_to_decode_only_when_decode_has_room(
+    decode_queued: int, tokens: int, action: Action
+) -> None:
+    fleet = [w("p0", "prefill"), w("p1", "prefill"),
+             w("d0", "decode", queued_prefill_tokens=decode_queued)]  # fmt: skip
+    r = plan_recovery(_alive_prefill_failed(decode_queued, tokens), fleet, CFG)
+    assert r.action is action
+    if action is Action.FAIL:
+        assert "no room" in r.reason and "recompute_max_queued_tokens 8192" in r.reason
+        assert r.decode is None
+    else:
+        assert r.decode is not None and r.decode.worker_id == "d0"
+        assert "decode has room" in r.reason
+
+
+def test_a_gone_prefill_workers_prompt_recomputes_on_a_busy_decode_worker() -> None:
+    """The unreachable worker's queue is lost anyway: recomputing is the only way on."""
+    fleet = [w("p0", "prefill"), w("d0", "decode", queued_prefill_tokens=50_000)]
+    f = Failure(Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0"}),
+                num_uncached_tokens=4000, min_reprefill_tokens=64)  # fmt: skip
+    r = plan_recovery(f, fleet, CFG)
+    assert r.action is Action.RECOMPUTE and "no other healthy prefill worker" in r.reason
+
+
+def test_the_decode_workers_inflight_prompts_count_towards_its_queue() -> None:
+    fleet = [w("p0", "prefill"), w("d0", "decode", queued_prefill_tokens=100,
+                                   inflight_prefill_tokens=8000)]  # fmt: skip
+    r = plan_recovery(_alive_prefill_failed(0, 100), fleet, CFG)
+    assert r.action is Action.FAIL  # 100 + 8000 + 100 > 8192
+
+
+def test_config_rejects_a_negative_recompute_limit() -> None:
+    with pytest.raises(ValueError, match="recompute_max_queued_tokens"):
+        RecoveryConfig(recompute_max_queued_tokens=-1)

@@ -45,3 +45,19 @@ def test_a_young_meter_divides_by_its_age_not_the_full_period() -> None:
     assert tps == pytest.approx(100.0)
     with pytest.raises(ValueError, match="period_s"):
         StepMeter(period_s=0)
+
+
+def test_prefill_rate_counts_prompt_tokens_over_the_steps_that_computed_them() -> None:
+    clock = Clock()
+    meter = StepMeter(period_s=5.0, clock=clock)
+    assert meter.prefill_tokens_per_s() == 0.0  # never measured
+    clock.now += 1
+    meter.record(0.5, 1000, 990)  # a prefill chunk (and 10 decode rows): 990 prompt tokens
+    clock.now += 1
+    meter.record(0.03, 8, 0)  # a decode step: no prompt tokens, not in the rate
+    clock.now += 1
+    meter.record(0.5, 1000, 1010)
+    assert meter.prefill_tokens_per_s() == pytest.approx(2000 / 1.0)
+    clock.now += 60  # idle for a minute: the last measured rate is kept
+    assert meter.read() == (0.0, 0.0, 0.0)
+    assert meter.prefill_tokens_per_s() == pytest.approx(2000.0)
