@@ -12,7 +12,7 @@ from tandem.routing import RoutingConfig
 from tandem.routing.health import BreakerConfig
 from tandem.routing.recovery import RecoveryConfig
 
-DEFAULT_MAX_QUEUE_DELAY_S = 30.0
+DEFAULT_MAX_QUEUE_DELAY_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +37,10 @@ class RouterConfig:
         router counts the worker as stalled and recovers the request elsewhere. Progress is
         any output, or a worker's progress report showing its engine stepping, the
         request's queue position dropping or its computed tokens growing
-        (tandem.routing.stall): a busy worker never stalls, however long its queue. A dead or
-        frozen process is found sooner by keepalive.
+        (tandem.routing.stall): a busy worker never stalls, however long its queue. What is
+        left to find this way is an engine hung inside a step, so the default is generous
+        (one prefill step of a whole token budget on an oversubscribed CPU took over 30 s):
+        a dead or frozen process is found within ~2 s by keepalive.
     max_queue_delay_s: refuse a request at once (RESOURCE_EXHAUSTED, HTTP 429, with a
         retry hint) when its expected wait for the first token -- the prefilling worker's
         queued prompt tokens at its measured prefill rate (tandem.routing.admission) --
@@ -76,7 +78,7 @@ class RouterConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     worker_refresh_s: float = 0.5
     index_timeout_s: float = 0.05
-    hop_timeout_s: float = 30.0
+    hop_timeout_s: float = 120.0
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     keepalive_s: float = 1.0
     request_id_ttl_s: float = 3600.0

@@ -26,6 +26,9 @@ MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs limit
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
 )  # fmt: skip
+# OpenAI's documented upper bound, refused rather than served as given (the engine's
+# SamplingParams refuses negative values itself).
+_FLOAT_MAX = {"temperature": 2.0}
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _FINISH = {
     rpb.FINISH_REASON_STOP: "stop",
@@ -316,6 +319,8 @@ def _float(body: JSON, name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise invalid(name, f"must be a finite number, got {_kind(value)}")
+    if value > _FLOAT_MAX.get(name, math.inf):
+        raise invalid(name, f"must be at most {_FLOAT_MAX[name]:g}, got {value!r}")
     return float(value)
 
 

@@ -156,6 +156,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_tokens_computed = 0  # prompt + generated tokens run through the model
         self.last_step_prefill_tokens = 0  # prompt tokens (prefill chunks) of the last step
+        self.warmup_prefill_tokens_per_s = 0.0  # measured by warm_up()
 
     # -- memory ----------------------------------------------------------------------------
 
@@ -247,8 +248,14 @@ class LLMEngine:
         prompt = [(7 + i) % vocab for i in range(n)]
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
         self.add_request(WARMUP_REQUEST_ID, prompt, params)
+        t0 = time.perf_counter()
+        first = True
         while self.has_unfinished():
-            for out in self.step():
+            outputs = self.step()
+            if first:  # the whole prompt in one step: a first (pessimistic) prefill rate
+                self.warmup_prefill_tokens_per_s = n / max(time.perf_counter() - t0, 1e-6)
+                first = False
+            for out in outputs:
                 if out.handed_off:  # the prefill role pins the blocks; nobody will read them
                     self.release(out.request_id)
         self.kv.pool.reset_prefix_cache()

@@ -114,6 +114,8 @@ def test_chat_defaults_leave_the_engine_defaults() -> None:
         ({"modalities": ["audio"]}, "modalities", "text"),
         ({"temperature": "hot"}, "temperature", "finite number, got string"),
         ({"temperature": True}, "temperature", "boolean"),
+        ({"temperature": 9}, "temperature", "at most 2, got 9"),
+        ({"temperature": 2.01}, "temperature", "at most 2, got 2.01"),
         ({"top_p": float("nan")}, "top_p", "finite number"),
         ({"max_tokens": 0}, "max_tokens", ">= 1, got 0"),
         ({"max_tokens": 1.5}, "max_tokens", "integer, got number"),

@@ -49,6 +49,12 @@ class StepMeter:
         with self._lock:
             self._steps.append((self._clock(), duration_s, num_tokens, num_prefill_tokens))
 
+    def seed_prefill_rate(self, tokens_per_s: float) -> None:
+        """A rate to report until steps measure one (the warm-up's)."""
+        with self._lock:
+            if self._prefill_rate == 0.0:
+                self._prefill_rate = tokens_per_s
+
     def prefill_tokens_per_s(self) -> float:
         """Prompt tokens per second of step time over the window (0 until one was seen)."""
         self.read()  # drops steps older than the window

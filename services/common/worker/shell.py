@@ -144,7 +144,9 @@ class Worker:
                     dataclasses.replace(config.engine, role=self.role), progress=_load_progress()
                 )
         self.engine = engine
-        self.metrics = WorkerMetrics(self.role.value, self.engine.stats)
+        # Gauges read what the engine thread last published (a scrape never iterates the
+        # scheduler's queues while the engine changes them).
+        self.metrics = WorkerMetrics(self.role.value, self._published_stats)
         self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
         self._metrics_server: HTTPServer | None = None
         with _phase(f"KV cache registered with the {config.transport} transport"):
@@ -168,6 +170,10 @@ class Worker:
         self.num_reaped_blocks = 0
         self.num_audit_violations = 0
 
+    def _published_stats(self) -> EngineStats:
+        runner = self.loop_runner
+        return runner.snapshot if runner is not None else self.engine.stats()
+
     @property
     def loop(self) -> EngineLoop:
         assert self.loop_runner is not None, "worker not started"
@@ -180,7 +186,7 @@ class Worker:
         """This worker's registry record. Without `s`, the engine's counters as its thread
         last published them (never waits for a step)."""
         runner = self.loop_runner
-        s = s or (runner.snapshot if runner is not None else self.engine.stats())
+        s = s or self._published_stats()
         busy, tps, step_ms = runner.meter.read() if runner else (0, 0, 0)
         prefill_rate = runner.meter.prefill_tokens_per_s() if runner else 0.0
         return WorkerInfo(
@@ -225,6 +231,8 @@ class Worker:
         # growth and kernel set-up; routers learn of the worker (registry) only after that.
         with _phase("warm-up prefill and decode steps"):
             await self.loop.call(lambda e: e.warm_up())
+        # The router's admission estimate has a prefill rate from the first request on.
+        self.loop.meter.seed_prefill_rate(self.engine.warmup_prefill_tokens_per_s)
         self.ready = True
         self.loop.add_hook(self._audit)
         for name in (*self.service_names, ""):
