@@ -171,7 +171,7 @@ class Worker:
         self.num_audit_violations = 0
 
     def _published_stats(self) -> EngineStats:
-        runner = self.loop_runner
+        runner = getattr(self, "loop_runner", None)  # None until start(), unset in __init__
         return runner.snapshot if runner is not None else self.engine.stats()
 
     @property
