@@ -3,7 +3,9 @@
     redis  <-  prefill worker(s), decode worker(s)   (register + heartbeat)
     router ->  follows the registry, serves tandem.v1.Router on --port and the OpenAI
                HTTP API on --http-port
-    controller (--autoscale, in this process) -> starts and stops workers, serves
+    controller (--autoscale, in this process) -> starts and stops workers, never more
+               than the host holds (one per core, within the available memory: its
+               capacity is logged at start and shown by `tandem ctl status`), serves
                tandem.v1.Admin on --admin-port for `tandem ctl`
 
 Every child dies with this process (PR_SET_PDEATHSIG), and Ctrl-C stops them in order:

@@ -1,7 +1,9 @@
 """`tandem ctl`: watch and tune the ratio controller through its admin API (tandem.v1.Admin).
 
-tandem ctl status                       current/desired workers, SLA attainment, reasons
-tandem ctl explain [-n 5]               the last decisions with their model figures
+tandem ctl status                       current/desired/ready workers, host capacity, SLA
+                                        attainment, reasons
+tandem ctl explain [-n 5]               the last decisions: reasons (clamps, undone
+                                        scale-ups) and model figures
 tandem ctl set-ratio P D                pin P prefill and D decode workers
 tandem ctl set-sla --ttft-p90 MS --itl-p90 MS
 tandem ctl auto                         back to automatic control
@@ -44,6 +46,13 @@ def admin_key(key_file: str | None, environ: Mapping[str, str] = os.environ) -> 
     return environ.get(ADMIN_KEY_ENV, "").strip() or None
 
 
+def format_capacity(c: Any) -> str:
+    """A HostCapacity as one line: what the host holds, what runs, and why."""
+    room = c.max_workers - c.num_workers
+    more = f"room for {room} more" if room > 0 else "no room to add"
+    return f"host: holds {c.max_workers} workers, {c.num_workers} running, {more} ({c.reason})"
+
+
 def format_status(s: Any) -> str:
     def ms(v: float) -> str:
         return "n/a" if math.isnan(v) else f"{v:.0f} ms"
@@ -54,14 +63,18 @@ def format_status(s: Any) -> str:
         f"{s.sla.ttft_p90_ms:.0f} ms, ITL p90 <= {s.sla.itl_p90_ms:.0f} ms",
         f"window: {s.window_requests} requests, SLA attainment {attainment}, "
         f"TTFT p90 {ms(s.ttft_p90_ms)}, ITL p90 {ms(s.itl_p90_ms)}",
+    ]
+    if s.HasField("capacity"):
+        lines.append(format_capacity(s.capacity))
+    lines += [
         "",
-        f"{'role':<8} {'current':>7} {'desired':>7} {'live':>4} {'draining':>8}  "
+        f"{'role':<8} {'current':>7} {'desired':>7} {'ready':>5} {'live':>4} {'draining':>8}  "
         f"{'bounds':<8} reason",
     ]
     for r in s.roles:
         lines.append(
-            f"{r.role:<8} {r.current:>7} {r.desired:>7} {r.live:>4} {r.draining:>8}  "
-            f"{f'[{r.min}, {r.max}]':<8} {r.reason}"
+            f"{r.role:<8} {r.current:>7} {r.desired:>7} {r.ready:>5} {r.live:>4} "
+            f"{r.draining:>8}  {f'[{r.min}, {r.max}]':<8} {r.reason}"
         )
     if s.last_error:
         lines.append(f"\nlast error: {s.last_error}")
@@ -117,6 +130,8 @@ def render_top(s: Any, address: str, now: float) -> list[str]:
         f"mode {s.mode}  actuator {s.actuator}  observed {age}",
         f"P:D  current {ratio('current')}  wanted {ratio('desired')}  live {ratio('live')}",
     ]
+    if s.HasField("capacity"):
+        lines.append(format_capacity(s.capacity))
     lines += [f"  {role.role}: {role.reason}" for role in s.roles]
     lines += [
         f"last {r.window_s:.0f} s: {r.requests} requests  TTFT p50 {_ms(r.ttft_p50_ms)} "

@@ -1,9 +1,13 @@
 """How the controller's decisions reach the cluster.
 
-An actuator reports the replica counts currently asked for (`current`) and asks for new ones
-(`scale`); both raise ActuatorError with a message an operator can act on. Scale-down is
-graceful everywhere: a worker asked to go gets SIGTERM and drains its requests first (in
-Kubernetes through the pod's termination grace period).
+An actuator reports the replica counts currently asked for (`current`), how many of those
+are up and serving (`ready`), the most workers its host holds (`capacity`, local only), and
+asks for new counts (`scale`); they raise ActuatorError with a message an operator can act
+on. A worker registers in Redis only once it is warmed up, so the live heartbeats never
+count one still loading; Kubernetes adds the Deployment's readyReplicas, so that a pod
+that cannot be scheduled (Pending) is not counted as added. Scale-down is graceful
+everywhere: a worker asked to go gets SIGTERM and drains its requests first (in Kubernetes
+through the pod's termination grace period).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from tandem.control import ROLES
+from services.controller.host import HostMeter
+from tandem.control import ROLES, HostCapacity
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +34,20 @@ class Actuator(Protocol):
         """Replicas per role as last asked for; `live` is how many workers heartbeat now."""
         ...
 
+    async def ready(self, live: Mapping[str, int]) -> dict[str, int]:
+        """Workers per role up and serving: never more than `live` (heartbeating, so warmed
+        up), fewer where the cluster knows some of those are not ready."""
+        ...
+
+    async def capacity(self) -> HostCapacity | None:
+        """The most workers the host holds; None where the actuator knows no such limit."""
+        ...
+
     async def scale(self, target: Mapping[str, int]) -> None: ...
+
+
+def _live(live: Mapping[str, int]) -> dict[str, int]:
+    return {role: live.get(role, 0) for role in ROLES}
 
 
 class NoActuator:
@@ -46,6 +64,12 @@ class NoActuator:
             self._replicas = {role: live.get(role, 0) for role in ROLES}
         return dict(self._replicas)
 
+    async def ready(self, live: Mapping[str, int]) -> dict[str, int]:
+        return _live(live)
+
+    async def capacity(self) -> HostCapacity | None:
+        return None
+
     async def scale(self, target: Mapping[str, int]) -> None:
         self._replicas = dict(target)
 
@@ -53,10 +77,14 @@ class NoActuator:
 class KubernetesActuator:
     """Scales the prefill and decode Deployments through their scale subresource.
 
-    Needs only `get` and `patch` on `deployments/scale` for those two names (the Helm chart's
+    Needs `get` and `patch` on `deployments/scale` for those two names (the Helm chart's
     Role). Each patch carries the resourceVersion it was computed from, so a concurrent change
     (an operator's `kubectl scale`, another controller) is a 409 Conflict: the actuator re-reads
     and retries, logging that it overrode someone.
+
+    Ready workers: the Deployment's status.readyReplicas (`get` on `deployments/status`),
+    never more than the workers heartbeating. Without that permission (403) it warns once and
+    counts the heartbeats alone, which a Pending pod never sends either.
     """
 
     name = "kubernetes"
@@ -75,9 +103,46 @@ class KubernetesActuator:
         self._apps = client.AppsV1Api(api)
         self._namespace = namespace
         self._deployments = dict(deployments)
+        self._status_readable = True  # False after a 403 on deployments/status
 
     async def current(self, live: Mapping[str, int]) -> dict[str, int]:
         return {role: (await asyncio.to_thread(self._read, role))[0] for role in ROLES}
+
+    async def ready(self, live: Mapping[str, int]) -> dict[str, int]:
+        found = _live(live)
+        for role in ROLES:
+            ready = await asyncio.to_thread(self._ready_replicas, role)
+            if ready is not None:
+                found[role] = min(found[role], ready)
+        return found
+
+    async def capacity(self) -> HostCapacity | None:
+        return None  # the scheduler places pods on nodes; Pending ones are not ready
+
+    def _ready_replicas(self, role: str) -> int | None:
+        """status.readyReplicas of a role's Deployment; None when the controller may not
+        read it (warned once)."""
+        from kubernetes.client.exceptions import ApiException
+
+        if not self._status_readable:
+            return None
+        name = self._deployments[role]
+        try:
+            deployment = self._apps.read_namespaced_deployment_status(name, self._namespace)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise ActuatorError(self._describe(exc, "read", role, "status")) from None
+            self._status_readable = False
+            log.warning(
+                "cannot read deployments/%s/status (403): counting heartbeating workers as "
+                "ready; grant the controller get on deployments/status to count ready pods",
+                name,
+            )
+            return None
+        except Exception as exc:
+            raise ActuatorError(f"kubernetes: read deployments/{name}/status: {exc}") from None
+        status = deployment.status
+        return int(status.ready_replicas or 0) if status is not None else 0
 
     async def scale(self, target: Mapping[str, int]) -> None:
         for role in ROLES:
@@ -124,14 +189,14 @@ class KubernetesActuator:
         except Exception as exc:
             raise ActuatorError(f"kubernetes: {verb} deployments/{name}/scale: {exc}") from None
 
-    def _describe(self, exc: Any, verb: str, role: str) -> str:
+    def _describe(self, exc: Any, verb: str, role: str, subresource: str = "scale") -> str:
         name = self._deployments[role]
         hint = {
             403: "the controller's ServiceAccount needs get/patch on deployments/scale",
             404: f"no Deployment {name!r} in namespace {self._namespace!r}",
         }.get(exc.status, "")
         return (
-            f"kubernetes: {verb} deployments/{name}/scale in {self._namespace}: "
+            f"kubernetes: {verb} deployments/{name}/{subresource} in {self._namespace}: "
             f"{exc.status} {exc.reason}" + (f" ({hint})" if hint else "")
         )
 
@@ -139,7 +204,15 @@ class KubernetesActuator:
 class ProcessPool(Protocol):
     """What `tandem up --autoscale` offers the local actuator."""
 
-    def count(self, role: str) -> int: ...
+    def count(self, role: str) -> int:
+        """Workers of `role` asked for: running, starting or being restarted, not those told
+        to drain. A starting worker counts, so it is not added again."""
+        ...
+
+    def worker_pids(self) -> list[int]:
+        """Every worker process running now, of both roles: starting and draining ones
+        included (they hold cores and memory too)."""
+        ...
 
     def add_worker(self, role: str) -> None: ...
 
@@ -147,15 +220,28 @@ class ProcessPool(Protocol):
 
 
 class LocalActuator:
-    """Starts and stops worker processes of a `tandem up --autoscale` cluster."""
+    """Starts and stops worker processes of a `tandem up --autoscale` cluster, within what
+    the host holds (`capacity`: tandem.control.capacity, measured by `HostMeter`)."""
 
     name = "local"
 
-    def __init__(self, pool: ProcessPool) -> None:
+    def __init__(self, pool: ProcessPool, meter: HostMeter | None = None) -> None:
         self._pool = pool
+        self._meter = meter or HostMeter()
 
     async def current(self, live: Mapping[str, int]) -> dict[str, int]:
         return {role: self._pool.count(role) for role in ROLES}
+
+    async def ready(self, live: Mapping[str, int]) -> dict[str, int]:
+        # A heartbeat may outlive a crashed worker by the registry's TTL: never more than run.
+        return {role: min(live.get(role, 0), self._pool.count(role)) for role in ROLES}
+
+    async def capacity(self) -> HostCapacity | None:
+        return await asyncio.to_thread(self.measure)
+
+    def measure(self) -> HostCapacity:
+        """The host's capacity now (also for `tandem up`'s log at start)."""
+        return self._meter.measure(self._pool.worker_pids())
 
     async def scale(self, target: Mapping[str, int]) -> None:
         for role in ROLES:

@@ -4,7 +4,9 @@ Every `interval_s`:
   1. read the workers' heartbeats (load stats) from the registry and the request timings the
      routers appended to the Redis stream since the last tick; keep the last `window_s`
      (tandem.control.SampleWindow, the same window the simulator keeps);
-  2. ask the actuator how many replicas each role has been given;
+  2. ask the actuator how many replicas each role has been given, how many of them serve
+     (a starting worker, or a Pending pod, is neither capacity nor a failure), and how many
+     workers the host holds (the local actuator);
   3. run tandem.control.decide() on that window;
   4. apply a changed target through the actuator (a failure is logged, kept in the status,
      and retried on the next tick).
@@ -20,6 +22,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,6 +44,7 @@ from tandem.control import (
     SLA,
     ControlState,
     Decision,
+    HostCapacity,
     Observation,
     RequestSample,
     SampleWindow,
@@ -93,8 +97,13 @@ def sample_of(info: WorkerInfo, t: float) -> WorkerSample:
 
 
 class Controller(agrpc.AdminServicer):
-    def __init__(self, config: ControllerConfig, actuator: Actuator) -> None:
+    """`clock`: wall-clock seconds (the routers' request timings are wall-clock too)."""
+
+    def __init__(
+        self, config: ControllerConfig, actuator: Actuator, clock: Callable[[], float] = time.time
+    ) -> None:
         self.config = config
+        self._clock = clock
         self.control = config.control
         self.actuator = actuator
         self.sla = config.sla
@@ -107,7 +116,10 @@ class Controller(agrpc.AdminServicer):
         self._requests = SampleWindow[RequestSample](config.window_s)
         self._latest: list[WorkerInfo] = []
         self._observed_at = 0.0
+        self._first_observed: float | None = None  # the samples reach back to here
         self._current: dict[str, int] = {}
+        self._ready: dict[str, int] = {}
+        self.capacity: HostCapacity | None = None
         self._tick_lock = asyncio.Lock()
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -176,19 +188,27 @@ class Controller(agrpc.AdminServicer):
         """Observe, decide and act once. None when there was nothing to decide on (Redis or
         the actuator unreachable: the error is in the status)."""
         async with self._tick_lock:
-            now = time.time()
+            now = self._clock()
             try:
                 await self._observe(now)
-                self._current = await self.actuator.current(self._live_counts())
+                live = self._live_counts()
+                self._current = await self.actuator.current(live)
+                self._ready = await self.actuator.ready(live)
+                self.capacity = await self.actuator.capacity()
             except (ActuatorError, *_REDIS_DOWN) as exc:
                 self._fail(f"observe: {exc}")
                 return None
+            if self._first_observed is None:
+                self._first_observed = now
             obs = Observation(
                 now=now,
                 replicas=dict(self._current),
                 workers=list(self._workers),
                 requests=list(self._requests),
                 sla=self.sla,
+                ready=dict(self._ready),
+                capacity=self.capacity,
+                since=max(self._first_observed, now - self.config.window_s),
             )
             before = self.state
             decision, self.state = decide(obs, self.control, before)
@@ -201,9 +221,14 @@ class Controller(agrpc.AdminServicer):
                 except ActuatorError as exc:
                     self._fail(f"scale: {exc}")
                     record = Record(decision, applied=False, error=str(exc))
-                    # Not applied: forget the change so the next tick retries at once.
+                    # Not applied: forget the change (and the trial it opened or ended) so
+                    # the next tick retries at once.
                     self.state = replace(
-                        self.state, last_change=before.last_change, low_since=before.low_since
+                        self.state,
+                        last_change=before.last_change,
+                        low_since=before.low_since,
+                        trials=before.trials,
+                        holds=before.holds,
                     )
             if record.applied:
                 self.last_error = ""
@@ -294,6 +319,7 @@ class Controller(agrpc.AdminServicer):
                     current=self._current.get(role, 0),
                     desired=last.decision.target[role] if last else self._current.get(role, 0),
                     live=live[role],
+                    ready=self._ready.get(role, 0),
                     draining=sum(1 for w in self._latest if w.role == role and w.draining),
                     min=lo,
                     max=hi,
@@ -335,8 +361,17 @@ class Controller(agrpc.AdminServicer):
                 )
                 for w in sorted(self._latest, key=lambda w: (ROLES.index(w.role), w.worker_id))
             ],
-            recent=self._recent_latency(time.time()),
+            recent=self._recent_latency(self._clock()),
             observed_unix=self._observed_at,
+            capacity=(
+                apb.HostCapacity(
+                    max_workers=self.capacity.max_workers,
+                    num_workers=self.capacity.num_workers,
+                    reason=self.capacity.why,
+                )
+                if self.capacity is not None
+                else None
+            ),
         )
 
     def _recent_latency(self, now: float) -> apb.LatencySummary:

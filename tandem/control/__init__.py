@@ -1,9 +1,11 @@
 """Pure P:D ratio policy: decide(observation, config, state) -> (Decision, state).
 
 Modules: `config` (SLA, ControlConfig), `samples` (what is observed), `window` (the sliding
-window of samples), `model` (the fitted capacity of workers), `policy` (decide: the model's
-wants through the guards)."""
+window of samples), `model` (the fitted capacity of workers), `trial` (a scale-up kept only if
+it raised goodput), `capacity` (how many workers one host holds), `policy` (decide: the
+model's wants through the guards)."""
 
+from tandem.control.capacity import HostCapacity, host_capacity
 from tandem.control.config import ROLES, SLA, ControlConfig
 from tandem.control.model import (
     DecodeFit,
@@ -18,6 +20,7 @@ from tandem.control.model import (
 )
 from tandem.control.policy import ControlState, Decision, decide
 from tandem.control.samples import Observation, RequestSample, WorkerSample, percentile
+from tandem.control.trial import Goodput, Hold, Trial, Verdict, goodput, improved, judge
 from tandem.control.window import SampleWindow
 
 __all__ = [
@@ -27,10 +30,15 @@ __all__ = [
     "ControlState",
     "DecodeFit",
     "Decision",
+    "Goodput",
+    "Hold",
+    "HostCapacity",
     "Observation",
     "PrefillFit",
     "RequestSample",
     "SampleWindow",
+    "Trial",
+    "Verdict",
     "WorkerSample",
     "decide",
     "decode_token_demand",
@@ -39,6 +47,10 @@ __all__ = [
     "fit_decode",
     "fit_decode_step",
     "fit_prefill",
+    "goodput",
+    "host_capacity",
+    "improved",
+    "judge",
     "percentile",
     "workers_for",
 ]

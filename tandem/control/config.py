@@ -48,6 +48,14 @@ class ControlConfig:
             sequences waiting for KV are planned to be served within this many seconds
             instead of all being seated at once.
         max_down_step: most workers removed from one role per decision.
+        scale_up_trial_s: an automatic scale-up is judged this long after its workers all
+            serve: kept if goodput (requests/s within the SLA) over these seconds beat the
+            same span before it, else undone (`tandem.control.trial`); 0: not judged. The
+            controller's window_s should hold it.
+        worker_start_timeout_s: added workers not all serving this long after a scale-up
+            count as not added (still loading, or Pending pods): the scale-up is undone.
+        undo_cooldown_s: no scale-up of a role this long after one of its scale-ups was
+            undone.
     """
 
     min_prefill: int = 1
@@ -64,6 +72,9 @@ class ControlConfig:
     prefill_backlog_s: float = 0.0
     decode_backlog_s: float = 0.0
     max_down_step: int = 1
+    scale_up_trial_s: float = 30.0
+    worker_start_timeout_s: float = 300.0
+    undo_cooldown_s: float = 300.0
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -78,7 +89,13 @@ class ControlConfig:
             raise ValueError(f"target_utilization must be in (0, 1], got {self.target_utilization}")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {self.hysteresis}")
-        for name in ("scale_up_cooldown_s", "scale_down_cooldown_s", "scale_down_stable_s"):
+        for name in (
+            "scale_up_cooldown_s",
+            "scale_down_cooldown_s",
+            "scale_down_stable_s",
+            "scale_up_trial_s",
+            "undo_cooldown_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_step < 1:
@@ -90,6 +107,10 @@ class ControlConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_down_step < 1:
             raise ValueError(f"max_down_step must be >= 1, got {self.max_down_step}")
+        if not self.worker_start_timeout_s > 0:
+            raise ValueError(
+                f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}"
+            )
 
     def bounds(self, role: str) -> tuple[int, int]:
         if role == "prefill":

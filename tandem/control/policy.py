@@ -22,6 +22,17 @@ One decision, per role:
     continuously for `scale_down_stable_s`, at most `max_down_step` workers at a time
     (default 1), not within `scale_down_cooldown_s` of the last change, and only when no
     worker of the role is still draining from the previous scale-down.
+  - not while the role's workers are not all serving (`Observation.ready` below the count:
+    workers still loading, or Pending pods), so that a scale-up whose workers have not come
+    up is not followed by another;
+  - on probation (`tandem.control.trial`): an automatic scale-up is judged once its workers
+    serve, kept if it raised goodput and otherwise undone (back to the count before, and no
+    scale-up of that role for `undo_cooldown_s`); no further scale-up of the role while it
+    is judged, nor when its workers did not come up within `worker_start_timeout_s` (then
+    it is undone too);
+  - host capacity (`Observation.capacity`, the local actuator): the workers added in one
+    decision fit into the host's room (`tandem.control.capacity`), shared out one at a time
+    starting with the role that asks for more; never below a role's minimum.
 A short burst therefore scales up and stays up until the load has been low for a while, and
 input that flaps between high and low does not make the count oscillate.
 
@@ -35,6 +46,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from tandem.control.capacity import HostCapacity
 from tandem.control.config import ROLES, SLA, ControlConfig
 from tandem.control.model import (
     DecodeFit,
@@ -47,6 +59,8 @@ from tandem.control.model import (
     workers_for,
 )
 from tandem.control.samples import Observation, WorkerSample, percentile
+from tandem.control.trial import Hold, Trial, Verdict, goodput, judge, work_rate
+from tandem.control.trial import describe as describe_trial
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +74,8 @@ class ControlState:
     # decode step model (a, b) in ms.
     prefill_capacity_tps: float | None = None
     decode_step_model: StepModel | None = None
+    trials: dict[str, Trial] = field(default_factory=dict)  # role -> its scale-up on probation
+    holds: dict[str, Hold] = field(default_factory=dict)  # role -> no scale-up until (undone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +121,7 @@ class _Seen(NamedTuple):
     prefill: list[WorkerSample]  # live (not draining) workers' samples
     decode: list[WorkerSample]
     draining: dict[str, int]  # workers still draining at the latest tick
+    ready: dict[str, int]  # workers up and serving (Observation.ready, or the latest live)
     queued_prefill_tokens: int  # on live prefill workers at the latest tick
     ttft_p90_ms: float | None  # None with fewer than min_requests since the last change
     itl_p90_ms: float | None
@@ -114,7 +131,8 @@ class _Seen(NamedTuple):
 def decide(
     obs: Observation, config: ControlConfig, state: ControlState
 ) -> tuple[Decision, ControlState]:
-    """One control decision: observe -> fit -> want -> guard (see the module docstring)."""
+    """One control decision: observe -> fit -> want -> guard, then the trials and the host
+    capacity (see the module docstring)."""
     seen = _observe(obs, config, state)
 
     prefill = fit_prefill(seen.prefill, obs.sla, config.prefill_backlog_s)
@@ -131,18 +149,53 @@ def decide(
         "decode": _want_decode(seen, decode, obs.sla, config),
     }
 
+    trials, verdicts, notes = _judge_trials(obs, seen, config, state)
+    holds = {role: h for role, h in state.holds.items() if h.until > obs.now}
     target: dict[str, int] = {}
     reasons: dict[str, str] = {}
     last_change, low_since = dict(state.last_change), dict(state.low_since)
     for role in ROLES:
-        scaled = _guard(role, wants[role], seen, obs.now, config, state)
+        verdict = verdicts.get(role)
+        if verdict is not None and not verdict.keep:
+            before = state.trials[role].before
+            holds[role] = Hold(obs.now + config.undo_cooldown_s, verdict.why)
+            scaled = Scaled(before, (
+                f"{verdict.why}; back to {before}, no {role} scale-up for "
+                f"{config.undo_cooldown_s:.0f} s"
+            ))  # fmt: skip
+        else:
+            scaled = _guard(role, wants[role], seen, obs.now, config, state, trials, holds)
         target[role], reasons[role] = scaled.target, scaled.reason
-        if scaled.target != seen.current[role]:
-            last_change[role] = obs.now
+        if verdict is not None and verdict.keep:
+            reasons[role] += f"; {verdict.why}"
+        if role in notes:
+            reasons[role] += f"; {notes[role]}"
         if scaled.low_since is None:
             low_since.pop(role, None)
         else:
             low_since[role] = scaled.low_since
+
+    if obs.capacity is not None:
+        target, reasons = _clamp(target, reasons, seen.current, obs.capacity, config)
+    for role in ROLES:
+        cur = seen.current[role]
+        if target[role] == cur:
+            continue
+        last_change[role] = obs.now
+        low_since.pop(role, None)
+        trials.pop(role, None)  # the count changed: whatever was judged is over
+        lo, hi = config.bounds(role)
+        undone = role in verdicts and not verdicts[role].keep
+        automatic = state.pinned is None and lo <= cur <= hi and not undone
+        if target[role] > cur and automatic and config.scale_up_trial_s > 0:
+            span = config.scale_up_trial_s
+            trials[role] = Trial(
+                obs.now,
+                cur,
+                target[role],
+                goodput(obs.requests, obs.sla, obs.now, span, obs.since),
+                work_rate(obs.workers, role, obs.now, span, obs.since),
+            )
 
     new_state = replace(
         state,
@@ -150,8 +203,10 @@ def decide(
         low_since=low_since,
         prefill_capacity_tps=prefill.capacity_tps,
         decode_step_model=step_model,
+        trials=trials,
+        holds=holds,
     )
-    figures = _figures(seen, prefill, decode)
+    figures = _figures(seen, prefill, decode, obs.capacity, verdicts, state.trials)
     return Decision(obs.now, seen.current, target, reasons, figures), new_state
 
 
@@ -166,16 +221,51 @@ def _observe(obs: Observation, config: ControlConfig, state: ControlState) -> _S
     ttfts = [r.ttft_ms for r in obs.requests if r.t > since["prefill"]]
     itls = [r.itl_ms for r in obs.requests if r.t > since["decode"] and r.output_tokens > 1]
     enough = config.min_requests
+    if obs.ready is not None:
+        ready = {role: obs.ready.get(role, 0) for role in ROLES}
+    else:
+        ready = {
+            role: len({w.worker_id for w in latest if w.role == role and not w.draining})
+            for role in ROLES
+        }
     return _Seen(
         current={role: obs.replicas.get(role, 0) for role in ROLES},
         prefill=prefill,
         decode=[w for w in live if w.role == "decode"],
         draining={role: sum(1 for w in latest if w.role == role and w.draining) for role in ROLES},
+        ready=ready,
         queued_prefill_tokens=sum(s.queued_prefill_tokens for s in prefill if s.t == latest_t),
         ttft_p90_ms=percentile(ttfts, 90) if len(ttfts) >= enough else None,
         itl_p90_ms=percentile(itls, 90) if len(itls) >= enough else None,
         output_tokens=[r.output_tokens for r in obs.requests if r.output_tokens > 1],
     )
+
+
+def _judge_trials(
+    obs: Observation, seen: _Seen, config: ControlConfig, state: ControlState
+) -> tuple[dict[str, Trial], dict[str, Verdict], dict[str, str]]:
+    """The open trials after this observation, the verdicts reached now, and notes on trials
+    that ended without one (the count changed under them, or an operator pinned a ratio)."""
+    trials: dict[str, Trial] = {}
+    verdicts: dict[str, Verdict] = {}
+    notes: dict[str, str] = {}
+    for role, trial in state.trials.items():
+        step = f"scale up {trial.before} -> {trial.after}"
+        if state.pinned is not None:
+            notes[role] = f"{step} no longer judged: pinned by operator"
+            continue
+        if seen.current[role] != trial.after:
+            notes[role] = f"{step} no longer judged: the count is {seen.current[role]}"
+            continue
+        ready = seen.ready[role]
+        out = judge(
+            role, trial, obs.now, ready, obs.requests, obs.workers, obs.sla, config, obs.since
+        )
+        if isinstance(out, Verdict):
+            verdicts[role] = out
+        else:
+            trials[role] = out
+    return trials, verdicts, notes
 
 
 def _want_prefill(seen: _Seen, fit: PrefillFit, sla: SLA, config: ControlConfig) -> Want:
@@ -221,7 +311,14 @@ def _want_decode(seen: _Seen, fit: DecodeFit, sla: SLA, config: ControlConfig) -
 
 
 def _guard(
-    role: str, want: Want, seen: _Seen, now: float, config: ControlConfig, state: ControlState
+    role: str,
+    want: Want,
+    seen: _Seen,
+    now: float,
+    config: ControlConfig,
+    state: ControlState,
+    trials: dict[str, Trial],
+    holds: dict[str, Hold],
 ) -> Scaled:
     """An operator's pin, then the bounds, then automatic control."""
     lo, hi = config.bounds(role)
@@ -233,7 +330,29 @@ def _guard(
         return Scaled(pin, f"pinned by operator at {asked}{bounded}")
     if cur < lo or cur > hi:
         return Scaled(min(hi, max(lo, cur)), f"{cur} outside bounds [{lo}, {hi}]")
-    return _scale_role(role, cur, want, seen.draining[role], now, config, state)
+    held = _held_up(role, cur, seen.ready[role], now, config, trials.get(role), holds.get(role))
+    return _scale_role(role, cur, want, seen.draining[role], held, now, config, state)
+
+
+def _held_up(
+    role: str,
+    cur: int,
+    ready: int,
+    now: float,
+    config: ControlConfig,
+    trial: Trial | None,
+    hold: Hold | None,
+) -> str | None:
+    """Why the role may not scale up now, beyond its cooldown; None when it may."""
+    if trial is not None:
+        return describe_trial(role, trial, now, ready, config)
+    if ready < cur:
+        return (
+            f"{cur - ready} of {cur} {role} workers not serving yet (starting, or not schedulable)"
+        )
+    if hold is not None:
+        return f"{hold.why}; no {role} scale-up for {hold.until - now:.0f} s more"
+    return None
 
 
 def _scale_role(
@@ -241,18 +360,22 @@ def _scale_role(
     cur: int,
     want: Want,
     draining: int,
+    held: str | None,
     now: float,
     config: ControlConfig,
     state: ControlState,
 ) -> Scaled:
     """The target for one role within its bounds under automatic control: up at once within
-    the step and cooldown, down only after the load stayed low (module docstring)."""
+    the step and cooldown unless `held` says why not, down only after the load stayed low
+    (module docstring)."""
     lo, hi = config.bounds(role)
     up, down, why = want
     since_change = now - state.last_change.get(role, -math.inf)
     if up is not None and up > cur:
         if cur >= hi:
             return Scaled(cur, f"hold {cur}: {why}; wants {up} but max_{role} is {hi}")
+        if held is not None:
+            return Scaled(cur, f"hold {cur}: {why}; wants {up}, but {held}")
         if since_change < config.scale_up_cooldown_s:
             return Scaled(cur, (
                 f"hold {cur}: {why}; wants {up}, in scale-up cooldown "
@@ -281,9 +404,62 @@ def _scale_role(
     return Scaled(new, f"scale down {cur} -> {new}: {why}; needs {max(lo, down)}")
 
 
-def _figures(seen: _Seen, prefill: PrefillFit, decode: DecodeFit) -> dict[str, float]:
+def _clamp(
+    target: dict[str, int],
+    reasons: dict[str, str],
+    current: dict[str, int],
+    capacity: HostCapacity,
+    config: ControlConfig,
+) -> tuple[dict[str, int], dict[str, str]]:
+    """Targets whose additions fit into the host's room. A role's minimum is granted first
+    (a cluster without it does not serve); the rest of the room goes one worker at a time,
+    starting with the role that asks for more (prefill on a tie). A clamped role's reason
+    says what it wanted and what the host holds."""
+    asked = {role: max(0, target[role] - current[role]) for role in ROLES}
+    if sum(asked.values()) <= capacity.room:
+        return target, reasons
+    granted = {
+        role: min(asked[role], max(0, config.bounds(role)[0] - current[role])) for role in ROLES
+    }
+    room = capacity.room - sum(granted.values())
+    order = sorted(ROLES, key=lambda role: (-asked[role], ROLES.index(role)))
+    while room > 0 and any(granted[role] < asked[role] for role in order):
+        for role in order:
+            if room > 0 and granted[role] < asked[role]:
+                granted[role] += 1
+                room -= 1
+    target, reasons = dict(target), dict(reasons)
+    for role in ROLES:
+        if granted[role] == asked[role]:
+            continue
+        cur = current[role]
+        new = cur + granted[role]
+        verb = f"hold {cur}" if new == cur else f"scale up {cur} -> {new}"
+        reasons[role] = (
+            f"{verb}: the host holds {capacity.max_workers} workers and runs "
+            f"{capacity.num_workers} ({capacity.why}); was: {reasons[role]}"
+        )
+        target[role] = new
+    return target, reasons
+
+
+def _figures(
+    seen: _Seen,
+    prefill: PrefillFit,
+    decode: DecodeFit,
+    capacity: HostCapacity | None,
+    verdicts: dict[str, Verdict],
+    trials: dict[str, Trial],
+) -> dict[str, float]:
     """The model's numbers for `explain`; those not known this time are left out."""
     a, b = decode.step_model or (None, None)
+    judged: dict[str, float | None] = {}
+    for role, verdict in verdicts.items():
+        baseline = trials[role].baseline
+        judged[f"{role}_goodput_before_rps"] = baseline.met_per_s if baseline else None
+        judged[f"{role}_goodput_after_rps"] = verdict.after.met_per_s if verdict.after else None
+        judged[f"{role}_work_before_tps"] = trials[role].baseline_tps
+        judged[f"{role}_work_after_tps"] = verdict.after_tps
     known: dict[str, float | None] = {
         "prefill_demand_tps": prefill.demand_tps,
         "prefill_busy": prefill.busy,
@@ -297,5 +473,8 @@ def _figures(seen: _Seen, prefill: PrefillFit, decode: DecodeFit) -> dict[str, f
         "decode_batch_capacity": decode.batch_capacity,
         "decode_demand_tps": decode.demand_tps,
         "decode_mean_output_tokens": decode.mean_output_tokens,
+        "host_max_workers": capacity.max_workers if capacity else None,
+        "host_num_workers": capacity.num_workers if capacity else None,
+        **judged,
     }
     return {name: value for name, value in known.items() if value is not None}

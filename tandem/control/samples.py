@@ -4,9 +4,10 @@ gathered into an `Observation` for one decision."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tandem.control.capacity import HostCapacity
 from tandem.control.config import SLA
 
 
@@ -66,13 +67,27 @@ class RequestSample:
 @dataclass(frozen=True, slots=True)
 class Observation:
     """What the controller knows at time `now`: the replica counts it last asked for, and
-    the samples of the window (older ones are the caller's to drop, see `SampleWindow`)."""
+    the samples of the window (older ones are the caller's to drop, see `SampleWindow`).
+
+    Attributes:
+        ready: workers per role up and serving, as the actuator sees them (Kubernetes:
+            ready pods that heartbeat); None: the live workers of the latest samples. A
+            worker still loading or warming up is not ready, and one asked for but not
+            ready (starting, or a Pending pod) is not capacity yet.
+        capacity: the most workers the host holds (the local actuator); None: no host
+            limit (Kubernetes schedules pods onto nodes, and Pending ones are not ready).
+        since: the samples reach back to here (the controller's start, or now - its
+            window); None: as far back as the policy asks.
+    """
 
     now: float
     replicas: dict[str, int]
     workers: Sequence[WorkerSample] = ()
     requests: Sequence[RequestSample] = ()
     sla: SLA = SLA()
+    ready: Mapping[str, int] | None = None
+    capacity: HostCapacity | None = None
+    since: float | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RoleStatus(_message.Message):
-    __slots__ = ("role", "current", "desired", "live", "draining", "min", "max", "reason")
+    __slots__ = ("role", "current", "desired", "live", "draining", "min", "max", "reason", "ready")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     DESIRED_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class RoleStatus(_message.Message):
     MIN_FIELD_NUMBER: _ClassVar[int]
     MAX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     role: str
     current: int
     desired: int
@@ -28,7 +29,18 @@ class RoleStatus(_message.Message):
     min: int
     max: int
     reason: str
-    def __init__(self, role: _Optional[str] = ..., current: _Optional[int] = ..., desired: _Optional[int] = ..., live: _Optional[int] = ..., draining: _Optional[int] = ..., min: _Optional[int] = ..., max: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    ready: int
+    def __init__(self, role: _Optional[str] = ..., current: _Optional[int] = ..., desired: _Optional[int] = ..., live: _Optional[int] = ..., draining: _Optional[int] = ..., min: _Optional[int] = ..., max: _Optional[int] = ..., reason: _Optional[str] = ..., ready: _Optional[int] = ...) -> None: ...
+
+class HostCapacity(_message.Message):
+    __slots__ = ("max_workers", "num_workers", "reason")
+    MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    max_workers: int
+    num_workers: int
+    reason: str
+    def __init__(self, max_workers: _Optional[int] = ..., num_workers: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Sla(_message.Message):
     __slots__ = ("ttft_p90_ms", "itl_p90_ms")
@@ -39,7 +51,7 @@ class Sla(_message.Message):
     def __init__(self, ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "roles", "sla", "window_requests", "sla_attainment", "ttft_p90_ms", "itl_p90_ms", "actuator", "last_error", "last_decision_unix", "workers", "recent", "observed_unix")
+    __slots__ = ("mode", "roles", "sla", "window_requests", "sla_attainment", "ttft_p90_ms", "itl_p90_ms", "actuator", "last_error", "last_decision_unix", "workers", "recent", "observed_unix", "capacity")
     MODE_FIELD_NUMBER: _ClassVar[int]
     ROLES_FIELD_NUMBER: _ClassVar[int]
     SLA_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +65,7 @@ class StatusResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     RECENT_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     mode: str
     roles: _containers.RepeatedCompositeFieldContainer[RoleStatus]
     sla: Sla
@@ -66,7 +79,8 @@ class StatusResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     recent: LatencySummary
     observed_unix: float
-    def __init__(self, mode: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleStatus, _Mapping]]] = ..., sla: _Optional[_Union[Sla, _Mapping]] = ..., window_requests: _Optional[int] = ..., sla_attainment: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., actuator: _Optional[str] = ..., last_error: _Optional[str] = ..., last_decision_unix: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recent: _Optional[_Union[LatencySummary, _Mapping]] = ..., observed_unix: _Optional[float] = ...) -> None: ...
+    capacity: HostCapacity
+    def __init__(self, mode: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleStatus, _Mapping]]] = ..., sla: _Optional[_Union[Sla, _Mapping]] = ..., window_requests: _Optional[int] = ..., sla_attainment: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., actuator: _Optional[str] = ..., last_error: _Optional[str] = ..., last_decision_unix: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recent: _Optional[_Union[LatencySummary, _Mapping]] = ..., observed_unix: _Optional[float] = ..., capacity: _Optional[_Union[HostCapacity, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "role", "address", "num_running", "num_waiting", "num_blocks", "num_free_blocks", "step_ms", "tokens_per_s", "busy_frac", "draining", "updated_unix")

@@ -1,7 +1,13 @@
 """`tandem up --autoscale`: the ratio controller, with the local actuator, adds a prefill
 worker under a prefill-heavy load and removes it (after it drained) once the load is gone.
 Real processes, Redis, gRPC and NIXL; the model is the 46M-parameter preset so that prefill
-is the bottleneck on this CPU."""
+is the bottleneck on this CPU.
+
+The host is declared to have 3 cores (`host_cores`): one worker per core, so the third
+worker fits where this machine's 2 cores would hold only the starting two (that clamp, and
+the probation of a scale-up, have exact tests in tests/unit and test_controller.py). The
+scale-up's probation is longer than the test, so the load's end, not a goodput verdict
+on a shared machine, is what brings the count back down."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ CONTROLLER_ARGS = (
     "--interval-s", "1", "--window-s", "6", "--min-requests", "3",
     "--scale-up-cooldown-s", "0", "--scale-down-stable-s", "4", "--scale-down-cooldown-s", "4",
     "--max-prefill", "2", "--max-decode", "1", "--ttft-p90-ms", "1000",
+    "--scale-up-trial-s", "600",
 )  # fmt: skip
 
 
@@ -53,6 +60,7 @@ def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
             autoscale=True,
             admin_port=0,
             controller_args=CONTROLLER_ARGS,
+            host_cores=3,
         )  # fmt: skip
     )
     cluster.start()
@@ -81,6 +89,8 @@ def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
         wait_for("a second prefill worker", lambda: cluster.count("prefill") == 2, 120)
         status = admin.Status(apb.StatusRequest())
         assert [r.desired for r in status.roles] == [2, 1]
+        assert status.capacity.max_workers == 3
+        assert status.capacity.reason.startswith("3 cores, one worker per core; ")
         # The router's timings reach the controller (the status of one tick may fall in a
         # window with none finished on a loaded machine: wait for one that has some).
         wait_for(
@@ -99,6 +109,13 @@ def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
             lambda: admin.Status(apb.StatusRequest()).roles[0].live == 2,
             120,
         )
+        # Serving now, and the host is full: 3 workers for 3 cores.
+        wait_for(
+            "the controller to see it serve",
+            lambda: admin.Status(apb.StatusRequest()).roles[0].ready == 2,
+            30,
+        )
+        assert admin.Status(apb.StatusRequest()).capacity.num_workers == 3
         served = done[0]
         time.sleep(3)
         assert done[0] > served

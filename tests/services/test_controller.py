@@ -9,6 +9,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import grpc
 import pytest
@@ -18,7 +19,7 @@ from services.common.redis.request_log import RequestLog, RequestLogReader
 from services.controller.actuators import ActuatorError, NoActuator
 from services.controller.config import ControllerConfig
 from services.controller.server import Controller
-from tandem.control import SLA, ControlConfig, RequestSample
+from tandem.control import SLA, ControlConfig, HostCapacity, RequestSample
 from tandem.ctl import format_decisions, format_status
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
@@ -73,6 +74,110 @@ class FlakyActuator(NoActuator):
         if self.broken:
             raise ActuatorError("kubernetes: patch deployments/x/scale: 503 Service Unavailable")
         await super().scale(target)
+
+
+class HostActuator(NoActuator):
+    """A NoActuator on a host that holds `capacity` workers (what LocalActuator measures)."""
+
+    name = "local"
+
+    def __init__(self, capacity: HostCapacity) -> None:
+        super().__init__()
+        self.host = capacity
+
+    async def capacity(self) -> HostCapacity | None:
+        return self.host
+
+
+HOST_WHY = "2 cores, one worker per core; 20.0 GiB available less 1.0 GiB reserve fits 11 more"
+
+
+def test_host_capacity_clamps_and_an_undone_scale_up_is_explained(redis_url: str) -> None:
+    """The host first holds no more workers (clamped, in status and explain); then room for
+    two: prefill scales 1 -> 3, its workers serve, but together they compute what one did
+    and fewer requests meet the SLA: the scale-up is undone, and `tandem ctl explain` says
+    why."""
+    t0 = time.time()
+    clock = [t0]
+
+    async def body() -> None:
+        registry = Registry(redis_url, ttl_s=30)
+        log = RequestLog(redis_url, MODEL)
+        actuator = HostActuator(HostCapacity(2, 2, HOST_WHY))
+        control = dataclasses.replace(
+            CONTROL, scale_up_trial_s=10.0, worker_start_timeout_s=60.0, undo_cooldown_s=100.0
+        )
+        controller = Controller(config(redis_url, control), actuator, clock=lambda: clock[0])
+        await controller.start(run_loop=False)
+
+        async def tick_at(offset_s: float) -> Any:
+            clock[0] = t0 + offset_s
+            record = await controller.tick()
+            assert record is not None and record.applied
+            return record.decision
+
+        async def timings(offset_s: float, num_met: int) -> None:
+            for i in range(10):
+                ttft = 200.0 if i < num_met else 1500.0
+                log.record(RequestSample(t0 + offset_s, ttft, 20.0, 1000, 32))
+            await log.flush()
+
+        async def prefill_workers(n: int) -> None:
+            for i in range(n):
+                await registry.register(
+                    info(f"p{i}", "prefill", busy_frac=1.0, tokens_per_s=2000.0 / n,
+                         step_ms=80.0, queued_prefill_tokens=6000 // n)
+                )  # fmt: skip
+
+        await tick_at(0.0)  # positions the request reader; counts to the bounds (1, 1)
+        await prefill_workers(1)
+        await registry.register(info("d0", "decode", busy_frac=0.2, step_ms=20.0, num_running=2))
+        await timings(1.0, num_met=4)
+        clamped = await tick_at(2.0)
+        assert clamped.target == {"prefill": 1, "decode": 1}
+        assert clamped.reasons["prefill"].startswith(
+            f"hold 1: the host holds 2 workers and runs 2 ({HOST_WHY}); was: scale up 1 -> 3: "
+        )
+        status = controller.status()
+        assert (status.capacity.max_workers, status.capacity.num_workers) == (2, 2)
+        assert (
+            f"host: holds 2 workers, 2 running, no room to add ({HOST_WHY})"
+            in format_status(status).splitlines()
+        )
+
+        actuator.host = HostCapacity(4, 2, HOST_WHY)
+        up = await tick_at(3.0)
+        assert up.target == {"prefill": 3, "decode": 1}
+        await prefill_workers(3)  # all three serve, sharing one core's worth of work
+        judging = await tick_at(4.0)
+        assert judging.reasons["prefill"].endswith(
+            "but judging scale up 1 -> 3: 0/10 s of goodput since its workers serve"
+        )
+        assert [(r.current, r.ready, r.live) for r in controller.status().roles] == [
+            (3, 3, 3),
+            (1, 1, 1),
+        ]
+        await timings(14.0, num_met=1)
+        undone = await tick_at(14.0)
+        assert undone.target == {"prefill": 1, "decode": 1}
+        # Before: 4 met in the 3 s the window held (1.33 req/s); after: 1 in 10 s.
+        assert undone.reasons["prefill"] == (
+            "scale up 1 -> 3 undone: goodput 0.10 req/s within the SLA after, 1.33 before; its "
+            "workers computed 2000 tok/s, 2000 before; back to 1, no prefill scale-up for 100 s"
+        )
+        assert await actuator.current({}) == {"prefill": 1, "decode": 1}
+        async with grpc.aio.insecure_channel(controller.address) as channel:
+            explained = await agrpc.AdminStub(channel).Explain(apb.ExplainRequest(limit=5))
+        text = format_decisions(explained)
+        assert "prefill 3 -> 1, decode 1" in text
+        assert "    prefill: scale up 1 -> 3 undone: goodput 0.10 req/s" in text
+        assert "prefill_goodput_before_rps=1.333" in text and "host_max_workers=4" in text
+        assert "    prefill: hold 1: the host holds 2 workers and runs 2" in text
+        await controller.stop()
+        await log.stop()
+        await registry.close()
+
+    asyncio.run(body())
 
 
 def test_request_log_round_trip(redis_url: str) -> None:
@@ -202,7 +307,10 @@ def test_admin_api_over_grpc(redis_url: str) -> None:
             pinned = await stub.SetRatio(apb.SetRatioRequest(prefill=2, decode=4))
             assert pinned.mode == "manual"
             assert [(r.role, r.desired) for r in pinned.roles] == [("prefill", 2), ("decode", 4)]
-            assert pinned.roles[0].reason == "pinned by operator at 2"
+            # The scale-up 1 -> 3 was on probation; an operator's pin ends it, unjudged.
+            assert pinned.roles[0].reason == (
+                "pinned by operator at 2; scale up 1 -> 3 no longer judged: pinned by operator"
+            )
 
             bad_ratios = [
                 (apb.SetRatioRequest(prefill=9, decode=1), "prefill: 9"),
@@ -247,6 +355,7 @@ def test_status_before_any_traffic_says_so(redis_url: str) -> None:
         controller = Controller(config(redis_url), NoActuator())
         await controller.start(run_loop=False)
         status = controller.status()
+        assert not status.HasField("capacity")  # no host limit without the local actuator
         assert math.isnan(status.sla_attainment) and math.isnan(status.ttft_p90_ms)
         assert "n/a" in format_status(status)
         assert status.roles[0].reason == "no decision yet"

@@ -3,7 +3,7 @@ load responds to the replica counts the policy chooses."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -12,8 +12,12 @@ from tandem.control import (
     ControlConfig,
     ControlState,
     Decision,
+    Goodput,
+    Hold,
+    HostCapacity,
     Observation,
     RequestSample,
+    Trial,
     WorkerSample,
     decide,
     fit_decode_step,
@@ -86,6 +90,7 @@ def run(
             workers=[w for ws, _ in history for w in ws],
             requests=[r for _, rs in history for r in rs],
             sla=SLA_,
+            since=t - len(history) * TICK_S,  # each tick reports the TICK_S before it
         )
         decision, state = decide(obs, config, state)
         decisions.append(decision)
@@ -143,8 +148,20 @@ def test_every_decision_has_a_readable_reason() -> None:
     assert first.reasons["prefill"].startswith("scale up 1 -> 3: demand ")
     assert "tok/s per worker" in first.reasons["prefill"]
     assert first.reasons["decode"].startswith("hold 1: ")
-    assert "cooldown" in decisions[1].reasons["prefill"]  # wants more, within 10 s of the last
+    # Wants more, but the scale-up is on probation (its workers serve from the next tick).
+    assert (
+        decisions[1]
+        .reasons["prefill"]
+        .endswith(
+            "; wants 10, but judging scale up 1 -> 3: 0/30 s of goodput since its workers serve"
+        )
+    )
     assert first.figures["prefill_capacity_tps"] == pytest.approx(PREFILL_CAPACITY)
+    # Without probation, the cooldown is what holds it (within 10 s of the last change).
+    unjudged = replace(CONFIG, scale_up_trial_s=0)
+    decisions, state = run([PREFILL_HEAVY] * 2, {"prefill": 1, "decode": 1}, config=unjudged)
+    assert "in scale-up cooldown (5/10 s)" in decisions[1].reasons["prefill"]
+    assert state.trials == {}
 
 
 def test_decode_model_fits_the_step_time_and_respects_the_itl_sla() -> None:
@@ -261,12 +278,13 @@ def test_ttft_violation_adds_a_prefill_worker_even_when_the_model_is_content() -
         0.0, "p0", "prefill", busy_frac=0.75, tokens_per_s=1500, queued_prefill_tokens=1
     )
     reqs = [RequestSample(0.0, 3000.0, 20.0, 1000, 16) for _ in range(10)]
-    obs = Observation(0.0, {"prefill": 2, "decode": 1}, workers=[w], requests=reqs, sla=SLA_)
+    replicas, ready = {"prefill": 2, "decode": 1}, {"prefill": 2, "decode": 1}
+    obs = Observation(0.0, replicas, workers=[w], requests=reqs, sla=SLA_, ready=ready)
     decision, _ = decide(obs, CONFIG, ControlState())
     assert decision.target["prefill"] == 3
     assert "TTFT p90 3000 ms > SLA 1000 ms" in decision.reasons["prefill"]
     # Too few requests to trust a percentile: no SLA correction.
-    obs = Observation(0.0, {"prefill": 2, "decode": 1}, workers=[w], requests=reqs[:3], sla=SLA_)
+    obs = Observation(0.0, replicas, workers=[w], requests=reqs[:3], sla=SLA_, ready=ready)
     decision, _ = decide(obs, CONFIG, ControlState())
     assert "TTFT" not in decision.reasons["prefill"]
 
@@ -339,3 +357,194 @@ def test_config_rejects_nonsense(kwargs: dict[str, object], message: str) -> Non
         ControlConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ttft_p90_ms"):
         SLA(ttft_p90_ms=0)
+
+
+# -- probation, start-up and host capacity ----------------------------------------------------
+
+TRIAL = replace(CONFIG, scale_up_trial_s=20.0, worker_start_timeout_s=60.0, undo_cooldown_s=100.0)
+
+
+def contended(
+    t: float, replicas: dict[str, int], num_met: int, ready: int | None = None
+) -> Observation:
+    """One tick of a prefill-bound cluster whose prefill workers share one core: however
+    many serve, together they compute 2000 tok/s, and `num_met` of the tick's 10 requests
+    meet the SLA. `ready` prefill workers serve (default: all asked for)."""
+    n = replicas["prefill"] if ready is None else ready
+    workers = [
+        WorkerSample(t, f"p{i}", "prefill", busy_frac=1.0, tokens_per_s=2000.0 / n,
+                     queued_prefill_tokens=6000 // n)
+        for i in range(n)
+    ] + [WorkerSample(t, "d0", "decode", busy_frac=0.2, step_ms=12.0, num_running=1)]  # fmt: skip
+    requests = [
+        RequestSample(t, 500.0 if i < num_met else 3000.0, 12.0, 1000, 16) for i in range(10)
+    ]
+    ready_counts = {"prefill": n, "decode": 1}
+    return Observation(
+        t, dict(replicas), workers, requests, SLA_, ready=ready_counts, since=t - TICK_S
+    )
+
+
+def test_a_scale_up_that_adds_contention_is_undone_and_held_off() -> None:
+    one = {"prefill": 1, "decode": 1}
+    decision, state = decide(contended(0.0, one, num_met=4), TRIAL, ControlState())
+    assert decision.target == {"prefill": 3, "decode": 1}
+    assert state.trials == {"prefill": Trial(0.0, 1, 3, Goodput(4, 10, 5.0), 2000.0)}
+    three = {"prefill": 3, "decode": 1}
+    # Its workers still loading: 1 of 3 serves; nothing more is added meanwhile.
+    decision, state = decide(contended(5.0, three, num_met=4, ready=1), TRIAL, state)
+    assert decision.target == three
+    assert decision.reasons["prefill"].endswith(
+        "but scale up 1 -> 3 not serving yet: 1/3 prefill workers serve (5/60 s)"
+    )
+    decision, state = decide(contended(10.0, three, num_met=3), TRIAL, state)
+    assert decision.reasons["prefill"].endswith(
+        "but judging scale up 1 -> 3: 0/20 s of goodput since its workers serve"
+    )
+    assert state.trials["prefill"].serving_since == 10.0
+    decision, state = decide(contended(25.0, three, num_met=2), TRIAL, state)
+    assert decision.target == three
+    # 20 s after they all serve: 2 of 10 met in the last 5 s (0.4 req/s) against 4 (0.8
+    # req/s) before, and the three together computed what one did.
+    decision, state = decide(contended(30.0, three, num_met=2), TRIAL, state)
+    assert decision.target == one
+    assert decision.reasons["prefill"] == (
+        "scale up 1 -> 3 undone: goodput 0.40 req/s within the SLA after, 0.80 before; its "
+        "workers computed 2000 tok/s, 2000 before; back to 1, no prefill scale-up for 100 s"
+    )
+    assert decision.reasons["decode"].startswith("hold 1: ")
+    assert {k: v for k, v in decision.figures.items() if k.startswith("prefill_")} == {
+        "prefill_demand_tps": pytest.approx(2000.0 + 6000 / 1.0),
+        "prefill_busy": 1.0,
+        "prefill_capacity_tps": pytest.approx(2000.0 / 3),
+        "prefill_goodput_before_rps": pytest.approx(0.8),
+        "prefill_goodput_after_rps": pytest.approx(0.4),
+        "prefill_work_before_tps": pytest.approx(2000.0),
+        "prefill_work_after_tps": pytest.approx(2000.0),
+    }
+    assert state.trials == {}
+    why = decision.reasons["prefill"].split("; back to")[0]
+    assert state.holds == {"prefill": Hold(130.0, why)}
+    assert state.last_change["prefill"] == 30.0
+    # The load is as high as ever, but no scale-up of prefill during the cool-down.
+    decision, state = decide(contended(35.0, one, num_met=4), TRIAL, state)
+    assert decision.target == one
+    assert decision.reasons["prefill"].endswith(f"but {why}; no prefill scale-up for 95 s more")
+    decision, state = decide(contended(130.0, one, num_met=4), TRIAL, state)
+    assert state.holds == {}
+    assert decision.target == three and decision.reasons["prefill"].startswith("scale up 1 -> 3")
+
+
+def test_a_scale_up_that_raised_goodput_is_kept_and_says_so() -> None:
+    decisions, state = run([PREFILL_HEAVY] * 8, {"prefill": 1, "decode": 1})
+    assert counts(decisions, "prefill") == [3, 3, 3, 3, 3, 3, 3, 5]
+    # Judged at 35 s, 30 s after its workers served: 30 requests within the SLA over the
+    # 15 s the window holds, none in the 5 s before the scale-up.
+    assert (
+        decisions[7]
+        .reasons["prefill"]
+        .endswith("; scale up 1 -> 3 kept: goodput 2.00 req/s within the SLA after, 0.00 before")
+    )
+    assert decisions[7].figures["prefill_goodput_after_rps"] == pytest.approx(2.0)
+    assert state.trials["prefill"].before == 3 and state.trials["prefill"].after == 5
+
+
+def test_pending_workers_are_not_capacity_and_get_no_company() -> None:
+    """Kubernetes: the Deployment asks for 3 decode pods, 1 is ready (2 cannot be scheduled).
+    No more are added while they are Pending, and the scale-up that asked for them is
+    undone once worker_start_timeout_s has passed."""
+    decisions: list[Decision] = []
+    state, asked = ControlState(), {"prefill": 1, "decode": 1}
+    for i in range(13):
+        t = i * TICK_S
+        workers, requests = world(DECODE_HEAVY, {"prefill": 1, "decode": 1}, t)  # 1 serves
+        obs = Observation(t, dict(asked), workers, requests, SLA_, since=t - TICK_S)
+        decision, state = decide(obs, TRIAL, state)
+        decisions.append(decision)
+        asked = dict(decision.target)
+    assert counts(decisions, "decode") == [3] * 12 + [1]
+    assert (
+        decisions[1]
+        .reasons["decode"]
+        .endswith("but scale up 1 -> 3 not serving yet: 1/3 decode workers serve (5/60 s)")
+    )
+    assert decisions[12].reasons["decode"] == (
+        "scale up 1 -> 3 undone: 2 added decode worker(s) not serving after 60 s (still "
+        "starting, or not schedulable); back to 1, no decode scale-up for 100 s"
+    )
+    # Without a trial (a restarted controller): Pending pods still hold a scale-up back.
+    workers, requests = world(DECODE_HEAVY, {"prefill": 1, "decode": 1}, 0.0)
+    ready = {"prefill": 1, "decode": 1}
+    obs = Observation(0.0, {"prefill": 1, "decode": 3}, workers, requests, SLA_, ready=ready)
+    decision, _ = decide(obs, TRIAL, ControlState())
+    assert decision.target["decode"] == 3
+    assert decision.reasons["decode"].endswith(
+        "but 2 of 3 decode workers not serving yet (starting, or not schedulable)"
+    )
+
+
+def test_a_trial_ends_when_the_count_changes_under_it_or_an_operator_pins() -> None:
+    trial = Trial(0.0, 1, 3, Goodput(0, 10, 5.0), 2000.0, serving_since=5.0)
+    state = ControlState(trials={"prefill": trial}, last_change={"prefill": 0.0})
+    obs = contended(10.0, {"prefill": 2, "decode": 1}, num_met=0)
+    decision, after = decide(obs, TRIAL, state)
+    # No verdict on it; the load still asks for more, so a new scale-up (and trial) begins.
+    assert decision.reasons["prefill"].startswith("scale up 2 -> 4: ")
+    assert decision.reasons["prefill"].endswith(
+        "; scale up 1 -> 3 no longer judged: the count is 2"
+    )
+    assert after.trials == {"prefill": Trial(10.0, 2, 4, Goodput(0, 10, 5.0), 2000.0)}
+    decision, after = decide(obs, TRIAL, replace(state, pinned=(2, 1)))
+    assert decision.reasons["prefill"] == (
+        "pinned by operator at 2; scale up 1 -> 3 no longer judged: pinned by operator"
+    )
+    assert after.trials == {}
+
+
+WHY = "2 cores, one worker per core; ..."
+
+
+def test_host_capacity_clamps_a_scale_up_and_says_why() -> None:
+    workers, requests = world(BOTH_HEAVY, {"prefill": 1, "decode": 1}, 0.0)
+    base = Observation(0.0, {"prefill": 1, "decode": 1}, workers, requests, SLA_)
+    unclamped, _ = decide(base, TRIAL, ControlState())
+    assert unclamped.target == {"prefill": 3, "decode": 3}
+    # Full: both held, and each reason keeps what the model wanted.
+    full = replace(base, capacity=HostCapacity(2, 2, WHY))
+    decision, state = decide(full, TRIAL, ControlState())
+    assert decision.target == {"prefill": 1, "decode": 1}
+    for role in ("prefill", "decode"):
+        assert decision.reasons[role] == (
+            f"hold 1: the host holds 2 workers and runs 2 ({WHY}); was: {unclamped.reasons[role]}"
+        )
+    assert state.trials == {} and "prefill" not in state.last_change
+    assert (decision.figures["host_max_workers"], decision.figures["host_num_workers"]) == (2, 2)
+    # Room for one: prefill first on a tie; its scale-up is on probation at the new count.
+    decision, state = decide(replace(base, capacity=HostCapacity(3, 2, WHY)), TRIAL, ControlState())
+    assert decision.target == {"prefill": 2, "decode": 1}
+    assert decision.reasons["prefill"].startswith("scale up 1 -> 2: the host holds 3 workers")
+    assert decision.reasons["decode"].startswith("hold 1: the host holds 3 workers")
+    assert state.trials["prefill"].after == 2 and "decode" not in state.trials
+    # Room for three: one at a time, prefill, decode, prefill.
+    decision, _ = decide(replace(base, capacity=HostCapacity(5, 2, WHY)), TRIAL, ControlState())
+    assert decision.target == {"prefill": 3, "decode": 2}
+    assert decision.reasons["prefill"] == unclamped.reasons["prefill"]  # not clamped
+    # Room enough: no clamp at all.
+    decision, _ = decide(replace(base, capacity=HostCapacity(8, 2, WHY)), TRIAL, ControlState())
+    assert decision.target == unclamped.target and decision.reasons == unclamped.reasons
+
+
+def test_host_capacity_clamps_a_pinned_ratio_but_never_below_the_minimum() -> None:
+    full = HostCapacity(1, 1, WHY)
+    obs = Observation(0.0, {"prefill": 0, "decode": 1}, sla=SLA_, capacity=full)
+    decision, _ = decide(obs, TRIAL, ControlState())
+    assert decision.target == {"prefill": 1, "decode": 1}  # min_prefill, though the host is full
+    assert decision.reasons["prefill"] == "0 outside bounds [1, 8]"
+    obs = Observation(0.0, {"prefill": 1, "decode": 1}, sla=SLA_, capacity=HostCapacity(3, 2, WHY))
+    decision, state = decide(obs, TRIAL, ControlState(pinned=(4, 4)))
+    assert decision.target == {"prefill": 2, "decode": 1}
+    assert decision.reasons["prefill"] == (
+        f"scale up 1 -> 2: the host holds 3 workers and runs 2 ({WHY}); was: pinned by "
+        "operator at 4"
+    )
+    assert state.trials == {}  # an operator's ratio is not judged
