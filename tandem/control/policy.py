@@ -17,22 +17,23 @@ One decision, per role:
   guard    turn `want` into a replica count:
   - bounds: [min, max] always;
   - up: at once, at most `max_step` per decision, not within `scale_up_cooldown_s` of the
-    role's last change;
+    role's last change; not while the role's workers are not all serving
+    (`Observation.ready` below the count: workers still loading, or Pending pods), so that
+    a scale-up whose workers have not come up is not followed by another; not while the
+    role's last scale-up is on probation, nor within `undo_cooldown_s` of an undo;
   - down: only when even the stricter utilization target would need fewer workers,
     continuously for `scale_down_stable_s`, at most `max_down_step` workers at a time
     (default 1), not within `scale_down_cooldown_s` of the last change, and only when no
     worker of the role is still draining from the previous scale-down.
-  - not while the role's workers are not all serving (`Observation.ready` below the count:
-    workers still loading, or Pending pods), so that a scale-up whose workers have not come
-    up is not followed by another;
-  - on probation (`tandem.control.trial`): an automatic scale-up is judged once its workers
-    serve, kept if it raised goodput and otherwise undone (back to the count before, and no
-    scale-up of that role for `undo_cooldown_s`); no further scale-up of the role while it
-    is judged, nor when its workers did not come up within `worker_start_timeout_s` (then
-    it is undone too);
-  - host capacity (`Observation.capacity`, the local actuator): the workers added in one
-    decision fit into the host's room (`tandem.control.capacity`), shared out one at a time
-    starting with the role that asks for more; never below a role's minimum.
+  judge    every automatic scale-up is on probation (`tandem.control.trial`): undone (back
+           to the count before) when its workers do not all serve within
+           `worker_start_timeout_s`, or when, `scale_up_trial_s` after they do, it raised
+           neither goodput nor the work the role's workers do; kept otherwise. The verdict
+           and its figures are in the role's reason.
+  clamp    host capacity (`Observation.capacity`, the local actuator): the workers added in
+           one decision fit into the host's room (`tandem.control.capacity`), shared out
+           one at a time starting with the role that asks for more; never below a role's
+           minimum. A clamped role's reason says what the host holds and what was wanted.
 A short burst therefore scales up and stays up until the load has been low for a while, and
 input that flaps between high and low does not make the count oscillate.
 
