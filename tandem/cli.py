@@ -251,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--restart-max-backoff-s", type=float, default=up_default["restart_max_backoff_s"]
     )
     u.add_argument(
+        "--host-cores",
+        type=int,
+        default=0,
+        help="with --autoscale: the cores the host capacity rule counts (0: measured)",
+    )
+    u.add_argument(
         "--max-queue-delay-s",
         type=float,
         default=up_default["max_queue_delay_s"],

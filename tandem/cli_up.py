@@ -125,6 +125,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         restart_window_s=args.restart_window_s,
         api_keys=args.api_keys,
         max_queue_delay_s=args.max_queue_delay_s,
+        host_cores=args.host_cores,
     )
     cluster = Cluster(config)
     print(

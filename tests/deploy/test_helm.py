@@ -586,7 +586,7 @@ def test_every_rendered_tandem_env_is_a_field_of_its_dataclass(helm: Helm) -> No
 
 
 @pytest.mark.parametrize("release", ["tandem", "prod"])
-def test_role_allows_only_get_and_patch_on_the_two_worker_scales(helm: Helm, release: str) -> None:
+def test_role_allows_only_scales_and_status_of_the_two_workers(helm: Helm, release: str) -> None:
     objects = helm.render(release=release, namespace="serving")
     prefill, decode = _name("prefill", release), _name("decode", release)
     controller = _name("controller", release)
@@ -599,7 +599,13 @@ def test_role_allows_only_get_and_patch_on_the_two_worker_scales(helm: Helm, rel
             "resources": ["deployments/scale"],
             "resourceNames": [prefill, decode],
             "verbs": ["get", "patch"],
-        }
+        },
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments/status"],
+            "resourceNames": [prefill, decode],
+            "verbs": ["get"],
+        },
     ]
     assert find(objects, "ClusterRole") == [] and find(objects, "ClusterRoleBinding") == []
     (binding,) = find(objects, "RoleBinding")

@@ -160,7 +160,8 @@ def test_install_creates_the_release_objects(
     core.read_namespaced_service_account(CONTROLLER, NAMESPACE)
     role = rbac.read_namespaced_role(CONTROLLER, NAMESPACE)
     assert [(r.resources, r.resource_names, r.verbs) for r in role.rules] == [
-        (["deployments/scale"], [PREFILL, DECODE], ["get", "patch"])
+        (["deployments/scale"], [PREFILL, DECODE], ["get", "patch"]),
+        (["deployments/status"], [PREFILL, DECODE], ["get"]),
     ]
     binding = rbac.read_namespaced_role_binding(CONTROLLER, NAMESPACE)
     assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
