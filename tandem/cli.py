@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-tiny-model", help="write a deterministic random Llama-style model")
     m.add_argument("dir", type=Path)
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    m.add_argument("--preset", default="tiny", choices=["tiny", "medium", "small"])
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_tiny_model)
 

@@ -254,6 +254,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             span.end()
             self.num_active_rpcs -= 1
             self.loop.close_stream(rid)
+            self._aborted.discard(rid)  # its abort, if any, has been seen
             # Cancelled or failed mid-stream: free everything this request holds here.
             self.loop.abort(rid)
 

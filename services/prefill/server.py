@@ -148,6 +148,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             span.end()
             self.num_active_rpcs -= 1
             self.loop.close_stream(rid)
+            self._aborted.discard(rid)  # its abort, if any, has been seen
             if not handed_off:
                 # Cancelled, failed or finished at token 1: nothing may stay pinned.
                 self.loop.abort(rid)

@@ -48,7 +48,9 @@ class OrphanTracker:
 
 class RecentIds:
     """Request ids aborted lately, bounded in count and age: an abort that overtakes its
-    request (the two calls race on the wire) still stops it when the request arrives."""
+    request (the two calls race on the wire) still stops it when the request arrives. The
+    caller discards an id once the call it was meant for has seen it, so an id may be used
+    again afterwards."""
 
     def __init__(self, max_ids: int = 4096, ttl_s: float = 120.0) -> None:
         self.max_ids = max_ids
@@ -59,6 +61,9 @@ class RecentIds:
         self._ids.pop(request_id, None)
         self._ids[request_id] = now
         self._trim(now)
+
+    def discard(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._ids

@@ -109,6 +109,19 @@ PRESETS: dict[str, TinyPreset] = {
         tie_word_embeddings=False,
         rope_theta=10000.0,
     ),
+    # Fault tests of long prompts: ~3M parameters, an 8000-token prompt takes seconds per
+    # step on one thread (like a long document on a real model).
+    "medium": TinyPreset(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    ),
     # CPU benchmarks: ~46M parameters.
     "small": TinyPreset(
         vocab_size=8192,

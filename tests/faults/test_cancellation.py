@@ -23,29 +23,18 @@ import grpc
 import pytest
 
 from tandem.client import AsyncTandemClient, TandemError
-from tandem.model.tiny import TinyPreset, make_tiny_model
+from tandem.model.tiny import make_tiny_model
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.faults.fleet import Fleet, wait_until
 
 LONG = 8000  # tokens: one prefill step of several seconds on one thread
-MEDIUM = TinyPreset(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-    rope_theta=10000.0,
-)
 
 
 @pytest.fixture(scope="module")
 def slow_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    model_dir = make_tiny_model(tmp_path_factory.mktemp("cancel") / "medium", preset=MEDIUM)
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("cancel") / "medium", preset="medium")
     fleet = Fleet(
         model_dir,
         tmp_path_factory.mktemp("cancel-fleet"),

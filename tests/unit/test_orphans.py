@@ -54,3 +54,11 @@ def test_recent_ids_bound_count_and_age() -> None:
     assert "b" not in ids and "c" not in ids and "d" in ids
     ids.add("d", 13.0)  # re-adding refreshes, never duplicates
     assert "d" in ids
+
+
+def test_a_discarded_id_may_be_used_again() -> None:
+    ids = RecentIds()
+    ids.add("alt", 0.0)
+    ids.discard("alt")
+    ids.discard("never-added")  # no error
+    assert "alt" not in ids

@@ -309,8 +309,12 @@ class Worker:
 
     def abort(self, request_id: str) -> bool:
         """Stop `request_id` on this worker, now or when it arrives. True when it was known."""
-        found = self.owns(request_id) or self.engine.has_request(request_id)
-        self._aborted.add(request_id, time.monotonic())
+        active = self.loop.has_stream(request_id)  # its call is running here
+        found = active or self.owns(request_id) or self.engine.has_request(request_id)
+        if active or not found:
+            # Remembered for the call that is running (it ends aborted and forgets the id),
+            # or for one this abort overtook on the wire (refused once when it arrives).
+            self._aborted.add(request_id, time.monotonic())
         self.loop.abort(request_id)
         self.num_aborts += 1
         self.metrics.aborts.inc()
@@ -390,6 +394,7 @@ class Worker:
         except ValueError as exc:
             raise invalid_argument(f"sampling.{exc}") from None
         if spec.request_id in self._aborted:
+            self._aborted.discard(spec.request_id)
             # Its abort overtook it: the router has given up on this attempt already.
             raise ServiceError(
                 grpc.StatusCode.ABORTED, f"request_id {spec.request_id!r} was aborted"
