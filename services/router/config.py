@@ -12,7 +12,7 @@ from tandem.routing import RoutingConfig
 from tandem.routing.health import BreakerConfig
 from tandem.routing.recovery import RecoveryConfig
 
-DEFAULT_MAX_QUEUE_DELAY_S = 60.0
+DEFAULT_MAX_QUEUE_DELAY_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,9 @@ class RouterConfig:
     max_queue_delay_s: refuse a request at once (RESOURCE_EXHAUSTED, HTTP 429, with a
         retry hint) when its expected wait for the first token -- the prefilling worker's
         queued prompt tokens at its measured prefill rate (tandem.routing.admission) --
-        exceeds this; 0: no limit.
+        exceeds this; 0: no limit. 120 s: the 8-client soak of the default model on 2 cores
+        (benchmarks/bench_soak.py) has document TTFTs up to ~64 s, all of which are served;
+        at 60 s a third of its documents were refused.
     keepalive_s: gRPC keepalive ping interval (and timeout) on worker channels: a frozen or
         unreachable worker fails its calls within about twice this.
     request_id_ttl_s: how long a claimed client request id stays claimed in Redis when the
