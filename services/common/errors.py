@@ -55,6 +55,11 @@ def already_exists(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.ALREADY_EXISTS, message)
 
 
+def aborted(request_id: str) -> ServiceError:
+    """The request was aborted (its call, or one that overtook it, asked for that)."""
+    return ServiceError(grpc.StatusCode.ABORTED, f"request_id {request_id!r} was aborted")
+
+
 def not_found(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.NOT_FOUND, message)
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common import convert, tracing
-from services.common.errors import ServiceError, rpc
+from services.common.errors import ServiceError, aborted, rpc
 from services.common.security import derive_key, load_secret
 from services.common.worker.engine_loop import Quiet, next_output
 from services.common.worker.shell import Worker
@@ -109,7 +109,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                 yield wpb.PrefillEvent(progress=progress)
             if out is None or out.finish_reason == "abort":
                 if rid in self._aborted:
-                    raise ServiceError(grpc.StatusCode.ABORTED, f"request_id {rid!r} was aborted")
+                    raise aborted(rid)
                 raise ServiceError(grpc.StatusCode.INTERNAL, "the engine step failed")
             tracing.engine_phases(
                 span,
@@ -139,7 +139,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                 )
                 resp.kv.CopyFrom(convert.handoff_to_proto(self._sign(spec, handoff)))
             elif out.handed_off:  # aborted while the hand-off was on its way here
-                raise ServiceError(grpc.StatusCode.ABORTED, f"request_id {rid!r} was aborted")
+                raise aborted(rid)
             yield wpb.PrefillEvent(result=resp)
         except BaseException as exc:
             tracing.fail(span, exc)

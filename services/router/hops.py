@@ -179,7 +179,7 @@ class Hops:
         )
         try:
             resp: wpb.PrefillResponse | None = None
-            async for event in self._events(call, stream, Fault.PREFILL_FAILED, worker, context):
+            async for event in self._events(call, stream, Fault.PREFILL_FAILED, worker):
                 if event.WhichOneof("kind") == "result":
                     resp = event.result
                     break
@@ -232,7 +232,7 @@ class Hops:
             request, timeout=context.time_remaining(), metadata=tracing.headers(call.span)
         )
         answered = False
-        async for msg in self._events(call, stream, Fault.DECODE_FAILED, worker, context):
+        async for msg in self._events(call, stream, Fault.DECODE_FAILED, worker):
             if not answered:
                 answered = True
                 self.placer.worker_ok(worker.worker_id)
@@ -262,7 +262,6 @@ class Hops:
         stream: grpc.aio.UnaryStreamCall,
         fault: Fault,
         worker: WorkerLoad,
-        context: CallContext,
     ) -> AsyncIterator[Any]:
         """A hop's messages, progress reports consumed here: the hop fails as stalled only
         after hop_timeout_s without any advance (`tandem.routing.stall`), however long a busy
@@ -279,7 +278,7 @@ class Hops:
                     f"no progress for {self.hop_timeout_s:g}s (hop_timeout_s)", stalled=True,
                 ) from None  # fmt: skip
             except grpc.aio.AioRpcError as exc:
-                raise self._hop_error(call, exc, fault, worker.worker_id, context) from None
+                raise self._hop_error(call, exc, fault, worker.worker_id) from None
             if msg is grpc.aio.EOF:
                 return
             now = time.monotonic()
@@ -301,12 +300,7 @@ class Hops:
         call.usage.completion_tokens = len(call.outputs)
 
     def _hop_error(
-        self,
-        call: Call,
-        exc: grpc.aio.AioRpcError,
-        fault: Fault,
-        worker_id: str,
-        context: CallContext,
+        self, call: Call, exc: grpc.aio.AioRpcError, fault: Fault, worker_id: str
     ) -> Exception:
         """A failed worker call as HopFailed (a worker fault: recover) or ServiceError (the
         request's own outcome, or a cancel by Abort, which the caller handles)."""

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2
 
 from services.common import convert, tracing
 from services.common.errors import (
-    ServiceError,
+    aborted,
     already_exists,
     invalid_argument,
     resource_exhausted,
@@ -396,9 +396,7 @@ class Worker:
         if spec.request_id in self._aborted:
             self._aborted.discard(spec.request_id)
             # Its abort overtook it: the router has given up on this attempt already.
-            raise ServiceError(
-                grpc.StatusCode.ABORTED, f"request_id {spec.request_id!r} was aborted"
-            )
+            raise aborted(spec.request_id)
         try:
             stream = self.loop.open_stream(spec.request_id)
         except KeyError:
