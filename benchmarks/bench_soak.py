@@ -100,8 +100,8 @@ def _model(choice: str) -> tuple[Path, bool]:
     return resolve_model(choice), True
 
 
-def up_config(args: argparse.Namespace, model_dir: Path) -> tuple[UpConfig, list[str]]:
-    """tandem up's config for this run, and notes on what this build's UpConfig lacks."""
+def up_config(args: argparse.Namespace, model_dir: Path) -> UpConfig:
+    """tandem up's config for this run."""
     requested = None if args.kv_cache_mb is None else args.kv_cache_mb << 20
     kv_bytes, _ = up_kv_cache(model_dir, requested, args.device, "auto")
     fields: dict[str, Any] = {
@@ -116,14 +116,9 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> tuple[UpConfig, list
         "admin_port": free_port("127.0.0.1") if args.autoscale else 50061,
         "controller_args": tuple(shlex.split(args.controller_args)),
     }
-    notes = []
-    known = {f.name for f in dataclasses.fields(UpConfig)}
     if args.max_queue_delay_s is not None:
-        if "max_queue_delay_s" in known:
-            fields["max_queue_delay_s"] = args.max_queue_delay_s
-        else:
-            notes.append("--max-queue-delay-s: not available (UpConfig has no max_queue_delay_s)")
-    return UpConfig(**fields), notes
+        fields["max_queue_delay_s"] = args.max_queue_delay_s
+    return UpConfig(**fields)
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -263,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     model_dir, real = _model(args.model)
-    config, notes = up_config(args, model_dir)
-    for note in notes:
-        log(t0, note)
+    config = up_config(args, model_dir)
     mix = OVERLOAD_MIX if args.overload else Mix()
     if args.early_disconnect_fraction:
         mix = dataclasses.replace(mix, early_disconnect_fraction=args.early_disconnect_fraction)
@@ -286,9 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "mix": dataclasses.asdict(mix),
         "lease_ttl_s": worker_lease_ttl_s(),
-        "max_queue_delay_s": getattr(config, "max_queue_delay_s", None),
+        "max_queue_delay_s": config.max_queue_delay_s,
         "rss_source": RSS_SOURCE,
-        "notes": notes,
     }
     cluster = Cluster(config)
     log(

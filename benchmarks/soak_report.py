@@ -98,8 +98,6 @@ def markdown(r: dict[str, Any], stem: str, plotted: bool, results: str) -> str:
     ]
     if s["autoscale"]:
         lines.append(f"- controller decisions by role: {_na(m['controller_decisions'])}")
-    if s["notes"]:
-        lines.append(f"- notes: {'; '.join(s['notes'])}")
     lines.append("")
     if plotted:
         lines += [f"![soak]({results}/{stem}.png)", ""]

@@ -53,6 +53,20 @@ def replicas(kube: KubeCluster, name: str) -> int:
     return int(scale.spec.replicas)
 
 
+def pods_ready(kube: KubeCluster, name: str) -> None:
+    """Play the kubelet and the Deployment controller (this cluster runs neither): report as
+    many ready replicas as the Deployment asks for. The controller scales a role only while
+    all its workers are ready, so without this it would (rightly) wait forever."""
+    from kubernetes import client
+
+    want = replicas(kube, name)
+    with kube.api_client() as api:
+        client.AppsV1Api(api).patch_namespaced_deployment_status(
+            name, NS, {"status": {"replicas": want, "readyReplicas": want,
+                                  "availableReplicas": want}}
+        )  # fmt: skip
+
+
 def wait_for(what: str, cond: Callable[[], bool], proc: subprocess.Popen[str], log: Path) -> None:
     deadline = time.monotonic() + 60
     while not cond():
@@ -110,6 +124,8 @@ def test_controller_scales_the_deployments_as_the_charts_service_account(
 ) -> None:
     sa_kubeconfig = kube.service_account_kubeconfig(NS, f"{release}-controller")
     assert (replicas(kube, "tandem-prefill"), replicas(kube, "tandem-decode")) == (1, 1)
+    pods_ready(kube, "tandem-prefill")
+    pods_ready(kube, "tandem-decode")
     with RedisServer() as redis:
         log = tmp_path / "controller.log"
         proc, address = start_controller(sa_kubeconfig, redis.url, log)
@@ -129,6 +145,7 @@ def test_controller_scales_the_deployments_as_the_charts_service_account(
             )  # fmt: skip
             wait_for("prefill to scale up", lambda: replicas(kube, "tandem-prefill") > 1, proc, log)
             assert replicas(kube, "tandem-decode") == 1
+            pods_ready(kube, "tandem-prefill")
 
             # Decode-bound: long batches whose step time breaks the ITL target.
             asyncio.run(
