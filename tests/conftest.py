@@ -118,8 +118,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> Any:
-    """An engine over `model_dir`; overrides: block_size, num_blocks, max_num_seqs,
-    max_num_batched_tokens, long_prefill_token_threshold, enable_prefix_caching, role."""
+    """An engine over `model_dir`; overrides: block_size, num_blocks (None: sized by
+    kv_cache_bytes), kv_cache_bytes, max_num_seqs, max_num_batched_tokens,
+    long_prefill_token_threshold, enable_prefix_caching, and any EngineConfig field."""
     from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
     from tandem.engine.engine import LLMEngine
 
@@ -127,6 +128,7 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
         block_size=overrides.pop("block_size", 4),
         num_blocks=overrides.pop("num_blocks", 256),
         enable_prefix_caching=overrides.pop("enable_prefix_caching", True),
+        **{k: overrides.pop(k) for k in ("kv_cache_bytes",) if k in overrides},
     )
     sched_keys = (
         "max_num_seqs",

@@ -25,11 +25,11 @@ from tandem.engine.block_pool import KVEvent
 from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import KVCacheManager, cdiv
 from tandem.engine.memory import KVSizing, blocks_for_bytes, fit_context, gpu_kv_bytes
+from tandem.engine.profile import profile_steps
 from tandem.engine.request import Request, RequestStatus, check_prompt
-from tandem.engine.runner import MAX_DECODE_GROUPS, MIN_DECODE_GROUP_ROWS, ModelRunner
+from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
-from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tandem.model.triton_attention import make_attention
@@ -186,7 +186,10 @@ class LLMEngine:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         try:
-            scratch_bytes = self.profile_steps(dtype, max_model_len, device)
+            scratch_bytes = profile_steps(
+                self.model, self.config.scheduler, self.config.cache.block_size, dtype,
+                max_model_len, device,
+            )  # fmt: skip
         except torch.cuda.OutOfMemoryError:
             raise ValueError(
                 f"a step at max_num_batched_tokens={self.config.scheduler.max_num_batched_tokens}"
@@ -197,46 +200,6 @@ class LLMEngine:
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()
         return peak, scratch_bytes
-
-    def profile_steps(self, dtype: torch.dtype, max_model_len: int, device: torch.device) -> int:
-        """Run the two largest steps the scheduler can produce through a small scratch KV
-        cache: a prefill of the whole token budget, and a decode step of max_num_seqs rows
-        at the full context (every row reads the same scratch blocks: the attention
-        workspace is sized by the context, not by what the blocks hold). Returns the
-        scratch cache's bytes."""
-        bs, mcfg, sched = self.config.cache.block_size, self.model.config, self.config.scheduler
-        n = max(1, min(sched.max_num_batched_tokens, max_model_len - 1))
-        num_blocks = cdiv(n, bs)
-        scratch = allocate_kv_cache(mcfg, num_blocks, bs, dtype, device)
-        positions = torch.arange(n, device=device)
-        prefill = AttentionMetadata(
-            slot_block_ids=positions // bs,
-            slot_offsets=positions % bs,
-            prefills=[PrefillSpan(0, n, n, torch.arange(num_blocks, device=device))],
-        )
-        ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.model.compute_logits(self.model.forward(ids, positions, prefill, scratch)[-1:])
-        rows = min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        ctx_blocks = cdiv(max_model_len, bs)
-        decode = AttentionMetadata(
-            slot_block_ids=torch.zeros(rows, dtype=torch.int64, device=device),
-            slot_offsets=torch.zeros(rows, dtype=torch.int64, device=device),
-        )
-        num_groups = max(1, min(MAX_DECODE_GROUPS, rows // MIN_DECODE_GROUP_ROWS))
-        size = cdiv(rows, num_groups)
-        for start in range(0, rows, size):
-            end = min(rows, start + size)
-            decode.decode_groups.append(
-                DecodeGroup(
-                    start,
-                    end,
-                    torch.zeros(end - start, ctx_blocks, dtype=torch.int64, device=device),
-                    torch.ones(end - start, 1, 1, ctx_blocks * bs, dtype=torch.bool, device=device),
-                )
-            )
-        ids, positions = ids[:rows], torch.full((rows,), max_model_len - 1, device=device)
-        self.model.compute_logits(self.model.forward(ids, positions, decode, scratch))
-        return scratch.numel() * scratch.element_size()
 
     def warm_up(self) -> None:
         """Run one prefill step at the full token budget and a few decode steps before

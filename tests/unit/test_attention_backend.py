@@ -62,6 +62,45 @@ def test_whole_model_through_triton_matches_torch(tiny_model_dir, engine_factory
             assert lp_got == pytest.approx(lp_want, abs=1e-4)
 
 
+def test_engine_sized_by_memory_profiles_warms_up_and_serves_through_triton(  # type: ignore[no-untyped-def]
+    tiny_model_dir, engine_factory, monkeypatch
+) -> None:
+    """An engine built as a GPU worker is (no block count; the cache sized by a memory
+    budget, here CPU's kv_cache_bytes) runs the GPU sizing path's profile steps through the
+    Triton kernels, warms up and serves the torch backend's tokens. The profile is reached
+    through `_profile_peak_bytes` with CUDA's memory counters faked, as `_size_kv_cache`
+    calls it on a GPU. Before the profile built the Triton backend's paged metadata, this
+    failed in TritonAttention.forward ("the runner builds AttentionMetadata.paged")."""
+    import torch
+
+    from tandem.engine.sampling import SamplingParams
+
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args, **kwargs: 1 << 30)
+    prompts = [list(range(5, 40)), [7, 8, 9]]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = engine_factory(
+            tiny_model_dir,
+            block_size=16,
+            num_blocks=None,
+            kv_cache_bytes=1 << 20,
+            max_model_len=128,
+            max_num_batched_tokens=48,
+            max_num_seqs=4,
+            attention_backend=backend,
+        )
+        assert engine.num_blocks == (1 << 20) // engine.kv_cache[0].nbytes
+        peak, scratch = engine._profile_peak_bytes(torch.float32, 128, torch.device("cpu"))
+        assert (peak, scratch) == (1 << 30, 3 * engine.kv_cache[0].nbytes)  # 48 tokens / 16
+        engine.warm_up()
+        tokens[backend] = [c.token_ids for c in engine.generate(prompts, params)]
+        engine.check_integrity()
+    assert tokens["triton"] == tokens["torch"]
+
+
 class EagerGraphs:
     """CPU stand-in for DecodeGraphs: 'replays' by running the captured step function over
     the static buffers, so the runner's graph path (buffer filling, padding rows, the step

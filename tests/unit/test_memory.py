@@ -78,18 +78,28 @@ def test_warm_up_leaves_no_trace(tiny_model_dir: Path, engine_factory: Any) -> N
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_profile_steps_run_the_largest_prefill_and_decode_steps(
-    tiny_model_dir: Path, engine_factory: Any
+    tiny_model_dir: Path, engine_factory: Any, backend: str
 ) -> None:
     """The GPU sizing path's steps, run on the CPU so that their shapes are checked in CI:
     a prefill of the whole token budget, then max_num_seqs decode rows at the full context
-    through a scratch cache of just the prefill's blocks."""
+    through a scratch cache of just the prefill's blocks, with the metadata each backend
+    reads (Triton: the paged batch; under Triton's interpreter on a CPU)."""
     import torch
 
+    from tandem.engine.profile import profile_steps
+
     engine = engine_factory(
-        tiny_model_dir, block_size=4, num_blocks=64, max_num_batched_tokens=40, max_num_seqs=20
+        tiny_model_dir,
+        block_size=4,
+        num_blocks=64,
+        max_num_batched_tokens=40,
+        max_num_seqs=20,
+        attention_backend=backend,
     )
-    scratch_bytes = engine.profile_steps(torch.float32, 256, torch.device("cpu"))
+    sched = engine.config.scheduler
+    scratch_bytes = profile_steps(engine.model, sched, 4, torch.float32, 96, torch.device("cpu"))
     per_block = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
     assert scratch_bytes == 10 * per_block  # 40 tokens / 4 per block
     assert engine.num_free_blocks() == engine.num_blocks  # the engine's own cache untouched

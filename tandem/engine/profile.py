@@ -1,0 +1,107 @@
+"""The profile steps that size a GPU's KV cache: the two largest steps the scheduler can
+produce, run through a small scratch cache, so that the memory peak they leave behind is
+the weights plus the largest activations and attention workspaces (`memory.gpu_kv_bytes`).
+
+Each step's metadata is the kind the model's attention backend reads: TorchAttention's
+prefill spans and masked decode groups, or the Triton kernels' `PagedBatch`, so the profile
+runs the kernels (and allocates the workspaces) that serving will.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import SchedulerConfig
+from tandem.engine.kv_cache import allocate_kv_cache
+from tandem.engine.kv_manager import cdiv
+from tandem.engine.runner import MAX_DECODE_GROUPS, MIN_DECODE_GROUP_ROWS
+from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
+from tandem.model.llama import LlamaModel
+
+
+def prefill_metadata(
+    num_tokens: int, block_size: int, paged: bool, device: torch.device
+) -> AttentionMetadata:
+    """One request's prefill of `num_tokens` from position 0, over blocks 0, 1, ..."""
+    positions = torch.arange(num_tokens, device=device)
+    num_blocks = cdiv(num_tokens, block_size)
+    meta = AttentionMetadata(
+        slot_block_ids=positions // block_size, slot_offsets=positions % block_size
+    )
+    if not paged:
+        blocks = torch.arange(num_blocks, device=device)
+        meta.prefills.append(PrefillSpan(0, num_tokens, num_tokens, blocks))
+        return meta
+    i32 = torch.int32
+    meta.paged = PagedBatch(
+        num_decode=0,
+        decode_block_tables=torch.zeros((0, 1), dtype=i32, device=device),
+        decode_context_lens=torch.zeros(0, dtype=i32, device=device),
+        prefill_block_tables=torch.arange(num_blocks, dtype=i32, device=device).view(1, -1),
+        prefill_query_starts=torch.tensor([0, num_tokens], dtype=i32, device=device),
+        prefill_context_lens=torch.tensor([num_tokens], dtype=i32, device=device),
+        max_query_len=num_tokens,
+    )
+    return meta
+
+
+def decode_metadata(
+    num_rows: int, context_len: int, block_size: int, paged: bool, device: torch.device
+) -> AttentionMetadata:
+    """`num_rows` decode rows at `context_len` tokens each, every block table entry naming
+    block 0: the attention workspaces are sized by the context, not by what it holds."""
+    i64, i32 = torch.int64, torch.int32
+    meta = AttentionMetadata(
+        slot_block_ids=torch.zeros(num_rows, dtype=i64, device=device),
+        slot_offsets=torch.zeros(num_rows, dtype=i64, device=device),
+    )
+    ctx_blocks = cdiv(context_len, block_size)
+    if paged:
+        meta.paged = PagedBatch(
+            num_decode=num_rows,
+            decode_block_tables=torch.zeros((num_rows, ctx_blocks), dtype=i32, device=device),
+            decode_context_lens=torch.full((num_rows,), context_len, dtype=i32, device=device),
+            prefill_block_tables=torch.zeros((0, 1), dtype=i32, device=device),
+            prefill_query_starts=torch.zeros(1, dtype=i32, device=device),
+            prefill_context_lens=torch.zeros(0, dtype=i32, device=device),
+            max_query_len=0,
+        )
+        return meta
+    # The runner's grouping of decode rows (one padded group per run of similar lengths).
+    num_groups = max(1, min(MAX_DECODE_GROUPS, num_rows // MIN_DECODE_GROUP_ROWS))
+    size = cdiv(num_rows, num_groups)
+    for start in range(0, num_rows, size):
+        end = min(num_rows, start + size)
+        tables = torch.zeros(end - start, ctx_blocks, dtype=i64, device=device)
+        mask = torch.ones(
+            end - start, 1, 1, ctx_blocks * block_size, dtype=torch.bool, device=device
+        )
+        meta.decode_groups.append(DecodeGroup(start, end, tables, mask))
+    return meta
+
+
+def profile_steps(
+    model: LlamaModel,
+    sched: SchedulerConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+) -> int:
+    """Run the two largest steps through a scratch KV cache: a prefill of the whole token
+    budget, and a decode step of max_num_seqs rows at the full context (every row reads the
+    same scratch blocks). Returns the scratch cache's bytes, part of the peak but not of the
+    steady state."""
+    paged = model.attention.needs_paged_batch
+    n = max(1, min(sched.max_num_batched_tokens, max_model_len - 1))
+    scratch = allocate_kv_cache(model.config, cdiv(n, block_size), block_size, dtype, device)
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    positions = torch.arange(n, device=device)
+    meta = prefill_metadata(n, block_size, paged, device)
+    model.compute_logits(model.forward(ids, positions, meta, scratch)[-1:])
+    rows = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+    meta = decode_metadata(rows, max_model_len, block_size, paged, device)
+    positions = torch.full((rows,), max_model_len - 1, device=device)
+    ids = torch.zeros(rows, dtype=torch.int64, device=device)
+    model.compute_logits(model.forward(ids, positions, meta, scratch))
+    return scratch.numel() * scratch.element_size()
