@@ -38,6 +38,7 @@ test: lint unit
 
 # OCI image without a registry (mmdebstrap + buildah; see deploy/image/README.md):
 # dist/tandem-<version>-<VARIANT>.oci.tar and localhost/tandem:<version>-<VARIANT>.
+# VARIANT=cuda: torch and NIXL built for CUDA 13 (PyPI): GPU nodes need an R580+ driver.
 VARIANT ?= cpu
 image: install
 	scripts/build-image.sh $(VARIANT)

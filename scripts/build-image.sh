@@ -4,7 +4,15 @@
 #   dependencies installed offline into a venv inside it (wheels downloaded on the host), a
 #   non-root user, OCI labels, committed with buildah and written to dist/ as an OCI archive.
 #
-#   scripts/build-image.sh [cpu|cuda]      (make image [VARIANT=cpu|cuda])
+#   scripts/build-image.sh [cpu|cuda]            (make image [VARIANT=cpu|cuda])
+#   scripts/build-image.sh cpu|cuda packages     the Debian packages of the root filesystem
+#   scripts/build-image.sh cuda wheels           the wheels the CUDA image gets, resolved from
+#                                                PyPI without downloading them ("name version
+#                                                url" lines; tests/deploy/test_image_recipe.py)
+#
+# The cuda variant is torch 2.13.0 from PyPI, built for CUDA 13 (as is nixl-cu13): its nodes
+# need an NVIDIA driver of branch R580 or newer. The image carries no driver; the NVIDIA
+# container runtime mounts the node's.
 #
 # Output: localhost/tandem:<version>-<variant> in buildah's local storage, and
 # dist/tandem-<version>-<variant>.oci.tar (push with `skopeo copy oci-archive:... docker://...`).
@@ -14,7 +22,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VARIANT="${1:-cpu}"
+STEP="${2:-build}"
 case "$VARIANT" in cpu|cuda) ;; *) echo "variant must be cpu or cuda, got $VARIANT" >&2; exit 2;; esac
+case "$VARIANT/$STEP" in */build|*/packages|cuda/wheels) ;;
+  *) echo "step must be build, packages or (cuda) wheels, got $STEP" >&2; exit 2;; esac
 PYTHON="${PYTHON:-.venv/bin/python}"
 VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)"
 REVISION="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
@@ -24,9 +35,53 @@ CACHE=/var/cache/tandem/image
 SUITE=bookworm
 # python3 of bookworm is 3.11, the wheels' Python. libibverbs + providers: RDMA for UCX.
 PACKAGES=python3,python3-venv,ca-certificates,libgomp1,libibverbs1,ibverbs-providers,librdmacm1
+# Triton compiles a small C launcher at its first kernel launch: a C compiler, the C library's
+# headers and Python.h (python3-dev: /usr/include/python3.11). Without them warm-up dies.
+[ "$VARIANT" = cuda ] && PACKAGES="$PACKAGES,gcc,libc6-dev,python3-dev"
 REQUIREMENTS="deploy/image/requirements-${VARIANT}.txt"
 
 log() { echo "[$(date +%T)] $*" >&2; }
+
+if [ "$STEP" = packages ]; then echo "$PACKAGES" | tr , '\n'; exit 0; fi
+
+# pip as PyPI alone sees it: no configuration file and none of the PIP_* variables that say
+# where wheels come from (a find-links directory holding torch-2.13.0+cpu would win over
+# PyPI's 2.13.0: a local version sorts above the plain one, and an empty PIP_FIND_LINKS= does
+# not switch a configured one off). The CA bundle and network settings stay.
+pypi_pip() {
+  local unset=() name
+  for name in $(compgen -e); do
+    case "$name" in
+      PIP_CERT|PIP_CLIENT_CERT|PIP_PROXY|PIP_DEFAULT_TIMEOUT|PIP_RETRIES|PIP_CACHE_DIR) ;;
+      PIP_*) unset+=(-u "$name") ;;
+    esac
+  done
+  env "${unset[@]}" PIP_CONFIG_FILE=/dev/null "$PYTHON" -m pip "$@"
+}
+
+# The CUDA image's wheels, resolved for the image's Python (3.11) and glibc (2.36) from PyPI
+# metadata alone (nothing downloaded): "name version url" per line. pip does not widen a
+# manylinux_2_X platform to older glibc versions, so every one is listed (nvidia-cudnn-cu13
+# is manylinux_2_27, nccl manylinux_2_18). nixl requires both flavours; the image keeps
+# nixl-cu13, the CUDA 13 one, like torch.
+cuda_wheels() {
+  local platforms=() v report
+  for v in $(seq 36 -1 17); do platforms+=(--platform "manylinux_2_${v}_x86_64"); done
+  report="$(mktemp)"
+  pypi_pip install --quiet --dry-run --ignore-installed --report "$report" \
+    --only-binary=:all: --python-version 3.11 --implementation cp "${platforms[@]}" \
+    --platform manylinux2014_x86_64 -r "$REQUIREMENTS"
+  "$PYTHON" - "$report" <<'PY'
+import json, sys
+for item in json.load(open(sys.argv[1]))["install"]:
+    name, version = item["metadata"]["name"], item["metadata"]["version"]
+    if name != "nixl-cu12":
+        print(name, version, item["download_info"]["url"])
+PY
+  rm -f "$report"
+}
+
+if [ "$STEP" = wheels ]; then cuda_wheels; exit 0; fi
 
 if ! command -v mmdebstrap >/dev/null || ! command -v buildah >/dev/null; then
   log "installing mmdebstrap and buildah (Debian)"
@@ -54,12 +109,11 @@ if [ "$VARIANT" = cpu ]; then
   # Every pin is in the file (the CPU torch wheel comes from this machine's disk).
   "$PYTHON" -m pip download --quiet --no-deps --dest "$wheels" -r "$REQUIREMENTS"
 else
-  # The CUDA build of torch brings its nvidia-* runtime wheels: let pip resolve those from
-  # PyPI, never from this machine's CPU wheel (several GB; not built in CI).
-  PIP_FIND_LINKS= "$PYTHON" -m pip download --quiet --dest "$wheels" \
-    --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -r "$REQUIREMENTS"
-  rm -f "$wheels"/nixl_cu12-*.whl  # nixl's extra; the image keeps one flavour
+  # The CUDA build of torch and its nvidia-* runtime wheels and triton, from PyPI alone
+  # (several GB; not built in CI): exactly the wheels `cuda_wheels` resolved.
+  resolved="$(cuda_wheels)"  # a failed resolution stops the build here (set -e)
+  mapfile -t urls < <(cut -d' ' -f3 <<<"$resolved")
+  pypi_pip download --quiet --no-deps --dest "$wheels" "${urls[@]}"
 fi
 
 # 3. The container: root filesystem, venv, user, config.
