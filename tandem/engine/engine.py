@@ -22,6 +22,7 @@ import torch
 
 from tandem.config import EngineConfig, EngineRole
 from tandem.engine.block_pool import KVEvent
+from tandem.engine.device import use_device
 from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import KVCacheManager, cdiv
 from tandem.engine.memory import KVSizing, blocks_for_bytes, fit_context, gpu_kv_bytes
@@ -89,6 +90,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.clock = clock
+        use_device(config.device)  # before the first CUDA allocation or kernel
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         model_dir = Path(config.model_dir)
@@ -205,7 +207,11 @@ class LLMEngine:
         """Run one prefill step at the full token budget and a few decode steps before
         traffic, so the first requests do not pay for allocator growth and kernel set-up,
         then (on CUDA with the Triton backend) capture the decode steps' CUDA graphs.
-        Leaves no trace: no cached prefix, no KV events, no counters."""
+        Leaves no trace: no cached prefix, no KV events, no counters.
+
+        Makes the engine's device current in the calling thread, which should be the one
+        that steps the engine (see `tandem.engine.device`)."""
+        use_device(self.config.device)
         n = max(1, min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 5))
         vocab = self.model.config.vocab_size
         prompt = [(7 + i) % vocab for i in range(n)]
