@@ -81,6 +81,18 @@ class Completion:
     logprobs: list[LogprobEntry]
 
 
+def wants_decode_graphs(config: EngineConfig, paged_backend: bool) -> bool:
+    """Whether warm-up captures CUDA graphs of decode steps: on CUDA, with a backend whose
+    launch grids depend only on shapes (`paged_backend`), unless the role never decodes (a
+    prefill worker hands each request off after its first token)."""
+    return (
+        config.cuda_graphs
+        and paged_backend
+        and torch.device(config.device).type == "cuda"
+        and config.role != EngineRole.PREFILL
+    )
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -135,11 +147,7 @@ class LLMEngine:
                 max_model_len, self.max_model_len, cdiv(max_model_len, block_size) * per_block,
             )  # fmt: skip
         # A CUDA graph's padding rows write one scratch block outside the pool's range.
-        self._graphs_wanted = (
-            config.cuda_graphs
-            and torch.device(config.device).type == "cuda"
-            and self.model.attention.needs_paged_batch
-        )
+        self._graphs_wanted = wants_decode_graphs(config, self.model.attention.needs_paged_batch)
         self.kv_cache = allocate_kv_cache(
             mcfg,
             self.num_blocks + int(self._graphs_wanted),

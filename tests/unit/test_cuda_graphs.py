@@ -245,3 +245,24 @@ def test_buffers_reject_bad_config(num_rows: int, max_blocks: int, pad: int, mes
 def test_graphs_need_cuda() -> None:
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the buffers are on cpu"):
         DecodeGraphs(make_buffers(), capture_sizes(4))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "paged", "wanted"),
+    [
+        (dict(device="cuda"), True, True),
+        (dict(device="cuda:1", role="decode"), True, True),
+        (dict(device="cuda", role="prefill"), True, False),  # hands off, never decodes
+        (dict(device="cuda"), False, False),  # TorchAttention's grids follow the values
+        (dict(device="cuda", cuda_graphs=False), True, False),
+        (dict(device="cpu"), True, False),
+    ],
+)
+def test_which_engines_capture_decode_graphs(
+    overrides: dict[str, object], paged: bool, wanted: bool
+) -> None:
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import wants_decode_graphs
+
+    config = EngineConfig(model_dir="m", **overrides)  # type: ignore[arg-type]
+    assert wants_decode_graphs(config, paged) is wanted
