@@ -5,7 +5,8 @@ before anything is read; then each is read from its file into one reused host bu
 copied straight into its slot of the fused, transposed layout, in the target dtype and on the
 target device. Peak memory is the weights plus the largest single tensor (plus, for fused
 or cast weights, one transposed part), not the 2x of reading every tensor and then building
-fused copies of them.
+fused copies of them. On a GPU a matrix is copied to the device as it is in the file and
+transposed there: host transposes of every matrix would cost minutes for a 70B model.
 
 The files are read by `tandem.model.safetensors_io` (one tensor at a time, no mmap).
 """
@@ -90,7 +91,8 @@ class WeightBuilder:
         self.shapes = shapes
         self.dtype = dtype
         self.device = device
-        self._transposed: torch.Tensor | None = None  # copy_transposed's reused buffer
+        self.transpose_on_device = device.type != "cpu"
+        self._staging: torch.Tensor | None = None  # copy_transposed's reused buffer
 
     def fused(self, names: Sequence[str], transpose: bool = False) -> torch.Tensor:
         """cat([tensor(n) for n in names]) along dim 0, transposed if asked, built in place.
@@ -122,28 +124,36 @@ class WeightBuilder:
         return dst
 
     def copy_transposed(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst[:] = src.t() through torch's blocked-transpose kernel, 3-4x faster on CPU than
-        the strided copy it falls back to otherwise. That kernel needs a contiguous
-        destination of src's dtype and device; anything else (a column slice of a fused
-        weight, a dtype cast, another device) goes through a contiguous transposed copy in
-        a host buffer that is allocated once and reused, so the heap is not fragmented by
-        one short-lived temporary per tensor.
+        """dst[:] = src.t(), with src read from the host.
+
+        On a GPU (`transpose_on_device`) src is copied to the device (and cast) in its own
+        layout, then transposed there at memory speed. On a CPU, through torch's
+        blocked-transpose kernel, 3-4x faster than the strided copy it falls back to
+        otherwise; that kernel needs a contiguous destination of src's dtype, so anything
+        else (a column slice of a fused weight, a dtype cast) goes through a contiguous
+        transposed copy in a host buffer. Either staging buffer is allocated once and reused,
+        so memory is not fragmented by one short-lived temporary per tensor.
         """
         # dst: [in, out]; src: [out, in]
-        if dst.is_contiguous() and dst.dtype == src.dtype and dst.device == src.device:
+        if self.transpose_on_device:
+            staged = self._stage(src.numel(), dst.dtype, dst.device).view(src.shape)
+            staged.copy_(src)
+            dst.copy_(staged.t())
+            return
+        if dst.is_contiguous() and dst.dtype == src.dtype:
             dst.copy_(src.t())
             return
-        n = src.numel()
-        if (
-            self._transposed is None
-            or self._transposed.numel() < n
-            or self._transposed.dtype != src.dtype
-        ):
-            self._transposed = None  # free the old buffer before allocating its replacement
-            self._transposed = torch.empty(n, dtype=src.dtype, device="cpu")  # host staging
-        tmp = self._transposed[:n].view(src.shape[1], src.shape[0])
+        tmp = self._stage(src.numel(), src.dtype, src.device).view(src.shape[1], src.shape[0])
         tmp.copy_(src.t())
         dst.copy_(tmp)
+
+    def _stage(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first n elements of the staging buffer, grown or replaced as needed."""
+        buf = self._staging
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            self._staging = None  # free the old buffer before allocating its replacement
+            buf = self._staging = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
 
     def layer(self, config: ModelConfig, i: int) -> LayerWeights:
         p = f"model.layers.{i}."

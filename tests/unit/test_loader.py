@@ -163,3 +163,26 @@ def test_config_parsing_details(hf_model):
                 "hidden_act": "gelu",
             }
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transposing_on_the_device_loads_the_same_weights(hf_model, monkeypatch, dtype):
+    """The GPU's path (copy each matrix to the device in the file's layout, transpose it
+    there), forced on the CPU, builds exactly the weights the host transposes build: fused
+    column slices, biases, and casts."""
+    model_dir, _ = hf_model("qwen2")
+    want = load_model(model_dir, dtype).weights
+    real_init = loader.WeightBuilder.__init__
+
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        real_init(self, *args, **kwargs)
+        self.transpose_on_device = True
+
+    monkeypatch.setattr(loader.WeightBuilder, "__init__", init)
+    got = load_model(model_dir, dtype).weights
+    pairs = [(got.embed, want.embed), (got.lm_head, want.lm_head)]
+    for g, w in zip(got.layers, want.layers, strict=True):
+        pairs += [(g.qkv, w.qkv), (g.qkv_bias, w.qkv_bias), (g.o, w.o)]
+        pairs += [(g.gate_up, w.gate_up), (g.down, w.down)]
+    for g, w in pairs:
+        assert g.dtype == w.dtype and torch.equal(g, w)
