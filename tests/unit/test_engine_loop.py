@@ -1,13 +1,19 @@
-"""EngineLoop.call_until (the decode worker's wait for free KV blocks) on a fake clock, and
-output_batches (how a request's outputs are coalesced into stream messages)."""
+"""EngineLoop.call_until (the decode worker's wait for free KV blocks) on a fake clock,
+output_batches (how a request's outputs are coalesced into stream messages), what a failing
+step does (an ordinary error aborts its requests, a device error stops the loop), and the
+engine thread's CUDA device."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import SimpleNamespace
 from typing import Any
 
-from services.common.worker.engine_loop import EngineLoop, output_batches
+import pytest
+import torch
+
+from services.common.worker.engine_loop import EngineLoop, is_device_error, output_batches
 from tandem.engine.engine import EngineStats, RequestOutput
 
 
@@ -15,6 +21,7 @@ class IdleEngine:
     """All EngineLoop asks of an engine with nothing to run."""
 
     scheduler = SimpleNamespace(waiting=[])
+    config = SimpleNamespace(device="cpu")
 
     def has_unfinished(self) -> bool:
         return False
@@ -137,3 +144,125 @@ def test_next_output_reports_quiet_without_losing_the_item() -> None:
     first, second = asyncio.run(main())
     assert first is Quiet.QUIET
     assert second.new_token_ids == [1]
+
+
+ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
+
+
+@pytest.mark.parametrize(
+    ("exc", "device_error"),
+    [
+        (RuntimeError(ILLEGAL_ADDRESS), True),
+        (RuntimeError("CUDA error: device-side assert triggered"), True),
+        (RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"), True),
+        (torch.AcceleratorError("an illegal instruction was encountered"), True),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (ValueError("need 4 blocks, 2 free"), False),
+        (RuntimeError("shape mismatch"), False),
+    ],
+)
+def test_is_device_error(exc: BaseException, device_error: bool) -> None:
+    assert is_device_error(exc) is device_error
+
+
+def test_is_device_error_looks_at_the_cause() -> None:
+    try:
+        try:
+            raise RuntimeError(ILLEGAL_ADDRESS)
+        except RuntimeError as inner:
+            raise ValueError("sampling failed") from inner
+    except ValueError as outer:
+        assert is_device_error(outer)
+
+
+class FailingEngine(IdleEngine):
+    """One request that never finishes; each step raises the next of `errors` (then runs)."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        self.errors = errors
+        self.live = {"r1"}
+        self.num_steps = 0
+        self.num_tokens_computed = 0
+        self.last_step_prefill_tokens = 0
+        self.scheduler = SimpleNamespace(
+            waiting=[], requests=lambda: [SimpleNamespace(request_id=r) for r in self.live]
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return []
+
+    def abort(self, request_id: str) -> bool:
+        self.live.discard(request_id)
+        return True
+
+
+def test_an_ordinary_step_error_aborts_the_requests_and_the_loop_goes_on() -> None:
+    engine = FailingEngine([ValueError("bad sampling params")])
+    reported: list[BaseException] = []
+
+    async def main() -> tuple[Any, int]:
+        loop = EngineLoop(engine, asyncio.get_running_loop(), on_device_error=reported.append)
+        r1 = loop.open_stream("r1")
+        loop.start()
+        try:
+            out = await asyncio.wait_for(r1.get(), 5)
+            engine.live.add("r2")  # a later request is stepped
+            while engine.num_steps < 3:
+                await asyncio.sleep(0.01)
+            return out, await loop.call(lambda e: e.num_steps)
+        finally:
+            loop.stop()
+
+    out, steps = asyncio.run(main())
+    assert out.request_id == "r1" and out.finish_reason == "abort"
+    assert steps >= 3 and reported == []
+
+
+def test_a_device_error_stops_the_loop_and_reports_it() -> None:
+    error = RuntimeError(ILLEGAL_ADDRESS)
+    engine = FailingEngine([error])
+
+    async def main() -> tuple[list[BaseException], EngineLoop]:
+        reported: asyncio.Queue[BaseException] = asyncio.Queue()
+        loop = EngineLoop(engine, asyncio.get_running_loop(), on_device_error=reported.put_nowait)
+        loop.start()
+        got = [await asyncio.wait_for(reported.get(), 5)]
+        loop._thread.join(5)
+        assert not loop._thread.is_alive()
+        return got, loop
+
+    reported, loop = asyncio.run(main())
+    assert reported == [error] and loop.device_error is error
+    assert engine.num_steps == 1  # never stepped again
+    assert engine.live == {"r1"}  # nothing touched the engine after the fault
+
+
+def test_the_engine_thread_makes_the_engine_device_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[torch.device, str]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: calls.append((d, threading.current_thread().name))
+    )
+    for device in ("cuda:1", "cuda", "cpu"):
+        engine = IdleEngine()
+        engine.config = SimpleNamespace(device=device)
+        _run_with_loop_on(engine)
+    # A bare "cuda" is the thread's current device already; a CPU engine has none.
+    assert calls == [(torch.device("cuda:1"), "engine")]
+
+
+def _run_with_loop_on(engine: Any) -> None:
+    async def main() -> None:
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        await loop.call(lambda e: None)
+        loop.stop()
+
+    asyncio.run(main())

@@ -4,6 +4,11 @@ The engine is single-threaded by design. gRPC handlers (on the asyncio loop) nev
 directly: they send commands (`call`) that run between steps on the engine thread, and they
 receive each request's outputs on an asyncio queue. When the engine has no work the thread
 sleeps on its command queue, so an idle worker costs no CPU.
+
+A step that raises aborts its requests and the loop goes on, except for a device error (an
+illegal address, a device-side assert): the CUDA context is then unusable for good and every
+later step would fail too, so the thread stops and hands the error to `on_device_error` (the
+worker reports NOT_SERVING, deregisters and exits; the router moves its requests).
 """
 
 from __future__ import annotations
@@ -19,12 +24,38 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+import torch
+
 from services.common.metrics import WorkerMetrics
 from tandem.engine.engine import EngineStats, LLMEngine, RequestOutput
 from tandem.routing.stall import HopProgress
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# What CUDA and Triton put in the messages of errors that leave the context broken.
+DEVICE_ERROR_MARKERS = (
+    "CUDA error",
+    "Triton Error [CUDA]",
+    "device-side assert",
+    "illegal memory access",
+    "unspecified launch failure",
+)
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """Did the accelerator fail (its context is unusable), rather than this step? torch's
+    AcceleratorError and torch.cuda.CudaError, or an error naming a CUDA fault, in `exc` or
+    what it was raised from. Out of memory is not one: the step failed, the device is fine."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, torch.OutOfMemoryError):
+            return False
+        if isinstance(seen, (torch.AcceleratorError, torch.cuda.CudaError)):
+            return True
+        if any(marker in str(seen) for marker in DEVICE_ERROR_MARKERS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class StepMeter:
@@ -92,10 +123,15 @@ class EngineLoop:
         engine: LLMEngine,
         loop: asyncio.AbstractEventLoop,
         metrics: WorkerMetrics | None = None,
+        on_device_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.loop = loop
         self.metrics = metrics  # step time, queue time, prefix-cache tokens (after each step)
+        # Called on the asyncio loop once a step failed with a device error (the engine
+        # thread has stopped by then).
+        self.on_device_error = on_device_error
+        self.device_error: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = (
             queue.SimpleQueue()
         )
@@ -199,6 +235,11 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        device = torch.device(engine.config.device)
+        if device.type == "cuda" and device.index is not None:
+            # Triton launches and graph captures go to the thread's current device (0 until
+            # set), not to the tensors' one. A bare "cuda" is the current device already.
+            torch.cuda.set_device(device)
         while not self._stopping:
             block = not engine.has_unfinished()
             try:
@@ -220,7 +261,11 @@ class EngineLoop:
             tokens_before = engine.num_tokens_computed
             try:
                 outputs = engine.step()
-            except Exception:
+            except Exception as exc:
+                if is_device_error(exc):
+                    log.critical("engine step failed with a device error", exc_info=True)
+                    self._fail(exc)
+                    return
                 log.exception("engine step failed; aborting its requests")
                 outputs = self._abort_all()
             self.last_step_s = time.perf_counter() - t0
@@ -248,6 +293,22 @@ class EngineLoop:
             fut.set_result(fn(self.engine))
         except BaseException as exc:  # handed to the awaiting coroutine
             fut.set_exception(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop for good after a device error: refuse the queued commands (nothing may touch
+        the broken context again) and report it on the asyncio loop."""
+        self.device_error = exc
+        self._stopping = True
+        error = RuntimeError(f"the engine stopped after a device error: {exc}")
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
+        if self.on_device_error is not None:
+            self.loop.call_soon_threadsafe(self.on_device_error, exc)
 
     def _abort_all(self) -> list[RequestOutput]:
         outputs = []

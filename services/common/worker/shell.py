@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,17 @@ from tandem.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 AUDIT_INTERVAL_S = 1.0
+# Exit status of a worker whose device failed (tandem up and Kubernetes restart it).
+DEVICE_ERROR_EXIT = 3
+DEREGISTER_TIMEOUT_S = 5.0
+
+
+def _exit_now(status: int) -> None:
+    """End the process at once: a normal interpreter exit runs finalizers that may call into
+    the broken CUDA context and hang or abort."""
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +144,8 @@ class Worker:
 
     role: EngineRole
     service_names: tuple[str, ...] = ()
+    # How the process ends after a device error (tests record the status instead).
+    exit_process: Callable[[int], None] = staticmethod(_exit_now)
 
     def __init__(self, config: WorkerConfig, engine: LLMEngine | None = None) -> None:
         self.config = config
@@ -153,6 +167,7 @@ class Worker:
             self.transport: KVTransport = make_transport(config.transport, self.worker_id)
             self.transport.register(self.engine.kv_cache)
         self.loop_runner: EngineLoop | None = None
+        self._device_exit: asyncio.Task[None] | None = None  # after a device error
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.address = ""
@@ -210,7 +225,9 @@ class Worker:
 
     async def start(self) -> None:
         tracing.setup_tracing(f"tandem-{self.role.value}", self.config.otlp_endpoint)
-        self.loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), self.metrics)
+        self.loop_runner = EngineLoop(
+            self.engine, asyncio.get_running_loop(), self.metrics, self._device_failed
+        )
         self.loop_runner.start()
         # Every worker RPC is internal (the router and other workers call them); health and
         # reflection stay open (the kubelet's gRPC probe sends no metadata).
@@ -266,21 +283,50 @@ class Worker:
             await asyncio.sleep(0.05)
         await self.stop()
 
-    async def stop(self) -> None:
-        stop_metrics_server(self._metrics_server)
-        self._metrics_server = None
+    def _device_failed(self, exc: BaseException) -> None:
+        """The engine loop's report of a device error (on the event loop): the CUDA context
+        is unusable, so this process can never serve again. Its requests fail over when its
+        connections drop (the router migrates them)."""
+        self._device_exit = asyncio.create_task(self._exit_after_device_error(exc))
+
+    async def _exit_after_device_error(self, exc: BaseException) -> None:
+        self.draining = True  # admit() refuses from now on
+        for name in (*self.service_names, ""):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            await asyncio.wait_for(self._deregister(), DEREGISTER_TIMEOUT_S)
+        except Exception:  # exit anyway: the registry entry expires after registry_ttl_s
+            log.exception("deregistering after the device error failed")
+        log.critical(
+            "%s: device error on %s (%s): health NOT_SERVING, deregistered; exiting with "
+            "status %d to be restarted",
+            self.worker_id, self.config.engine.device, exc, DEVICE_ERROR_EXIT,
+        )  # fmt: skip
+        self.exit_process(DEVICE_ERROR_EXIT)
+
+    async def _deregister(self) -> None:
+        """Leave the registry and the prefix index (our cache dies with us)."""
         if self._publisher is not None:
             await self._publisher.stop()
+            self._publisher = None
         if self._index is not None:
             try:
-                await self._index.remove_worker(self.worker_id)  # our cache dies with us
+                await self._index.remove_worker(self.worker_id)
             except IndexUnavailable:
                 pass
             await self._index.close()
+            self._index = None
         if self._heartbeat is not None:
             await self._heartbeat.stop(deregister=True)
+            self._heartbeat = None
         if self._registry is not None:
             await self._registry.close()
+            self._registry = None
+
+    async def stop(self) -> None:
+        stop_metrics_server(self._metrics_server)
+        self._metrics_server = None
+        await self._deregister()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.loop_runner is not None:
