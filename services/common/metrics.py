@@ -39,6 +39,10 @@ LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
 )  # fmt: skip
+# Queueing before the first token: up to minutes (max_queue_delay_s defaults to 120 s).
+QUEUE_DELAY_BUCKETS = (
+    0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
+)  # fmt: skip
 # Inter-token latency and engine steps: 0.5 ms .. 2 s.
 STEP_BUCKETS = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05,
@@ -213,12 +217,12 @@ class RouterMetrics:
         self.queue_delay_estimate = Histogram(
             "tandem_router_queue_delay_estimate_seconds",
             "Expected delay to the first token at admission (tandem.routing.admission).",
-            buckets=LATENCY_BUCKETS, registry=r,
+            buckets=QUEUE_DELAY_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_delay = Histogram(
             "tandem_router_queue_delay_seconds",
             "Actual admission to first token of requests that had an estimate.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            buckets=QUEUE_DELAY_BUCKETS, registry=r,
         )  # fmt: skip
         for reason in ROUTE_REASONS:  # every series exists from the start
             for path in PATHS:

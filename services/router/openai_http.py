@@ -76,6 +76,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+# Idle keep-alive connections stay open this long. Longer than clients keep theirs (httpx, so
+# the openai client: 5 s), so the client always closes first: with equal timeouts a client
+# waiting out a 5 s Retry-After reuses the connection just as the server closes it, and the
+# request fails with a connection error instead of being sent.
+KEEP_ALIVE_S = 75
+
+
 class HttpCallContext:
     """RouterServer.generate's view of an HTTP call (hops.CallContext): no deadline, and the
     W3C trace headers a caller sent."""
@@ -122,6 +129,7 @@ class OpenAIServer:
             access_log=False,
             log_level="warning",
             timeout_graceful_shutdown=2,
+            timeout_keep_alive=KEEP_ALIVE_S,
             ssl_certfile=cert_file or None,
             ssl_keyfile=key_file or None,
         )

@@ -118,9 +118,14 @@ class Placer:
 
     def admission(self, spec: RequestSpec, placement: Placement) -> Admission:
         """Whether `placement` would start `spec` within max_queue_delay_s, from the
-        prefilling worker's queue and measured prefill rate (tandem.routing.admission)."""
+        prefilling worker's queue and measured prefill rate (tandem.routing.admission).
+
+        This router's in-flight tokens are read now, not from the placement's snapshot:
+        requests of a burst are placed concurrently (placement awaits the prefix index), so
+        every snapshot predates the others' dispatch; from here to dispatch nothing awaits."""
         worker = placement.prefill or placement.decode
-        queued = queued_tokens(worker.queued_prefill_tokens, worker.inflight_prefill_tokens)
+        inflight = self.inflight.prefill_tokens.get(worker.worker_id, 0)
+        queued = queued_tokens(worker.queued_prefill_tokens, inflight)
         uncached = spec.num_prompt_tokens - placement.cached_tokens
         estimate = estimate_delay_s(queued, uncached, worker.prefill_tokens_per_s)
         return Admission.decide(estimate, self.config.max_queue_delay_s, worker.worker_id)

@@ -39,3 +39,30 @@ def test_decide(estimate: float | None, limit: float, admitted: bool, retry: flo
     assert a.estimate_s == estimate
     if not admitted:
         assert "p0" in a.reason and f"max_queue_delay_s {limit:g}" in a.reason
+
+
+def test_the_router_counts_a_bursts_earlier_admissions_not_the_placement_snapshot() -> None:
+    """Requests of a burst are placed concurrently, so each placement's view of the worker
+    predates the others' dispatch. Admission must read the router's in-flight tokens at the
+    moment it decides: the overload soak admitted 7 documents in 0.5 s on a stale view, and
+    their first tokens came up to 154 s later against a 120 s limit."""
+    from services.router.config import RouterConfig
+    from services.router.placer import Placer
+    from tandem.engine.request import RequestSpec
+    from tandem.routing.policy import Placement, WorkerLoad
+
+    config = RouterConfig(model_dir="m", decode_addresses=("d0:1",), max_queue_delay_s=10.0)
+    placer = Placer(config, "m")
+    p0 = WorkerLoad("p0", "prefill", "p0:1", prefill_tokens_per_s=100.0)
+    d0 = WorkerLoad("d0", "decode", "d0:1")
+    snapshot = Placement(decode=d0, prefill=p0, reason="test")  # both placed before either ran
+    first = RequestSpec("r1", tuple(range(600)))
+    second = RequestSpec("r2", tuple(range(600)))
+
+    a1 = placer.admission(first, snapshot)
+    assert a1.admitted and a1.estimate_s == pytest.approx(6.0)
+    dispatch = placer.inflight.dispatch(snapshot, first.num_prompt_tokens)
+    a2 = placer.admission(second, snapshot)
+    assert not a2.admitted and a2.estimate_s == pytest.approx(12.0)  # 1200 tokens at 100/s
+    dispatch.finish()
+    assert placer.admission(second, snapshot).admitted  # the first is done: room again
