@@ -171,9 +171,34 @@ async def soak(cluster: Cluster, args: argparse.Namespace, mix: Mix, t0: float) 
         end = await asyncio.to_thread(scrape_all, cluster)
     router_log = _count_log(cluster.run_dir / "router.log")
     records = [r for r in traffic.records if r is not readme]
+    decisions = controller_decisions(cluster.controller_address) if args.autoscale else None
     return Run(
-        records, samples, traffic_end_s, drain_s, drain_timeout_s, start, end, readme, router_log
-    )
+        records, samples, traffic_end_s, drain_s, drain_timeout_s, start, end, readme,
+        router_log, decisions,
+    )  # fmt: skip
+
+
+def controller_decisions(address: str) -> list[dict[str, Any]]:
+    """Every decision the controller kept (`tandem ctl explain`), oldest first."""
+    import grpc
+
+    from tandem.v1 import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = admin_pb2_grpc.AdminStub(channel).Explain(
+            admin_pb2.ExplainRequest(limit=100_000), timeout=30
+        )
+    return [
+        {
+            "unix_time": d.unix_time,
+            "current": dict(d.current),
+            "target": dict(d.target),
+            "reasons": dict(d.reasons),
+            "applied": d.applied,
+            "error": d.error,
+        }
+        for d in sorted(reply.decisions, key=lambda d: d.unix_time)
+    ]
 
 
 def _since(t: float) -> float:
@@ -363,6 +388,7 @@ def _result(
         "drain_timeout_s": run.drain_timeout_s,
         "readme": run.readme.to_json() | {"text": run.readme.text},
         "router_log": run.router_log,
+        "controller_decisions": run.decisions,
         "metrics": m,
         "samples": [s.to_json() for s in run.samples],
         "records": [r.to_json() for r in run.records],

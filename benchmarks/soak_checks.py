@@ -43,6 +43,7 @@ class Run:
     end: dict[str, Scrape]  # ... after the drain and the README question
     readme: Record
     router_log: dict[str, int]
+    decisions: list[dict[str, Any]] | None = None  # with autoscale: `tandem ctl explain`
 
 
 # -- what the metrics say -------------------------------------------------------------------
@@ -266,7 +267,27 @@ def checks(run: Run, m: dict[str, Any], setup: dict[str, Any]) -> list[Check]:
         out += _overload_checks(refused, valid, setup)
     if setup["autoscale"]:
         out.append(_capacity_check(run, setup))
+        out.append(explained_check(run.decisions))
     return out
+
+
+def explained_check(decisions: list[dict[str, Any]] | None) -> Check:
+    """Every decision the controller made gives each role a reason (the scale it chose or why
+    it held), and every change it applied says why in its role's reason."""
+    if decisions is None:
+        return Check("every scaling decision explained", None, "no decisions read", "all")
+    unexplained = [
+        d for d in decisions if not all(d["reasons"].get(role) for role in ("prefill", "decode"))
+    ]
+    changes = [d for d in decisions if d["target"] != d["current"]]
+    last = decisions[-1]["reasons"] if decisions else {}
+    return Check(
+        "every scaling decision explained",
+        bool(decisions) and not unexplained,
+        f"{len(decisions) - len(unexplained)} of {len(decisions)} decisions ({len(changes)} "
+        f"changes); last: {'; '.join(f'{k}: {v}' for k, v in sorted(last.items()))}",
+        "a reason per role in every decision",
+    )
 
 
 def _rss_check(run: Run, warmup_s: float) -> Check:
