@@ -49,6 +49,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.redis.server import PASSWORD_ENV
 from services.common.supervision import GiveUp, RestartConfig, RestartPolicy, describe_exit
@@ -58,6 +59,9 @@ from services.up_processes import free_port as _free_port
 from services.up_processes import popen as _popen
 from services.up_processes import read_until as _read_until
 from services.up_processes import write_private as _write_private
+
+if TYPE_CHECKING:
+    from tandem.gpus import WorkerGpu
 
 __all__ = ["Child", "Cluster", "UpConfig", "wait_for_router"]
 
@@ -80,7 +84,11 @@ class UpConfig:
     num_decode: int = 1
     transport: str = "nixl"
     kv_cache_bytes: int = 256 << 20
-    device: str = "cpu"  # every worker's engine; "cuda" puts them all on the visible GPU(s)
+    # Every worker's engine. "cuda": the workers go round-robin over the visible GPUs, in
+    # start order (prefill first); "cuda:N": all on that GPU. Workers sharing a GPU split its
+    # gpu_memory_utilization (tandem.gpus.place_workers).
+    device: str = "cpu"
+    gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
     disagg_min_uncached_tokens: int = 64  # router: shorter prompts skip the prefill worker
     # router: refuse at once (429) what could not get its first token within this; 0: off
@@ -111,6 +119,10 @@ class UpConfig:
             )
         if self.host_cores < 0:
             raise ValueError(f"host_cores must be >= 0 (0: measured), got {self.host_cores}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         self.restart_config()  # raises ValueError naming the bad knob
 
     def restart_config(self) -> RestartConfig:
@@ -148,6 +160,8 @@ class Cluster:
     _worker_args: list[str] = field(default_factory=list)
     _service_env: dict[str, str] = field(default_factory=dict)
     _next_index: dict[str, int] = field(default_factory=dict)
+    _gpus: list[WorkerGpu] = field(default_factory=list)  # with a CUDA device
+    _num_spawned: int = 0  # workers started, restarts not counted
     _stopping: set[str] = field(default_factory=set)
     _lock: threading.RLock = field(default_factory=threading.RLock)
     _controller_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
@@ -173,6 +187,14 @@ class Cluster:
         import tempfile
 
         cfg = self.config
+        if cfg.device.startswith("cuda"):  # before any process: raises ValueError
+            from tandem.gpus import check_device, cuda_devices, place_workers  # torch: lazily
+
+            check_device(cfg.device)  # CUDA there at all; each worker checks its budget
+            num_workers = cfg.num_prefill + cfg.num_decode
+            self._gpus = place_workers(
+                num_workers, cuda_devices(cfg.device), cfg.gpu_memory_utilization
+            )
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tandem-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         redis_args = (
@@ -210,8 +232,6 @@ class Cluster:
             cfg.transport,
             "--kv-cache-bytes",
             str(cfg.kv_cache_bytes),
-            "--device",
-            cfg.device,
             "--dtype",
             cfg.dtype,
         ]
@@ -266,6 +286,7 @@ class Cluster:
             self._next_index[role] = i + 1
             name = f"{role}-{i}"
             args = [f"services.{role}", *self._worker_args, "--worker-id", name]
+            args += self._device_args()
             args += self._metrics_args()
             return self._spawn(name, args, "READY", wait=False, env=self._service_env)
 
@@ -278,6 +299,16 @@ class Cluster:
         if self.controller_metrics_address:
             found["controller"] = self.controller_metrics_address
         return found
+
+    def _device_args(self) -> list[str]:
+        """The next worker's device flags. On GPUs, the place of the next worker in start
+        order; a worker added later (autoscale) takes the place of the initial one it
+        wraps around to, and its start-up check refuses it if that GPU has no room left."""
+        if not self._gpus:
+            return ["--device", self.config.device]
+        gpu = self._gpus[self._num_spawned % len(self._gpus)]
+        self._num_spawned += 1
+        return ["--device", gpu.device, "--gpu-memory-utilization", str(gpu.gpu_memory_utilization)]
 
     def _metrics_args(self) -> list[str]:
         """A free port for a child's /metrics, fixed in its arguments (a restart reuses it)."""

@@ -26,6 +26,7 @@ __all__ = [
     "ensure_random_model", "main", "resolve_model", "up_kv_cache",
 ]  # fmt: skip
 
+
 def _progress_bar(desc: str):  # type: ignore[no-untyped-def]
     """A tqdm bar on stderr driven as progress(done, total)."""
     from tqdm import tqdm
@@ -103,6 +104,7 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from tandem.config import EngineConfig
     from tandem.engine.engine import LLMEngine
+    from tandem.gpus import check_device
 
     if args.router:
         return cmd_generate_remote(args)
@@ -117,8 +119,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model_dir=str(model_dir),
         device=args.device,
         dtype=args.dtype,
-        cache=CacheConfig(kv_cache_bytes=kv_cache_bytes(args)),
+        cache=CacheConfig(
+            kv_cache_bytes=kv_cache_bytes(args),
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
     )
+    try:
+        check_device(config.device, config.cache.gpu_memory_utilization)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         engine = LLMEngine(config, progress=_progress_bar("loading weights"))
     except (FileNotFoundError, ValueError) as exc:
@@ -168,6 +178,13 @@ def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
         "enough for one full context of the model, at least that)",
     )
     parser.add_argument("--kv-cache-mb", type=int, default=None, help="(old spelling) MiB")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=CacheConfig().gpu_memory_utilization,
+        help="on a GPU, the fraction of its memory for weights, activations and KV cache "
+        "(`tandem up`: of each GPU, split among the workers placed on it)",
+    )
 
 
 def cmd_up(args: argparse.Namespace) -> int:

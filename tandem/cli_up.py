@@ -102,8 +102,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from tandem.client import TandemClient
 
     model_dir = resolve_model(args.model)
-    requested = None if args.kv_cache_mb is None and args.kv_cache_bytes is None else (
-        kv_cache_bytes(args)
+    requested = (
+        None if args.kv_cache_mb is None and args.kv_cache_bytes is None else (kv_cache_bytes(args))
     )
     kv_bytes, kv_line = up_kv_cache(model_dir, requested, args.device, args.dtype)
     config = UpConfig(
@@ -115,6 +115,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         transport=args.transport,
         kv_cache_bytes=kv_bytes,
         device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         dtype=args.dtype,
         autoscale=args.autoscale,
         admin_port=args.admin_port,
@@ -134,7 +135,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     t0 = time.perf_counter()
-    cluster.start()
+    try:
+        cluster.start()
+    except ValueError as exc:  # the device asked for is not there: checked first
+        cluster.stop()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         address = cluster.router_address
         key = cluster.api_key or None

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.redis.registry import Registry
@@ -131,3 +133,25 @@ def test_a_real_worker_process_exits_on_a_cuda_fault(tiny_model_dir: Path, redis
         assert "device error on cpu" in log and ILLEGAL_ADDRESS in log and "NOT_SERVING" in log
     finally:
         stop(proc)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "services.decode", "--transport", "local", "--model-dir", "MODEL"],
+        ["-m", "tandem.cli", "generate", "--model", "MODEL", "--max-tokens", "1", "hi"],
+        ["-m", "tandem.cli", "up", "--model", "MODEL"],
+    ],
+    ids=["worker", "generate", "up"],
+)
+def test_asking_for_cuda_without_it_fails_fast(tiny_model_dir: Path, command: list[str]) -> None:
+    args = [str(tiny_model_dir) if a == "MODEL" else a for a in command]
+    proc = subprocess.run(
+        [sys.executable, *args, "--device", "cuda"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "device 'cuda' asked for" in proc.stderr
+    assert f"torch {torch.__version__}" in proc.stderr  # and its CUDA build, or none
+    assert "Traceback" not in proc.stderr

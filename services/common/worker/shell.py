@@ -43,6 +43,7 @@ from tandem.config import EngineConfig, EngineRole
 from tandem.engine.engine import WARMUP_REQUEST_ID, EngineStats, LLMEngine
 from tandem.engine.orphans import OrphanTracker, RecentIds
 from tandem.engine.request import RequestSpec
+from tandem.gpus import check_device
 from tandem.index import IndexUnavailable
 from tandem.transfer import TRANSPORT_KINDS, KVTransport, make_transport
 from tandem.v1 import router_pb2 as rpb
@@ -152,6 +153,8 @@ class Worker:
         self.worker_id = config.worker_id or f"{self.role.value}-{os.getpid()}"
         self.epoch = time.time_ns()
         if engine is None:
+            # Before minutes of weight loading: CUDA there, and room for the budget.
+            check_device(config.engine.device, config.engine.cache.gpu_memory_utilization)
             log.info("%s engine: %r", self.worker_id, config.engine)
             with _phase("model loaded and KV cache allocated"):
                 engine = LLMEngine(
@@ -385,9 +388,7 @@ class Worker:
             except AssertionError as exc:
                 self._violation(f"KV block accounting: {exc}")
         live = [
-            r.request_id
-            for r in engine.scheduler.requests()
-            if r.request_id != WARMUP_REQUEST_ID
+            r.request_id for r in engine.scheduler.requests() if r.request_id != WARMUP_REQUEST_ID
         ]
         for rid in self._orphans.sweep(live, self.owns, now):
             num_blocks = len(engine.kv.get_block_ids(rid))
@@ -497,7 +498,11 @@ def run_worker(server_cls: type[Worker], role: str) -> None:
     configure_native_libraries()  # before the worker creates its transport
 
     async def run() -> None:
-        server = server_cls(config)
+        try:
+            server = server_cls(config)
+        except ValueError as exc:  # the device, the model or the KV budget: the message says
+            log.error("%s cannot start: %s", role, exc)
+            raise SystemExit(2) from None
         await run_until_signal(
             server.start, server.drain_and_stop, lambda: f"READY {role} {server.address}"
         )
