@@ -13,9 +13,10 @@ split's normalized partial output and its log-sum-exp. The second combines the s
     out  = sum_i exp(lse_i - M) * o_i / sum_i exp(lse_i - M),   M = max_i lse_i
 
 The grid, (batch, num_kv_heads, num_splits), depends on shapes only, never on values, so a
-launch can be captured in a CUDA graph. A split that starts past its request's context (a
-short request in a batch with a long one, or more splits than blocks) writes an empty
-partial: output 0, lse = -inf, which the reduction weighs by exp(-inf) = 0.
+launch can be captured in a CUDA graph. The split count comes from the longest context in
+the step (`choose_num_splits`; the host knows it), so a short request in a batch with a long
+one has splits that start past its context: such a split writes only lse = -inf, and the
+reduction neither weighs nor reads its partial.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-# Auto split choice. Aim for about this many programs in the first kernel: two waves on a
-# 132-SM H100/H200 keep every SM busy while a long context is still cut into few partials.
-_TARGET_PROGRAMS = 256
+# Split choice (choose_num_splits). A long context is cut into runs of about this many
+# blocks, so one long request is many programs, not one that the whole step waits for.
+BLOCKS_PER_SPLIT = 16
 # A split shorter than this many blocks costs more in partial writes and reduction than it
 # saves in parallelism.
-_MIN_BLOCKS_PER_SPLIT = 4
-_MAX_SPLITS = 32
+MIN_BLOCKS_PER_SPLIT = 4
+# The reduction reads every split of every request.
+MAX_SPLITS = 32
+# Streaming multiprocessors of an H100/H200: the count to fill when the device cannot say.
+DEFAULT_NUM_SMS = 132
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tensor-core dots need every dimension >= 16 on NVIDIA GPUs.
@@ -39,13 +43,17 @@ _MIN_DOT_DIM = 16
 
 # The kernels' arguments carry no annotations: Triton derives their types at launch (and an
 # annotation would pin one), so mypy's untyped-def check is silenced on each.
-@triton.jit
+# The block table's row stride is its width, which follows the batch's longest context, and
+# the split count follows it too: Triton would compile a variant per value class of each
+# (1, multiple of 16, other), mid-serving. Only SPLITS_PAD (a constexpr) selects a variant.
+@triton.jit(do_not_specialize=["stride_bt_req"])
 def _decode_split_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [batch, num_q_heads, head_dim], the query of each request's newest token
     kv_ptr,  # [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer's cache
     block_tables_ptr,  # [batch, max_blocks] int32 block ids
     context_lens_ptr,  # [batch] int32 tokens of context, >= 1
     part_out_ptr,  # [batch, num_q_heads, num_splits, head_dim] fp32, out: normalized partials
+    #                (none written for an empty split)
     part_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, out: log-sum-exp of each partial
     scale,  # softmax scale (fp32)
     stride_q_req,  # q.stride(0)
@@ -80,6 +88,11 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     h = tl.arange(0, BLOCK_H)  # row h is query head kv_head * GROUP + h
     h_valid = h < GROUP
     q_heads = kv_head * GROUP + h
+    rows = (req.to(tl.int64) * num_q_heads + q_heads) * num_splits + split  # [BLOCK_H]
+    if start >= end:
+        # Past this request's context: no partial, which the reduction skips by its lse.
+        tl.store(part_lse_ptr + rows, tl.full([BLOCK_H], float("-inf"), tl.float32), h_valid)
+        return
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, BLOCK_SIZE)
 
@@ -136,18 +149,14 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + pv
         m = m_new
 
-    # An empty split has l_sum == 0: write 0 (not 0/0) and lse = -inf.
-    has_keys = l_sum > 0.0
-    l_safe = tl.where(has_keys, l_sum, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(has_keys, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-
-    rows = (req.to(tl.int64) * num_q_heads + q_heads) * num_splits + split  # [BLOCK_H]
+    # Every row saw a valid key (padded rows score q = 0 finitely), so l_sum > 0.
+    out = acc / l_sum[:, None]
+    lse = (m + tl.log2(l_sum)) * 0.6931471805599453
     tl.store(part_lse_ptr + rows, lse, mask=h_valid)
     tl.store(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], out, mask=h_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     part_out_ptr,  # [batch, num_q_heads, num_splits, head_dim] fp32 normalized partials
     part_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, -inf for an empty split
@@ -173,8 +182,10 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits and padding
+    # An empty split wrote no partial: never read it (0 x garbage could be NaN).
+    has_keys = lse > float("-inf")
     parts = tl.load(
-        part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=s_valid[:, None], other=0.0
+        part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=has_keys[:, None], other=0.0
     )
     total = tl.sum(weights, axis=0)
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
@@ -184,13 +195,29 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     )
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Splits per request from shapes alone: enough programs to fill the GPU, no split
-    shorter than `_MIN_BLOCKS_PER_SPLIT` blocks of the longest possible context."""
-    programs = batch * num_kv_heads
-    wanted = triton.cdiv(_TARGET_PROGRAMS, max(programs, 1))
-    useful = max(1, max_blocks // _MIN_BLOCKS_PER_SPLIT)
-    return max(1, min(wanted, useful, _MAX_SPLITS))
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context_blocks: int, num_sms: int = DEFAULT_NUM_SMS
+) -> int:
+    """Splits per request for a step whose longest context is `max_context_blocks` blocks.
+
+    The longest context is cut into runs of about `BLOCKS_PER_SPLIT` blocks, whatever the
+    batch: a program's time grows with its blocks, and the step waits for the slowest. When
+    batch x num_kv_heads programs leave some of the `num_sms` SMs idle, more splits fill
+    them, down to `MIN_BLOCKS_PER_SPLIT` blocks each. At most `MAX_SPLITS`.
+    """
+    by_length = triton.cdiv(max_context_blocks, BLOCKS_PER_SPLIT)
+    to_fill = min(
+        triton.cdiv(num_sms, max(batch * num_kv_heads, 1)),
+        max_context_blocks // MIN_BLOCKS_PER_SPLIT,
+    )
+    return max(1, min(max(by_length, to_fill), MAX_SPLITS))
+
+
+def device_num_sms(device: torch.device) -> int:
+    """The SMs of a CUDA device; DEFAULT_NUM_SMS elsewhere (Triton's CPU interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _is_pow2(n: int) -> bool:
@@ -283,7 +310,9 @@ def paged_decode_attention(
             one; each must be in [1, max_blocks * block_size] (not checked: that would
             read values, i.e. synchronize with the device).
         scale: softmax scale.
-        num_splits: split-K partitions per request; None chooses from the shapes.
+        num_splits: split-K partitions per request; None chooses them for the longest
+            context the block tables hold (`choose_num_splits`); a caller that knows the
+            batch's longest context passes the choice for that.
         out: [batch, num_q_heads, head_dim] in q's dtype, written in place if given.
 
     Returns:

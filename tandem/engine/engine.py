@@ -214,7 +214,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run one prefill step at the full token budget and a few decode steps before
         traffic, so the first requests do not pay for allocator growth and kernel set-up,
-        then (on CUDA with the Triton backend) capture the decode steps' CUDA graphs.
+        compile the attention kernel variants those steps did not hit, then (on CUDA with
+        the Triton backend) capture the decode steps' CUDA graphs.
         Leaves no trace: no cached prefix, no KV events, no counters.
 
         Makes the engine's device current in the calling thread, which should be the one
@@ -238,6 +239,9 @@ class LLMEngine:
         self.kv.pool.reset_prefix_cache()
         self.take_kv_events()
         self.num_steps = self.num_tokens_computed = 0
+        self.model.attention.warm_up(
+            self.kv_cache[:, 0], self.model.config.num_q_heads, self.max_model_len
+        )
         if self._graphs_wanted and self.runner.graphs is None:
             t0 = time.perf_counter()
             sizes = self.runner.capture_decode_graphs(

@@ -41,6 +41,7 @@ def prefill_metadata(
         prefill_query_starts=torch.tensor([0, num_tokens], dtype=i32, device=device),
         prefill_context_lens=torch.tensor([num_tokens], dtype=i32, device=device),
         max_query_len=num_tokens,
+        max_decode_context_len=0,
     )
     return meta
 
@@ -65,6 +66,7 @@ def decode_metadata(
             prefill_query_starts=torch.zeros(1, dtype=i32, device=device),
             prefill_context_lens=torch.zeros(0, dtype=i32, device=device),
             max_query_len=0,
+            max_decode_context_len=context_len,
         )
         return meta
     # The runner's grouping of decode rows (one padded group per run of similar lengths).

@@ -153,6 +153,8 @@ class ModelRunner:
                 prefill_query_starts=torch.zeros(1, dtype=torch.int32, device=dev),
                 prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
                 max_query_len=0,
+                # A replay may hold any context: the split count for the longest.
+                max_decode_context_len=inputs.block_tables.shape[1] * self.block_size,
             ),
         )
         hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
@@ -209,4 +211,5 @@ def paged_batch(
         prefill_query_starts=torch.tensor(starts, dtype=torch.int32, device=device),
         prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
         max_query_len=max((s.num_new_tokens for s in prefills), default=0),
+        max_decode_context_len=max(decode_lens, default=0),
     )

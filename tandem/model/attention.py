@@ -84,6 +84,8 @@ class PagedBatch:
         prefill_query_starts: [num_prefill + 1] int32, cumulative, relative to num_decode.
         prefill_context_lens: [num_prefill] int32.
         max_query_len: longest prefill chunk (host-side, sizes the kernel grid).
+        max_decode_context_len: longest decode context (host-side, sets the decode kernel's
+            split count); a CUDA graph's step names the longest any replay may hold.
     """
 
     num_decode: int
@@ -93,6 +95,7 @@ class PagedBatch:
     prefill_query_starts: torch.Tensor
     prefill_context_lens: torch.Tensor
     max_query_len: int
+    max_decode_context_len: int
 
 
 class AttentionBackend(Protocol):
@@ -122,6 +125,11 @@ class AttentionBackend(Protocol):
         """
         ...
 
+    def warm_up(self, kv_layer: torch.Tensor, num_q_heads: int, max_context_len: int) -> None:
+        """Before traffic: compile whatever a step with contexts of up to `max_context_len`
+        tokens could need that the warm-up steps may not have hit (e.g. kernel variants)."""
+        ...
+
 
 class TorchAttention:
     """CPU attention with torch ops: gather the context's blocks, then SDPA.
@@ -135,6 +143,9 @@ class TorchAttention:
     def __init__(self) -> None:
         # Allocated on first use, on the cache's device and in its dtype.
         self._workspace: torch.Tensor | None = None
+
+    def warm_up(self, kv_layer: torch.Tensor, num_q_heads: int, max_context_len: int) -> None:
+        """Nothing to compile: torch's ops have no variants to build ahead of time."""
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> torch.Tensor:
         """Copy blocks `block_ids` ([n]) of `cache` ([num_blocks, block_size, heads, dim]).

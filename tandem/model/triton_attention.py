@@ -1,8 +1,9 @@
 """GPU attention: the Triton paged kernels of `kernels/` behind `AttentionBackend`.
 
 Per layer and step: write the new K/V into their slots (`kernels.kv_write`), then one launch
-for all decode rows (`kernels.decode_attention`, split-K over the block tables) and one for
-all prefill chunks (`kernels.prefill_attention`, causal over each chunk's cached prefix and
+for all decode rows (`kernels.decode_attention`, split-K over the block tables, as many
+splits as the step's longest context and the device's SMs call for) and one for all prefill
+chunks (`kernels.prefill_attention`, causal over each chunk's cached prefix and
 itself). Nothing is gathered into a workspace and no score matrix is materialised; the
 launch grids depend only on tensor shapes, so decode steps can be captured in CUDA graphs.
 Triton is imported on first construction: the CPU path never loads it.
@@ -21,13 +22,39 @@ class TritonAttention:
     needs_paged_batch = True
 
     def __init__(self) -> None:
-        from kernels.decode_attention import paged_decode_attention
+        from kernels import decode_attention
         from kernels.kv_write import write_kv
         from kernels.prefill_attention import paged_prefill_attention
 
         self._write_kv: Any = write_kv
-        self._decode: Any = paged_decode_attention
+        self._decode: Any = decode_attention.paged_decode_attention
         self._prefill: Any = paged_prefill_attention
+        self._choose_num_splits: Any = decode_attention.choose_num_splits
+        self._device_num_sms: Any = decode_attention.device_num_sms
+        self._num_sms: int | None = None  # read from the device at the first decode
+
+    def num_splits(self, kv_layer: torch.Tensor, num_rows: int, max_context_len: int) -> int:
+        """The decode kernel's split count for `num_rows` rows whose longest context is
+        `max_context_len` tokens (kv_layer: [num_blocks, 2, block_size, kv_heads, dim])."""
+        if self._num_sms is None:
+            self._num_sms = self._device_num_sms(kv_layer.device)
+        block_size, num_kv_heads = kv_layer.shape[2], kv_layer.shape[3]
+        max_blocks = -(-max_context_len // block_size)
+        return int(self._choose_num_splits(num_rows, num_kv_heads, max_blocks, self._num_sms))
+
+    def warm_up(self, kv_layer: torch.Tensor, num_q_heads: int, max_context_len: int) -> None:
+        """Compile the decode kernels for every split padding a step can choose (the
+        reduction has a variant per power of two), so none compiles mid-serving: one
+        single-row launch per padding, up to the most splits (one row at the longest
+        context). Reads block 0 of `kv_layer`; writes nothing to it."""
+        most = self.num_splits(kv_layer, 1, max_context_len)
+        q = torch.zeros(
+            (1, num_q_heads, kv_layer.shape[4]), dtype=kv_layer.dtype, device=kv_layer.device
+        )
+        table = torch.zeros((1, 1), dtype=torch.int32, device=kv_layer.device)
+        lens = torch.ones(1, dtype=torch.int32, device=kv_layer.device)
+        for i in range((most - 1).bit_length() + 1):
+            self._decode(q, kv_layer, table, lens, 1.0, num_splits=min(1 << i, most))
 
     def forward(
         self,
@@ -51,6 +78,7 @@ class TritonAttention:
                 paged.decode_block_tables,
                 paged.decode_context_lens,
                 scale,
+                num_splits=self.num_splits(kv_layer, nd, paged.max_decode_context_len),
                 out=out[:nd],
             )
         if q.shape[0] > nd:

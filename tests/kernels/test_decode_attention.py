@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.decode_attention import MAX_SPLITS, choose_num_splits, paged_decode_attention
 from kernels.reference import paged_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -226,12 +226,37 @@ def test_empty_batch() -> None:
     assert out.shape == (0, NUM_KV_HEADS, HEAD_DIM)
 
 
-def test_choose_num_splits() -> None:
-    assert choose_num_splits(batch=256, num_kv_heads=8, max_blocks=512) == 1  # grid full
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_blocks=2) == 1  # short context
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_blocks=64) == 16  # 4 blocks each
-    assert choose_num_splits(batch=1, num_kv_heads=1, max_blocks=4096) == 32  # capped
-    assert choose_num_splits(batch=4, num_kv_heads=8, max_blocks=4096) == 8  # 256 programs
+def test_splits_grow_with_the_longest_context_whatever_the_batch() -> None:
+    # 256 rows x 8 kv heads fill the GPU many times: only the longest context counts, cut
+    # into runs of BLOCKS_PER_SPLIT = 16 blocks.
+    splits = [choose_num_splits(256, 8, blocks) for blocks in (1, 16, 17, 64, 256, 480)]
+    assert splits == [1, 1, 2, 4, 16, 30]
+
+
+def test_short_contexts_keep_one_split() -> None:
+    assert choose_num_splits(batch=64, num_kv_heads=8, max_context_blocks=16) == 1
+    # One request on an idle GPU: too short to split (MIN_BLOCKS_PER_SPLIT = 4 blocks).
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context_blocks=7) == 1
+
+
+def test_splits_fill_the_sms_of_a_small_batch() -> None:
+    # 1 x 8 programs on 132 SMs: 17 splits would fill them; 64 blocks allow 16 of >= 4.
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context_blocks=64) == 16
+    assert choose_num_splits(batch=2, num_kv_heads=8, max_context_blocks=64) == 9  # 18 x 8
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context_blocks=64, num_sms=66) == 9
+    assert choose_num_splits(batch=8, num_kv_heads=8, max_context_blocks=64) == 4  # by length
+
+
+def test_splits_are_capped() -> None:
+    assert choose_num_splits(batch=256, num_kv_heads=8, max_context_blocks=2048) == MAX_SPLITS
+    assert choose_num_splits(batch=1, num_kv_heads=1, max_context_blocks=4096) == MAX_SPLITS
+
+
+def test_a_short_row_beside_a_long_one_skips_its_splits() -> None:
+    # The long row sets 8 splits; the 1-token row's splits 1..7 are empty: they write only
+    # lse = -inf, and the reduction must not read their (never written) partials.
+    q, kv, tables, ctx = make_case([1, 400], block_size=16, group=4, dtype=torch.float32)
+    check(q, kv, tables, ctx, 0.125, num_splits=8)
 
 
 def _inputs() -> dict[str, object]:

@@ -101,6 +101,30 @@ def test_engine_sized_by_memory_profiles_warms_up_and_serves_through_triton(  # 
     assert tokens["triton"] == tokens["torch"]
 
 
+def test_warm_up_launches_every_split_padding(tiny_model_dir, engine_factory) -> None:  # type: ignore[no-untyped-def]
+    """The decode reduction compiles a variant per power of two of the split count; warm-up
+    launches each one a step could choose: at 2048 tokens (128 blocks of 16) one row on
+    2 kv heads gets 32 splits (66 of the default 132 SMs' worth, 4 blocks each)."""
+    engine = engine_factory(
+        tiny_model_dir,
+        block_size=16,
+        num_blocks=128,
+        max_num_batched_tokens=16,
+        attention_backend="triton",
+    )
+    assert engine.max_model_len == 2048
+    backend, splits = engine.model.attention, []
+    real_decode = backend._decode
+
+    def decode(*args, num_splits, **kwargs):  # type: ignore[no-untyped-def]
+        splits.append(num_splits)
+        return real_decode(*args, num_splits=num_splits, **kwargs)
+
+    backend._decode = decode
+    engine.warm_up()
+    assert {1 << (n - 1).bit_length() for n in splits} == {1, 2, 4, 8, 16, 32}  # paddings
+
+
 class EagerGraphs:
     """CPU stand-in for DecodeGraphs: 'replays' by running the captured step function over
     the static buffers, so the runner's graph path (buffer filling, padding rows, the step
