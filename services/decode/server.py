@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import NamedTuple
 
 import grpc
 
@@ -41,6 +40,7 @@ from services.common.errors import (
 from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
 from services.common.security import derive_key, load_secret
 from services.common.worker.engine_loop import output_batches
+from services.common.worker.kv_pull import Pulled
 from services.common.worker.kv_reader import KVReader, ReadDone
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
@@ -55,21 +55,11 @@ from tandem.transfer import (
     prompt_hashes,
     verify_handoff,
 )
+from tandem.types import KVOutcome, Role
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
-
-
-class Pulled(NamedTuple):
-    """Outcome of a KV pull. committed: the request joined the batch with the pulled KV."""
-
-    committed: bool
-    num_cached_tokens: int  # prompt tokens this worker already held (not read)
-    num_bytes: int
-    transfer_ms: float
-    failure: str = ""  # why not committed
-    outcome: str = "committed"  # or "lapsed" (lease ended before confirm), "failed"
 
 
 def permission_denied(message: str) -> ServiceError:
@@ -99,7 +89,7 @@ class PrefillRoster:
             if info is not None:
                 self._departed[(info.worker_id, info.address, info.epoch)] = now
         for info in joined:
-            if info.role == EngineRole.PREFILL.value:
+            if info.role == Role.PREFILL:
                 self._live[info.worker_id] = info
         for identity, left_at in list(self._departed.items()):
             if now - left_at > self.retain_s:
@@ -119,7 +109,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
-        self._reader = KVReader(self.transport)
+        self._reader = KVReader(self.transport, self.config.engine.device)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_recomputed = 0
         secret_file = self.config.auth.cluster_secret_file
@@ -194,12 +184,12 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                     # Built by the prefill worker, not the client: a deployment problem.
                     raise failed_precondition(f"kv.{exc}") from None
                 with tracing.span(
-                    "tandem.kv_transfer", span, error_attributes={"tandem.kv.outcome": "refused"}
+                    "tandem.kv_transfer", span, error_attributes={"tandem.kv.outcome": KVOutcome.REFUSED.value}
                 ) as kv_span:
                     try:
                         pulled = await self._pull_kv(spec, outputs, emitted, handoff, kv_span)
                     except ServiceError:
-                        self.metrics.kv_transfer("refused")
+                        self.metrics.kv_transfer(KVOutcome.REFUSED)
                         raise
                     self.metrics.kv_pulled(pulled, spec.num_prompt_tokens)
                     tracing.kv_result(
@@ -320,17 +310,17 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         except TransferError as exc:
             failure = f"KV read from {handoff.remote.agent_name} failed: {exc}"
             valid = False
-            span.set_attribute("tandem.kv.outcome", "failed")
-            outcome = "failed"
+            outcome = KVOutcome.FAILED
+            span.set_attribute("tandem.kv.outcome", outcome.value)
         except grpc.aio.AioRpcError as exc:
             failure = f"lease confirm at {handoff.owner_address} failed: {exc.code().name}"
             valid = False
-            span.set_attribute("tandem.kv.outcome", "failed")
-            outcome = "failed"
+            outcome = KVOutcome.FAILED
+            span.set_attribute("tandem.kv.outcome", outcome.value)
         else:
             failure = "" if valid else f"lease {handoff.lease_id} lapsed before confirm"
-            span.set_attribute("tandem.kv.outcome", "committed" if valid else "lapsed")
-            outcome = "committed" if valid else "lapsed"
+            outcome = KVOutcome.COMMITTED if valid else KVOutcome.LAPSED
+            span.set_attribute("tandem.kv.outcome", outcome.value)
         if not valid:
             log.warning("KV pull for %s not usable (%s)", rid, failure)
             await self.loop.call(lambda e: e.abort(rid))  # drop the reserved blocks unread

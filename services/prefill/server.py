@@ -26,6 +26,7 @@ from services.common.security import derive_key, load_secret
 from services.common.worker.engine_loop import Quiet, next_output
 from services.common.worker.shell import Worker
 from tandem.config import EngineRole
+from tandem.engine.device import use_device
 from tandem.engine.engine import LLMEngine
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec
@@ -72,6 +73,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
     def _drive_transfers(self) -> None:
         # NIXL without its own progress thread needs the owner to make progress while
         # readers pull pinned blocks. Spin fast only while leases are outstanding.
+        use_device(self.config.engine.device)  # UCX's CUDA transports work in this thread
         while not self._progress_stop.is_set():
             try:
                 self.transport.poll()

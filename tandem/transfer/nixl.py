@@ -47,10 +47,24 @@ _BACKEND = "UCX"
 #   +14% for a 12 MiB read and +5% for 192 MiB. The cost, longer individual progress calls,
 #   does not matter here because `read` blocks until the whole transfer is done anyway.
 UCX_ENV_DEFAULTS = {"UCX_CMA_SEG_SIZE": "32m"}
+# Polling a read. With no progress thread the data moves inside the agent's calls, so a
+# read polls without pause at first: a small one is done within microseconds. But each poll
+# takes the GIL, and a pull of many MiB would spin for milliseconds against the engine and
+# event-loop threads of the same process; so every poll yields the GIL (sleep(0) releases
+# it), and past POLL_YIELD_S each waits POLL_SLEEP_S (a long read is bound by the wire or the
+# copy engine, and ~0.2 ms more does not show).
+POLL_YIELD_S = 1e-3
+POLL_SLEEP_S = 2e-4
 _SCRATCH_BYTES = 64
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25  # Linux >= 6.1
+
+
+def poll_pause_s(elapsed_s: float) -> float:
+    """Seconds to sleep before the next poll of a read that has run `elapsed_s` (0: only
+    yield the GIL)."""
+    return 0.0 if elapsed_s < POLL_YIELD_S else POLL_SLEEP_S
 
 
 def advise_hugepages(tensor: torch.Tensor) -> int:
@@ -391,15 +405,16 @@ class NixlTransport(KVTransport):
         """Post the transfer and drive it to DONE; TransferError on ERR or at `deadline`."""
         agent = self._require_agent()
         try:
+            started = time.monotonic()
             state = agent.transfer(handle)
-            # Spin: with no progress thread the data moves inside these calls, so sleeping
-            # here would only add latency.
             while state == "PROC":
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TransferError(
                         f"read from agent {peer!r} timed out after {timeout_s:g}s (is the owner "
                         "alive and calling poll()?)"
                     )
+                time.sleep(poll_pause_s(now - started))
                 state = agent.check_xfer_state(handle)
         except TransferError:
             raise

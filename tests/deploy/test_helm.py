@@ -777,6 +777,24 @@ def test_gpu_values(helm: Helm) -> None:
         assert "runtimeClassName" not in _pod(objects, component)
 
 
+def test_ucx_net_devices_unset_unless_named(helm: Helm) -> None:
+    """UCX picks among the pod's devices by default (a fixed mlx5_0 is wrong on nodes with
+    several NICs); transfer.netDevices pins them, and only on the workers."""
+    for values in ([], ["-f", str(GPU_VALUES)]):
+        objects = helm.render(*values)
+        for role in ("prefill", "decode"):
+            container = containers(one(objects, "Deployment", _name(role)))[0]
+            assert "UCX_NET_DEVICES" not in env_of(container)
+    objects = helm.render("-f", str(GPU_VALUES), "--set", "transfer.netDevices=mlx5_3:1")
+    for role in ("prefill", "decode"):
+        container = containers(one(objects, "Deployment", _name(role)))[0]
+        assert env_of(container)["UCX_NET_DEVICES"] == "mlx5_3:1"
+    router = containers(one(objects, "Deployment", _name("router")))[0]
+    assert "UCX_NET_DEVICES" not in env_of(router)
+    with pytest.raises(HelmError, match="UCX_NET_DEVICES"):  # one place to set it
+        helm.template("--set", "transfer.env.UCX_NET_DEVICES=mlx5_0")
+
+
 # -- Redis -------------------------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from services.common.metrics import WorkerMetrics
+from tandem.engine.device import use_device
 from tandem.engine.engine import EngineStats, LLMEngine, RequestOutput
 from tandem.routing.stall import HopProgress
 
@@ -235,11 +236,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
-        device = torch.device(engine.config.device)
-        if device.type == "cuda" and device.index is not None:
-            # Triton launches and graph captures go to the thread's current device (0 until
-            # set), not to the tensors' one. A bare "cuda" is the current device already.
-            torch.cuda.set_device(device)
+        # Triton launches and graph captures go to the thread's current CUDA device.
+        use_device(engine.config.device)
         while not self._stopping:
             block = not engine.has_unfinished()
             try:

@@ -1,5 +1,6 @@
 """The decode worker's KV reads, off the event loop: one transport, one thread (NIXL agents
-are not to be used concurrently), each read timed for the response's kv_transfer_ms."""
+are not to be used concurrently), each read timed for the response's kv_transfer_ms. The
+thread makes the worker's CUDA device current (UCX's CUDA transports work in it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from tandem.engine.device import use_device
 from tandem.transfer import KVTransport, ReadPlan, RemoteKV
 
 
@@ -18,9 +20,11 @@ class ReadDone(NamedTuple):
 
 
 class KVReader:
-    def __init__(self, transport: KVTransport) -> None:
+    def __init__(self, transport: KVTransport, device: str = "cpu") -> None:
         self.transport = transport
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-xfer")
+        self._thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kv-xfer", initializer=use_device, initargs=(device,)
+        )
 
     async def read(self, remote: RemoteKV, plan: ReadPlan, tag: bytes) -> ReadDone:
         """Pull `plan`'s blocks of `remote` into this worker's cache. Raises TransferError
