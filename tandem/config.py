@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tandem.types import Role
+
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; routers and workers must agree
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -17,8 +19,8 @@ class EngineRole(StrEnum):
     """What part of a request's life an engine runs."""
 
     FULL = "full"  # prefill and decode in one process
-    PREFILL = "prefill"  # stop after the first token; keep the prompt's blocks pinned
-    DECODE = "decode"  # start from externally supplied KV blocks
+    PREFILL = Role.PREFILL.value  # stop after the first token; keep the prompt's blocks pinned
+    DECODE = Role.DECODE.value  # start from externally supplied KV blocks
 
 
 @dataclass(frozen=True, slots=True)

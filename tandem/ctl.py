@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, TextIO
 
-from tandem.control import ROLES
+from tandem.types import Role
 
 DEFAULT_ADDRESS = "127.0.0.1:50061"
 ADMIN_KEY_ENV = "TANDEM_ADMIN_KEY"
@@ -90,11 +90,11 @@ def format_decisions(resp: Any) -> str:
         change = ", ".join(
             f"{role} {d.current[role]}"
             + (f" -> {d.target[role]}" if d.target[role] != d.current[role] else "")
-            for role in ROLES
+            for role in Role
         )
         state = "" if d.applied else f"  NOT APPLIED: {d.error}"
         out.append(f"{when}  {change}{state}")
-        for role in ROLES:
+        for role in Role:
             out.append(f"    {role}: {d.reasons[role]}")
         if d.figures:
             figs = ", ".join(f"{k}={v:.4g}" for k, v in sorted(d.figures.items()))
@@ -118,7 +118,7 @@ def render_top(s: Any, address: str, now: float) -> list[str]:
     """The `tandem ctl top` screen for one StatusResponse `s` of the controller at `address`,
     at wall-clock time `now` (lines without escape codes or trailing newlines)."""
     roles = {r.role: r for r in s.roles}
-    p, d = roles.get("prefill"), roles.get("decode")
+    p, d = roles.get(Role.PREFILL), roles.get(Role.DECODE)
 
     def ratio(field: str) -> str:
         return f"{getattr(p, field, 0)}:{getattr(d, field, 0)}"
@@ -305,8 +305,8 @@ def add_parser(sub: Any) -> None:
     e = actions.add_parser("explain", help="the last decisions with reasons and figures")
     e.add_argument("-n", type=int, default=5, help="how many decisions")
     r = actions.add_parser("set-ratio", help="pin a prefill:decode ratio")
-    r.add_argument("prefill", type=int)
-    r.add_argument("decode", type=int)
+    r.add_argument(Role.PREFILL.value, type=int)
+    r.add_argument(Role.DECODE.value, type=int)
     s = actions.add_parser("set-sla", help="change the SLA targets")
     s.add_argument("--ttft-p90", type=float, help="TTFT p90 target, ms")
     s.add_argument("--itl-p90", type=float, help="ITL p90 target, ms")

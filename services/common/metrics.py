@@ -20,14 +20,16 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from http.server import HTTPServer
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.common.errors import ServiceError
-from tandem.routing import Placement
+from services.common.worker.kv_pull import Pulled
+from tandem.routing import Placement, RouteKind
+from tandem.types import KVOutcome, Role
 
 if TYPE_CHECKING:
     from tandem.engine.engine import EngineStats, LLMEngine
@@ -54,14 +56,15 @@ TRANSFER_BUCKETS = (
     1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 
-COMPONENTS = ("router", "prefill", "decode", "controller")
+COMPONENTS = ("router", *Role, "controller")
 PATHS = ("disaggregated", "colocated")
-ROUTE_REASONS = ("kv_affinity", "load", "round_robin", "short_prompt", "no_prefill_worker")
 FAULTS = ("prefill_failed", "kv_pull_failed", "decode_failed")
 ACTIONS = ("reprefill", "recompute", "migrate", "fail")
 WORKER_STATES = ("healthy", "open_breaker")
-TRANSFER_OUTCOMES = ("committed", "lapsed", "failed", "refused")
-ROLES = ("prefill", "decode")
+# A hand-off's outcome on the decode worker (RECOMPUTED is a trace value, not a count).
+TRANSFER_OUTCOMES: tuple[KVOutcome, ...] = tuple(
+    o for o in KVOutcome if o is not KVOutcome.RECOMPUTED
+)
 EJECTIONS = ("unreachable", "stalled", "error")  # why a router took a worker out of rotation
 ABORT_OUTCOMES = ("answered", "late", "failed")  # late: answered after ABORT_LATE_S
 ABORT_LATE_S = 0.1
@@ -72,24 +75,6 @@ CONTROLLER_METRICS = frozenset(
     {"tandem_controller_replicas", "tandem_controller_sla_attainment",
      "tandem_controller_decisions_total"}
 )  # fmt: skip
-
-
-def route_reason(placement: Placement) -> str:
-    """The bounded category of a placement's reason (`tandem.routing.choose` writes free
-    text naming workers and counts; a label may take only these values):
-
-        kv_affinity        kv policy chose the prefill worker by cached tokens and load
-        load               load policy: the least loaded prefill worker
-        round_robin        round_robin policy (either path)
-        short_prompt       colocated: too few uncached tokens to be worth a hand-off
-        no_prefill_worker  colocated: no healthy prefill worker
-    """
-    reason = placement.reason
-    if reason.startswith("round robin"):
-        return "round_robin"
-    if placement.prefill is None:
-        return "no_prefill_worker" if reason.startswith("no prefill worker") else "short_prompt"
-    return "kv_affinity" if reason.startswith("kv:") else "load"
 
 
 def path_of(disaggregated: bool) -> str:
@@ -202,12 +187,12 @@ class RouterMetrics:
             f"Abort calls to workers: answered, late (after {ABORT_LATE_S:g}s) or failed.",
             ["role", "outcome"], registry=r,
         )  # fmt: skip
-        self.worker_aborts = {(w, o): aborts.labels(w, o) for w in ROLES for o in ABORT_OUTCOMES}
+        self.worker_aborts = {(w, o): aborts.labels(w, o) for w in Role for o in ABORT_OUTCOMES}
         abort_s = Histogram(
             "tandem_router_worker_abort_seconds", "Round trip of an answered Abort call.",
             ["role"], buckets=ABORT_BUCKETS, registry=r,
         )  # fmt: skip
-        self.worker_abort_s = {w: abort_s.labels(w) for w in ROLES}
+        self.worker_abort_s = {w: abort_s.labels(w) for w in Role}
         refusals = Counter(
             "tandem_router_admission_refusals",
             "Requests refused at admission: expected queue delay over the limit, or "
@@ -224,9 +209,9 @@ class RouterMetrics:
             "Actual admission to first token of requests that had an estimate.",
             buckets=QUEUE_DELAY_BUCKETS, registry=r,
         )  # fmt: skip
-        for reason in ROUTE_REASONS:  # every series exists from the start
+        for kind in RouteKind:  # every series exists from the start
             for path in PATHS:
-                self.decisions.labels(path, reason)
+                self.decisions.labels(path, kind)
         for outcome in ("finished", "aborted"):
             self.requests.labels(outcome, "OK")
         self.set_workers({})
@@ -235,7 +220,7 @@ class RouterMetrics:
 
     def placed(self, placement: Placement, queue_s: float) -> None:
         self.queue.observe(queue_s)
-        self.decisions.labels(path_of(placement.disaggregated), route_reason(placement)).inc()
+        self.decisions.labels(path_of(placement.disaggregated), placement.kind).inc()
 
     def streamed(
         self, disaggregated: bool, t_start: float, t_last: float, n: int, now: float
@@ -279,7 +264,7 @@ class RouterMetrics:
     def recovery(self, fault: str, action: str) -> None:
         self.recoveries.labels(fault, action).inc()
 
-    def worker_abort(self, role: str, seconds: float | None) -> None:
+    def worker_abort(self, role: Role, seconds: float | None) -> None:
         """An Abort call to a worker of `role` answered after `seconds` (None: it failed)."""
         if seconds is None:
             self.worker_aborts[(role, "failed")].inc()
@@ -291,7 +276,7 @@ class RouterMetrics:
 
     def set_workers(self, counts: dict[tuple[str, str], int]) -> None:
         """Workers per (role, state); every pair is set (0 when absent)."""
-        for role in ROLES:
+        for role in Role:
             for state in WORKER_STATES:
                 self.workers.labels(role, state).set(counts.get((role, state), 0))
 
@@ -327,21 +312,6 @@ class _EngineGauges(Collector):
             yield family
 
 
-class KVPull(Protocol):
-    """A decode worker's KV pull (services.decode.server.Pulled)."""
-
-    @property
-    def committed(self) -> bool: ...
-    @property
-    def num_cached_tokens(self) -> int: ...
-    @property
-    def num_bytes(self) -> int: ...
-    @property
-    def transfer_ms(self) -> float: ...
-    @property
-    def outcome(self) -> str: ...
-
-
 class WorkerMetrics:
     """A prefill or decode worker's metrics. `stats` reads the engine's load (scrape time).
 
@@ -351,9 +321,9 @@ class WorkerMetrics:
 
     def __init__(self, role: str, stats: Callable[[], EngineStats] | None = None,
                  registry: CollectorRegistry | None = None) -> None:  # fmt: skip
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.role = role
+        if role not in tuple(Role):
+            raise ValueError(f"role must be one of {tuple(map(str, Role))}, got {role!r}")
+        self.role = role = Role(role)
         self.registry = r = registry or CollectorRegistry(auto_describe=True)
         build_info(r, role)
         r.register(_EngineGauges(role, stats))
@@ -373,7 +343,7 @@ class WorkerMetrics:
             "tandem_worker_prefix_cache_hit_tokens",
             "Prompt tokens found in the prefix cache.", ["role"], registry=r,
         ).labels(role)  # fmt: skip
-        if role == "decode":
+        if role == Role.DECODE:
             self.transfer_bytes = Counter(
                 "tandem_worker_kv_transfer_bytes", "KV bytes pulled from prefill workers.",
                 registry=r,
@@ -450,14 +420,14 @@ class WorkerMetrics:
         self.queried_tokens.inc(queried)
         self.hit_tokens.inc(hit)
 
-    def kv_pulled(self, pulled: KVPull, num_prompt_tokens: int) -> None:
+    def kv_pulled(self, pulled: Pulled, num_prompt_tokens: int) -> None:
         """Decode: a hand-off read and confirmed (or not). A committed one joined the batch
         with its first `num_cached_tokens` prompt tokens from this worker's prefix cache."""
         self.kv_transfer(pulled.outcome, pulled.num_bytes, pulled.transfer_ms / 1e3)
         if pulled.committed:
             self.prefix_cache(num_prompt_tokens, pulled.num_cached_tokens)
 
-    def kv_transfer(self, outcome: str, num_bytes: int = 0, seconds: float = 0.0) -> None:
+    def kv_transfer(self, outcome: KVOutcome, num_bytes: int = 0, seconds: float = 0.0) -> None:
         """Decode: one hand-off's outcome (committed, lapsed, failed, refused) and read."""
         self.transfers[outcome].inc()
         if num_bytes:

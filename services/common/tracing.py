@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -33,8 +33,10 @@ from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tandem.routing import Placement, RouteRequest, RoutingConfig, WorkerLoad
+from services.common.worker.kv_pull import Pulled
+from tandem.routing import Candidate, Placement
 from tandem.transfer import coalesce
+from tandem.types import KVOutcome, Role
 
 log = logging.getLogger(__name__)
 
@@ -250,53 +252,48 @@ def end_lease(s: Span | None, outcome: str) -> None:
 # -- attributes computed from the services' state ----------------------------------------
 
 
-def route_candidates(
-    request: RouteRequest, workers: Iterable[WorkerLoad], config: RoutingConfig
-) -> list[dict[str, Any]]:
-    """What `tandem.routing.choose` weighed, per worker, from the same inputs: a decode
+def route_candidates(candidates: Sequence[Candidate]) -> list[dict[str, Any]]:
+    """The workers `tandem.routing.choose` weighed, with its figures (`Candidate`): a decode
     worker's load, cached prompt tokens and free blocks (it takes the least loaded with
     headroom); a prefill worker's queue, cached tokens and cost (cache_weight x uncached
-    tokens + queued tokens; the lowest within the imbalance band wins). Describes the
-    decision; the policy itself stays in tandem.routing."""
-    kv = config.policy == "kv"
+    tokens + queued tokens; the lowest within the imbalance band wins). Formats only: the
+    figures come from the policy."""
     out: list[dict[str, Any]] = []
-    for w in sorted(workers, key=lambda w: w.worker_id)[:MAX_ROUTE_CANDIDATES]:
-        cached = request.cached_tokens(w.worker_id) if kv else 0
-        entry: dict[str, Any] = {"worker": w.worker_id, "role": w.role, "cached_tokens": cached}
-        if w.draining:
+    for c in candidates[:MAX_ROUTE_CANDIDATES]:
+        entry: dict[str, Any] = {
+            "worker": c.worker_id, "role": c.role, "cached_tokens": c.cached_tokens,
+        }  # fmt: skip
+        if c.draining:
             entry["draining"] = True
-        if w.role == "decode":
-            entry["load"] = w.decode_load
-            entry["free_blocks"] = w.num_free_blocks
+        if c.role == Role.DECODE:
+            entry["load"] = c.load
+            entry["free_blocks"] = c.free_blocks
         else:
-            entry["queue"] = w.prefill_queue
-            uncached = request.num_prompt_tokens - cached
-            entry["cost"] = round(config.cache_weight * uncached + w.prefill_queue, 1)
+            entry["queue"] = c.queue
+            entry["cost"] = round(c.cost or 0.0, 1)
         out.append(entry)
     return out
 
 
 def annotate_route(
     s: Span,
-    request: RouteRequest,
-    workers: Sequence[WorkerLoad],
-    config: RoutingConfig,
+    candidates: Sequence[Candidate],
     placement: Placement | None,
     index_degraded: bool,
 ) -> None:
-    """The `tandem.route` span's attributes: the decision, its reason and the candidates."""
+    """The `tandem.route` span's attributes: the decision, its reason and the candidates
+    (`placement.candidates`, or `tandem.routing.weigh`'s when nothing could be placed)."""
     if not s.is_recording():
         return
     s.set_attribute("tandem.index.degraded", index_degraded)
-    s.set_attribute(
-        "tandem.route.candidates", json.dumps(route_candidates(request, workers, config))
-    )
+    s.set_attribute("tandem.route.candidates", json.dumps(route_candidates(candidates)))
     if placement is None:
         return
     path = "disaggregated" if placement.disaggregated else "colocated"
     s.set_attributes(
         {
             "tandem.route.reason": placement.reason,
+            "tandem.route.kind": placement.kind.value,
             "tandem.route.path": path,
             "tandem.route.cached_tokens": placement.cached_tokens,
             "tandem.route.decode_worker": placement.decode.worker_id,
@@ -314,20 +311,7 @@ def kv_plan(s: Span, remote_ids: Sequence[int], local_ids: Sequence[int]) -> Non
     s.set_attribute("tandem.kv.descriptors", len(coalesce(remote_ids, local_ids)))
 
 
-class KvPull(Protocol):
-    """What a decode worker's KV pull returns (services.decode.server.Pulled)."""
-
-    @property
-    def committed(self) -> bool: ...
-    @property
-    def num_bytes(self) -> int: ...
-    @property
-    def transfer_ms(self) -> float: ...
-    @property
-    def failure(self) -> str: ...
-
-
-def kv_result(s: Span, pulled: KvPull, lease_id: str, recompute: bool) -> None:
+def kv_result(s: Span, pulled: Pulled, lease_id: str, recompute: bool) -> None:
     """A `tandem.kv_transfer` span's outcome: committed, or (set by the pull) lapsed or
     failed, which becomes recomputed when the decode worker then prefills the prompt."""
     if not s.is_recording():
@@ -341,9 +325,9 @@ def kv_result(s: Span, pulled: KvPull, lease_id: str, recompute: bool) -> None:
         }
     )
     if pulled.committed:
-        s.set_attribute("tandem.kv.outcome", "committed")
+        s.set_attribute("tandem.kv.outcome", KVOutcome.COMMITTED.value)
         return
     s.set_attribute("tandem.kv.failure", pulled.failure[:512])
     if recompute:
-        s.set_attribute("tandem.kv.outcome", "recomputed")
+        s.set_attribute("tandem.kv.outcome", KVOutcome.RECOMPUTED.value)
     s.set_status(Status(StatusCode.ERROR, pulled.failure[:512]))

@@ -11,13 +11,14 @@ from services.common.process import run_until_signal, setup_logging
 from services.controller.actuators import Actuator, KubernetesActuator, NoActuator
 from services.controller.config import ControllerConfig
 from services.controller.server import Controller
+from tandem.types import Role
 
 
 def make_actuator(config: ControllerConfig) -> Actuator:
     if config.actuator == "kubernetes":
         return KubernetesActuator(
             config.namespace,
-            {"prefill": config.prefill_deployment, "decode": config.decode_deployment},
+            {Role.PREFILL: config.prefill_deployment, Role.DECODE: config.decode_deployment},
             config.kubeconfig,
         )
     if config.actuator == "local":

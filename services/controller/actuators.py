@@ -18,7 +18,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from services.controller.host import HostMeter
-from tandem.control import ROLES, HostCapacity
+from tandem.control import HostCapacity
+from tandem.types import Role
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Actuator(Protocol):
 
 
 def _live(live: Mapping[str, int]) -> dict[str, int]:
-    return {role: live.get(role, 0) for role in ROLES}
+    return {role: live.get(role, 0) for role in Role}
 
 
 class NoActuator:
@@ -61,7 +62,7 @@ class NoActuator:
 
     async def current(self, live: Mapping[str, int]) -> dict[str, int]:
         if self._replicas is None:
-            self._replicas = {role: live.get(role, 0) for role in ROLES}
+            self._replicas = {role: live.get(role, 0) for role in Role}
         return dict(self._replicas)
 
     async def ready(self, live: Mapping[str, int]) -> dict[str, int]:
@@ -106,11 +107,11 @@ class KubernetesActuator:
         self._status_readable = True  # False after a 403 on deployments/status
 
     async def current(self, live: Mapping[str, int]) -> dict[str, int]:
-        return {role: (await asyncio.to_thread(self._read, role))[0] for role in ROLES}
+        return {role: (await asyncio.to_thread(self._read, role))[0] for role in Role}
 
     async def ready(self, live: Mapping[str, int]) -> dict[str, int]:
         found = _live(live)
-        for role in ROLES:
+        for role in Role:
             ready = await asyncio.to_thread(self._ready_replicas, role)
             if ready is not None:
                 found[role] = min(found[role], ready)
@@ -145,7 +146,7 @@ class KubernetesActuator:
         return int(status.ready_replicas or 0) if status is not None else 0
 
     async def scale(self, target: Mapping[str, int]) -> None:
-        for role in ROLES:
+        for role in Role:
             await asyncio.to_thread(self._scale_one, role, target[role])
 
     def _read(self, role: str) -> tuple[int, str]:
@@ -230,11 +231,11 @@ class LocalActuator:
         self._meter = meter or HostMeter()
 
     async def current(self, live: Mapping[str, int]) -> dict[str, int]:
-        return {role: self._pool.count(role) for role in ROLES}
+        return {role: self._pool.count(role) for role in Role}
 
     async def ready(self, live: Mapping[str, int]) -> dict[str, int]:
         # A heartbeat may outlive a crashed worker by the registry's TTL: never more than run.
-        return {role: min(live.get(role, 0), self._pool.count(role)) for role in ROLES}
+        return {role: min(live.get(role, 0), self._pool.count(role)) for role in Role}
 
     async def capacity(self) -> HostCapacity | None:
         return await asyncio.to_thread(self.measure)
@@ -244,7 +245,7 @@ class LocalActuator:
         return self._meter.measure(self._pool.worker_pids())
 
     async def scale(self, target: Mapping[str, int]) -> None:
-        for role in ROLES:
+        for role in Role:
             have = self._pool.count(role)
             for _ in range(target[role] - have):
                 await asyncio.to_thread(self._pool.add_worker, role)

@@ -40,7 +40,6 @@ from services.common.security import Bearer, KeyRing, Rule
 from services.controller.actuators import Actuator, ActuatorError
 from services.controller.config import ControllerConfig
 from tandem.control import (
-    ROLES,
     SLA,
     ControlState,
     Decision,
@@ -52,6 +51,7 @@ from tandem.control import (
     decide,
     percentile,
 )
+from tandem.types import Role
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 
@@ -254,7 +254,7 @@ class Controller(agrpc.AdminServicer):
         self._requests.prune(now)
 
     def _live_counts(self) -> dict[str, int]:
-        return {r: sum(1 for w in self._latest if w.role == r and not w.draining) for r in ROLES}
+        return {r: sum(1 for w in self._latest if w.role == r and not w.draining) for r in Role}
 
     def _fail(self, message: str) -> None:
         if message != self.last_error:
@@ -311,7 +311,7 @@ class Controller(agrpc.AdminServicer):
         enough = self.control.min_requests
         live = self._live_counts()
         roles = []
-        for role in ROLES:
+        for role in Role:
             lo, hi = self.control.bounds(role)
             roles.append(
                 apb.RoleStatus(
@@ -359,7 +359,7 @@ class Controller(agrpc.AdminServicer):
                     draining=w.draining,
                     updated_unix=w.updated_at,
                 )
-                for w in sorted(self._latest, key=lambda w: (ROLES.index(w.role), w.worker_id))
+                for w in sorted(self._latest, key=lambda w: (Role(w.role).rank, w.worker_id))
             ],
             recent=self._recent_latency(self._clock()),
             observed_unix=self._observed_at,
@@ -426,7 +426,7 @@ class Controller(agrpc.AdminServicer):
     async def SetRatio(
         self, request: apb.SetRatioRequest, context: grpc.aio.ServicerContext
     ) -> apb.StatusResponse:
-        for role, value in (("prefill", request.prefill), ("decode", request.decode)):
+        for role, value in ((Role.PREFILL, request.prefill), (Role.DECODE, request.decode)):
             lo, hi = self.control.bounds(role)
             if not lo <= value <= hi:
                 raise invalid_argument(
@@ -504,7 +504,7 @@ class _Metrics:
             self.replicas.labels(r.role, "live").set(r.live)
         self.attainment.set(status.sla_attainment)
         d = record.decision
-        for role in ROLES:
+        for role in Role:
             if d.current[role] != d.target[role]:
                 self.decisions.labels(role, str(record.applied).lower()).inc()
 

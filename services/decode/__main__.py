@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.common.worker.shell import run_worker
 from services.decode.server import DecodeServer
+from tandem.types import Role
 
 if __name__ == "__main__":
-    run_worker(DecodeServer, "decode")
+    run_worker(DecodeServer, Role.DECODE)

@@ -184,7 +184,9 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                     # Built by the prefill worker, not the client: a deployment problem.
                     raise failed_precondition(f"kv.{exc}") from None
                 with tracing.span(
-                    "tandem.kv_transfer", span, error_attributes={"tandem.kv.outcome": KVOutcome.REFUSED.value}
+                    "tandem.kv_transfer",
+                    span,
+                    error_attributes={"tandem.kv.outcome": KVOutcome.REFUSED.value},
                 ) as kv_span:
                     try:
                         pulled = await self._pull_kv(spec, outputs, emitted, handoff, kv_span)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.common.worker.shell import run_worker
 from services.prefill.server import PrefillServer
+from tandem.types import Role
 
 if __name__ == "__main__":
-    run_worker(PrefillServer, "prefill")
+    run_worker(PrefillServer, Role.PREFILL)

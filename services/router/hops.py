@@ -376,7 +376,8 @@ class Hops:
             assert step.prefill is not None
             call.timings.prefill_worker = step.prefill.worker_id
         call.timings.decode_worker = step.decode.worker_id
-        new = Placement(step.decode, step.prefill, f"{placement.reason}; {step.describe()}")
+        reason = f"{placement.reason}; {step.describe()}"
+        new = Placement(step.decode, step.prefill, placement.kind, reason)
         call.dispatch.finish()
         call.dispatch = self.placer.inflight.dispatch(new, call.spec.num_prompt_tokens)
         self.placer.claim(step.decode.worker_id)

@@ -17,6 +17,8 @@ from typing import Any
 
 import grpc
 
+from services.common import convert
+from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 
 JSON = dict[str, Any]
@@ -30,10 +32,11 @@ _FLOAT_FIELDS = (
 # SamplingParams refuses negative values itself).
 _FLOAT_MAX = {"temperature": 2.0}
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# The one core -> OpenAI finish-reason table (proto -> core is services.common.convert's).
 _FINISH = {
-    rpb.FINISH_REASON_STOP: "stop",
-    rpb.FINISH_REASON_LENGTH: "length",
-    rpb.FINISH_REASON_ABORT: "abort",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
 }
 # gRPC status -> (HTTP status, OpenAI error type, OpenAI error code).
 _HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
@@ -337,7 +340,9 @@ def usage(u: rpb.Usage) -> JSON:
 
 
 def finish_reason(reason: int) -> str:
-    return _FINISH.get(reason, "stop")  # type: ignore[call-overload]
+    """OpenAI's finish_reason for a proto FinishReason (unspecified: "stop")."""
+    core = convert.finish_reason_from_proto(reason)
+    return _FINISH[core] if core is not None else "stop"
 
 
 @dataclass(slots=True)

@@ -26,9 +26,11 @@ from tandem.routing import (
     WorkerLoad,
     choose,
     prefix_key,
+    weigh,
 )
 from tandem.routing.admission import Admission, estimate_delay_s, queued_tokens
 from tandem.routing.health import CircuitBreakers
+from tandem.types import Role
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,12 @@ class Placer:
         )
         workers = self.workers()
         placement = choose(route, workers, self.config.routing)
-        tracing.annotate_route(
-            span, route, workers, self.config.routing, placement, self.index_degraded
+        candidates = (
+            placement.candidates
+            if placement is not None
+            else weigh(route, workers, self.config.routing)
         )
+        tracing.annotate_route(span, candidates, placement, self.index_degraded)
         if placement is None:
             raise unavailable(self._no_decode_message(), retry_after_s=1.0)
         self.claim(placement.decode.worker_id)
@@ -147,8 +152,8 @@ class Placer:
         return [
             WorkerInfo(worker_id=a, role=role, address=a, model=self.model_id, epoch=0)
             for role, addrs in (
-                ("prefill", self.config.prefill_addresses),
-                ("decode", self.config.decode_addresses),
+                (Role.PREFILL, self.config.prefill_addresses),
+                (Role.DECODE, self.config.decode_addresses),
             )
             for a in addrs
         ]

@@ -34,6 +34,7 @@ from services.router.prompts import Prompts
 from tandem.control import RequestSample
 from tandem.engine.request import RequestSpec
 from tandem.routing import Placement
+from tandem.types import Role
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -397,13 +398,13 @@ class RouterServer(rgrpc.RouterServicer):
         waiting for their engine; one that cannot be reached now gets a second try, and
         past that its own reaper (leases, orphaned requests) frees what the attempt held."""
         req = rpb.AbortRequest(request_id=worker_rid)
-        targets = [("decode", wgrpc.DecodeWorkerStub, placement.decode.address)]
+        targets = [(Role.DECODE, wgrpc.DecodeWorkerStub, placement.decode.address)]
         if placement.prefill is not None:
-            targets.append(("prefill", wgrpc.PrefillWorkerStub, placement.prefill.address))  # type: ignore[arg-type]
+            targets.append((Role.PREFILL, wgrpc.PrefillWorkerStub, placement.prefill.address))  # type: ignore[arg-type]
         await asyncio.gather(*(self._abort_one(req, *target) for target in targets))
 
     async def _abort_one(
-        self, req: rpb.AbortRequest, role: str, stub_cls: Any, address: str
+        self, req: rpb.AbortRequest, role: Role, stub_cls: Any, address: str
     ) -> None:
         for attempt in range(ABORT_ATTEMPTS):
             t0 = time.perf_counter()

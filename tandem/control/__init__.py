@@ -6,7 +6,7 @@ it raised goodput), `capacity` (how many workers one host holds), `policy` (deci
 model's wants through the guards)."""
 
 from tandem.control.capacity import HostCapacity, host_capacity
-from tandem.control.config import ROLES, SLA, ControlConfig
+from tandem.control.config import SLA, ControlConfig
 from tandem.control.model import (
     DecodeFit,
     PrefillFit,
@@ -24,7 +24,6 @@ from tandem.control.trial import Goodput, Hold, Trial, Verdict, goodput, improve
 from tandem.control.window import SampleWindow
 
 __all__ = [
-    "ROLES",
     "SLA",
     "ControlConfig",
     "ControlState",

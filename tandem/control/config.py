@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("prefill", "decode")
+from tandem.types import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +77,7 @@ class ControlConfig:
     undo_cooldown_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for role in ROLES:
+        for role in Role:
             lo, hi = self.bounds(role)
             if not 0 <= lo <= hi or hi < 1:
                 raise ValueError(f"need 0 <= min_{role} <= max_{role} and max >= 1, got {lo}, {hi}")
@@ -113,7 +113,7 @@ class ControlConfig:
             )
 
     def bounds(self, role: str) -> tuple[int, int]:
-        if role == "prefill":
+        if role == Role.PREFILL:
             return self.min_prefill, self.max_prefill
         return self.min_decode, self.max_decode
 

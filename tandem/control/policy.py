@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from tandem.control.capacity import HostCapacity
-from tandem.control.config import ROLES, SLA, ControlConfig
+from tandem.control.config import SLA, ControlConfig
 from tandem.control.model import (
     DecodeFit,
     PrefillFit,
@@ -62,6 +62,7 @@ from tandem.control.model import (
 from tandem.control.samples import Observation, WorkerSample, percentile
 from tandem.control.trial import Hold, Trial, Verdict, goodput, judge, work_rate
 from tandem.control.trial import describe as describe_trial
+from tandem.types import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ class Decision:
         return self.current != self.target
 
     def summary(self) -> str:
-        return "; ".join(f"{role}: {self.reasons[role]}" for role in ROLES)
+        return "; ".join(f"{role}: {self.reasons[role]}" for role in Role)
 
 
 class Want(NamedTuple):
@@ -146,8 +147,8 @@ def decide(
     )  # fmt: skip
 
     wants = {
-        "prefill": _want_prefill(seen, prefill, obs.sla, config),
-        "decode": _want_decode(seen, decode, obs.sla, config),
+        Role.PREFILL: _want_prefill(seen, prefill, obs.sla, config),
+        Role.DECODE: _want_decode(seen, decode, obs.sla, config),
     }
 
     trials, verdicts, notes = _judge_trials(obs, seen, config, state)
@@ -155,7 +156,7 @@ def decide(
     target: dict[str, int] = {}
     reasons: dict[str, str] = {}
     last_change, low_since = dict(state.last_change), dict(state.low_since)
-    for role in ROLES:
+    for role in Role:
         verdict = verdicts.get(role)
         if verdict is not None and not verdict.keep:
             before = state.trials[role].before
@@ -178,7 +179,7 @@ def decide(
 
     if obs.capacity is not None:
         target, reasons = _clamp(target, reasons, seen.current, obs.capacity, config)
-    for role in ROLES:
+    for role in Role:
         cur = seen.current[role]
         if target[role] == cur:
             continue
@@ -213,27 +214,28 @@ def decide(
 
 def _observe(obs: Observation, config: ControlConfig, state: ControlState) -> _Seen:
     live = [w for w in obs.workers if not w.draining]
-    prefill = [w for w in live if w.role == "prefill"]
+    prefill = [w for w in live if w.role == Role.PREFILL]
     latest_t = max((w.t for w in obs.workers), default=None)
     latest = [w for w in obs.workers if w.t == latest_t]
     # Latency measured before a role's last change reflects the old count: only requests
     # that finished since then judge it.
-    since = {role: state.last_change.get(role, -math.inf) for role in ROLES}
-    ttfts = [r.ttft_ms for r in obs.requests if r.t > since["prefill"]]
-    itls = [r.itl_ms for r in obs.requests if r.t > since["decode"] and r.output_tokens > 1]
+    since = {role: state.last_change.get(role, -math.inf) for role in Role}
+    ttfts = [r.ttft_ms for r in obs.requests if r.t > since[Role.PREFILL]]
+    itls = [r.itl_ms for r in obs.requests if r.t > since[Role.DECODE] and r.output_tokens > 1]
     enough = config.min_requests
+    ready: dict[str, int]
     if obs.ready is not None:
-        ready = {role: obs.ready.get(role, 0) for role in ROLES}
+        ready = {role: obs.ready.get(role, 0) for role in Role}
     else:
         ready = {
             role: len({w.worker_id for w in latest if w.role == role and not w.draining})
-            for role in ROLES
+            for role in Role
         }
     return _Seen(
-        current={role: obs.replicas.get(role, 0) for role in ROLES},
+        current={role: obs.replicas.get(role, 0) for role in Role},
         prefill=prefill,
-        decode=[w for w in live if w.role == "decode"],
-        draining={role: sum(1 for w in latest if w.role == role and w.draining) for role in ROLES},
+        decode=[w for w in live if w.role == Role.DECODE],
+        draining={role: sum(1 for w in latest if w.role == role and w.draining) for role in Role},
         ready=ready,
         queued_prefill_tokens=sum(s.queued_prefill_tokens for s in prefill if s.t == latest_t),
         ttft_p90_ms=percentile(ttfts, 90) if len(ttfts) >= enough else None,
@@ -280,7 +282,7 @@ def _want_prefill(seen: _Seen, fit: PrefillFit, sla: SLA, config: ControlConfig)
     ttft = seen.ttft_p90_ms
     busy = fit.busy >= config.target_utilization or seen.queued_prefill_tokens > 0
     if ttft is not None and ttft > sla.ttft_p90_ms and busy:
-        up = max(up or 0, seen.current["prefill"] + 1)
+        up = max(up or 0, seen.current[Role.PREFILL] + 1)
         why += f"; TTFT p90 {ttft:.0f} ms > SLA {sla.ttft_p90_ms:.0f} ms"
     return Want(up, down, why)
 
@@ -306,7 +308,7 @@ def _want_decode(seen: _Seen, fit: DecodeFit, sla: SLA, config: ControlConfig) -
             why += f", {fit.demand_tps:.0f} tok/s to generate"
     itl = seen.itl_p90_ms
     if itl is not None and itl > sla.itl_p90_ms:
-        up = max(up or 0, seen.current["decode"] + 1)
+        up = max(up or 0, seen.current[Role.DECODE] + 1)
         why += f"; ITL p90 {itl:.0f} ms > SLA {sla.itl_p90_ms:.0f} ms"
     return Want(up, down, why)
 
@@ -325,7 +327,7 @@ def _guard(
     lo, hi = config.bounds(role)
     cur = seen.current[role]
     if state.pinned is not None:
-        asked = state.pinned[ROLES.index(role)]
+        asked = state.pinned[Role(role).rank]
         pin = min(hi, max(lo, asked))
         bounded = f" (bounded to {pin})" if pin != asked else ""
         return Scaled(pin, f"pinned by operator at {asked}{bounded}")
@@ -416,21 +418,21 @@ def _clamp(
     (a cluster without it does not serve); the rest of the room goes one worker at a time,
     starting with the role that asks for more (prefill on a tie). A clamped role's reason
     says what it wanted and what the host holds."""
-    asked = {role: max(0, target[role] - current[role]) for role in ROLES}
+    asked = {role: max(0, target[role] - current[role]) for role in Role}
     if sum(asked.values()) <= capacity.room:
         return target, reasons
     granted = {
-        role: min(asked[role], max(0, config.bounds(role)[0] - current[role])) for role in ROLES
+        role: min(asked[role], max(0, config.bounds(role)[0] - current[role])) for role in Role
     }
     room = capacity.room - sum(granted.values())
-    order = sorted(ROLES, key=lambda role: (-asked[role], ROLES.index(role)))
+    order = sorted(Role, key=lambda role: (-asked[role], Role(role).rank))
     while room > 0 and any(granted[role] < asked[role] for role in order):
         for role in order:
             if room > 0 and granted[role] < asked[role]:
                 granted[role] += 1
                 room -= 1
     target, reasons = dict(target), dict(reasons)
-    for role in ROLES:
+    for role in Role:
         if granted[role] == asked[role]:
             continue
         cur = current[role]

@@ -3,22 +3,28 @@
 from tandem.routing.inflight import Dispatch, InflightLoad
 from tandem.routing.policy import (
     POLICIES,
+    Candidate,
     Placement,
+    RouteKind,
     RouteRequest,
     RoutingConfig,
     WorkerLoad,
     choose,
     prefix_key,
+    weigh,
 )
 
 __all__ = [
     "POLICIES",
+    "Candidate",
     "Dispatch",
     "InflightLoad",
     "Placement",
+    "RouteKind",
     "RouteRequest",
     "RoutingConfig",
     "WorkerLoad",
     "choose",
     "prefix_key",
+    "weigh",
 ]

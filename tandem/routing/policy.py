@@ -36,8 +36,21 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
+
+from tandem.types import Role
 
 POLICIES = ("kv", "load", "round_robin")
+
+
+class RouteKind(StrEnum):
+    """The category of a placement, set by `choose` (a metric label takes only these)."""
+
+    KV_AFFINITY = "kv_affinity"  # kv policy: prefill worker by cached tokens and load
+    LOAD = "load"  # load policy: the least loaded prefill worker
+    ROUND_ROBIN = "round_robin"  # round_robin policy (either path)
+    SHORT_PROMPT = "short_prompt"  # colocated: too few uncached tokens to be worth a hand-off
+    NO_PREFILL_WORKER = "no_prefill_worker"  # colocated: no healthy prefill worker
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +109,7 @@ class WorkerLoad:
     """What the router knows about one worker when it places a request."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
+    role: Role
     address: str
     queued_prefill_tokens: int = 0
     num_running: int = 0
@@ -145,11 +158,39 @@ class RouteRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    """One worker as `choose` weighed it, with the figures its rule compares.
+
+    Attributes:
+        cached_tokens: prompt tokens it holds (0 unless the policy is kv).
+        load: a decode worker's load (`WorkerLoad.decode_load`); None for a prefill worker.
+        free_blocks: a decode worker's free KV blocks; None for a prefill worker.
+        queue: a prefill worker's queued prefill tokens; None for a decode worker.
+        cost: a prefill worker's cost, cache_weight x uncached tokens + queued tokens (the
+            kv policy takes the lowest within the imbalance band); None for a decode worker.
+    """
+
+    worker_id: str
+    role: Role
+    cached_tokens: int
+    draining: bool = False
+    load: int | None = None
+    free_blocks: int | None = None
+    queue: int | None = None
+    cost: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
+    """Where a request runs, why (`reason`: free text for people; `kind`: its category),
+    and every worker the policy weighed (`candidates`, by worker id)."""
+
     decode: WorkerLoad
     prefill: WorkerLoad | None  # None: the decode worker prefills (colocated)
+    kind: RouteKind
     reason: str
     cached_tokens: int = 0  # prompt tokens the chosen prefilling worker already holds
+    candidates: tuple[Candidate, ...] = ()
 
     @property
     def disaggregated(self) -> bool:
@@ -165,13 +206,15 @@ def choose(
     policy rotates (by `request.sequence`) among equally loaded prefill workers and the kv
     policy sends a keyed request to its prefix's home among tied prefill workers.
     """
-    live = sorted((w for w in workers if not w.draining), key=lambda w: w.worker_id)
-    decodes = [w for w in live if w.role == "decode"]
-    prefills = [w for w in live if w.role == "prefill"]
+    workers = sorted(workers, key=lambda w: w.worker_id)
+    candidates = weigh(request, workers, config)
+    live = [w for w in workers if not w.draining]
+    decodes = [w for w in live if w.role == Role.DECODE]
+    prefills = [w for w in live if w.role == Role.PREFILL]
     if not decodes:
         return None
     if config.policy == "round_robin":
-        return _round_robin(request, decodes, prefills, config)
+        return _round_robin(request, decodes, prefills, config, candidates)
     kv = config.policy == "kv"
     decode = min(decodes, key=lambda w: _decode_key(w, request, kv, config))
     local = request.cached_tokens(decode.worker_id) if kv else 0
@@ -180,28 +223,33 @@ def choose(
         return Placement(
             decode,
             None,
+            RouteKind.SHORT_PROMPT,
             f"{uncached} uncached tokens < {config.disagg_min_uncached_tokens}: "
             f"prefill on {decode.worker_id}",
             local,
+            candidates,
         )
     if not prefills:
-        return Placement(decode, None, "no prefill worker: prefill on decode", local)
+        return Placement(
+            decode,
+            None,
+            RouteKind.NO_PREFILL_WORKER,
+            "no prefill worker: prefill on decode",
+            local,
+            candidates,
+        )
     if not kv:
         # Rotate among equally loaded workers: at low load every queue reads 0, and a fixed
         # tie-break would send everything to one worker.
         least = min(w.prefill_queue for w in prefills)
         tied = [w for w in prefills if w.prefill_queue == least]
         prefill = tied[request.sequence % len(tied)]
-        return Placement(decode, prefill, f"least loaded: queue {prefill.prefill_queue}")
+        reason = f"least loaded: queue {prefill.prefill_queue}"
+        return Placement(decode, prefill, RouteKind.LOAD, reason, candidates=candidates)
     least = min(w.prefill_queue for w in prefills)
     band = [w for w in prefills if w.prefill_queue - least <= config.imbalance_threshold_tokens]
-    costs = {
-        w.worker_id: config.cache_weight
-        * (request.num_prompt_tokens - request.cached_tokens(w.worker_id))
-        + w.prefill_queue
-        for w in band
-    }
-    best = min(costs.values())
+    costs = {c.worker_id: c.cost for c in candidates if c.cost is not None}
+    best = min(costs[w.worker_id] for w in band)
     tied = [w for w in band if costs[w.worker_id] == best]
     prefill = _home(tied, request)
     cached = request.cached_tokens(prefill.worker_id)
@@ -211,7 +259,32 @@ def choose(
         reason += f", prefix home among {len(tied)} tied"
     if skipped:
         reason += f" ({skipped} busier prefill worker(s) outside the imbalance band)"
-    return Placement(decode, prefill, reason, cached)
+    return Placement(decode, prefill, RouteKind.KV_AFFINITY, reason, cached, candidates)
+
+
+def weigh(
+    request: RouteRequest, workers: Iterable[WorkerLoad], config: RoutingConfig
+) -> tuple[Candidate, ...]:
+    """Every worker (draining ones too, marked) with the figures `choose` compares, by
+    worker id: a decode worker's load and free blocks, a prefill worker's queue and cost.
+    `choose` decides on these costs and returns them in `Placement.candidates`."""
+    kv = config.policy == "kv"
+    out = []
+    for w in sorted(workers, key=lambda w: w.worker_id):
+        cached = request.cached_tokens(w.worker_id) if kv else 0
+        if w.role == Role.DECODE:
+            out.append(
+                Candidate(
+                    w.worker_id, w.role, cached, w.draining,
+                    load=w.decode_load, free_blocks=w.num_free_blocks,
+                )  # fmt: skip
+            )
+        else:
+            cost = config.cache_weight * (request.num_prompt_tokens - cached) + w.prefill_queue
+            out.append(
+                Candidate(w.worker_id, w.role, cached, w.draining, queue=w.prefill_queue, cost=cost)
+            )
+    return tuple(out)
 
 
 def prefix_key(block_hashes: Sequence[int], affinity_blocks: int) -> int | None:
@@ -256,9 +329,12 @@ def _round_robin(
     decodes: list[WorkerLoad],
     prefills: list[WorkerLoad],
     config: RoutingConfig,
+    candidates: tuple[Candidate, ...],
 ) -> Placement:
     decode = decodes[request.sequence % len(decodes)]
+    kind = RouteKind.ROUND_ROBIN
     if request.num_prompt_tokens < config.disagg_min_uncached_tokens or not prefills:
-        return Placement(decode, None, "round robin: prefill on decode")
+        reason = "round robin: prefill on decode"
+        return Placement(decode, None, kind, reason, candidates=candidates)
     prefill = prefills[request.sequence % len(prefills)]
-    return Placement(decode, prefill, "round robin")
+    return Placement(decode, prefill, kind, "round robin", candidates=candidates)

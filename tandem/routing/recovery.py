@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tandem.routing.policy import WorkerLoad
+from tandem.types import Role
 
 
 class Fault(enum.Enum):
@@ -133,7 +134,7 @@ def plan_recovery(
         key=lambda w: w.worker_id,
     )
     if failure.fault is Fault.DECODE_FAILED:
-        decodes = [w for w in live if w.role == "decode" and w.worker_id != failure.decode_id]
+        decodes = [w for w in live if w.role == Role.DECODE and w.worker_id != failure.decode_id]
         if not decodes:
             return Recovery(Action.FAIL, f"{what} on {failure.decode_id}; no other healthy "
                             "decode worker")  # fmt: skip
@@ -147,7 +148,7 @@ def plan_recovery(
     decode = next((w for w in live if w.worker_id == failure.decode_id), None)
     if decode is None:
         # The decode worker is gone too: nothing to hand off to. Migrate (recompute there).
-        decodes = [w for w in live if w.role == "decode"]
+        decodes = [w for w in live if w.role == Role.DECODE]
         if not decodes:
             return Recovery(Action.FAIL, f"{what}; no healthy decode worker")
         decode = min(decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
@@ -157,7 +158,7 @@ def plan_recovery(
             f"{decode.worker_id}",
             decode=decode,
         )
-    prefills = [w for w in live if w.role == "prefill"]
+    prefills = [w for w in live if w.role == Role.PREFILL]
     if not config.reprefill:
         return Recovery(Action.RECOMPUTE, f"{what}; reprefill is off", decode=decode)
     if failure.num_uncached_tokens < failure.min_reprefill_tokens:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.control import (
-    ROLES,
     SLA,
     ControlConfig,
     ControlState,
@@ -72,6 +71,7 @@ from tandem.sim.workers import (
     SimRequest,
     Worker,
 )
+from tandem.types import Role
 
 Policy = Callable[[Observation, ControlConfig, ControlState], tuple[Decision, ControlState]]
 
@@ -129,8 +129,11 @@ class Cluster:
         self._seq = itertools.count()
         self.num_events = 0
         self.workers: dict[str, Worker] = {}  # every worker ever, by id
-        self._next_id = {role: 0 for role in ROLES}
-        self.target = {"prefill": config.num_prefill, "decode": config.num_decode}
+        self._next_id: dict[str, int] = {role: 0 for role in Role}
+        self.target: dict[str, int] = {
+            Role.PREFILL: config.num_prefill,
+            Role.DECODE: config.num_decode,
+        }
         # Router state: the registry snapshot and its own in-flight counts.
         self._view: dict[str, WorkerLoad] = {}
         self._inflight_reqs: dict[str, int] = {}
@@ -144,8 +147,8 @@ class Cluster:
         self.decisions: list[Decision] = []
         self.series: list[SeriesPoint] = []
         # GPU-seconds: allocated workers per role, integrated up to duration_s.
-        self._allocated = {role: 0 for role in ROLES}
-        self._gpu_s = {role: 0.0 for role in ROLES}
+        self._allocated: dict[str, int] = {role: 0 for role in Role}
+        self._gpu_s: dict[str, float] = {role: 0.0 for role in Role}
         self._gpu_t = 0.0
         self.requests: list[SimRequest] = []
         self.rejected: set[int] = set()
@@ -159,7 +162,7 @@ class Cluster:
 
     def run(self, trace: Sequence[TraceRequest]) -> None:
         cfg = self.config
-        for role, n in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode)):
+        for role, n in ((Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode)):
             for _ in range(n):
                 self._add_worker(role, ready_s=0.0)
         self._refresh_view()
@@ -197,7 +200,7 @@ class Cluster:
         wid = f"{role[0]}{self._next_id[role]}"
         self._next_id[role] += 1
         w: Worker
-        if role == "prefill":
+        if role == Role.PREFILL:
             w = PrefillWorker(wid, self.cost, self, self.now, self._on_prefilled, self._on_idle)
         else:
             w = DecodeWorker(wid, self.cost, self, self.now, self._on_decoded, self._on_idle)
@@ -232,7 +235,7 @@ class Cluster:
     def _account_gpu(self, t: float) -> None:
         start = max(self._gpu_t, self.config.warmup_s)
         if t > start:
-            for role in ROLES:
+            for role in Role:
                 self._gpu_s[role] += self._allocated[role] * (t - start)
         self._gpu_t = max(self._gpu_t, t)
 
@@ -245,7 +248,7 @@ class Cluster:
         wid = w.worker_id
         if isinstance(w, PrefillWorker):
             return WorkerLoad(
-                wid, "prefill", wid,
+                wid, Role.PREFILL, wid,
                 queued_prefill_tokens=w.queued_tokens,
                 num_running=1 if w.queue else 0,
                 num_waiting=max(0, len(w.queue) - 1),
@@ -254,7 +257,7 @@ class Cluster:
             )  # fmt: skip
         assert isinstance(w, DecodeWorker)
         return WorkerLoad(
-            wid, "decode", wid,
+            wid, Role.DECODE, wid,
             num_running=w.batch_size,
             num_waiting=w.num_waiting,
             num_free_blocks=w.free_blocks,
@@ -373,7 +376,7 @@ class Cluster:
             )
             decision, self._control_state = self.policy(obs, cfg.control, self._control_state)
             self.decisions.append(decision)
-            for role in ROLES:
+            for role in Role:
                 self._apply(role, decision.target[role])
         self._record_point()
         if self.now < cfg.duration_s:
@@ -405,15 +408,15 @@ class Cluster:
         def count(role: str, *states: str) -> int:
             return len(self._of(role, *states))
 
-        prefills = [w for w in self._of("prefill", LIVE, DRAINING)]
-        decodes = [w for w in self._of("decode", LIVE, DRAINING)]
+        prefills = [w for w in self._of(Role.PREFILL, LIVE, DRAINING)]
+        decodes = [w for w in self._of(Role.DECODE, LIVE, DRAINING)]
         self.series.append(
             SeriesPoint(
                 t=self.now,
                 target=dict(self.target),
-                workers={r: self._allocated[r] for r in ROLES},
-                starting={r: count(r, STARTING) for r in ROLES},
-                draining={r: count(r, DRAINING) for r in ROLES},
+                workers={r: self._allocated[r] for r in Role},
+                starting={r: count(r, STARTING) for r in Role},
+                draining={r: count(r, DRAINING) for r in Role},
                 queued_prefill_tokens=sum(w.load for w in prefills),
                 decode_running=sum(w.batch_size for w in decodes if isinstance(w, DecodeWorker)),
                 decode_waiting=sum(w.num_waiting for w in decodes if isinstance(w, DecodeWorker)),

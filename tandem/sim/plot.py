@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem.sim.results import SimResult
+from tandem.types import Role
 
 
 def plot_runs(
@@ -26,7 +27,7 @@ def plot_runs(
         style = styles[i % len(styles)]
         label = run.label or f"run {i}"
         ts = [p.t / 60 for p in run.series]
-        for role, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
+        for role, color in ((Role.PREFILL, "tab:blue"), (Role.DECODE, "tab:orange")):
             ax_rep.step(ts, [p.workers[role] for p in run.series], where="post", color=color,
                         linestyle=style, label=f"{label}: {role}")  # fmt: skip
         att = run.attainment_series(bucket_s)

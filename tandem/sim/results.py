@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tandem.control import SLA, Decision, percentile
+from tandem.types import Role
 
 FINISHED, UNFINISHED, REJECTED = "finished", "unfinished", "rejected"
 
@@ -115,8 +116,8 @@ class SimResult:
             gpu_s=gpu_s,
             mean_gpus=gpu_s / span,
             goodput_per_gpu=met / gpu_s if gpu_s else 0.0,
-            mean_prefill=self.gpu_s.get("prefill", 0.0) / span,
-            mean_decode=self.gpu_s.get("decode", 0.0) / span,
+            mean_prefill=self.gpu_s.get(Role.PREFILL, 0.0) / span,
+            mean_decode=self.gpu_s.get(Role.DECODE, 0.0) / span,
             ttft_p50_ms=pct(ttfts, 50),
             ttft_p90_ms=pct(ttfts, 90),
             itl_p50_ms=pct(itls, 50),

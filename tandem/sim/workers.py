@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from tandem.control import WorkerSample
 from tandem.sim.cost import CostModel, transfer_s
+from tandem.types import Role
 
 MAX_EPOCH_STEPS = 32
 
@@ -112,7 +113,7 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(
         self,
@@ -193,7 +194,7 @@ class PrefillWorker(Worker):
         sample = WorkerSample(
             t=now,
             worker_id=self.worker_id,
-            role="prefill",
+            role=Role.PREFILL,
             busy_frac=min(1.0, self._busy_s / period_s),
             tokens_per_s=self._tokens / period_s,
             step_ms=1e3 * self._step_time_s / self._num_steps if self._num_steps else 0.0,
@@ -212,7 +213,7 @@ class PrefillWorker(Worker):
 
 
 class DecodeWorker(Worker):
-    role = "decode"
+    role = Role.DECODE
 
     def __init__(
         self,
@@ -355,7 +356,7 @@ class DecodeWorker(Worker):
         sample = WorkerSample(
             t=now,
             worker_id=self.worker_id,
-            role="decode",
+            role=Role.DECODE,
             busy_frac=min(1.0, self._busy_s / period_s),
             tokens_per_s=self._tokens / period_s,
             step_ms=1e3 * self._step_time_s / self._busy_s if self._busy_s > 0 else 0.0,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.routing import InflightLoad, Placement, WorkerLoad, prefix_key
+from tandem.routing import InflightLoad, Placement, RouteKind, WorkerLoad, prefix_key
 
 P = WorkerLoad("p0", "prefill", "a:1", queued_prefill_tokens=5)
 D = WorkerLoad("d0", "decode", "a:2", num_running=1)
@@ -10,7 +10,7 @@ D = WorkerLoad("d0", "decode", "a:2", num_running=1)
 
 def test_disaggregated_request_counts_until_token_1_then_until_the_end() -> None:
     load = InflightLoad()
-    dispatch = load.dispatch(Placement(D, P, "kv"), 100)
+    dispatch = load.dispatch(Placement(D, P, RouteKind.KV_AFFINITY, "kv"), 100)
     assert load.with_inflight(P).inflight_prefill_tokens == 100
     assert load.with_inflight(P).prefill_queue == 105
     assert load.with_inflight(D).inflight_requests == 1
@@ -23,8 +23,8 @@ def test_disaggregated_request_counts_until_token_1_then_until_the_end() -> None
 
 def test_finish_without_token_1_also_returns_the_prefill_tokens_once() -> None:
     load = InflightLoad()
-    first = load.dispatch(Placement(D, P, "kv"), 100)
-    second = load.dispatch(Placement(D, P, "kv"), 30)
+    first = load.dispatch(Placement(D, P, RouteKind.KV_AFFINITY, "kv"), 100)
+    second = load.dispatch(Placement(D, P, RouteKind.KV_AFFINITY, "kv"), 30)
     first.finish()
     first.finish()  # error paths may finish twice: counted once
     first.prefill_done()
@@ -36,7 +36,7 @@ def test_finish_without_token_1_also_returns_the_prefill_tokens_once() -> None:
 
 def test_colocated_request_counts_only_on_the_decode_worker() -> None:
     load = InflightLoad()
-    dispatch = load.dispatch(Placement(D, None, "short"), 10)
+    dispatch = load.dispatch(Placement(D, None, RouteKind.SHORT_PROMPT, "short"), 10)
     assert not dispatch.prefill_pending
     assert load.prefill_tokens == {} and load.decode_requests == {"d0": 1}
     dispatch.finish()
@@ -45,7 +45,7 @@ def test_colocated_request_counts_only_on_the_decode_worker() -> None:
 
 def test_with_inflight_keeps_the_reported_load() -> None:
     load = InflightLoad()
-    load.dispatch(Placement(D, P, "kv"), 7)
+    load.dispatch(Placement(D, P, RouteKind.KV_AFFINITY, "kv"), 7)
     seen = load.with_inflight(D)
     assert (seen.num_running, seen.inflight_requests, seen.decode_load) == (1, 1, 1)
     assert load.with_inflight(WorkerLoad("d9", "decode", "x")).inflight_requests == 0

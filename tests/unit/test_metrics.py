@@ -17,18 +17,16 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from services.common.errors import ServiceError
 from services.common.metrics import (
-    ROUTE_REASONS,
     RouterMetrics,
     WorkerMetrics,
     metric_names,
     observe_many,
-    route_reason,
     start_metrics_server,
     stop_metrics_server,
 )
 from tandem.engine.engine import EngineStats
 from tandem.engine.sampling import SamplingParams
-from tandem.routing import Placement, RouteRequest, RoutingConfig, WorkerLoad, choose
+from tandem.routing import Placement, RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose
 
 
 def w(worker_id: str, role: str) -> WorkerLoad:
@@ -61,12 +59,21 @@ def placed(n: int, workers: list[WorkerLoad], policy: str = "kv", **overlap: int
         (placed(63, BOTH, "round_robin"), "colocated", "round_robin"),
     ],
 )
-def test_route_reason_is_a_bounded_category_of_real_placements(
+def test_route_kind_is_a_bounded_category_of_real_placements(
     placement: Placement, path: str, reason: str
 ) -> None:
     assert placement.disaggregated == (path == "disaggregated")
-    assert route_reason(placement) == reason
-    assert reason in ROUTE_REASONS
+    assert placement.kind == reason
+    assert reason in tuple(RouteKind)
+
+
+def test_a_placement_counts_under_its_kind() -> None:
+    m = RouterMetrics()
+    m.placed(placed(63, BOTH), 0.0)
+    labels = {"path": "colocated", "reason": "short_prompt"}
+    assert sample(m.registry, "tandem_router_routing_decisions_total", **labels) == 1.0
+    assert sample(m.registry, "tandem_router_routing_decisions_total", path="colocated",
+                  reason="kv_affinity") == 0.0  # fmt: skip
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:

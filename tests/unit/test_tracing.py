@@ -19,7 +19,7 @@ from opentelemetry.trace import StatusCode
 
 from services.common import tracing
 from services.common.errors import ServiceError, unavailable
-from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
+from tandem.routing import RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose, weigh
 
 CLIENT_TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 CLIENT_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -206,16 +206,19 @@ def test_route_candidates_score_what_choose_weighs() -> None:
         WorkerLoad("p0", "prefill", "a:0", queued_prefill_tokens=0),
     ]
     request = RouteRequest(num_prompt_tokens=100, block_size=16, overlap={"p1": 4})
-    candidates = tracing.route_candidates(request, workers, config)
+    placement = choose(request, workers, config)
+    assert placement is not None
+    assert placement.candidates == weigh(request, workers, config)
+    candidates = tracing.route_candidates(placement.candidates)
     assert candidates == [
         {"worker": "d1", "role": "decode", "cached_tokens": 0, "load": 2, "free_blocks": 50},
         {"worker": "p0", "role": "prefill", "cached_tokens": 0, "queue": 0, "cost": 200.0},
         {"worker": "p1", "role": "prefill", "cached_tokens": 64, "queue": 10, "cost": 82.0},
     ]
     # The lowest cost is the policy's choice.
-    placement = choose(request, workers, config)
-    assert placement is not None and placement.prefill is not None
+    assert placement.prefill is not None
     assert placement.prefill.worker_id == "p1"
+    assert placement.kind is RouteKind.KV_AFFINITY
 
 
 def test_annotate_route(exporter: InMemorySpanExporter) -> None:
@@ -224,11 +227,32 @@ def test_annotate_route(exporter: InMemorySpanExporter) -> None:
     request = RouteRequest(num_prompt_tokens=500, block_size=16)
     placement = choose(request, workers, config)
     span = tracing.start_span("tandem.route")
-    tracing.annotate_route(span, request, workers, config, placement, index_degraded=True)
+    assert placement is not None
+    tracing.annotate_route(span, placement.candidates, placement, index_degraded=True)
     span.end()
     attrs = finished(exporter, "tandem.route").attributes
-    assert attrs is not None and placement is not None
+    assert attrs is not None
     assert attrs["tandem.route.reason"] == placement.reason
+    assert attrs["tandem.route.kind"] == "kv_affinity"
     assert attrs["tandem.route.path"] == "disaggregated"
     assert attrs["tandem.index.degraded"] is True
     assert [c["worker"] for c in json.loads(str(attrs["tandem.route.candidates"]))] == ["d1", "p0"]
+
+
+def test_annotate_route_without_a_placement_lists_what_was_weighed(
+    exporter: InMemorySpanExporter,
+) -> None:
+    config = RoutingConfig()
+    workers = [WorkerLoad("d1", "decode", "a:3", draining=True), WorkerLoad("p0", "prefill", "a:0")]
+    request = RouteRequest(num_prompt_tokens=500, block_size=16)
+    assert choose(request, workers, config) is None  # the only decode worker drains
+    span = tracing.start_span("tandem.route")
+    tracing.annotate_route(span, weigh(request, workers, config), None, index_degraded=False)
+    span.end()
+    attrs = finished(exporter, "tandem.route").attributes
+    assert attrs is not None and "tandem.route.reason" not in attrs
+    assert json.loads(str(attrs["tandem.route.candidates"])) == [
+        {"worker": "d1", "role": "decode", "cached_tokens": 0, "draining": True, "load": 0,
+         "free_blocks": 0},
+        {"worker": "p0", "role": "prefill", "cached_tokens": 0, "queue": 0, "cost": 1000.0},
+    ]  # fmt: skip

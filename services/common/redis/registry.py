@@ -27,10 +27,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from services.common.redis.url import RedisAuthError, is_auth_error
-from services.common.redis.worker_info import KEY_PREFIX, ROLES, WorkerInfo
+from services.common.redis.worker_info import KEY_PREFIX, WorkerInfo
+from tandem.types import Role
 
 # WorkerInfo and its key prefix are re-exported: callers import them from here.
-__all__ = ["KEY_PREFIX", "ROLES", "Heartbeat", "Registry", "WorkerInfo", "WorkerWatcher"]
+__all__ = ["KEY_PREFIX", "Heartbeat", "Registry", "WorkerInfo", "WorkerWatcher"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ class Registry:
         One SCAN pass plus one MGET: keys that expire in between are skipped, as are values
         that do not parse (with a warning, once per key).
         """
-        if role is not None and role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES} or None, got {role!r}")
+        if role is not None and role not in tuple(Role):
+            names = tuple(map(str, Role))
+            raise ValueError(f"role must be one of {names} or None, got {role!r}")
         # SCAN may report a key twice; dict.fromkeys dedups while keeping order.
         keys: list[bytes] = list(
             dict.fromkeys(

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.routing import WorkerLoad
+from tandem.types import Role
 
 KEY_PREFIX = "tandem:worker:"
-ROLES = ("prefill", "decode")
 
 _INT_FIELDS = (
     "epoch",
@@ -46,7 +46,7 @@ class WorkerInfo:
     """
 
     worker_id: str
-    role: str
+    role: str  # a Role (a plain str is made one)
     address: str
     model: str
     epoch: int
@@ -67,8 +67,10 @@ class WorkerInfo:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"WorkerInfo.{name} must be a non-empty str, got {value!r}")
-        if self.role not in ROLES:
-            raise ValueError(f"WorkerInfo.role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in tuple(Role):
+            names = tuple(map(str, Role))
+            raise ValueError(f"WorkerInfo.role must be one of {names}, got {self.role!r}")
+        object.__setattr__(self, "role", Role(self.role))
         for name in _INT_FIELDS:
             value = getattr(self, name)
             # bool is an int subclass; `True` blocks is a bug, not a count.
@@ -96,7 +98,7 @@ class WorkerInfo:
         in-flight requests)."""
         return WorkerLoad(
             worker_id=self.worker_id,
-            role=self.role,
+            role=Role(self.role),
             address=self.address,
             queued_prefill_tokens=self.queued_prefill_tokens,
             num_running=self.num_running,
