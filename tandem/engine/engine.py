@@ -159,7 +159,9 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, self.model_id)
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
-        self.runner = ModelRunner(self.model, self.kv_cache, block_size, sampler)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, block_size, sampler, self.max_model_len
+        )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._emitted: dict[str, int] = {}  # characters of text streamed so far
@@ -348,6 +350,7 @@ class LLMEngine:
         return request is not None
 
     def _forget(self, request_id: str) -> None:
+        self.runner.release(request_id)
         self._requests.pop(request_id, None)
         self._detok.pop(request_id, None)
         self._emitted.pop(request_id, None)
@@ -510,6 +513,9 @@ class LLMEngine:
         held = set(self.kv.block_tables)
         live = {r.request_id for r in self.scheduler.requests()}
         assert held <= live, f"blocks held by finished requests: {sorted(held - live)}"
+        tables = self.runner.block_tables
+        rows = set() if tables is None else tables.request_ids()
+        assert rows <= live, f"block table rows held by finished requests: {sorted(rows - live)}"
 
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks

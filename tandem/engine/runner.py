@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from tandem.engine.cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeInputs, capture_sizes
 from tandem.engine.sampling import Sampler, SampleResult, SampleRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.step_inputs import BlockTables, HostStaging
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
 from tandem.model.llama import LlamaModel
 
@@ -16,20 +19,55 @@ MIN_DECODE_GROUP_ROWS = 8
 MAX_DECODE_GROUPS = 8
 
 
+class StepInputs(NamedTuple):
+    """One step's model inputs, built by `ModelRunner.prepare`."""
+
+    rows: list[ScheduledRequest]  # decode rows first (longest context first), then prefills
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    last_idx: torch.Tensor  # [num_sampled] int64: each sampling row's last token
+    num_decode: int
+
+
 class ModelRunner:
+    """Runs scheduled steps on the model.
+
+    With a paged backend (Triton) a step's inputs come from a persistent device block table
+    and one staged copy (`tandem.engine.step_inputs`); the torch backend's groups and masks
+    are built only for the torch backend.
+
+    Args:
+        max_model_len: the longest context, which sets the block tables' width.
+    """
+
     def __init__(
-        self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, sampler: Sampler
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        sampler: Sampler,
+        max_model_len: int,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
         self.device = kv_cache.device
+        self.staging = HostStaging(self.device)
+        self.block_tables = (
+            BlockTables(-(-max_model_len // block_size), self.device)
+            if model.attention.needs_paged_batch
+            else None
+        )
         self.graphs: DecodeGraphs | None = None  # captured by capture_decode_graphs (CUDA)
 
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[list[ScheduledRequest], torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def release(self, request_id: str) -> None:
+        """The request is gone (finished, aborted, released): free its block table row."""
+        if self.block_tables is not None:
+            self.block_tables.release(request_id)
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Order rows (decode first) and build input ids, positions and attention metadata."""
         # Longest context first, so each decode group is a contiguous run of rows.
         decodes = sorted((s for s in out.scheduled if s.is_decode), key=lambda s: -s.start)
@@ -39,17 +77,76 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slot_blocks: list[int] = []
+        last_idx: list[int] = []
         for s in rows:
             ids += s.request.token_ids_slice(s.start, s.start + s.num_new_tokens)
             for pos in range(s.start, s.start + s.num_new_tokens):
                 positions.append(pos)
                 slot_blocks.append(s.block_ids[pos // bs])
-        dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(
-            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.int64, device=dev),
-            slot_offsets=pos_t % bs,
+            if s.sample:  # logits only at each sampling row's last token
+                last_idx.append(len(ids) - 1)
+        arrays = [ids, positions, slot_blocks, last_idx]
+        if self.block_tables is not None:
+            arrays += self._paged_arrays(decodes, prefills)
+        staged = self.staging.send(arrays)
+        ids_t, pos_t, slot_t, last_t = staged[:4]
+        meta = AttentionMetadata(slot_block_ids=slot_t, slot_offsets=pos_t % bs)
+        if self.block_tables is not None:
+            meta.paged = self._paged_batch(decodes, prefills, staged[4:])
+        else:
+            self._torch_groups(meta, decodes, prefills)
+        return StepInputs(rows, ids_t, pos_t, meta, last_t, len(decodes))
+
+    def _paged_arrays(
+        self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
+    ) -> list[list[int]]:
+        """Host arrays of the paged batch: table rows, lengths, query starts, table writes."""
+        tables = self.block_tables
+        assert tables is not None
+        table_rows = [tables.row(s.request.request_id, s.block_ids) for s in decodes + prefills]
+        starts = [0]
+        for s in prefills:
+            starts.append(starts[-1] + s.num_new_tokens)
+        return [
+            table_rows,
+            [s.start + 1 for s in decodes],
+            [s.start + s.num_new_tokens for s in prefills],
+            starts,
+            *tables.take_writes(),
+        ]
+
+    def _paged_batch(
+        self,
+        decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+        staged: list[torch.Tensor],
+    ) -> PagedBatch:
+        """The step as paged-attention kernels take it, from the staged arrays."""
+        tables = self.block_tables
+        assert tables is not None
+        table_rows, decode_lens, prefill_lens, starts, *writes = staged
+        tables.apply(*writes)
+        step_tables = tables.table[table_rows]  # [rows, max_blocks] int32
+        nd, i32 = len(decodes), torch.int32
+        return PagedBatch(
+            num_decode=nd,
+            decode_block_tables=step_tables[:nd],
+            decode_context_lens=decode_lens.to(i32),
+            prefill_block_tables=step_tables[nd:],
+            prefill_query_starts=starts.to(i32),
+            prefill_context_lens=prefill_lens.to(i32),
+            max_query_len=max((s.num_new_tokens for s in prefills), default=0),
+            max_decode_context_len=max((s.start + 1 for s in decodes), default=0),
         )
+
+    def _torch_groups(
+        self,
+        meta: AttentionMetadata,
+        decodes: list[ScheduledRequest],
+        prefills: list[ScheduledRequest],
+    ) -> None:
+        """TorchAttention's decode groups (padded, masked) and prefill spans."""
+        bs, dev = self.block_size, self.device
         num_groups = max(1, min(MAX_DECODE_GROUPS, len(decodes) // MIN_DECODE_GROUP_ROWS))
         size = max(1, -(-len(decodes) // num_groups))
         for start in range(0, len(decodes), size):
@@ -61,10 +158,6 @@ class ModelRunner:
             blocks = torch.tensor(s.block_ids[: -(-ctx // bs)], dtype=torch.int64, device=dev)
             meta.prefills.append(PrefillSpan(token_start, s.num_new_tokens, ctx, blocks))
             token_start += s.num_new_tokens
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        if self.model.attention.needs_paged_batch:
-            meta.paged = paged_batch(decodes, prefills, bs, dev)
-        return rows, input_ids, pos_t, meta
 
     def _decode_group(self, start: int, rows: list[ScheduledRequest]) -> DecodeGroup:
         bs, dev = self.block_size, self.device
@@ -86,26 +179,32 @@ class ModelRunner:
         """Run one step. Returns the sampled token of every row that samples."""
         if out.is_empty:
             return {}
-        decode_only = all(s.is_decode for s in out.scheduled)
-        if decode_only and self.graphs is not None and self.graphs.can_serve(len(out.scheduled)):
-            rows = list(out.scheduled)
-            logits = self._replay_decode(rows)  # [rows, vocab], every row's last token
-            sampled = [i for i, s in enumerate(rows) if s.sample]
-            if len(sampled) < len(rows):
-                logits = logits[torch.tensor(sampled, device=self.device)]
+        step = self.prepare(out)
+        rows, meta = step.rows, step.meta
+        num_sampled = step.last_idx.shape[0]
+        graphs, paged = self.graphs, meta.paged
+        if (
+            graphs is not None
+            and paged is not None
+            and step.num_decode == len(rows)
+            and graphs.can_serve(len(rows))
+        ):
+            logits = graphs.replay(
+                len(rows),
+                step.input_ids,
+                step.positions,
+                meta.slot_block_ids,
+                meta.slot_offsets,
+                paged.decode_block_tables,
+                paged.decode_context_lens,
+            )  # [rows, vocab], every row's last token
+            if num_sampled < len(rows):
+                logits = logits[step.last_idx]
         else:
-            rows, input_ids, positions, meta = self.prepare(out)
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
-            # Logits only at each sampling row's last token.
-            last_idx: list[int] = []
-            offset = 0
-            for s in rows:
-                offset += s.num_new_tokens
-                if s.sample:
-                    last_idx.append(offset - 1)
-            if not last_idx:
+            hidden = self.model.forward(step.input_ids, step.positions, meta, self.kv_cache)
+            if not num_sampled:
                 return {}
-            logits = self.model.compute_logits(hidden[torch.tensor(last_idx, device=self.device)])
+            logits = self.model.compute_logits(hidden[step.last_idx])
         sampled_rows = [s for s in rows if s.sample]
         if not sampled_rows:
             return {}
@@ -159,57 +258,3 @@ class ModelRunner:
         )
         hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
         return self.model.compute_logits(hidden)
-
-    def _replay_decode(self, rows: list[ScheduledRequest]) -> torch.Tensor:
-        assert self.graphs is not None
-        bs, dev = self.block_size, self.device
-        paged = paged_batch(rows, [], bs, dev)
-        ids = [s.request.token_ids_slice(s.start, s.start + 1)[0] for s in rows]
-        positions = [s.start for s in rows]
-        return self.graphs.replay(
-            len(rows),
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            torch.tensor(
-                [s.block_ids[p // bs] for s, p in zip(rows, positions, strict=True)],
-                dtype=torch.int64,
-                device=dev,
-            ),
-            torch.tensor([p % bs for p in positions], dtype=torch.int64, device=dev),
-            paged.decode_block_tables,
-            paged.decode_context_lens,
-        )
-
-
-def paged_batch(
-    decodes: list[ScheduledRequest],
-    prefills: list[ScheduledRequest],
-    block_size: int,
-    device: torch.device,
-) -> PagedBatch:
-    """The step's rows as paged-attention kernels take them (see PagedBatch)."""
-
-    def table(rows: list[ScheduledRequest], ctx_lens: list[int]) -> torch.Tensor:
-        # Padding entries (past a row's context) are never read; 0 keeps them in range.
-        width = max((-(-c // block_size) for c in ctx_lens), default=1)
-        padded = [
-            list(s.block_ids[: -(-c // block_size)]) + [0] * (width - -(-c // block_size))
-            for s, c in zip(rows, ctx_lens, strict=True)
-        ]
-        return torch.tensor(padded, dtype=torch.int32, device=device).view(len(rows), width)
-
-    decode_lens = [s.start + 1 for s in decodes]
-    prefill_lens = [s.start + s.num_new_tokens for s in prefills]
-    starts = [0]
-    for s in prefills:
-        starts.append(starts[-1] + s.num_new_tokens)
-    return PagedBatch(
-        num_decode=len(decodes),
-        decode_block_tables=table(decodes, decode_lens),
-        decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
-        prefill_block_tables=table(prefills, prefill_lens),
-        prefill_query_starts=torch.tensor(starts, dtype=torch.int32, device=device),
-        prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
-        max_query_len=max((s.num_new_tokens for s in prefills), default=0),
-        max_decode_context_len=max(decode_lens, default=0),
-    )
