@@ -21,6 +21,8 @@ reduction neither weighs nor reads its partial.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,28 @@ DEFAULT_NUM_SMS = 132
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tensor-core dots need every dimension >= 16 on NVIDIA GPUs.
 _MIN_DOT_DIM = 16
+
+
+class DecodeTiles(NamedTuple):
+    """Launch configuration of the split kernel for one (dtype, head_dim, block size, path)."""
+
+    tile_blocks: int  # whole blocks read per loop iteration
+    num_stages: int  # loop iterations whose loads are in flight at once
+    num_warps: int
+
+
+def decode_tiles(dtype: torch.dtype, head_dim: int, block_size: int, use_dot: bool) -> DecodeTiles:
+    """About 64 tokens of K and V per iteration on the 16-bit tensor-core path, 32 for fp32
+    or the multiply-sum path (whose [heads, tokens, head_dim] product lives in registers),
+    in whole blocks; three stages; 8 warps from head_dim 128. Each of these compiles for
+    sm_90a with async copies, no spills and at most 128 registers (tests/kernels: ptxas);
+    not tuned on a GPU yet."""
+    tokens = 64 if use_dot and dtype != torch.float32 else 32
+    return DecodeTiles(
+        tile_blocks=max(1, tokens // block_size),
+        num_stages=3,
+        num_warps=8 if head_dim >= 128 else 4,
+    )
 
 
 # The kernels' arguments carry no annotations: Triton derives their types at launch (and an
@@ -69,6 +93,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     BLOCK_H: tl.constexpr,  # GROUP padded to a power of two (to >= 16 when USE_DOT)
     HEAD_DIM: tl.constexpr,  # power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block, power of two
+    TILE_BLOCKS: tl.constexpr,  # blocks read per loop iteration, power of two
+    NUM_STAGES: tl.constexpr,  # software-pipeline depth of the loop over tiles
     USE_DOT: tl.constexpr,  # tl.dot (tensor cores) rather than broadcast multiply-sum
     UPCAST: tl.constexpr,  # compute on q/K/V converted to fp32 (see the wrapper)
 ):
@@ -81,7 +107,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     # Blocks [start, end) of this request belong to this split; empty when start >= end.
     context_len = tl.load(context_lens_ptr + req * stride_cl)
     num_ctx_blocks = tl.cdiv(context_len, BLOCK_SIZE)
-    blocks_per_split = tl.cdiv(num_ctx_blocks, num_splits)
+    # Whole tiles per split: only the context's last tile is partial.
+    blocks_per_split = tl.cdiv(tl.cdiv(num_ctx_blocks, num_splits), TILE_BLOCKS) * TILE_BLOCKS
     start = split * blocks_per_split
     end = tl.minimum(start + blocks_per_split, num_ctx_blocks)
 
@@ -94,7 +121,6 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         tl.store(part_lse_ptr + rows, tl.full([BLOCK_H], float("-inf"), tl.float32), h_valid)
         return
     d = tl.arange(0, HEAD_DIM)
-    t = tl.arange(0, BLOCK_SIZE)
 
     # q: [BLOCK_H, HEAD_DIM]; padded rows are 0, so their scores are finite (never NaN).
     q = tl.load(
@@ -107,19 +133,34 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     # Scores in the log2 domain: exp2(x * log2(e)) == exp(x), and exp2 is the cheaper op.
     qk_scale = scale * 1.4426950408889634
 
+    # Each iteration reads TILE_BLOCKS whole blocks: their ids (one table read per block, not
+    # per token), then each token's K and V row from its block's base:
+    #
+    #   ids = table[blk : blk + TILE_BLOCKS]                              [TILE_BLOCKS]
+    #   key b * BLOCK_SIZE + t of the tile  at  ids[b] * stride_kv_block + t * stride_kv_tok
+    #
+    # The loop is software-pipelined (num_stages): the next tiles' loads are in flight while
+    # this one is computed.
+    TILE: tl.constexpr = TILE_BLOCKS * BLOCK_SIZE
+    b = tl.arange(0, TILE_BLOCKS)
+    t = tl.arange(0, BLOCK_SIZE)
+    table = block_tables_ptr + req.to(tl.int64) * stride_bt_req
+    head_offset = kv_head * stride_kv_head
+
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_sum = tl.zeros([BLOCK_H], dtype=tl.float32)  # running sum of exp2(s - m)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)  # running sum of p @ V
-    head_offset = kv_head * stride_kv_head
-    for blk in range(start, end):
-        block_id = tl.load(block_tables_ptr + req * stride_bt_req + blk * stride_bt_blk)
+    for blk in tl.range(start, end, TILE_BLOCKS, num_stages=NUM_STAGES):
+        block_ids = tl.load(table + (blk + b) * stride_bt_blk, mask=blk + b < end, other=0)
         # int64 before the multiply: block_id * stride_kv_block exceeds 2**31 elements in a
         # big cache (e.g. block 2048 of a 32-layer cache with 1M elements per block).
-        k_base = kv_ptr + block_id.to(tl.int64) * stride_kv_block + head_offset
-        tok_valid = blk * BLOCK_SIZE + t < context_len  # [BLOCK_SIZE]
-        kv_offsets = t[:, None] * stride_kv_tok + d[None, :]  # [BLOCK_SIZE, HEAD_DIM]
-        k = tl.load(k_base + kv_offsets, mask=tok_valid[:, None], other=0.0)
-        v = tl.load(k_base + stride_kv_kv + kv_offsets, mask=tok_valid[:, None], other=0.0)
+        bases = block_ids.to(tl.int64) * stride_kv_block + head_offset  # [TILE_BLOCKS]
+        keys = tl.reshape(bases[:, None] + t[None, :] * stride_kv_tok, [TILE])
+        kv_offsets = keys[:, None] + d[None, :]  # [TILE, HEAD_DIM]
+        # Nothing past the context is read (splits are whole tiles: none crosses `end`).
+        tok_valid = blk * BLOCK_SIZE + tl.arange(0, TILE) < context_len  # [TILE]
+        k = tl.load(kv_ptr + kv_offsets, mask=tok_valid[:, None], other=0.0)
+        v = tl.load(kv_ptr + stride_kv_kv + kv_offsets, mask=tok_valid[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -127,19 +168,19 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         # Why two paths: tl.dot maps to tensor cores but needs M, N, K >= 16, so the wrapper
         # pads a GQA group (2..8 heads) to 16 rows; the masked rows cost registers, not
         # memory traffic, and decode is bound by the K/V reads. With one query head (MHA) a
-        # 16x padding is wasteful and a [1, BLOCK_SIZE, HEAD_DIM] broadcast product is
-        # small, so that path multiplies and sums in fp32 (also used for block_size < 16).
+        # 16x padding is wasteful and a [1, TILE, HEAD_DIM] broadcast product is small, so
+        # that path multiplies and sums in fp32.
         if USE_DOT:
             # "ieee": fp32 inputs would otherwise be truncated to tf32 (ignored for 16-bit).
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_H, BLOCK_SIZE]
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_H, TILE]
         else:
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         s = tl.where(tok_valid[None, :], s * qk_scale, float("-inf"))
 
-        # Every block in [start, end) holds >= 1 valid token, so m_new is finite.
+        # Every tile starts inside [start, end) and so holds >= 1 valid token: m_new is finite.
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_SIZE]
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, TILE]
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         if USE_DOT:
             # p in V's dtype (as flash attention does) so 16-bit dots use tensor cores.
@@ -332,7 +373,9 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1])
 
     group = num_q_heads // num_kv_heads
-    use_dot = group > 1 and block_size >= _MIN_DOT_DIM and head_dim >= _MIN_DOT_DIM
+    # Every tile holds >= 32 tokens, so only the group and head_dim decide the dot's shape.
+    use_dot = group > 1 and head_dim >= _MIN_DOT_DIM
+    tiles = decode_tiles(q.dtype, head_dim, block_size, use_dot)
     block_h = triton.next_power_of_2(group)
     if use_dot:
         block_h = max(block_h, _MIN_DOT_DIM)
@@ -367,8 +410,11 @@ def paged_decode_attention(
         BLOCK_H=block_h,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        TILE_BLOCKS=tiles.tile_blocks,
+        NUM_STAGES=tiles.num_stages,
         USE_DOT=use_dot,
         UPCAST=upcast,
+        num_warps=tiles.num_warps,
     )
     _decode_reduce_kernel[(batch, num_q_heads)](
         part_out,

@@ -13,12 +13,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def assert_lowers(script: str, num_ok: int) -> None:
-    """Run `script` (which compiles kernel variants, prints "<variant> ok" for each and exits
-    3 when this Triton cannot target CUDA) outside the interpreter."""
+def assert_lowers(script: str, num_ok: int, *args: str) -> None:
+    """Run `script` with `args` (it compiles kernel variants, prints "<variant> ok" for each
+    and exits 3 when this Triton cannot target CUDA) outside the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-c", script, *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -29,3 +29,37 @@ def assert_lowers(script: str, num_ok: int) -> None:
         pytest.skip(f"this Triton cannot compile for CUDA: {result.stdout.strip()}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(" ok") == num_ok
+
+
+def aligned_attrs(kernel: object, names: list[str]) -> dict[tuple[int, ...], list[list[object]]]:
+    """ASTSource attributes saying that arguments `names` are multiples of 16 (pointers: 16
+    byte aligned), as a launch with such values specialises them: without them the compiler
+    cannot vectorise loads, and so cannot turn them into async copies."""
+    arg_names = kernel.arg_names  # type: ignore[attr-defined]
+    return {(arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+
+def ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int]:
+    """(registers per thread, spill store bytes) that Triton's ptxas reports for `ptx`."""
+    import re
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        ptxas = get_ptxas(arch).path  # type: ignore[call-arg]
+    except TypeError:  # older Triton: no arch argument
+        ptxas = get_ptxas().path  # type: ignore[call-arg]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run(
+            [ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    assert registers and spills, report
+    return int(registers.group(1)), int(spills.group(1))

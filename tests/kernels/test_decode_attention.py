@@ -20,6 +20,7 @@ import torch
 
 from kernels.decode_attention import MAX_SPLITS, choose_num_splits, paged_decode_attention
 from kernels.reference import paged_attention
+from tests.kernels.compile_check import assert_lowers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # dtype -> (atol, rtol)
@@ -146,7 +147,8 @@ def test_head_dims(head_dim: int, dtype: torch.dtype, group: int) -> None:
 
 
 def test_block_size_below_dot_minimum() -> None:
-    # block_size 8 is below tl.dot's 16: the GQA group takes the multiply-sum path.
+    # block_size 8 is below tl.dot's 16: a tile of whole blocks (several per iteration)
+    # still gives the GQA group's dot 16 keys or more.
     q, kv, tables, ctx = make_case([3, 8, 29], block_size=8, group=4, dtype=torch.float32)
     check(q, kv, tables, ctx, 0.125, num_splits=2)
 
@@ -312,3 +314,107 @@ def test_rejects_tensors_on_another_device() -> None:
     kwargs["context_lens"] = kwargs["context_lens"].to("meta")  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match=r"context_lens is on meta, q on cpu"):
         paged_decode_attention(**kwargs)  # type: ignore[arg-type]
+
+
+# Compiles both kernels for sm_90a with the wrapper's configuration and the alignment a
+# launch specialises on, through Triton's own LLVM and ptxas: no GPU needed. Run in a fresh
+# interpreter without TRITON_INTERPRET, which swaps `triton.jit` for the interpreter. Exit
+# code 3: this Triton cannot target CUDA. The split kernel's loop must be pipelined (its K/V
+# loads become cp.async copies into shared memory) within REGISTER_BUDGET and no spills.
+REGISTER_BUDGET = 128
+LOWER_SCRIPT = r"""
+import sys
+
+import torch
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+except ImportError as exc:
+    print(exc)
+    sys.exit(3)
+
+from kernels.decode_attention import (
+    _MIN_DOT_DIM, _decode_reduce_kernel, _decode_split_kernel, decode_tiles,
+)
+from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+
+BUDGET = int(sys.argv[1])
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build(kernel, signature, constants, attrs, num_warps):
+    try:
+        return compile(
+            ASTSource(kernel, signature, constants, attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=num_warps, enable_fp_fusion=True),
+        )
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower():
+            print(exc)
+            sys.exit(3)
+        raise
+
+
+names = _decode_split_kernel.arg_names
+# Pointers and the q/KV strides are multiples of 16 in serving; the block table's row stride
+# is not specialised (do_not_specialize) and the other strides are 1.
+aligned = [n for n in names if n.endswith("_ptr") or n.startswith(("stride_q", "stride_kv"))]
+for dtype in DTYPES:
+    for head_dim, group, block_size in ((128, 4, 16), (128, 1, 16), (64, 8, 16), (128, 8, 64)):
+        use_dot = group > 1 and head_dim >= _MIN_DOT_DIM
+        block_h = 1 << (group - 1).bit_length()
+        tiles = decode_tiles(DTYPES[dtype], head_dim, block_size, use_dot)
+        constants = dict(
+            GROUP=group,
+            BLOCK_H=max(block_h, _MIN_DOT_DIM) if use_dot else block_h,
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            TILE_BLOCKS=tiles.tile_blocks,
+            NUM_STAGES=tiles.num_stages,
+            USE_DOT=use_dot,
+            UPCAST=not use_dot,
+        )
+        signature = {}
+        for name in names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name in ("q_ptr", "kv_ptr"):
+                signature[name] = "*" + dtype
+            elif name in ("part_out_ptr", "part_lse_ptr"):
+                signature[name] = "*fp32"
+            elif name.endswith("_ptr"):
+                signature[name] = "*i32"
+            elif name == "scale":
+                signature[name] = "fp32"
+            else:
+                signature[name] = "i64" if name == "stride_kv_block" else "i32"
+        attrs = aligned_attrs(_decode_split_kernel, aligned)
+        kernel = build(_decode_split_kernel, signature, constants, attrs, tiles.num_warps)
+        ptx = kernel.asm["ptx"]
+        assert "cp.async" in ptx, f"{dtype} {head_dim} {group}: the loop is not pipelined"
+        registers, spills = ptxas_usage(ptx)
+        assert registers <= BUDGET and spills == 0, (dtype, head_dim, group, registers, spills)
+        print(dtype, head_dim, group, block_size, registers, "registers ok")
+
+for dtype in DTYPES:
+    constants = dict(HEAD_DIM=128, SPLITS_PAD=32)
+    signature = {
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*" + dtype,
+        "stride_out_req": "i32", "stride_out_head": "i32", "num_splits": "i32",
+        "HEAD_DIM": "constexpr", "SPLITS_PAD": "constexpr",
+    }
+    ptrs = ["part_out_ptr", "part_lse_ptr", "out_ptr"]
+    kernel = build(
+        _decode_reduce_kernel, signature, constants, aligned_attrs(_decode_reduce_kernel, ptrs), 4
+    )
+    assert "cubin" in kernel.asm
+    print(dtype, "reduce ok")
+"""
+
+
+def test_lowers_for_sm90_pipelined_within_the_register_budget() -> None:
+    """The interpreter runs programs the GPU compiler rejects, and cannot show whether the
+    loop is pipelined: compile for a real target too."""
+    assert_lowers(LOWER_SCRIPT, 3 * 4 + 3, str(REGISTER_BUDGET))
