@@ -1,22 +1,27 @@
 """The GPU check: what only a GPU can tell about the engine, as one prepared script.
 
-    scripts/gpu-check [--cpu] [--parts parity,throughput,kernels,e2e,nixl,serve] [--out DIR]
+    scripts/gpu-check [--cpu] [--parts preflight,startup,parity,...,serve] [--out DIR]
 
 One module per part (each module's docstring says what its part checks):
+  preflight.py      C compiler, Python.h, driver and CUDA versions, one Triton launch (if it
+                    fails, the later parts use the torch attention backend)
+  startup.py        an engine built as a values-gpu.yaml worker builds it (no block count,
+                    gpu_memory_utilization), warmed up, token-identical to one engine
   parity.py         the engine vs HF transformers on the same random weights (tiny Llama, Qwen3)
   throughput.py     engine vs HF `generate` output tokens/s on workload W (Llama-3-8B-shaped)
   kernels_bench.py  the Triton attention kernels: correct on the device, decode GB/s vs a
                     device copy, prefill TFLOP/s vs torch SDPA
   e2e_bench.py      batch-1 inter-token latency, CUDA graphs vs eager, vs the weights roofline
   nixl_pull.py      a NIXL read of KV blocks from a second process vs a same-device copy, GB/s
+                    (CUDA IPC on one GPU, not RDMA between pods)
   serve.py          prefill + decode worker + router as processes, token-identical to one engine
 and around them:
   sizes.py          the CUDA run's sizes and budgets, and the tiny ones of `--cpu` (CI)
   common.py         Context, Log, PartSkipped / PartFailed, environment(), timing, engine helpers
   cli.py            `main`: arguments, each part under its budget, gpu-check.json and .log
 
-Parity, throughput, kernels and e2e import no grpc, redis or kubernetes (serve and nixl
-import theirs lazily).
+Preflight, startup, parity, throughput, kernels and e2e import no grpc, redis or kubernetes
+(serve and nixl import theirs lazily).
 """
 
 from .cli import main

@@ -38,14 +38,18 @@ from .e2e_bench import check_e2e
 from .kernels_bench import check_kernels, use_interpreter
 from .nixl_pull import check_nixl
 from .parity import check_parity
+from .preflight import check_preflight
 from .serve import check_serve
 from .sizes import CPU_SIZES, CUDA_SIZES
+from .startup import check_startup
 from .throughput import check_throughput
 
 DESCRIPTION = "The GPU check: what only a GPU can tell about the engine, as one prepared script."
-PARTS = ("parity", "throughput", "kernels", "e2e", "nixl", "serve")
+PARTS = ("preflight", "startup", "parity", "throughput", "kernels", "e2e", "nixl", "serve")
 JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
 PART_FNS: dict[str, Callable[[Context], Figures]] = {
+    "preflight": check_preflight,
+    "startup": check_startup,
     "parity": check_parity,
     "throughput": check_throughput,
     "kernels": check_kernels,

@@ -81,6 +81,9 @@ class Context:
     tmp_dir: Path
     deadline: float = math.inf  # of the running part (time.monotonic)
     parts: tuple[str, ...] = ()  # the parts selected for this run
+    # The engines' attention backend: "auto" (Triton on CUDA), or "torch" once the preflight
+    # found that Triton cannot launch a kernel here.
+    attention_backend: str = "auto"
     # The records of the parts run so far (status, figures), by name: a later part may cite
     # an earlier one's figures (e2e reports throughput's ratio).
     results: dict[str, Figures] = field(default_factory=dict)

@@ -149,7 +149,7 @@ def run_engine(
         max_model_len=min(s.e2e_num_blocks * BLOCK_SIZE, s.tp_shape["max_position_embeddings"]),
         max_num_seqs=s.e2e_max_num_seqs,
         max_num_batched_tokens=s.e2e_max_num_batched_tokens,
-        attention_backend="auto" if ctx.cuda else "torch",
+        attention_backend=ctx.attention_backend if ctx.cuda else "torch",
         cuda_graphs=cuda_graphs,
     )
     sync(dev)

@@ -195,11 +195,16 @@ def bench_decode(
     ctx: Context, shape: Shape, copy_gb_s: float, flush: torch.Tensor | None
 ) -> Figures:
     """Every batch x context of the sizes, each request at the full context, over random
-    block tables into one layer's cache sized for the largest case."""
-    from kernels.decode_attention import choose_num_splits, paged_decode_attention
+    block tables into one layer's cache sized for the largest case. As in serving: the tables
+    are as wide as the longest context the engine allows (its persistent block table, here
+    the largest context of the sizes), and the split count is the engine's choice for the
+    step's longest context on this device, not one derived from the table width."""
+    from kernels.decode_attention import choose_num_splits, device_num_sms, paged_decode_attention
 
     sz, s, dev = ctx.sizes, shape, ctx.device
-    num_blocks = max(sz.kn_decode_batches) * cdiv(max(sz.kn_decode_contexts), s.block_size)
+    table_width = cdiv(max(sz.kn_decode_contexts), s.block_size)
+    num_sms = device_num_sms(torch.device(dev))
+    num_blocks = max(sz.kn_decode_batches) * table_width
     # kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer
     kv_layer = torch.empty(
         num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=dev
@@ -213,18 +218,26 @@ def bench_decode(
             if ctx.left_s() < MIN_CASE_S:
                 case["skipped"] = "out of the part's time budget"
                 continue
-            width = cdiv(context, s.block_size)
-            tables = random_tables(batch, width, num_blocks, dev)
+            tables = random_tables(batch, table_width, num_blocks, dev)
             lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
             q = torch.randn(batch, s.num_q_heads, s.head_dim, device=dev).to(s.dtype)
+            splits = choose_num_splits(batch, s.num_kv_heads, cdiv(context, s.block_size), num_sms)
             run = functools.partial(
-                paged_decode_attention, q, kv_layer, tables, lens, s.scale, out=torch.empty_like(q)
+                paged_decode_attention,
+                q,
+                kv_layer,
+                tables,
+                lens,
+                s.scale,
+                num_splits=splits,
+                out=torch.empty_like(q),
             )
             seconds = median_time_s(run, dev, reps=sz.kn_reps, warmup=3, flush=flush)
             kv_bytes = s.kv_bytes(batch * context)
             gb_s = kv_bytes / seconds / 1e9
             case.update(
-                num_splits=choose_num_splits(batch, s.num_kv_heads, width),
+                num_splits=splits,
+                table_width=table_width,
                 kv_bytes=kv_bytes,
                 time_us=round(seconds * 1e6, 1),
                 gb_s=sig(gb_s),

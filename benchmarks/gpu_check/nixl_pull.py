@@ -1,6 +1,11 @@
 """Part 3, nixl: a NIXL read of KV blocks from a second process (VRAM -> VRAM; DRAM with
 --cpu) against a same-device copy of the same blocks, in GB/s (bytes moved / s). Skipped if
-nixl is not importable. (Not `nixl.py`: that would shadow the nixl package.)"""
+nixl is not importable. (Not `nixl.py`: that would shadow the nixl package.)
+
+What it measures: both processes share the one GPU of the check machine, so UCX moves the
+blocks by CUDA IPC inside that GPU. That is the NIXL/UCX software path and its descriptor
+costs, not the deployed path: between pods (values-gpu.yaml) KV crosses RDMA NICs
+(`rc` + GPUDirect), whose bandwidth and latency this part cannot tell."""
 
 from __future__ import annotations
 

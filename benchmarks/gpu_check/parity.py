@@ -183,7 +183,9 @@ def _parity_for(ctx: Context, arch: str, prompts: list[list[int]], results: Figu
     greedy = sampling_params(max_tokens=s.parity_max_tokens, temperature=0.0, ignore_eos=True)
 
     def fp32_greedy() -> Figures:
-        engine = make_engine(model_dir, dev, "float32", block_size=bs)
+        engine = make_engine(
+            model_dir, dev, "float32", block_size=bs, attention_backend=ctx.attention_backend
+        )
         done = engine.generate(prompts, greedy)
         return _compare_tokens([d.token_ids for d in done], hf_tokens, "HF generate")
 
@@ -191,7 +193,12 @@ def _parity_for(ctx: Context, arch: str, prompts: list[list[int]], results: Figu
         budget = s.parity_chunk_tokens
         assert all(len(p) > budget for p in prompts), "every prompt must be split"
         engine = make_engine(
-            model_dir, dev, "float32", block_size=bs, max_num_batched_tokens=budget
+            model_dir,
+            dev,
+            "float32",
+            block_size=bs,
+            max_num_batched_tokens=budget,
+            attention_backend=ctx.attention_backend,
         )
         done = engine.generate(prompts, greedy)
         figures = _compare_tokens([d.token_ids for d in done], hf_tokens, "HF generate")
@@ -200,7 +207,9 @@ def _parity_for(ctx: Context, arch: str, prompts: list[list[int]], results: Figu
         return figures
 
     def prefix_cache_hit() -> Figures:
-        engine = make_engine(model_dir, dev, "float32", block_size=bs)
+        engine = make_engine(
+            model_dir, dev, "float32", block_size=bs, attention_backend=ctx.attention_backend
+        )
         prompt = prompts[0]
         [first] = engine.generate([prompt], greedy)
         [second] = engine.generate([prompt], greedy)
@@ -240,7 +249,13 @@ def _bf16_logits(ctx: Context, model_dir: Path, hf_fp32: Any) -> Figures:
     s, dev = ctx.sizes, ctx.device
     rng = random.Random(1)
     prompt = rng.choices(range(1, s.parity_shape["vocab_size"]), k=s.parity_bf16_prompt_len)
-    engine = make_engine(model_dir, dev, "bfloat16", block_size=s.parity_block_size)
+    engine = make_engine(
+        model_dir,
+        dev,
+        "bfloat16",
+        block_size=s.parity_block_size,
+        attention_backend=ctx.attention_backend,
+    )
     recorder = LogitRecorder(engine.runner.sampler)
     engine.runner.sampler = recorder
     n = s.parity_bf16_max_tokens
@@ -280,14 +295,26 @@ def _sampling(ctx: Context, model_dir: Path, prompts: list[list[int]]) -> Figure
         max_tokens=n, temperature=0.8, top_k=40, top_p=0.95, seed=1234, ignore_eos=True
     )
     free = sampling_params(max_tokens=n, temperature=1.0, ignore_eos=True)
-    engine = make_engine(model_dir, dev, "float32", block_size=s.parity_block_size)
+    engine = make_engine(
+        model_dir,
+        dev,
+        "float32",
+        block_size=s.parity_block_size,
+        attention_backend=ctx.attention_backend,
+    )
     alone = run_requests(engine, [("seeded-alone", prompts[0], seeded)])["seeded-alone"]
     batch = run_requests(
         engine,
         [("free-0", prompts[1], free), ("seeded-batched", prompts[0], seeded)]
         + [("free-1", prompts[2], free)],
     )
-    fresh = make_engine(model_dir, dev, "float32", block_size=s.parity_block_size)
+    fresh = make_engine(
+        model_dir,
+        dev,
+        "float32",
+        block_size=s.parity_block_size,
+        attention_backend=ctx.attention_backend,
+    )
     again = run_requests(fresh, [("seeded-fresh", prompts[0], seeded)])["seeded-fresh"]
     other_seed = dataclasses.replace(seeded, seed=4321)
     other = run_requests(fresh, [("other-seed", prompts[0], other_seed)])["other-seed"]

@@ -98,6 +98,7 @@ def check_serve(ctx: Context) -> Figures:
     model_dir = make_tiny_model(ctx.tmp_dir / "serve-tiny", preset="tiny", seed=0)
     engine_flags = ["--model-dir", str(model_dir), "--device", dev, "--dtype", s.serve_dtype]
     engine_flags += ["--num-blocks", str(s.serve_num_blocks), "--redis-url", ""]
+    engine_flags += ["--attention-backend", ctx.attention_backend]
     if not ctx.cuda:
         engine_flags += ["--num-threads", "1"]  # three processes share two cores in CI
     services: list[Service] = []
@@ -109,7 +110,12 @@ def check_serve(ctx: Context) -> Figures:
         prefill, decode = services
         # The reference engine loads while the workers start.
         reference = make_engine(
-            model_dir, dev, s.serve_dtype, block_size=16, num_blocks=s.serve_num_blocks
+            model_dir,
+            dev,
+            s.serve_dtype,
+            block_size=16,
+            num_blocks=s.serve_num_blocks,
+            attention_backend=ctx.attention_backend,
         )
         deadline = time.monotonic() + max(30.0, ctx.left_s() - 30)
         p_addr, d_addr = prefill.wait_ready(deadline), decode.wait_ready(deadline)

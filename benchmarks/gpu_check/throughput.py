@@ -224,6 +224,7 @@ def check_throughput(ctx: Context) -> Figures:
         num_blocks=num_blocks,
         max_num_seqs=len(workload),
         max_num_batched_tokens=s.tp_max_num_batched_tokens,
+        attention_backend=ctx.attention_backend,
     )
     sync(dev)
     logging.getLogger("tandem").setLevel(logging.WARNING)

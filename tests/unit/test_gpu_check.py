@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "gpu-check"
 PER_ARCH = ("fp32_greedy", "chunked_prefill", "prefix_cache_hit", "bf16_logits")
@@ -32,9 +34,13 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert report["mode"] == "cpu" and report["ok"] is True
     assert report["environment"]["torch"]
     parts = report["parts"]
-    assert list(parts) == ["parity", "throughput", "kernels", "e2e", "nixl", "serve"]
+    assert list(parts) == [
+        "preflight", "startup", "parity", "throughput", "kernels", "e2e", "nixl", "serve"
+    ]  # fmt: skip
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
     expected = {
+        "preflight": "ok",
+        "startup": "ok",
         "parity": "ok",
         "throughput": "ok",
         "kernels": "ok",
@@ -45,6 +51,21 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert {name: p["status"] for name, p in parts.items()} == expected, output
     for part in parts.values():
         assert part["duration_s"] >= 0
+
+    # preflight: what Triton's launcher needs, and one kernel launched (the interpreter here).
+    pre = parts["preflight"]["figures"]
+    assert pre["triton_launch"] == "ok" and pre["triton_interpreter"] is True
+    assert pre["c_compiler"] and pre["python_h"] and pre["python_h"].endswith("Python.h")
+    assert pre["torch_cuda"] == torch.version.cuda
+    assert pre["attention_backend_for_later_parts"] == "auto"
+
+    # startup: the values-gpu.yaml decode worker's engine (sized, not given a block count),
+    # warmed up, serving tokens identical to one engine.
+    startup = parts["startup"]["figures"]
+    assert startup["config"]["gpu_memory_utilization"] == 0.9
+    assert startup["config"]["max_num_seqs"] == 256  # the chart's decode value
+    assert startup["num_blocks"] > 0 and startup["warm_up_s"] >= 0
+    assert startup["requests"] and all(r["identical"] for r in startup["requests"])
 
     sub_checks = parts["parity"]["figures"]["sub_checks"]
     names = {f"{a}/{c}" for a in ("llama", "qwen3") for c in PER_ARCH} | {"llama/sampling"}
@@ -65,6 +86,10 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert kernels["copy"]["gb_s"] > 0
     decode_cases = kernels["decode"]["cases"]
     assert decode_cases and all(c["gb_s"] > 0 and "skipped" not in c for c in decode_cases)
+    # The serving table width (the longest context) for every case, splits by the context.
+    assert {c["table_width"] for c in decode_cases} == {
+        max(c["context"] for c in decode_cases) // 16
+    }
     prefill_cases = kernels["prefill"]["cases"]
     assert prefill_cases and all(c["agrees_with_sdpa"] and c["tflop_s"] > 0 for c in prefill_cases)
     assert any(c["prefix"] > 0 for c in prefill_cases)  # the lower-right causal baseline
