@@ -8,8 +8,9 @@ causally over the cached prefix and the chunk up to itself:
                cached prefix      | this chunk's queries (query j sits at ctx-n+j)
     query j sees keys 0 .. ctx-n+j
 
-Keys are read straight from the cache through the block table, key by key (a KV tile may
-span cache blocks, and BLOCK_N need not match block_size):
+Keys are read straight from the cache through the block table, a tile of BLOCK_N keys at a
+time: whole blocks when BLOCK_N >= block_size, else a run inside one block (both powers of
+two, so a tile never straddles a block it does not cover whole):
 
     key t  ->  kv_layer[block_table[t // block_size], 0 or 1, t % block_size, kv_head]
 
@@ -51,12 +52,14 @@ class Tiles(NamedTuple):
     group_pad: int  # rows per query: next power of two >= the GQA group
     block_n: int  # keys per inner iteration
     num_warps: int
+    num_stages: int  # inner iterations whose loads are in flight at once
 
 
 def tiles_for(dtype: torch.dtype, head_dim: int, group: int) -> Tiles:
     """Tile sizes: ~64 rows (32 for head_dim 256 or fp32, whose FMA dot holds more registers)
-    and 32 keys (16 for fp32), 8 warps from head_dim 128. Every one of these compiles for
-    sm_90 without register spills (checked with ptxas); they are not tuned on a GPU yet.
+    and 32 keys (16 for fp32), 8 warps from head_dim 128, three pipeline stages. Every one
+    of these compiles for sm_90a with async copies and without register spills (tests/
+    kernels: ptxas); they are not tuned on a GPU yet.
     tl.dot needs every dimension >= 16, hence rows >= 16 whatever the group.
     """
     half = dtype != torch.float32
@@ -68,6 +71,7 @@ def tiles_for(dtype: torch.dtype, head_dim: int, group: int) -> Tiles:
         group_pad=group_pad,
         block_n=32 if half else 16,
         num_warps=4 if head_dim <= 64 else 8,
+        num_stages=3,
     )
 
 
@@ -101,6 +105,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     HEAD_DIM: tl.constexpr,  # a power of two, 16..256
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); 16-bit dots ignore it
     DOT_FP32: tl.constexpr,  # feed tl.dot fp32 copies (Triton's CPU interpreter has no bf16 dot)
+    NUM_STAGES: tl.constexpr,  # software-pipeline depth of the loop over key tiles
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0)
@@ -139,13 +144,31 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     table = block_tables_ptr + req.to(tl.int64) * stride_t_req
     head_offset = kv_head.to(tl.int64) * stride_c_head
 
-    for start_n in range(0, kv_end, BLOCK_N):
+    # A tile's BLOCK_N keys are whole blocks (BLOCK_N >= BLOCK_SIZE) or one run inside a
+    # block: one table read per block, not per key.
+    #
+    #   key start_n + b * RUN + r  at  table[start_n // BLOCK_SIZE + b] * stride_c_block
+    #                                  + (start_n % BLOCK_SIZE + r) * stride_c_slot
+    #
+    # The loop is software-pipelined (num_stages): the next tiles' loads are in flight while
+    # this one is computed.
+    TILE_BLOCKS: tl.constexpr = (BLOCK_N + BLOCK_SIZE - 1) // BLOCK_SIZE
+    RUN: tl.constexpr = BLOCK_N // TILE_BLOCKS  # keys of one block in a tile
+    b = tl.arange(0, TILE_BLOCKS)
+    r = tl.arange(0, RUN)
+    for start_n in tl.range(0, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         keys = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
         key_valid = keys < kv_end
-        block = tl.load(table + (keys // BLOCK_SIZE) * stride_t_block, mask=key_valid, other=0)
+        blocks = start_n // BLOCK_SIZE + b  # [TILE_BLOCKS]
+        block = tl.load(table + blocks * stride_t_block, mask=blocks * BLOCK_SIZE < kv_end, other=0)
         # int64: block id * stride_c_block overflows int32 in a large cache.
         slot = (
-            block.to(tl.int64) * stride_c_block + (keys % BLOCK_SIZE) * stride_c_slot + head_offset
+            tl.reshape(
+                block.to(tl.int64)[:, None] * stride_c_block
+                + (start_n % BLOCK_SIZE + r)[None, :] * stride_c_slot,
+                [BLOCK_N],
+            )
+            + head_offset
         )  # [BLOCK_N]
         k = tl.load(
             cache_ptr + slot[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0
@@ -336,6 +359,7 @@ def paged_prefill_attention(
         # CPU tensors only run under the interpreter, which multiplies bf16 bit patterns as
         # integers; fp32 copies of bf16 values multiply exactly, as bf16 tensor cores do.
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+        NUM_STAGES=tiles.num_stages,
         num_warps=tiles.num_warps,
     )
     return out

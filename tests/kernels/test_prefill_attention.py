@@ -274,9 +274,11 @@ def test_rejects_bad_arguments(override: dict[str, object], match: str) -> None:
         paged_prefill_attention(**args)  # type: ignore[arg-type]
 
 
-# Compiles the kernel for sm_90 with the wrapper's tile sizes, through Triton's own LLVM and
-# ptxas: no GPU needed. Run in a fresh interpreter without TRITON_INTERPRET, which swaps
-# `triton.jit` for the interpreter. Exit code 3: this Triton cannot target CUDA.
+# Compiles the kernel for sm_90 with the wrapper's tile sizes and the alignment a launch
+# specialises on, through Triton's own LLVM and ptxas: no GPU needed. The key loop must be
+# pipelined (cp.async copies) without register spills. Run in a fresh interpreter without
+# TRITON_INTERPRET, which swaps `triton.jit` for the interpreter. Exit code 3: this Triton
+# cannot target CUDA.
 LOWER_SCRIPT = r"""
 import sys
 
@@ -290,6 +292,15 @@ except ImportError as exc:
     sys.exit(3)
 
 from kernels.prefill_attention import _prefill_kernel, tiles_for
+from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+
+# Pointers and the q/out/cache strides are multiples of 16 in serving (a launch specialises
+# on that); the block table's row stride is not specialised, the others are 1.
+STRIDES = ("stride_q", "stride_o", "stride_c")
+NAMES = _prefill_kernel.arg_names
+ALIGNED = aligned_attrs(
+    _prefill_kernel, [n for n in NAMES if n.endswith("_ptr") or n.startswith(STRIDES)]
+)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 for dtype in DTYPES:
@@ -304,6 +315,7 @@ for dtype in DTYPES:
             HEAD_DIM=head_dim,
             DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
             DOT_FP32=False,
+            NUM_STAGES=tiles.num_stages,
         )
         signature = {}
         for name in _prefill_kernel.arg_names:
@@ -319,7 +331,7 @@ for dtype in DTYPES:
                 signature[name] = "i64" if name == "stride_c_block" else "i32"
         try:
             kernel = compile(
-                ASTSource(_prefill_kernel, signature, constants),
+                ASTSource(_prefill_kernel, signature, constants, ALIGNED),
                 target=GPUTarget("cuda", 90, 32),
                 options=dict(num_warps=tiles.num_warps, enable_fp_fusion=True),
             )
@@ -328,8 +340,11 @@ for dtype in DTYPES:
                 print(exc)
                 sys.exit(3)
             raise
-        assert "cubin" in kernel.asm
-        print(dtype, head_dim, group, "ok")
+        ptx = kernel.asm["ptx"]
+        assert "cp.async" in ptx, f"{dtype} {head_dim} {group}: the key loop is not pipelined"
+        registers, spills = ptxas_usage(ptx)
+        assert spills == 0, (dtype, head_dim, group, registers, spills)
+        print(dtype, head_dim, group, registers, "registers ok")
 """
 
 
