@@ -1,6 +1,14 @@
 """Part 4, serve: 1 prefill + 1 decode worker + router as processes (static addresses, no
 Redis), greedy requests through `TandemClient`, token-identical to one `LLMEngine`. Skipped if
-the gRPC stack or nixl does not import."""
+the gRPC stack or nixl does not import.
+
+The H200 machine has neither nixl nor grpcio-health-checking / grpcio-reflection, and its
+grpcio and protobuf may be older than the generated code requires. `scripts/gpu-check-site`
+packs all six (nixl, nixl-cu13, grpcio, grpcio-health-checking, grpcio-reflection, protobuf,
+for Python 3.12) into `.whl/gpu-check-site.tar.xz`: 37 MB, which with the tree (~9 MB) fits
+the 64 MiB a device command carries (nixl-cu13's wheel alone is 58.8 MB, the other five
+7.8 MB: as wheels they do not fit). The second command unpacks it into `.site`, first on
+PYTHONPATH, and runs `--parts preflight,nixl,serve`."""
 
 from __future__ import annotations
 
