@@ -1,13 +1,15 @@
 """proto <-> core conversions. Proto types never travel past this module's callers.
 
 One conversion per hop: the router turns the public request into a `RequestSpec`, and the
-worker requests are built from it (`prefill_request_to_proto`, `decode_request_to_proto`);
-each worker turns its request back into a `RequestSpec` with `spec_from_proto`.
+worker requests are built from it (`prefill_request_to_proto`, and `decode_request_to_proto`
+from a `DecodeInput`); each worker turns its request back into a `RequestSpec` with
+`spec_from_proto`, and the decode worker its continuation with `decode_from_proto`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.common.redis.worker_info import WorkerInfo
 from tandem.engine.engine import RequestOutput
@@ -271,19 +273,62 @@ def prefill_request_to_proto(spec: RequestSpec, decode_worker: str) -> wpb.Prefi
     )
 
 
-def decode_request_to_proto(
-    spec: RequestSpec, prefilled: wpb.PrefillResponse | None = None
-) -> wpb.DecodeRequest:
-    """The decode worker's request: the whole prompt without `prefilled` (it prefills
-    itself), else token 1, the text already streamed and the KV hand-off."""
+class BadHandoff(ValueError):
+    """A decode request's KV handle does not parse (a deployment problem: the prefill worker
+    built it, not the client)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInput:
+    """A decode worker's request as the core sees it.
+
+    Attributes:
+        output_token_ids: tokens the client has already been sent (token 1 after a prefill
+            hop; every streamed token after a migration); the decode worker continues them.
+        num_emitted_chars: characters of text the client has already been sent.
+        handoff: the prefill worker's KV hand-off; None: the decode worker prefills.
+        report_kv_failure: an unusable hand-off ends the stream with `kv_failed` (the router
+            prefills again elsewhere) instead of being recomputed there.
+    """
+
+    spec: RequestSpec
+    output_token_ids: tuple[int, ...] = ()
+    num_emitted_chars: int = 0
+    handoff: KVHandoff | None = None
+    report_kv_failure: bool = False
+
+
+def decode_request_to_proto(decode: DecodeInput) -> wpb.DecodeRequest:
+    """The router's decode call: `decode_from_proto` on the worker gives it back."""
+    spec = decode.spec
     msg = wpb.DecodeRequest(
         request_id=spec.request_id,
         prompt_token_ids=spec.prompt_token_ids,
+        output_token_ids=decode.output_token_ids,
+        num_emitted_chars=decode.num_emitted_chars,
         sampling=sampling_to_proto(spec.params),
         cache_salt=spec.cache_salt,
     )
-    if prefilled is not None:
-        msg.output_token_ids.append(prefilled.first_token_id)
-        msg.num_emitted_chars = len(prefilled.text)
-        msg.kv.CopyFrom(prefilled.kv)
+    if decode.handoff is not None:
+        msg.kv.CopyFrom(handoff_to_proto(decode.handoff))
+        msg.report_kv_failure = decode.report_kv_failure
     return msg
+
+
+def decode_from_proto(msg: wpb.DecodeRequest, spec: RequestSpec) -> DecodeInput:
+    """The decode worker's view of its request; `spec`: `spec_from_proto(msg, ...)`.
+
+    Raises:
+        ValueError: a hand-off without token 1 (output_token_ids empty).
+        BadHandoff: naming the KV handle's bad field.
+    """
+    outputs = tuple(msg.output_token_ids)
+    handoff = None
+    if msg.HasField("kv"):
+        if not outputs:
+            raise ValueError("output_token_ids must hold token 1")
+        try:
+            handoff = handoff_from_proto(msg.kv)
+        except ValueError as exc:
+            raise BadHandoff(str(exc)) from None
+    return DecodeInput(spec, outputs, msg.num_emitted_chars, handoff, msg.report_kv_failure)

@@ -455,7 +455,7 @@ def _close(server: HTTPServer) -> None:
 
 
 def metric_names(component: str) -> set[str]:
-    """Every sample name `component` exposes ("router", "prefill", "decode", "controller"),
+    """Every sample name `component` exposes ("router", a `Role`, or "controller"),
     suffixed as in the exposition: histograms as _bucket/_sum/_count, counters as _total."""
     if component not in COMPONENTS:
         raise ValueError(f"component must be one of {COMPONENTS}, got {component!r}")

@@ -17,21 +17,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from services.common import convert, errors, tracing
 from services.common.metrics import RouterMetrics
+from services.router.call import Call, CallContext, worker_request_id
+from services.router.links import Links
 from services.router.placer import Placer
-from tandem.engine.request import RequestSpec
-from tandem.routing import Dispatch, Placement, WorkerLoad
+from services.router.replies import Replies
+from tandem.routing import Placement, WorkerLoad
 from tandem.routing.recovery import Action, Failure, Fault, RecoveryConfig, plan_recovery
 from tandem.routing.stall import StallWatch
+from tandem.transfer import KVHandoff
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -49,50 +50,6 @@ _WORKER_FAULTS = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
-
-
-class CallContext(Protocol):
-    """What handling a request needs of its call: a grpc.aio.ServicerContext has both; the
-    HTTP API (services.router.http) passes its own."""
-
-    def time_remaining(self) -> float | None: ...
-
-    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
-
-
-def worker_request_id(request_id: str) -> str:
-    """The id workers know one attempt of a request by: the client's id (for logs) plus a
-    nonce, unique per attempt and per router."""
-    return f"{request_id}~{secrets.token_hex(4)}"
-
-
-@dataclass(slots=True)
-class Call:
-    """A Generate call in flight: where it runs, how far it got, what the client is told."""
-
-    spec: RequestSpec  # request_id: the server's id (workers and logs know it)
-    placement: Placement
-    dispatch: Dispatch
-    t_start: float
-    usage: rpb.Usage
-    timings: rpb.Timings
-    worker_rid: str = ""
-    worker_call: grpc.aio.Call | None = None
-    aborted: bool = False  # by Router.Abort
-    finished: bool = False  # the client got its `complete`
-    outputs: list[int] = field(default_factory=list)  # token ids streamed to the client
-    emitted_chars: int = 0  # characters of text streamed to the client
-    kv: wpb.KvHandle | None = None  # the prefill hop's hand-off, until the decode hop uses it
-    recoveries: int = 0
-    failed: set[str] = field(default_factory=set)  # workers that failed this request
-    public_id: str = ""  # what the client calls it: its label, or the server's id
-    tenant: str = ""
-    t_last_token: float = 0.0  # perf_counter when the last token reached the client (metrics)
-    estimate_s: float | None = None  # expected delay to the first token, at admission
-    span: tracing.Span = tracing.INVALID_SPAN  # tandem.generate: the parent of worker spans
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.t_start) * 1e3
 
 
 class HopFailed(Exception):
@@ -117,30 +74,23 @@ class HopFailed(Exception):
 
 
 class Hops:
-    """Runs calls through the workers. `complete(call, reason, stop)` builds the final
-    message; `abort_workers(rid, placement)` cleans up a failed attempt in the background;
-    `retire_channel(address)` makes the next call to a worker whose connection failed open a
-    fresh one (a channel closed by keepalive sits in reconnect backoff, and would fail the
-    first request after the worker recovers)."""
+    """Runs calls through the workers, over `links` (channels, and aborts of failed
+    attempts), answering the client with `replies`."""
 
     def __init__(
         self,
         placer: Placer,
-        channel: Callable[[str], grpc.aio.Channel],
-        complete: Callable[[Call, rpb.FinishReason, str], rpb.GenerateResponse],
-        abort_workers: Callable[[str, Placement], None],
-        retire_channel: Callable[[str], None],
+        links: Links,
+        replies: Replies,
         hop_timeout_s: float,
         recovery: RecoveryConfig,
         min_reprefill_tokens: int,
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.placer = placer
+        self.links = links
+        self.replies = replies
         self.metrics = metrics or RouterMetrics()
-        self._channel = channel
-        self._complete = complete
-        self._abort_workers = abort_workers
-        self._retire_channel = retire_channel
         self.hop_timeout_s = hop_timeout_s
         self.recovery = recovery
         self.min_reprefill_tokens = min_reprefill_tokens
@@ -173,7 +123,7 @@ class Hops:
             dataclasses.replace(call.spec, request_id=call.worker_rid),
             call.placement.decode.worker_id,
         )
-        stub = wgrpc.PrefillWorkerStub(self._channel(worker.address))
+        stub = wgrpc.PrefillWorkerStub(self.links.channel(worker.address))
         call.worker_call = stream = stub.Prefill(
             request, timeout=context.time_remaining(), metadata=tracing.headers(call.span)
         )
@@ -194,40 +144,38 @@ class Hops:
             # KV is wanted. Without a hand-off (finished at its own token 1, possible when
             # sampling), the decode worker prefills.
             if resp.finished or not resp.HasField("kv"):
-                self._abort_workers(call.worker_rid, call.placement)
+                self.links.abort(call.worker_rid, call.placement)
                 call.placement = dataclasses.replace(call.placement, prefill=None)
             else:
-                call.kv = resp.kv
+                call.kv = _handoff(resp)
             return
         call.timings.first_token_ms = call.elapsed_ms()
-        call.usage.cached_prompt_tokens = resp.num_cached_tokens
+        call.cached_prompt_tokens = resp.num_cached_tokens
         chunk = rpb.Chunk(token_ids=[resp.first_token_id], text=resp.text, logprobs=resp.logprobs)
         self._streamed(call, chunk)
-        yield rpb.GenerateResponse(request_id=call.public_id, chunk=chunk)
+        yield self.replies.chunk(call, chunk)
         if resp.finished:
-            yield self._complete(call, resp.finish_reason, resp.stop_reason)
+            reason = convert.finish_reason_from_proto(resp.finish_reason)
+            yield self.replies.complete(call, reason, resp.stop_reason)
             return
-        call.kv = resp.kv
+        call.kv = _handoff(resp)
 
     async def _decode(
         self, call: Call, context: CallContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
         worker = call.placement.decode
-        rid = call.public_id
-        request = wpb.DecodeRequest(
-            request_id=call.worker_rid,
-            prompt_token_ids=call.spec.prompt_token_ids,
-            output_token_ids=call.outputs,
-            num_emitted_chars=call.emitted_chars,
-            sampling=convert.sampling_to_proto(call.spec.params),
-            cache_salt=call.spec.cache_salt,
-        )
-        if call.kv is not None:
-            request.kv.CopyFrom(call.kv)
-            request.report_kv_failure = (
-                self.recovery.reprefill and call.recoveries < self.recovery.max_recoveries
+        request = convert.decode_request_to_proto(
+            convert.DecodeInput(
+                dataclasses.replace(call.spec, request_id=call.worker_rid),
+                tuple(call.outputs),
+                call.emitted_chars,
+                call.kv,
+                report_kv_failure=(
+                    self.recovery.reprefill and call.recoveries < self.recovery.max_recoveries
+                ),
             )
-        stub = wgrpc.DecodeWorkerStub(self._channel(worker.address))
+        )
+        stub = wgrpc.DecodeWorkerStub(self.links.channel(worker.address))
         call.worker_call = stream = stub.Decode(
             request, timeout=context.time_remaining(), metadata=tracing.headers(call.span)
         )
@@ -241,13 +189,14 @@ class Hops:
                 if not call.outputs and msg.chunk.token_ids:
                     call.timings.first_token_ms = call.elapsed_ms()
                 self._streamed(call, msg.chunk)
-                yield rpb.GenerateResponse(request_id=rid, chunk=msg.chunk)
+                yield self.replies.chunk(call, msg.chunk)
             elif kind == "complete":
                 done = msg.complete
                 if not call.placement.disaggregated:
-                    call.usage.cached_prompt_tokens = done.num_cached_tokens
+                    call.cached_prompt_tokens = done.num_cached_tokens
                 call.timings.kv_transfer_ms = done.kv_transfer_ms
-                yield self._complete(call, done.finish_reason, done.stop_reason)
+                reason = convert.finish_reason_from_proto(done.finish_reason)
+                yield self.replies.complete(call, reason, done.stop_reason)
                 return
             elif kind == "kv_failed":
                 owner = call.placement.prefill.worker_id if call.placement.prefill else "?"
@@ -297,7 +246,6 @@ class Hops:
         )  # fmt: skip
         call.outputs.extend(chunk.token_ids)
         call.emitted_chars += len(chunk.text)
-        call.usage.completion_tokens = len(call.outputs)
 
     def _hop_error(
         self, call: Call, exc: grpc.aio.AioRpcError, fault: Fault, worker_id: str
@@ -340,7 +288,7 @@ class Hops:
         if failed.unreachable:
             for w in (placement.decode, placement.prefill):
                 if w is not None and w.worker_id == failed.worker_id:
-                    self._retire_channel(w.address)
+                    self.links.retire(w.address)
         local = placement.cached_tokens if placement.prefill is None else 0
         failure = Failure(
             fault=failed.fault,
@@ -360,7 +308,7 @@ class Hops:
         call.timings.recoveries.append(line)
         # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
         # frozen worker) is released in the background under its own ids.
-        self._abort_workers(call.worker_rid, placement)
+        self.links.abort(call.worker_rid, placement)
         if step.action is Action.FAIL:
             raise errors.unavailable(
                 f"request {call.public_id} failed: {step.reason}", retry_after_s=1.0
@@ -384,3 +332,12 @@ class Hops:
         if step.prefill is not None:
             self.placer.claim(step.prefill.worker_id)
         call.placement = new
+
+
+def _handoff(resp: wpb.PrefillResponse) -> KVHandoff:
+    """The prefill worker's hand-off as the core's value. Raises FAILED_PRECONDITION naming
+    the bad field, as the decode worker would: a deployment problem, not the client's."""
+    try:
+        return convert.handoff_from_proto(resp.kv)
+    except ValueError as exc:
+        raise errors.failed_precondition(f"kv.{exc}") from None

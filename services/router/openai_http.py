@@ -36,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 from services.common import security, tracing
 from services.common.errors import ServiceError
 from services.router import openai_protocol as oai
-from services.router.hops import CallContext
+from services.router.call import CallContext
 from tandem.model.tokenizer import Tokenizer
 from tandem.v1 import router_pb2 as rpb
 

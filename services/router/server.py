@@ -12,10 +12,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from http.server import HTTPServer
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health
@@ -23,28 +22,27 @@ from grpc_health.v1 import health
 from services.common import errors, security, tracing
 from services.common.errors import ServiceError, invalid_argument, rpc
 from services.common.metrics import RouterMetrics, start_metrics_server, stop_metrics_server
-from services.common.process import channel_options, start_grpc_server
+from services.common.process import start_grpc_server
 from services.common.redis.request_ids import RequestIds
 from services.common.redis.request_log import RequestLog
+from services.router.call import Call, CallContext, Timings, worker_request_id
 from services.router.config import RouterConfig
-from services.router.hops import Call, CallContext, Hops, worker_request_id
+from services.router.hops import Hops
+from services.router.links import Background, Links
 from services.router.openai_http import OpenAIServer
 from services.router.placer import Placer
 from services.router.prompts import Prompts
-from tandem.control import RequestSample
+from services.router.replies import Replies
+from services.router.tenants import Tenants
 from tandem.engine.request import RequestSpec
 from tandem.routing import Placement
-from tandem.types import Role
+from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
-from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Router"
 MAX_REQUEST_ID_CHARS = 256
-ABORT_ATTEMPTS = 2  # an abort a worker did not answer is sent once more
-ABORT_TIMEOUT_S = 2.0
-ABORT_RETRY_S = 0.5
 
 __all__ = ["RouterConfig", "RouterServer"]
 
@@ -67,23 +65,22 @@ class RouterServer(rgrpc.RouterServicer):
         self.tokenizer = self.prompts.tokenizer
         self.model_config = self.prompts.model_config
         self.max_model_len = self.prompts.max_model_len
+        self.metrics = RouterMetrics()
+        self.background = Background()
+        self.links = Links(config.auth, config.keepalive_s, self.metrics, self.background)
+        self.replies = Replies(self.metrics)
         # A worker (re)joining the registry gets a fresh connection: the old one may sit in
         # reconnect backoff from the outage that took it out.
-        self.placer = Placer(config, self.model_id, lambda w: self._retire_channel(w.address))
-        self.metrics = RouterMetrics()
+        self.placer = Placer(config, self.model_id, lambda w: self.links.retire(w.address))
         self.metrics.running.set_function(lambda: len(self._admitted))
         self.metrics.index_degraded.set_function(lambda: float(self.placer.index_degraded))
         self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
         self._metrics_server: HTTPServer | None = None
-        self.shared_cache_tenants = {
-            t.strip() for t in config.shared_cache_tenants.split(",") if t.strip()
-        }
+        self.tenants = Tenants(config.api_keys_file, config.shared_cache_tenants)
         self.hops = Hops(
             self.placer,
-            self._channel,
-            self._complete,
-            lambda rid, placement: self._spawn(self._abort_workers(rid, placement)),
-            self._retire_channel,
+            self.links,
+            self.replies,
             config.hop_timeout_s,
             config.recovery,
             config.routing.disagg_min_uncached_tokens,
@@ -93,13 +90,10 @@ class RouterServer(rgrpc.RouterServicer):
         self.http: OpenAIServer | None = None  # the OpenAI HTTP API, when http_port >= 0
         self.health = health.aio.HealthServicer()
         self.address = ""
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._retired: list[grpc.aio.Channel] = []  # replaced; their calls may still run
         # Keyed by (tenant, the client's id for the request): a tenant sees only its own.
         self._admitted: set[tuple[str, str]] = set()  # between admission and the end
         self._calls: dict[tuple[str, str], Call] = {}  # the placed ones
         self._early_aborts: set[tuple[str, str]] = set()  # Abort before placement
-        self._background: set[asyncio.Task[None]] = set()
         self._request_log: RequestLog | None = None
         self._request_ids: RequestIds | None = None
 
@@ -112,13 +106,9 @@ class RouterServer(rgrpc.RouterServicer):
         if self.config.redis_url:
             self._request_log = RequestLog(self.config.redis_url, self.model_id)
             await self._request_log.start()
+            self.replies.request_log = self._request_log
             self._request_ids = RequestIds(self.config.redis_url, self.model_id)
-        keyring = None
-        if self.config.api_keys_file:
-            keyring = security.KeyRing.load(self.config.api_keys_file)
-            log.info("public API keys: %d (tenants' prefix caches apart)", len(keyring))
-        else:
-            log.warning("no api_keys_file: the public API takes calls without a key")
+        keyring = self.tenants.load_keyring()
         credentials = None
         if self.config.tls_cert_file:
             credentials = grpc.ssl_server_credentials(
@@ -158,7 +148,7 @@ class RouterServer(rgrpc.RouterServicer):
         )
         self.metrics_address = f"{self.config.host}:{port}"
         log.info("router metrics on http://%s/metrics", self.metrics_address)
-        self._spawn(self._refresh_worker_gauges())
+        self.background.spawn(self._refresh_worker_gauges())
 
     async def _refresh_worker_gauges(self) -> None:
         while self._metrics_server is not None:
@@ -172,48 +162,18 @@ class RouterServer(rgrpc.RouterServicer):
         self._metrics_server = None
         if self.server is not None:
             await self.server.stop(grace=2.0)
-        if self._background:
-            # The requests the stop cut short are being aborted on their workers: let those
-            # calls go out before the channels close.
-            await asyncio.wait(set(self._background), timeout=3.0)
+        # The requests the stop cut short are being aborted on their workers: let those
+        # calls go out before the channels close.
+        await self.background.wait(3.0)
         await self.placer.stop()
         if self._request_log is not None:
             await self._request_log.stop()
         if self._request_ids is not None:
             await self._request_ids.close()
-        for ch in [*self._channels.values(), *self._retired]:
-            await ch.close()
+        await self.links.close()
         self.prompts.close()
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            # Keepalive: a frozen worker fails its calls within ~2 x keepalive_s.
-            ch = self._channels[address] = security.internal_channel(
-                address, self.config.auth, options=channel_options(self.config.keepalive_s)
-            )
-        return ch
-
-    # -- tenants ---------------------------------------------------------------------------
-
-    def _tenant(self) -> str:
-        """The calling tenant (from its API key); "" without keys."""
-        principal = security.current_principal()
-        return principal.tenant if principal is not None else ""
-
-    def _cache_salt(self, tenant: str) -> str:
-        """Tenants get prefix caches of their own: neither shares nor probes another's."""
-        if not tenant or tenant in self.shared_cache_tenants:
-            return ""
-        return f"tenant:{tenant}"
-
-    def _retire_channel(self, address: str) -> None:
-        """The next call to `address` opens a new channel (see Hops). The old one is closed
-        at stop: closing it now would cancel calls that may still be running on it."""
-        ch = self._channels.pop(address, None)
-        if ch is not None:
-            self._retired.append(ch)
-            del self._retired[:-64]  # bounded; the dropped ones are garbage-collected
+    # -- requests ---------------------------------------------------------------------------
 
     def _admit(self, key: tuple[str, str]) -> None:
         """Count the request in, atomically (no await between the checks and the count)."""
@@ -234,16 +194,16 @@ class RouterServer(rgrpc.RouterServicer):
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
-        async for response in self.generate(request, context, self._tenant()):
+        async for response in self.generate(request, context, self.tenants.current()):
             yield response
 
     async def generate(
         self, request: rpb.GenerateRequest, context: CallContext, tenant: str
     ) -> AsyncGenerator[rpb.GenerateResponse, None]:
         """One request of `tenant`, from admission to its last message: the gRPC API and the
-        HTTP API (services.router.http) both serve through here. Raises ServiceError (after an
-        in-stream Error message once the stream has started); cancelling the iteration (a
-        client gone) aborts the request on both workers."""
+        HTTP API (services.router.openai_http) both serve through here. Raises ServiceError
+        (after an in-stream Error message once the stream has started); cancelling the
+        iteration (a client gone) aborts the request on both workers."""
         t_start = time.perf_counter()
         label = request.request_id
         if label:
@@ -273,7 +233,7 @@ class RouterServer(rgrpc.RouterServicer):
                 log.info("request %s: label %r, tenant %r", server_id, label, tenant)
             with tracing.span("tandem.tokenize", span):
                 spec = await self.prompts.spec(
-                    request, server_id, context.time_remaining(), self._cache_salt(tenant)
+                    request, server_id, context.time_remaining(), self.tenants.cache_salt(tenant)
                 )
             span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
             with tracing.span("tandem.route", span) as route_span:
@@ -298,20 +258,19 @@ class RouterServer(rgrpc.RouterServicer):
                 # Abort() cancels the worker call; depending on where it lands that surfaces
                 # as CancelledError or as a CANCELLED status. A client's own cancel re-raises.
                 if call.aborted:
-                    call.finished = True
-                    yield self._complete(call, rpb.FINISH_REASON_ABORT, "")
+                    yield self.replies.complete(call, FinishReason.ABORT, "")
                     return
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 error = errors.from_worker(exc)
-                yield rpb.GenerateResponse(request_id=rid, error=_error(error))
+                yield self.replies.error(rid, error)
                 raise error from None
             except ServiceError as error:
-                yield rpb.GenerateResponse(request_id=rid, error=_error(error))
+                yield self.replies.error(rid, error)
                 raise
             finally:
                 self._close(call)
-                span.set_attribute("tandem.output_tokens", call.usage.completion_tokens)
+                span.set_attribute("tandem.output_tokens", call.num_output_tokens)
         except BaseException as exc:
             tracing.fail(span, exc)
             self.metrics.raised(exc, completed=call is not None and call.finished)
@@ -321,12 +280,12 @@ class RouterServer(rgrpc.RouterServicer):
             self._admitted.discard(key)
             self._early_aborts.discard(key)
             if claimed and self._request_ids is not None:
-                self._spawn(self._request_ids.release(claim))
+                self.background.spawn(self._request_ids.release(claim))
 
     def _open(
         self, spec: RequestSpec, placement: Placement, t_start: float, public_id: str, tenant: str
     ) -> Call:
-        timings = rpb.Timings(
+        timings = Timings(
             queue_ms=(time.perf_counter() - t_start) * 1e3,
             disaggregated=placement.disaggregated,
             prefill_worker=placement.prefill.worker_id if placement.prefill else "",
@@ -337,92 +296,20 @@ class RouterServer(rgrpc.RouterServicer):
         )
         self.metrics.placed(placement, timings.queue_ms / 1e3)
         dispatch = self.placer.inflight.dispatch(placement, spec.num_prompt_tokens)
-        usage = rpb.Usage(prompt_tokens=spec.num_prompt_tokens)
         return Call(
-            spec, placement, dispatch, t_start, usage, timings,
+            spec, placement, dispatch, t_start, timings,
             worker_rid=worker_request_id(spec.request_id), public_id=public_id, tenant=tenant,
         )  # fmt: skip
 
     def _close(self, call: Call) -> None:
-        self._calls.pop((call.tenant, call.public_id), None)
+        self._calls.pop(call.key, None)
         call.dispatch.finish()
-        usage = call.usage
         self.metrics.tokens(
-            usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens
+            call.spec.num_prompt_tokens, call.num_output_tokens, call.cached_prompt_tokens
         )
         if not call.finished or call.aborted:
             # Client cancelled, deadline passed, Abort, or a worker failed: stop both sides.
-            self._spawn(self._abort_workers(call.worker_rid, call.placement))
-
-    def _complete(
-        self, call: Call, finish_reason: rpb.FinishReason, stop_reason: str
-    ) -> rpb.GenerateResponse:
-        """The final message of a request; a finished one's timings go to the controller."""
-        call.finished = True
-        aborted = finish_reason == rpb.FINISH_REASON_ABORT
-        self.metrics.completed(call.timings.disaggregated, aborted, call.elapsed_ms() / 1e3)
-        if finish_reason != rpb.FINISH_REASON_ABORT:
-            call.timings.total_ms = call.elapsed_ms()
-            self._record(call)
-        complete = rpb.Complete(
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            usage=call.usage,
-            timings=call.timings,
-        )
-        return rpb.GenerateResponse(request_id=call.public_id, complete=complete)
-
-    def _record(self, call: Call) -> None:
-        if self._request_log is None:
-            return
-        usage, timings = call.usage, call.timings
-        self._request_log.record(
-            RequestSample.of(
-                t=time.time(),
-                ttft_ms=timings.first_token_ms,
-                total_ms=timings.total_ms,
-                prompt_tokens=usage.prompt_tokens,
-                output_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_prompt_tokens,
-                disaggregated=timings.disaggregated,
-            )
-        )
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _abort_workers(self, worker_rid: str, placement: Placement) -> None:
-        """Abort one attempt on both its workers, at once. Workers answer an abort without
-        waiting for their engine; one that cannot be reached now gets a second try, and
-        past that its own reaper (leases, orphaned requests) frees what the attempt held."""
-        req = rpb.AbortRequest(request_id=worker_rid)
-        targets = [(Role.DECODE, wgrpc.DecodeWorkerStub, placement.decode.address)]
-        if placement.prefill is not None:
-            targets.append((Role.PREFILL, wgrpc.PrefillWorkerStub, placement.prefill.address))  # type: ignore[arg-type]
-        await asyncio.gather(*(self._abort_one(req, *target) for target in targets))
-
-    async def _abort_one(
-        self, req: rpb.AbortRequest, role: Role, stub_cls: Any, address: str
-    ) -> None:
-        for attempt in range(ABORT_ATTEMPTS):
-            t0 = time.perf_counter()
-            try:
-                await stub_cls(self._channel(address)).Abort(req, timeout=ABORT_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                self.metrics.worker_abort(role, None)
-                log.warning(
-                    "abort of %s on %s failed (attempt %d of %d): %s",
-                    req.request_id, address, attempt + 1, ABORT_ATTEMPTS, exc.code().name,
-                )  # fmt: skip
-                await asyncio.sleep(ABORT_RETRY_S)
-                continue
-            except grpc.aio.UsageError:  # the router is stopping: its channels are closed
-                log.warning("abort of %s on %s skipped: router stopping", req.request_id, address)
-                return
-            self.metrics.worker_abort(role, time.perf_counter() - t0)
-            return
+            self.links.abort(call.worker_rid, call.placement)
 
     @rpc
     async def Tokenize(
@@ -447,7 +334,7 @@ class RouterServer(rgrpc.RouterServicer):
     async def Abort(
         self, request: rpb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> rpb.AbortResponse:
-        key = (self._tenant(), request.request_id)
+        key = (self.tenants.current(), request.request_id)
         call = self._calls.get(key)
         if call is None:
             if key in self._admitted:  # not placed yet
@@ -461,7 +348,3 @@ class RouterServer(rgrpc.RouterServicer):
         return rpb.AbortResponse(found=True)
 
 
-def _error(error: ServiceError) -> rpb.Error:
-    return rpb.Error(
-        code=error.code.value[0], message=error.message, retry_after_ms=error.retry_after_ms
-    )

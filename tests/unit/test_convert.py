@@ -12,7 +12,6 @@ from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import SamplingParams
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
 from tandem.v1 import router_pb2 as rpb
-from tandem.v1 import worker_pb2 as wpb
 
 
 @pytest.mark.parametrize(
@@ -119,28 +118,64 @@ def test_worker_requests_carry_the_spec_unchanged() -> None:
     prefill = convert.prefill_request_to_proto(spec, "decode-3")
     assert prefill.decode_worker == "decode-3"
     assert convert.spec_from_proto(prefill, "r1", None) == spec
-    decode = convert.decode_request_to_proto(spec)
+    decode = convert.decode_request_to_proto(convert.DecodeInput(spec))
     assert not decode.HasField("kv") and list(decode.output_token_ids) == []
-    assert convert.spec_from_proto(decode, "r1", 4.5) == RequestSpec(
-        "r1", (5, 6, 7), spec.params, timeout_s=4.5
-    )
+    assert not decode.report_kv_failure and decode.num_emitted_chars == 0
+    worker_spec = convert.spec_from_proto(decode, "r1", 4.5)
+    assert worker_spec == RequestSpec("r1", (5, 6, 7), spec.params, timeout_s=4.5)
+    assert convert.decode_from_proto(decode, worker_spec) == convert.DecodeInput(worker_spec)
+
+
+def _handoff() -> KVHandoff:
+    return KVHandoff(
+        RemoteKV("nixl", "prefill-0", b"md", 4096, 2048, (3, 4), LAYOUT),
+        16, 20, "h:1", "L1", 9, 1e9, signature=b"sig",
+    )  # fmt: skip
 
 
 def test_decode_request_after_prefill_carries_token_1_and_the_handoff() -> None:
-    handoff = KVHandoff(
-        RemoteKV("nixl", "prefill-0", b"md", 4096, 2048, (3, 4), LAYOUT),
-        16, 20, "h:1", "L1", 9, 1e9,
-    )  # fmt: skip
-    prefilled = wpb.PrefillResponse(request_id="r1", first_token_id=42, text="ab")
-    prefilled.kv.CopyFrom(convert.handoff_to_proto(handoff))
-    msg = convert.decode_request_to_proto(_spec(), prefilled)
+    handoff = _handoff()
+    sent = convert.DecodeInput(_spec(), (42,), 2, handoff, report_kv_failure=True)
+    msg = convert.decode_request_to_proto(sent)
+    assert msg.request_id == "r1" and list(msg.prompt_token_ids) == [5, 6, 7]
     assert list(msg.output_token_ids) == [42] and msg.num_emitted_chars == 2
+    assert msg.report_kv_failure and msg.cache_salt == ""
     assert convert.handoff_from_proto(msg.kv) == handoff
     assert convert.handoff_from_proto(msg.kv).remote.layout == LAYOUT
+    # The worker gets back exactly what the router sent.
+    spec = convert.spec_from_proto(msg, msg.request_id, None)
+    assert convert.decode_from_proto(msg, spec) == sent
     # The handle's block size and its layout's must agree.
     msg.kv.block_size = 8
     with pytest.raises(ValueError, match="^block_size 8 differs from the handle's layout"):
         convert.handoff_from_proto(msg.kv)
+    with pytest.raises(convert.BadHandoff, match="^block_size 8 differs"):
+        convert.decode_from_proto(msg, spec)
+
+
+def test_decode_request_of_a_migration_carries_every_streamed_token() -> None:
+    spec = RequestSpec("r1~ab12", (5, 6, 7), _spec().params, cache_salt="tenant:t")
+    streamed = tuple(range(100, 400))
+    sent = convert.DecodeInput(spec, streamed, 1234, None, report_kv_failure=True)
+    msg = convert.decode_request_to_proto(sent)
+    assert tuple(msg.output_token_ids) == streamed and msg.num_emitted_chars == 1234
+    # Without a hand-off there is no KV failure to report: the worker prefills.
+    assert not msg.HasField("kv") and not msg.report_kv_failure
+    assert msg.cache_salt == "tenant:t"
+    got = convert.decode_from_proto(msg, convert.spec_from_proto(msg, msg.request_id, None))
+    assert got == convert.DecodeInput(spec, streamed, 1234, None, report_kv_failure=False)
+
+
+def test_decode_request_refuses_a_handoff_without_token_1_or_with_a_bad_handle() -> None:
+    spec = _spec()
+    msg = convert.decode_request_to_proto(convert.DecodeInput(spec, (), 0, _handoff()))
+    with pytest.raises(ValueError, match="^output_token_ids must hold token 1$") as info:
+        convert.decode_from_proto(msg, spec)
+    assert not isinstance(info.value, convert.BadHandoff)
+    msg.output_token_ids.append(42)
+    msg.kv.ClearField("layout")
+    with pytest.raises(convert.BadHandoff, match="^layout: the KV handle does not say"):
+        convert.decode_from_proto(msg, spec)
 
 
 def test_chunk_merges_consecutive_outputs() -> None:
