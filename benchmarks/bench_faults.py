@@ -5,7 +5,7 @@ answers and how fast; whether 1 MiB prompts disturb live streams.
     python benchmarks/bench_faults.py [--quick] [--only matrix|overload|itl]
         [--results-dir DIR] [--notes FILE] [--no-markdown-file] [--replot JSON]
 
-The fleet is the fault suite's (`tests/faults/fleet.py`): a private Redis, prefill workers
+The fleet is the fault suite's (`benchmarks/fleet.py`): a private Redis, prefill workers
 p0 and p1, decode workers d0 and d1, routers r0 (default admission) and r1
 (`--max-inflight 8`), the `tiny` model, every worker with 1 torch thread (TANDEM_NUM_THREADS;
 the box has 2 cores). Greedy sampling with ignore_eos fixes every output length.
@@ -68,11 +68,11 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))  # `tests.faults.fleet`
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # machine, loadgen, fleet
 
 import grpc  # noqa: E402
 import machine  # noqa: E402
+from fleet import MAX_INFLIGHT, Fleet  # noqa: E402
 from loadgen import (  # noqa: E402
     RequestClass,
     RouterTarget,
@@ -87,7 +87,6 @@ from tandem.client import AsyncTandemClient, Result, TandemError  # noqa: E402
 from tandem.engine.prefix_hash import hash_blocks  # noqa: E402
 from tandem.model.tiny import make_tiny_model  # noqa: E402
 from tandem.routing.policy import home_rank, prefix_key  # noqa: E402
-from tests.faults.fleet import MAX_INFLIGHT, Fleet  # noqa: E402
 
 DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
@@ -1168,7 +1167,7 @@ def section_markdown(report: dict[str, Any], notes: str) -> str:
         f"`{COMMAND}` ({report['duration_s']:.0f} s on a {mc['cpu_count']}-core box "
         f"({mc['cpu_model']}, shared: load average {mc['loadavg_1_5_15'][0]:.1f} at the start), "
         f"{mc['date']}, commit {mc['git_commit']}; `--quick` takes about a minute). Results: "
-        "`benchmarks/results/faults.json`. The fleet of `tests/faults/fleet.py`: private Redis, "
+        "`benchmarks/results/faults.json`. The fleet of `benchmarks/fleet.py`: private Redis, "
         "prefill p0 p1, decode d0 d1, routers r0 and r1 (`--max-inflight 8`), the `tiny` model, "
         "1 torch thread per worker, router keepalive 0.5 s, registry TTL 1 s. The method is in "
         "the script's docstring.",

@@ -18,6 +18,34 @@ from tandem.v1 import router_pb2 as rpb
 _PROMPT_CHARS_SLACK = 4
 
 
+def check_size(
+    request: rpb.GenerateRequest | rpb.TokenizeRequest, max_model_len: int, max_prompt_chars: int
+) -> None:
+    """Refuse a prompt that cannot fit before spending any time on it: token ids as many as
+    the context or more, text (or chat contents and roles) over `max_prompt_chars`.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the input and the limit.
+    """
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        chars = len(request.text)
+    elif kind == "chat":
+        chars = sum(len(m.content) + len(m.role) for m in request.chat.messages)
+    elif kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
+        n = len(request.token_ids.ids)
+        if n >= max_model_len:
+            raise invalid_argument(f"token_ids: {n} tokens; the model's context is {max_model_len}")
+        return
+    else:
+        return
+    if chars > max_prompt_chars:
+        raise invalid_argument(
+            f"{kind}: {chars} characters cannot fit the model's context of "
+            f"{max_model_len} tokens (at most {max_prompt_chars} characters)"
+        )
+
+
 class Prompts:
     """The served model's tokenizer and limits, applied to public requests."""
 
@@ -36,26 +64,7 @@ class Prompts:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def check_size(self, request: rpb.GenerateRequest | rpb.TokenizeRequest) -> None:
-        """Refuse a prompt that cannot fit before spending any time on it."""
-        kind = request.WhichOneof("input")
-        if kind == "text":
-            chars = len(request.text)
-        elif kind == "chat":
-            chars = sum(len(m.content) + len(m.role) for m in request.chat.messages)
-        elif kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
-            n = len(request.token_ids.ids)
-            if n >= self.max_model_len:
-                raise invalid_argument(
-                    f"token_ids: {n} tokens; the model's context is {self.max_model_len}"
-                )
-            return
-        else:
-            return
-        if chars > self.max_prompt_chars:
-            raise invalid_argument(
-                f"{kind}: {chars} characters cannot fit the model's context of "
-                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)"
-            )
+        check_size(request, self.max_model_len, self.max_prompt_chars)
 
     async def prompt(
         self, request: rpb.GenerateRequest | rpb.TokenizeRequest

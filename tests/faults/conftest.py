@@ -1,4 +1,4 @@
-"""Fixtures of the fault-matrix suite: one `Fleet` (tests/faults/fleet.py) for the whole
+"""Fixtures of the fault-matrix suite: one `Fleet` (benchmarks/fleet.py) for the whole
 package, its tiny model, and the single-process engine the outputs are compared with."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.fleet import KV_BYTES, Fleet
+from benchmarks.fleet import MAX_INFLIGHT as MAX_INFLIGHT  # re-exported for the tests
+from benchmarks.fleet import WAIT_S as WAIT_S  # re-exported for the tests
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.model.tiny import make_tiny_model
-from tests.faults.fleet import KV_BYTES, Fleet
-from tests.faults.fleet import MAX_INFLIGHT as MAX_INFLIGHT  # re-exported for the tests
-from tests.faults.fleet import WAIT_S as WAIT_S  # re-exported for the tests
 
 
 @pytest.fixture(scope="package")

@@ -22,12 +22,12 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from benchmarks.fleet import Fleet, wait_until
 from tandem.client import AsyncTandemClient, TandemError
 from tandem.model.tiny import make_tiny_model
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
-from tests.faults.fleet import Fleet, wait_until
 
 LONG = 8000  # tokens: one prefill step of several seconds on one thread
 

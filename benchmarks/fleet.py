@@ -1,7 +1,8 @@
 """The fault-matrix fleet: a private Redis, two prefill and two decode workers, two routers,
-all real processes over real gRPC and NIXL. One fleet serves the whole fault suite (each case
-restores what it broke: restarts the killed process under the same worker id, and leaves the
-fleet clean, `Fleet.assert_clean`) and `benchmarks/bench_faults.py`, which imports it from here.
+all real processes over real gRPC and NIXL. One fleet serves the whole fault suite
+(tests/faults: each case restores what it broke, restarts the killed process under the same
+worker id, and leaves the fleet clean, `Fleet.assert_clean`) and `benchmarks/bench_faults.py`.
+It lives here, beside the benchmark, so that no benchmark imports test code.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import grpc
 
 from services.common.redis.registry import Registry
 from services.common.redis.server import RedisServer
+from tandem.types import Role
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 KV_BYTES = 32 << 20
 WAIT_S = 60.0  # every wait in the suite is bounded by this
 MAX_INFLIGHT = 8  # router r1's limit (the overload case); r0 keeps the default
-ROLES = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
+WORKERS = {"p0": Role.PREFILL, "p1": Role.PREFILL, "d0": Role.DECODE, "d1": Role.DECODE}
 
 
 def wait_until(what: str, ok: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
@@ -53,7 +55,7 @@ class Fleet:
     ) -> None:
         self.model_dir = model_dir
         self.run_dir = run_dir
-        self.roles = roles or ROLES
+        self.roles = roles or WORKERS
         self.routers = routers or {"r0": [], "r1": ["--max-inflight", str(MAX_INFLIGHT)]}
         self.worker_args = list(worker_args)
         self.redis = RedisServer(unix_socket=run_dir / "redis.sock", workdir=run_dir / "redis")
@@ -156,7 +158,7 @@ class Fleet:
     # -- checks ------------------------------------------------------------------------------
 
     def stats(self, name: str) -> wpb.WorkerStats:
-        prefill = self.roles[name] == "prefill"
+        prefill = self.roles[name] == Role.PREFILL
         stub_cls = wgrpc.PrefillWorkerStub if prefill else wgrpc.DecodeWorkerStub
         with grpc.insecure_channel(self.addresses[name]) as channel:
             return stub_cls(channel).GetStats(wpb.GetStatsRequest(), timeout=5)  # type: ignore[no-any-return]

@@ -1,0 +1,78 @@
+"""The router's checks before any work: a client's request id (a bounded printable label:
+it appears in logs) and a prompt's size against the model's context (before tokenizing)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.common.errors import ServiceError
+from services.router.prompts import check_size
+from services.router.server import MAX_REQUEST_ID_CHARS, check_request_id
+from tandem.v1 import router_pb2 as rpb
+
+
+def refused(call, *args) -> ServiceError:  # type: ignore[no-untyped-def]
+    with pytest.raises(ServiceError) as info:
+        call(*args)
+    assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    return info.value
+
+
+@pytest.mark.parametrize("label", ["", "r1", "a" * 256, "réponse 1/ü~x", "x" * 255 + "é"])
+def test_request_ids_up_to_256_printable_characters_pass(label: str) -> None:
+    assert MAX_REQUEST_ID_CHARS == 256
+    check_request_id(label)
+
+
+def test_a_request_id_of_257_characters_is_refused_with_its_length() -> None:
+    error = refused(check_request_id, "a" * 257)
+    assert error.message == "request_id: 257 characters; at most 256"
+
+
+@pytest.mark.parametrize(
+    "label", ["a\nb", "tab\tbed", "nul\x00", "esc\x1b[31m", "del\x7f", "zw\u200b"]
+)
+def test_request_ids_with_control_characters_are_refused(label: str) -> None:
+    error = refused(check_request_id, label)
+    assert error.message == "request_id: must be printable (no control characters)"
+
+
+def test_the_length_is_checked_before_the_characters() -> None:
+    error = refused(check_request_id, "\n" * 300)
+    assert error.message == "request_id: 300 characters; at most 256"
+
+
+def text(n: int) -> rpb.GenerateRequest:
+    return rpb.GenerateRequest(text="x" * n)
+
+
+def test_text_up_to_max_prompt_chars_passes_and_one_more_is_refused() -> None:
+    check_size(text(40), max_model_len=8, max_prompt_chars=40)
+    error = refused(check_size, text(41), 8, 40)
+    assert error.message == (
+        "text: 41 characters cannot fit the model's context of 8 tokens (at most 40 characters)"
+    )
+
+
+def test_chat_counts_every_message_s_content_and_role() -> None:
+    chat = rpb.ChatMessages(
+        messages=[rpb.ChatMessage(role="user", content="x" * 10),
+                  rpb.ChatMessage(role="assistant", content="y" * 17)]
+    )  # fmt: skip
+    check_size(rpb.GenerateRequest(chat=chat), 8, 4 + 10 + 9 + 17)
+    error = refused(check_size, rpb.GenerateRequest(chat=chat), 8, 39)
+    assert error.message.startswith("chat: 40 characters cannot fit")
+    # Tokenize requests are held to the same limit.
+    refused(check_size, rpb.TokenizeRequest(chat=chat), 8, 39)
+    refused(check_size, rpb.TokenizeRequest(text="x" * 41), 8, 40)
+
+
+def test_token_ids_must_leave_room_in_the_context() -> None:
+    check_size(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[1] * 7)), 8, 0)
+    error = refused(check_size, rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[1] * 8)), 8, 0)
+    assert error.message == "token_ids: 8 tokens; the model's context is 8"
+
+
+def test_a_request_without_input_is_left_to_the_prompt_check() -> None:
+    check_size(rpb.GenerateRequest(), 8, 0)
