@@ -7,7 +7,9 @@ the profile path a deployed worker takes.
 
 On `--cpu` the same path at tiny size: the chart's config with the device and dtype of the
 CPU run (a CPU engine sizes KV by kv_cache_bytes: profiling is CUDA-only) and the torch
-attention backend (the Triton backend under the interpreter would take minutes here)."""
+attention backend: the Triton backend under the interpreter did not finish warm-up at the
+chart's decode budgets (2048-token steps, 256 rows) within 6 minutes on a 2-core machine.
+tests/unit/test_attention_backend.py profiles the Triton backend under the interpreter."""
 
 from __future__ import annotations
 
