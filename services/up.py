@@ -59,6 +59,7 @@ from services.up_processes import free_port as _free_port
 from services.up_processes import popen as _popen
 from services.up_processes import read_until as _read_until
 from services.up_processes import write_private as _write_private
+from tandem.types import Role
 
 if TYPE_CHECKING:
     from tandem.gpus import WorkerGpu
@@ -237,7 +238,7 @@ class Cluster:
         ]
         started = [
             self._spawn_worker(role)
-            for role, n in (("prefill", cfg.num_prefill), ("decode", cfg.num_decode))
+            for role, n in ((Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode))
             for _ in range(n)
         ]
         for child in started:

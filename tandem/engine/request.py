@@ -10,6 +10,7 @@ import torch
 
 from tandem.engine.prefix_hash import ROOT_PARENT_HASH, hash_blocks
 from tandem.engine.sampling import LogprobEntry, SamplingParams
+from tandem.types import FinishReason
 
 
 class RequestStatus(StrEnum):
@@ -32,9 +33,9 @@ class RequestStatus(StrEnum):
 
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 

@@ -61,3 +61,25 @@ def test_prefill_rate_counts_prompt_tokens_over_the_steps_that_computed_them() -
     clock.now += 60  # idle for a minute: the last measured rate is kept
     assert meter.read() == (0.0, 0.0, 0.0)
     assert meter.prefill_tokens_per_s() == pytest.approx(2000.0)
+
+
+def test_the_prefill_rate_is_the_slowest_within_the_horizon() -> None:
+    """Admission plans with the pessimistic rate: a slow spell counts at once and for
+    rate_horizon_s, a fast one only once the slow ones have aged out."""
+    clock = Clock()
+    meter = StepMeter(period_s=5.0, clock=clock, rate_horizon_s=60.0)
+    meter.seed_prefill_rate(200.0)  # the warm-up's
+    assert meter.prefill_tokens_per_s() == pytest.approx(200.0)
+    clock.now += 1
+    meter.record(1.0, 500, 500)  # alone on the host: 500 tokens/s
+    assert meter.prefill_tokens_per_s() == pytest.approx(200.0)  # the seed is still recent
+    clock.now += 60  # the seed ages out; the 500 tokens/s step is outside the 5 s window
+    assert meter.prefill_tokens_per_s() == pytest.approx(500.0)  # kept: the latest measured
+    meter.record(2.0, 300, 300)  # a decode batch beside it: 150 tokens/s
+    assert meter.prefill_tokens_per_s() == pytest.approx(150.0)  # slower at once
+    clock.now += 10
+    meter.record(1.0, 600, 600)  # fast again
+    assert meter.prefill_tokens_per_s() == pytest.approx(150.0)  # not trusted yet
+    clock.now += 51  # the slow spell (measured 61 s ago) ages out
+    meter.record(1.0, 600, 600)
+    assert meter.prefill_tokens_per_s() == pytest.approx(600.0)

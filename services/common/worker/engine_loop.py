@@ -30,6 +30,7 @@ from services.common.metrics import WorkerMetrics
 from tandem.engine.device import use_device
 from tandem.engine.engine import EngineStats, LLMEngine, RequestOutput
 from tandem.routing.stall import HopProgress
+from tandem.types import FinishReason
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -62,20 +63,34 @@ def is_device_error(exc: BaseException) -> bool:
 class StepMeter:
     """Rolling load figures of the engine thread over the last `period_s`: the fraction of
     time spent in steps, tokens computed per second and the mean step time, and the prefill
-    rate (prompt tokens per second of the steps that computed prompts; the last measured one
-    while no step did, so an idle worker still knows its speed). Written by the engine
-    thread, read by the heartbeat (a lock keeps the two consistent)."""
+    rate admission plans with (below). Written by the engine thread, read by the heartbeat
+    (a lock keeps the two consistent).
 
-    def __init__(self, period_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+    The prefill rate is prompt tokens per second of the steps that computed prompts, and the
+    one reported is the slowest measured over the last `rate_horizon_s`: admission promises
+    a delay, so it plans with the pessimistic rate. A worker slows at once when something
+    takes its CPU or memory bandwidth (a decode batch beside it on a small host, a noisy
+    neighbour) and is trusted to be fast again only once the slow spell has aged out; the
+    overload soak admitted 12 documents on a rate measured while the decode worker beside it
+    was still idle, and they waited 190 s against a 120 s limit. While no step measures one
+    (idle), the last measured rate is kept, so an idle worker still knows its speed."""
+
+    def __init__(
+        self,
+        period_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        rate_horizon_s: float = 60.0,
+    ):
         if period_s <= 0:
             raise ValueError(f"period_s must be > 0, got {period_s}")
         self.period_s = period_s
+        self.rate_horizon_s = rate_horizon_s
         self._clock = clock
         self._started = clock()
         # (end, duration_s, tokens, prompt tokens)
         self._steps: deque[tuple[float, float, int, int]] = deque()
         self._lock = threading.Lock()
-        self._prefill_rate = 0.0  # last measured prompt tokens per second
+        self._rates: deque[tuple[float, float]] = deque()  # (when, prompt tokens per s)
 
     def record(self, duration_s: float, num_tokens: int, num_prefill_tokens: int = 0) -> None:
         with self._lock:
@@ -84,19 +99,22 @@ class StepMeter:
     def seed_prefill_rate(self, tokens_per_s: float) -> None:
         """A rate to report until steps measure one (the warm-up's)."""
         with self._lock:
-            if self._prefill_rate == 0.0:
-                self._prefill_rate = tokens_per_s
+            if not self._rates and tokens_per_s > 0:
+                self._rates.append((self._clock(), tokens_per_s))
 
     def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens per second of step time over the window (0 until one was seen)."""
+        """The slowest prompt rate measured within `rate_horizon_s` (the latest one when
+        none is that recent); 0 until one was seen."""
         self.read()  # drops steps older than the window
+        now = self._clock()
         with self._lock:
             steps = [(dur, n) for _, dur, _, n in self._steps if n > 0]
-            if steps:
-                busy = sum(dur for dur, _ in steps)
-                if busy > 0:
-                    self._prefill_rate = sum(n for _, n in steps) / busy
-            return self._prefill_rate
+            busy = sum(dur for dur, _ in steps)
+            if steps and busy > 0:
+                self._rates.append((now, sum(n for _, n in steps) / busy))
+            while len(self._rates) > 1 and self._rates[0][0] < now - self.rate_horizon_s:
+                self._rates.popleft()
+            return min((rate for _, rate in self._rates), default=0.0)
 
     def read(self) -> tuple[float, float, float]:
         """(busy fraction in [0, 1], tokens per second, mean step ms; 0 when idle)."""
@@ -330,7 +348,11 @@ class EngineLoop:
 
 def _aborted(request_id: str) -> RequestOutput:
     return RequestOutput(
-        request_id=request_id, new_token_ids=[], new_text="", finished=True, finish_reason="abort"
+        request_id=request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=FinishReason.ABORT,
     )
 
 
