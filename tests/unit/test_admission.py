@@ -24,10 +24,11 @@ def test_the_estimate_is_queue_plus_prompt_over_rate() -> None:
     ("estimate", "limit", "admitted", "retry"),
     [
         (None, 30.0, True, 0.0),  # nothing to estimate from: admit
-        (29.9, 30.0, True, 0.0),
-        (30.0, 30.0, True, 0.0),  # at the limit: admitted
-        (30.2, 30.0, False, 1.0),  # just over: retry in the minimum 1 s
-        (42.5, 30.0, False, 13.0),  # the queue needs 12.5 s to drain to the limit: 13 s
+        (26.9, 30.0, True, 0.0),
+        (27.0, 30.0, True, 0.0),  # at the plan (0.9 of the limit): admitted
+        (27.2, 30.0, False, 1.0),  # just over: retry in the minimum 1 s
+        (29.9, 30.0, False, 3.0),  # within the limit but past the plan: refused
+        (42.5, 30.0, False, 16.0),  # the queue needs 15.5 s to drain to the plan: 16 s
         (500.0, 30.0, False, 60.0),  # capped
         (500.0, 0.0, True, 0.0),  # limit 0: the check is off
     ],
