@@ -61,12 +61,6 @@ from services.up_processes import read_until as _read_until
 from services.up_processes import write_private as _write_private
 from tandem.types import Role
 
-# Workers run at this niceness, the router and Redis at ours: on a small host the engines
-# use every core they get, and the light, latency-critical parts (streaming tokens,
-# answering 429s, heartbeats) must not wait behind them. Costs the engines nothing when the
-# others are idle. (The overload soak on 2 cores: a 429 took up to 1.2 s at the same nice.)
-WORKER_NICE = 5
-
 if TYPE_CHECKING:
     from tandem.gpus import WorkerGpu
 
@@ -295,9 +289,7 @@ class Cluster:
             args = [f"services.{role}", *self._worker_args, "--worker-id", name]
             args += self._device_args()
             args += self._metrics_args()
-            return self._spawn(
-                name, args, "READY", wait=False, env=self._service_env, nice=WORKER_NICE
-            )
+            return self._spawn(name, args, "READY", wait=False, env=self._service_env)
 
     @property
     def metrics_addresses(self) -> dict[str, str]:
@@ -437,12 +429,11 @@ class Cluster:
         ready: str,
         wait: bool = True,
         env: dict[str, str] | None = None,
-        nice: int = 0,
     ) -> Child:
         log_path = self.run_dir / f"{name}.log"
         env = dict(env or {})
-        proc = _popen(module_args, log_path, "w", env=env, nice=nice)
-        child = Child(name, proc, log_path, module_args, ready, env=env, nice=nice)
+        proc = _popen(module_args, log_path, "w", env=env)
+        child = Child(name, proc, log_path, module_args, ready, env=env)
         if "--metrics-port" in module_args:
             port = module_args[module_args.index("--metrics-port") + 1]
             child.metrics_address = f"{self.config.host}:{port}"
@@ -588,9 +579,7 @@ class Cluster:
             f"\n--- tandem up: restart {recovery.attempt} of {child.name} "
             f"(the previous process {recovery.reason}) ---\n"
         )
-        child.proc = _popen(
-            child.module_args, child.log_path, "a", header, child.env, nice=child.nice
-        )
+        child.proc = _popen(child.module_args, child.log_path, "a", header, child.env)
         recovery.ready_by = now + self.config.ready_timeout_s
         assert child.proc.stdout is not None
         threading.Thread(

@@ -38,7 +38,6 @@ class Child:
     # Added to this process's environment, and reused by a restart: secrets go here, not
     # into module_args.
     env: dict[str, str] = field(default_factory=dict)
-    nice: int = 0  # added to the child's niceness, and by a restart
 
 
 def popen(
@@ -47,17 +46,10 @@ def popen(
     mode: str,
     header: str = "",
     env: dict[str, str] | None = None,
-    nice: int = 0,
 ) -> subprocess.Popen[str]:
     """`python -m module_args` with `env` added to ours, stdout piped (for the ready line),
     stderr to `log_path` (opened with `mode`: "w" for a first start, "a" for a restart,
-    after `header`), `nice` added to its niceness."""
-
-    def prepare() -> None:  # in the child, between fork and exec
-        _die_with_parent()
-        if nice:
-            os.nice(nice)
-
+    after `header`)."""
     with open(log_path, mode) as log_file:  # the child keeps its own descriptor
         log_file.write(header)
         log_file.flush()
@@ -67,7 +59,7 @@ def popen(
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
-            preexec_fn=prepare,
+            preexec_fn=_die_with_parent,
             # Own session: a terminal's Ctrl-C reaches only `tandem up`, which stops the
             # children in order (and a child that got it too would look like a crash).
             start_new_session=True,
