@@ -14,6 +14,8 @@ from typing import Any
 from soak_load import OK_OUTCOMES, Record
 from soak_metrics import Sample, Scrape, bucket_quantile, diff_buckets, is_worker
 
+from tandem.types import Role
+
 DRAIN_MARGIN_S = 2.0  # on top of lease_ttl_s: a poll interval and a scrape
 ABORT_P99_MAX_S = 0.1
 RSS_GROWTH_MAX = 0.05
@@ -277,7 +279,7 @@ def explained_check(decisions: list[dict[str, Any]] | None) -> Check:
     if decisions is None:
         return Check("every scaling decision explained", None, "no decisions read", "all")
     unexplained = [
-        d for d in decisions if not all(d["reasons"].get(role) for role in ("prefill", "decode"))
+        d for d in decisions if not all(d["reasons"].get(role) for role in Role)
     ]
     changes = [d for d in decisions if d["target"] != d["current"]]
     last = decisions[-1]["reasons"] if decisions else {}
