@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from services.common import tracing
 from services.common.errors import unavailable
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
 from services.router.config import RouterConfig
+from services.router.links import Background
 from tandem.engine.prefix_hash import hash_blocks, hash_keys
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
@@ -55,7 +55,7 @@ class Placer:
         self._registry: Registry | None = None
         self._watcher: WorkerWatcher | None = None
         self._sequence = 0
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = Background()
 
     async def start(self) -> None:
         if not self.config.redis_url:
@@ -219,7 +219,7 @@ class Placer:
             log.info("worker left: %s", worker_id)
             self.breakers.forget(worker_id)
             if self._index is not None:  # its cache is gone; so are its index entries
-                self._spawn(self._forget_worker(worker_id))
+                self._background.spawn(self._forget_worker(worker_id))
 
     async def _forget_worker(self, worker_id: str) -> None:
         assert self._index is not None
@@ -227,8 +227,3 @@ class Placer:
             await self._index.remove_worker(worker_id)
         except IndexUnavailable:
             pass  # a restarted index does not know the worker either
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
