@@ -393,7 +393,7 @@ def _overhead_run_stats(res: RunResult, cpu: dict[str, float], sla: Sla) -> dict
 # module imports and tokenizer loading would otherwise dominate a short profile.
 _PROFILED_ROUTER = """
 import asyncio, cProfile, signal, sys, time
-from services.common.flags import parse_config
+from services.common.runtime.flags import parse_config
 from services.router.server import RouterConfig, RouterServer
 
 async def main(path, config):

@@ -57,9 +57,9 @@ from soak_metrics import (
     worker_lease_ttl_s,
 )
 
+from services.cli.model import DEFAULT_MODEL_DIR, ensure_default_model, resolve_model, up_kv_cache
 from services.up import Cluster, UpConfig, wait_for_router
-from services.up_processes import free_port
-from tandem.cli_model import DEFAULT_MODEL_DIR, ensure_default_model, resolve_model, up_kv_cache
+from services.up.processes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "benchmarks" / "results"

@@ -45,7 +45,7 @@ from typing import Any
 import machine  # benchmarks/machine.py
 import torch
 
-from services.common.process import configure_native_libraries
+from services.common.runtime.process import configure_native_libraries
 from tandem.transfer import RemoteKV, coalesce
 from tandem.transfer.nixl import NixlTransport, advise_hugepages
 

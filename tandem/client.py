@@ -37,16 +37,10 @@ import grpc
 
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
-
-_FINISH = {
-    rpb.FINISH_REASON_STOP: "stop",
-    rpb.FINISH_REASON_LENGTH: "length",
-    rpb.FINISH_REASON_ABORT: "abort",
-}
-
+from tandem.wire import finish_reason_from_proto
 
 # Trailing metadata key of the server's pushback hint in milliseconds (the services send it
-# through services.common.errors, which takes it from here).
+# through services.common.rpc.errors, which takes it from here).
 RETRY_AFTER_KEY = "tandem-retry-after-ms"
 
 T = TypeVar("T")
@@ -213,7 +207,7 @@ def _apply(result: Result, msg: rpb.GenerateResponse) -> Chunk | None:
         return Chunk(list(c.token_ids), c.text)
     if kind == "complete":
         d = msg.complete
-        result.finish_reason = _FINISH.get(d.finish_reason)
+        result.finish_reason = finish_reason_from_proto(d.finish_reason)
         result.stop_reason = d.stop_reason
         result.prompt_tokens = d.usage.prompt_tokens
         result.completion_tokens = d.usage.completion_tokens

@@ -32,9 +32,9 @@ NIXL_OWNER, NIXL_READER = "gpu-check-owner", "gpu-check-reader"
 def configure_nixl_env() -> None:
     """What a service does before it creates a transport (UCX settings, NIXL's logger)."""
     try:
-        from services.common.process import configure_native_libraries
+        from services.common.runtime.process import configure_native_libraries
     except ImportError:
-        # services.common.process imports the gRPC health/reflection packages, which the GPU
+        # services.common.runtime.process imports the gRPC health/reflection packages, which the GPU
         # machine lacks; these are its two effects.
         from tandem.transfer.nixl import UCX_ENV_DEFAULTS
 

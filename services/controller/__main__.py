@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common.flags import parse_config
-from services.common.process import run_until_signal, setup_logging
+from services.common.runtime.flags import parse_config
+from services.common.runtime.process import run_until_signal, setup_logging
 from services.controller.actuators import Actuator, KubernetesActuator, NoActuator
 from services.controller.config import ControllerConfig
 from services.controller.server import Controller

@@ -1,6 +1,6 @@
 """The controller process's config. Flags of `python -m services.controller` (and the Helm
 chart's `controller.config` values, as TANDEM_* env) map 1:1 to leaf fields: the nested
-`sla` and `control` configs are flattened by services.common.flags (`--ttft-p90-ms`,
+`sla` and `control` configs are flattened by services.common.runtime.flags (`--ttft-p90-ms`,
 `--max-prefill`, TANDEM_MAX_PREFILL, ...)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ControllerConfig:
         --admin-key-file`, or TANDEM_ADMIN_KEY). Empty: the admin API takes calls without a
         key (keep its port private).
     otlp_endpoint: OTLP gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, or
-        none (services.common.tracing; the controller itself records no spans yet).
+        none (services.common.observe.tracing; the controller itself records no spans yet).
     """
 
     redis_url: str = ""

@@ -31,14 +31,15 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health
 from redis.exceptions import RedisError
 
-from services.common.errors import invalid_argument, rpc
-from services.common.process import start_grpc_server
 from services.common.redis.registry import Registry, WorkerInfo
 from services.common.redis.request_log import RequestLogReader
 from services.common.redis.url import RedisAuthError, is_auth_error
+from services.common.rpc.errors import invalid_argument, rpc
+from services.common.runtime.process import start_grpc_server
 from services.common.security import Bearer, KeyRing, Rule
 from services.controller.actuators import Actuator, ActuatorError
 from services.controller.config import ControllerConfig
+from services.controller.metrics import ControllerMetrics
 from tandem.control import (
     SLA,
     ControlState,
@@ -128,7 +129,7 @@ class Controller(agrpc.AdminServicer):
         self._redis: aioredis.Redis | None = None
         self._registry: Registry | None = None
         self._reader: RequestLogReader | None = None
-        self._metrics: _Metrics | None = None
+        self._metrics: ControllerMetrics | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ class Controller(agrpc.AdminServicer):
         )
         self.address = f"{self.config.host}:{port}"
         if self.config.metrics_port:
-            self._metrics = _Metrics(self.config.host, self.config.metrics_port)
+            self._metrics = ControllerMetrics(self.config.host, self.config.metrics_port)
         if run_loop:
             self._task = asyncio.create_task(self._run(), name="controller")
         log.info(
@@ -234,7 +235,7 @@ class Controller(agrpc.AdminServicer):
                 self.last_error = ""
             self.decisions.appendleft(record)
             if self._metrics is not None:
-                self._metrics.update(self, record)
+                self._metrics.update(self.status(), record.decision, record.applied)
             return record
 
     async def _observe(self, now: float) -> None:
@@ -468,45 +469,3 @@ class Controller(agrpc.AdminServicer):
         await self._save_settings()
         await self.tick()
         return self.status()
-
-
-class _Metrics:
-    """Prometheus /metrics: replica counts, SLA attainment and decisions."""
-
-    def __init__(self, host: str, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-
-        self.registry = CollectorRegistry()
-        self.replicas = Gauge(
-            "tandem_controller_replicas",
-            "Workers per role: current (asked for), desired (last decision), live.",
-            ["role", "kind"],
-            registry=self.registry,
-        )
-        self.attainment = Gauge(
-            "tandem_controller_sla_attainment",
-            "Fraction of the window's requests that met both SLA targets.",
-            registry=self.registry,
-        )
-        self.decisions = Counter(
-            "tandem_controller_decisions",
-            "Decisions that changed a role's replica count.",
-            ["role", "applied"],
-            registry=self.registry,
-        )
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-
-    def update(self, controller: Controller, record: Record) -> None:
-        status = controller.status()
-        for r in status.roles:
-            self.replicas.labels(r.role, "current").set(r.current)
-            self.replicas.labels(r.role, "desired").set(r.desired)
-            self.replicas.labels(r.role, "live").set(r.live)
-        self.attainment.set(status.sla_attainment)
-        d = record.decision
-        for role in Role:
-            if d.current[role] != d.target[role]:
-                self.decisions.labels(role, str(record.applied).lower()).inc()
-
-    def close(self) -> None:
-        self._server.shutdown()

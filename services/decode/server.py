@@ -29,20 +29,22 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 
-from services.common import convert, tracing
-from services.common.errors import (
+from services.common.observe import tracing
+from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
+from services.common.rpc import convert
+from services.common.rpc.errors import (
     ServiceError,
     failed_precondition,
     invalid_argument,
     resource_exhausted,
     rpc,
 )
-from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
 from services.common.security import derive_key, load_secret
 from services.common.worker.engine_loop import output_batches
 from services.common.worker.kv_pull import Pulled
 from services.common.worker.kv_reader import KVReader, ReadDone
 from services.common.worker.shell import Worker
+from tandem import wire
 from tandem.config import EngineRole
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec
@@ -235,7 +237,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                     # Prompt tokens this worker found in its own prefix cache (with pulled KV,
                     # the part it did not need to read; without, the part it did not prefill).
                     complete.num_cached_tokens = last.num_cached_tokens
-                    complete.finish_reason = convert.finish_reason_to_proto(last.finish_reason)
+                    complete.finish_reason = wire.finish_reason_to_proto(last.finish_reason)
                     complete.stop_reason = convert.stop_reason_to_proto(last.stop_reason)
                     span.set_attribute("tandem.output_tokens", num_output_tokens)
                     yield wpb.DecodeResponse(request_id=rid, complete=complete)

@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common import convert, tracing
-from services.common.errors import ServiceError, aborted, rpc
+from services.common.observe import tracing
+from services.common.rpc import convert
+from services.common.rpc.errors import ServiceError, aborted, rpc
 from services.common.security import derive_key, load_secret
 from services.common.worker.engine_loop import Quiet, next_output
 from services.common.worker.shell import Worker

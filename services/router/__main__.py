@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.flags import parse_config
-from services.common.process import run_until_signal, setup_logging
+from services.common.runtime.flags import parse_config
+from services.common.runtime.process import run_until_signal, setup_logging
 from services.router.server import RouterConfig, RouterServer
 
 

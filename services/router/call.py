@@ -11,7 +11,7 @@ from typing import Protocol
 
 import grpc
 
-from services.common import tracing
+from services.common.observe import tracing
 from tandem.engine.request import RequestSpec
 from tandem.routing import Dispatch, Placement
 from tandem.transfer import KVHandoff

@@ -24,8 +24,8 @@ class RouterConfig:
     http_port: the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
         /v1/models, /health; services.router.openai_http) on `host`, with the same keys and
         TLS as the gRPC API; -1: off, 0: any free port (logged).
-    metrics_port: Prometheus /metrics over HTTP on `host` (services.common.metrics); -1: off,
-        0: any free port (logged).
+    metrics_port: Prometheus /metrics over HTTP on `host` (services.common.observe.metrics);
+        -1: off, 0: any free port (logged).
     redis_url: worker registry and prefix index. Empty: use the static address lists.
     prefill_addresses, decode_addresses: static workers (tests, single-host setups).
     max_inflight: concurrent Generate calls before RESOURCE_EXHAUSTED.
@@ -64,7 +64,7 @@ class RouterConfig:
     breaker: per-worker circuit breakers from RPC outcomes (tandem.routing.health).
     auth: the internal plane's credentials (services.common.security.AuthConfig).
     otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty: the
-        OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.tracing).
+        OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.observe.tracing).
     """
 
     model_dir: str

@@ -23,14 +23,25 @@ from typing import Any
 
 import grpc
 
-from services.common import convert, errors, tracing
-from services.common.metrics import RouterMetrics
+from services.common.observe import tracing
+from services.common.observe.metrics import RouterMetrics
+from services.common.rpc import convert, errors
 from services.router.call import Call, CallContext, worker_request_id
 from services.router.links import Links
 from services.router.placer import Placer
 from services.router.replies import Replies
+from tandem import wire
 from tandem.routing import Placement, WorkerLoad
-from tandem.routing.recovery import Action, Failure, Fault, RecoveryConfig, plan_recovery
+from tandem.routing.recovery import (
+    Action,
+    Failure,
+    Fault,
+    RecoveryConfig,
+    ejection_reason,
+    last_of_role,
+    plan_recovery,
+    worker_fault,
+)
 from tandem.routing.stall import StallWatch
 from tandem.transfer import KVHandoff
 from tandem.v1 import router_pb2 as rpb
@@ -39,17 +50,6 @@ from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
 
-# Status codes of a worker call that mean the worker failed, not the request. CANCELLED
-# reaches here only when the worker ended the call (our own cancels are handled first).
-_WORKER_FAULTS = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DATA_LOSS,
-    }
-)
 
 
 class HopFailed(Exception):
@@ -155,7 +155,7 @@ class Hops:
         self._streamed(call, chunk)
         yield self.replies.chunk(call, chunk)
         if resp.finished:
-            reason = convert.finish_reason_from_proto(resp.finish_reason)
+            reason = wire.finish_reason_from_proto(resp.finish_reason)
             yield self.replies.complete(call, reason, resp.stop_reason)
             return
         call.kv = _handoff(resp)
@@ -195,7 +195,7 @@ class Hops:
                 if not call.placement.disaggregated:
                     call.cached_prompt_tokens = done.num_cached_tokens
                 call.timings.kv_transfer_ms = done.kv_transfer_ms
-                reason = convert.finish_reason_from_proto(done.finish_reason)
+                reason = wire.finish_reason_from_proto(done.finish_reason)
                 yield self.replies.complete(call, reason, done.stop_reason)
                 return
             elif kind == "kv_failed":
@@ -255,7 +255,7 @@ class Hops:
         code = exc.code()
         if call.aborted:
             return exc
-        if code in _WORKER_FAULTS:
+        if worker_fault(code.name):
             return HopFailed(
                 fault, worker_id, f"{code.name}: {exc.details()}",
                 unreachable=code is grpc.StatusCode.UNAVAILABLE,
@@ -264,25 +264,15 @@ class Hops:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def _last_of_role(self, worker_id: str) -> bool:
-        """Is `worker_id` the only healthy worker of its role (as placement sees them)?"""
-        workers = self.placer.workers()
-        role = next((w.role for w in workers if w.worker_id == worker_id), None)
-        return role is not None and not any(
-            w.role == role and w.worker_id != worker_id and not w.draining for w in workers
-        )
-
     def _recover(self, call: Call, failed: HopFailed) -> None:
         """Re-place `call` after `failed`, or raise ServiceError(UNAVAILABLE)."""
         call.failed.add(failed.worker_id)
-        if failed.breaker and not (failed.stalled and self._last_of_role(failed.worker_id)):
-            # Never the last healthy worker of its role for a stall: taking it out of
-            # rotation would refuse every request, not spare them a slow worker.
+        # Never the last healthy worker of its role for a stall: taking it out of rotation
+        # would refuse every request, not spare them a slow worker.
+        spare = failed.stalled and last_of_role(failed.worker_id, self.placer.workers())
+        if failed.breaker and not spare:
             if self.placer.worker_failed(failed.worker_id, str(failed)):
-                reason = (
-                    "unreachable" if failed.unreachable else "stalled" if failed.stalled
-                    else "error"
-                )  # fmt: skip
+                reason = ejection_reason(failed.unreachable, failed.stalled)
                 self.metrics.ejections[reason].inc()
         placement = call.placement
         if failed.unreachable:

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 
 from services.common import security
-from services.common.metrics import RouterMetrics
-from services.common.process import channel_options
+from services.common.observe.metrics import RouterMetrics
+from services.common.runtime.process import channel_options
 from tandem.routing import Placement
 from tandem.types import Role
 from tandem.v1 import router_pb2 as rpb

@@ -33,8 +33,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from services.common import security, tracing
-from services.common.errors import ServiceError
+from services.common import security
+from services.common.observe import tracing
+from services.common.rpc.errors import ServiceError
 from services.router import openai_protocol as oai
 from services.router.call import CallContext
 from tandem.model.tokenizer import Tokenizer

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from services.common import convert
+from tandem import wire
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 
@@ -32,7 +32,7 @@ _FLOAT_FIELDS = (
 # SamplingParams refuses negative values itself).
 _FLOAT_MAX = {"temperature": 2.0}
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-# The one core -> OpenAI finish-reason table (proto -> core is services.common.convert's).
+# The one core -> OpenAI finish-reason table (proto -> core is services.common.rpc.convert's).
 _FINISH = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
@@ -341,7 +341,7 @@ def usage(u: rpb.Usage) -> JSON:
 
 def finish_reason(reason: int) -> str:
     """OpenAI's finish_reason for a proto FinishReason (unspecified: "stop")."""
-    core = convert.finish_reason_from_proto(reason)
+    core = wire.finish_reason_from_proto(reason)
     return _FINISH[core] if core is not None else "stop"
 
 

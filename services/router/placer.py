@@ -10,10 +10,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from services.common import tracing
-from services.common.errors import unavailable
+from services.common.observe import tracing
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
+from services.common.rpc.errors import unavailable
 from services.router.config import RouterConfig
 from services.router.links import Background
 from tandem.engine.prefix_hash import hash_blocks, hash_keys

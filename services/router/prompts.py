@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from services.common import convert
-from services.common.errors import invalid_argument
+from services.common.rpc import convert
+from services.common.rpc.errors import invalid_argument
 from tandem.engine.request import RequestSpec, check_prompt
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import time
 
-from services.common import convert
-from services.common.errors import ServiceError
-from services.common.metrics import RouterMetrics
+from services.common.observe.metrics import RouterMetrics
 from services.common.redis.request_log import RequestLog
+from services.common.rpc.errors import ServiceError
 from services.router.call import Call, Timings
+from tandem import wire
 from tandem.control import RequestSample
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
@@ -72,7 +72,7 @@ class Replies:
             call.timings.total_ms = call.elapsed_ms()
             self._record(call)
         complete = rpb.Complete(
-            finish_reason=convert.finish_reason_to_proto(finish_reason),
+            finish_reason=wire.finish_reason_to_proto(finish_reason),
             stop_reason=stop_reason,
             usage=usage_to_proto(call),
             timings=timings_to_proto(call.timings),

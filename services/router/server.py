@@ -19,12 +19,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health
 
-from services.common import errors, security, tracing
-from services.common.errors import ServiceError, invalid_argument, rpc
-from services.common.metrics import RouterMetrics, start_metrics_server, stop_metrics_server
-from services.common.process import start_grpc_server
+from services.common import security
+from services.common.observe import tracing
+from services.common.observe.metrics import RouterMetrics, start_metrics_server, stop_metrics_server
 from services.common.redis.request_ids import RequestIds
 from services.common.redis.request_log import RequestLog
+from services.common.rpc import errors
+from services.common.rpc.errors import ServiceError, invalid_argument, rpc
+from services.common.runtime.process import start_grpc_server
 from services.router.call import Call, CallContext, Timings, worker_request_id
 from services.router.config import RouterConfig
 from services.router.hops import Hops

@@ -31,8 +31,9 @@ from tandem.engine.request import Request, RequestStatus, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
+from tandem.model.detokenize import IncrementalDetokenizer
 from tandem.model.loader import DTYPES, ProgressFn, load_model
-from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.model.tokenizer import Tokenizer
 from tandem.model.triton_attention import make_attention
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,12 @@ Three faults, each met by one recovery step, all bounded by a per-request budget
 
 "Healthy" is the caller's view: registry members minus open circuit breakers
 (`tandem.routing.health`) minus the workers that already failed this request.
+
+Classifying a failed worker call (`worker_fault`, `ejection_reason`, `last_of_role`): a status
+in WORKER_FAULT_STATUSES means the worker failed, not the request (CANCELLED only when the
+worker ended the call: the router's own cancels are handled before); UNAVAILABLE means it
+cannot be reached. A worker that stalled is never ejected when it is the last live one of its
+role (that would refuse every request rather than spare them a slow worker).
 """
 
 from __future__ import annotations
@@ -39,6 +45,30 @@ class Fault(enum.Enum):
     PREFILL_FAILED = "prefill_failed"
     KV_PULL_FAILED = "kv_pull_failed"
     DECODE_FAILED = "decode_failed"
+
+
+# gRPC status names of a worker call that mean the worker failed, not the request.
+WORKER_FAULT_STATUSES = frozenset({"UNAVAILABLE", "CANCELLED", "INTERNAL", "UNKNOWN", "DATA_LOSS"})
+
+
+def worker_fault(status: str) -> bool:
+    """Whether a worker call that ended with gRPC status `status` (its name) is the
+    worker's fault (recover elsewhere) rather than the request's own outcome."""
+    return status in WORKER_FAULT_STATUSES
+
+
+def ejection_reason(unreachable: bool, stalled: bool) -> str:
+    """The label of a worker taken out of rotation (tandem_router_ejections_total)."""
+    return "unreachable" if unreachable else "stalled" if stalled else "error"
+
+
+def last_of_role(worker_id: str, workers: Iterable[WorkerLoad]) -> bool:
+    """Whether `worker_id` is the only live (healthy, not draining) worker of its role."""
+    workers = list(workers)
+    role = next((w.role for w in workers if w.worker_id == worker_id), None)
+    return role is not None and not any(
+        w.role == role and w.worker_id != worker_id and not w.draining for w in workers
+    )
 
 
 class Action(enum.Enum):

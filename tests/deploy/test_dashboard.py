@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.common.metrics import metric_names
+from services.common.observe.metrics import metric_names
 from services.controller.server import _Metrics
 from tests.deploy.helm import CHART, Helm, find, one
 
@@ -57,7 +57,7 @@ def exported_names() -> set[str]:
 
 def controller_names() -> set[str]:
     """The controller's metrics, read from the registry services/controller/server.py builds
-    (services.common.metrics lists them too: the two must agree)."""
+    (services.common.observe.metrics lists them too: the two must agree)."""
     metrics = _Metrics("127.0.0.1", 0)
     try:
         names = {

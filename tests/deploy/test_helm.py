@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.common.flags import Leaf, leaves, parse_config
+from services.common.runtime.flags import Leaf, leaves, parse_config
 from services.common.security import KeyRing
 from services.common.worker.shell import WorkerConfig
 from services.controller.config import ControllerConfig
@@ -262,7 +262,7 @@ def test_pdb_version_and_probe_kind_follow_the_cluster(
                 assert (shell, flag) == ("sh", "-c")
                 args = script.split()
                 assert args[:6] == [
-                    "exec", "python", "-m", "services.common.healthcheck", "--port", str(port)
+                    "exec", "python", "-m", "services.common.rpc.healthcheck", "--port", str(port)
                 ]  # fmt: skip
                 assert args[args.index("--host") + 1] == '"$TANDEM_HOST"'
                 assert float(args[args.index("--timeout-s") + 1]) < probe["timeoutSeconds"]
@@ -279,7 +279,7 @@ def test_exec_probe_without_the_pod_ip(helm: Helm) -> None:
         assert env_of(container)["TANDEM_HOST"] == "0.0.0.0"
         port = str(container["ports"][0]["containerPort"])
         command = container["readinessProbe"]["exec"]["command"]
-        assert command[:5] == ["python", "-m", "services.common.healthcheck", "--port", port]
+        assert command[:5] == ["python", "-m", "services.common.rpc.healthcheck", "--port", port]
         assert "--host" not in command
 
 
@@ -530,7 +530,7 @@ def test_config_values_round_trip_through_env(
     helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, component: str
 ) -> None:
     """Every settable field, written in a values file, reaches the process as the value it
-    was given: values -> TANDEM_* env -> services.common.flags.parse_config."""
+    was given: values -> TANDEM_* env -> services.common.runtime.flags.parse_config."""
     cls = CONFIGS[component]
     fields = _leaves(cls)
     config = {

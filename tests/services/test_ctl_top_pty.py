@@ -114,7 +114,7 @@ def test_ctl_top_in_a_terminal(controller: str, redis_url: str) -> None:
     env["TERM"] = "xterm"
     pid, fd = pty.fork()
     if pid == 0:  # the child: `tandem ctl top` on the terminal's slave side
-        argv = [sys.executable, "-m", "tandem.cli", "ctl", "--address", controller, "top"]
+        argv = [sys.executable, "-m", "services.cli", "ctl", "--address", controller, "top"]
         os.execve(sys.executable, argv, env)
     try:
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))

@@ -140,8 +140,8 @@ def test_a_real_worker_process_exits_on_a_cuda_fault(tiny_model_dir: Path, redis
     "command",
     [
         ["-m", "services.decode", "--transport", "local", "--model-dir", "MODEL"],
-        ["-m", "tandem.cli", "generate", "--model", "MODEL", "--max-tokens", "1", "hi"],
-        ["-m", "tandem.cli", "up", "--model", "MODEL"],
+        ["-m", "services.cli", "generate", "--model", "MODEL", "--max-tokens", "1", "hi"],
+        ["-m", "services.cli", "up", "--model", "MODEL"],
     ],
     ids=["worker", "generate", "up"],
 )

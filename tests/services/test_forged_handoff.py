@@ -24,9 +24,9 @@ import grpc
 import pytest
 import redis
 
-from services.common import convert, errors
 from services.common.redis.registry import WorkerInfo
 from services.common.redis.server import RedisServer
+from services.common.rpc import convert, errors
 from services.common.security import AuthConfig, derive_key, internal_metadata, load_secret
 from services.decode.server import PrefillRoster
 from tandem.client import TandemClient

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.healthcheck import check
+from services.cli.main import main as tandem_main
+from services.common.rpc.healthcheck import check
 from services.common.security import AuthConfig, bearer_metadata, internal_channel, key_id
-from tandem.cli import main as tandem_main
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 from tandem.v1 import router_pb2 as rpb

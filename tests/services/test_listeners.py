@@ -169,7 +169,7 @@ class TandemUp:
     def __init__(self, model_dir: Path, run_dir: Path) -> None:
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "tandem.cli", "up",
+                sys.executable, "-m", "services.cli", "up",
                 "--model", str(model_dir),
                 "--port", "0",
                 "--admin-port", "0",

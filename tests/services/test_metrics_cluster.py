@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.metrics import metric_names
+from services.common.observe.metrics import metric_names
 from services.up import Cluster
 from tandem.client import TandemClient
 

@@ -645,6 +645,7 @@ def test_redis_restart_needs_snapshot_and_snapshot_restores() -> None:
         asyncio.run(body())
 
 
+@pytest.mark.deadline
 def test_redis_down_raises_index_unavailable() -> None:
     with RedisServer() as server:
 

@@ -209,7 +209,7 @@ class TandemUp:
     def __init__(self, model_dir: Path, *flags: str) -> None:
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "tandem.cli", "up",
+                sys.executable, "-m", "services.cli", "up",
                 "--model", str(model_dir),
                 "--port", "0",
                 "--num-prefill", "0",

@@ -13,7 +13,7 @@ from tandem.model.tokenizer import Tokenizer
 
 def tandem(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300
     )
 
 
@@ -64,7 +64,7 @@ def test_generate_reports_a_missing_model(tmp_path) -> None:
 
 
 def test_up_sizes_the_kv_cache_for_the_full_context(tiny_model_dir: Path) -> None:
-    from tandem.cli import up_kv_cache
+    from services.cli.model import up_kv_cache
     from tandem.config import CacheConfig
 
     # The tiny model: 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token,
@@ -94,7 +94,7 @@ def test_up_sizes_a_large_context_above_the_default(tmp_path: Path) -> None:
     """SmolLM2-135M's shape (30 layers, 3 KV heads of 64, context 8192) in fp32: 360 MiB."""
     import json
 
-    from tandem.cli import up_kv_cache
+    from services.cli.model import up_kv_cache
 
     config = {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,

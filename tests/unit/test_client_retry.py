@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.common import errors
+from services.common.rpc import errors
 from tandem.client import (
     RETRY_AFTER_KEY,
     AsyncTandemClient,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import convert
-from services.common.flags import parse_config
+from services.common.rpc import convert
+from services.common.runtime.flags import parse_config
 from services.common.worker.shell import WorkerConfig
+from tandem import wire
 from tandem.engine.engine import RequestOutput
 from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import SamplingParams
@@ -50,13 +51,16 @@ def test_unset_fields_take_defaults_and_bad_values_name_the_field() -> None:
 
 def test_finish_reason_round_trip() -> None:
     for reason in ("stop", "length", "abort", None):
-        assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) == reason
+        assert wire.finish_reason_from_proto(wire.finish_reason_to_proto(reason)) == reason
 
 
-def test_logprobs_round_trip() -> None:
-    entries = [(-0.5, ((3, -0.5), (4, -1.5))), (-2.0, ())]
+def test_logprobs_to_proto() -> None:
+    entries = [(-0.5, ((3, -0.5), (4, -1.5))), (None, ())]
     msgs = convert.logprobs_to_proto([3, 9], entries)
-    assert convert.logprobs_from_proto(msgs) == entries
+    assert [(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top]) for m in msgs] == [
+        (3, -0.5, [(3, -0.5), (4, -1.5)]),
+        (9, 0.0, []),
+    ]
 
 
 # 2 layers x K,V x 16 tokens x 2 KV heads x 8 dims x 2 bytes = 2048 bytes per block

@@ -1,4 +1,4 @@
-"""services.common.flags over nested config dataclasses: one flag, env var and Helm key per
+"""services.common.runtime.flags over nested config dataclasses: one flag, env var and Helm key per
 leaf field, defaults from nested default instances, fixed fields, duplicate leaf names."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.common.flags import leaves, parse_config
+from services.common.runtime.flags import leaves, parse_config
 from services.common.worker.shell import WorkerConfig
 from services.router.config import RouterConfig
 from tandem.config import EngineRole

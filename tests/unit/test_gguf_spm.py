@@ -17,9 +17,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
+from tandem.model.detokenize import IncrementalDetokenizer
 from tandem.model.gguf import convert_gguf
 from tandem.model.gguf_tokenizer import _merges_from_scores, build_tokenizer
-from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.model.tokenizer import Tokenizer
 
 SPACE = "\u2581"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6

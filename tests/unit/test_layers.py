@@ -3,7 +3,8 @@
 1. The pure core (engine, model, routing, control, index, transfer, sim, kernels) imports no
    `services`, no grpc and no asyncio, and does not touch the process environment: services
    parse flags and environment and pass plain config in (STYLE.md 1, 3, 16).
-2. The project's own modules (`tandem`, `services`, `kernels`) import each other without a
+2. Nothing under `tandem/` imports `services` (the `tandem` command lives in services.cli).
+3. The project's own modules (`tandem`, `services`, `kernels`) import each other without a
    cycle.
 
 Every import counts, wherever it is: one inside a function runs only on some code path, so a
@@ -183,11 +184,24 @@ def test_core_imports_no_services_grpc_asyncio_and_reads_no_environment() -> Non
     assert problems == []
 
 
+def test_tandem_imports_no_services() -> None:
+    """The library (`tandem`: core, client, ctl) stands below the services: the `tandem`
+    command, which starts them, lives in services.cli."""
+    found = [
+        f"{path.relative_to(REPO_ROOT)}:{imp.line}: {imp.module}"
+        for path in python_files(REPO_ROOT, ("tandem",), GENERATED_DIRS)
+        for imp in imports(ast.parse(path.read_text(), str(path)), path, REPO_ROOT)
+        if imp.module == "services" or imp.module.startswith("services.")
+    ]
+    assert any(python_files(REPO_ROOT, ("tandem",)))
+    assert found == []
+
+
 def test_no_import_cycle_among_project_modules() -> None:
     graph = import_graph(REPO_ROOT, PROJECT_PACKAGES, GENERATED_DIRS)
     assert "tandem.transfer.nixl" in graph and "services.up" in graph
     # The builder sees edges of every kind in this tree: a lazy one and a submodule one.
-    assert "services.up" in graph["tandem.cli"]  # imported inside a function
+    assert "services.up" in graph["services.cli.main"]  # imported inside a function
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {describe_cycle(cycle, graph)}"
 

@@ -9,7 +9,7 @@ from datetime import datetime
 
 import pytest
 
-from services.common.process import escape_log_text, log_formatter, setup_logging
+from services.common.runtime.process import escape_log_text, log_formatter, setup_logging
 
 # A request id as a client could send it: a forged second line, a colour escape, a line
 # separator, a bidirectional override, and ordinary non-ASCII text.

@@ -1,4 +1,4 @@
-"""services.common.metrics with plain objects: the routing-reason categories of real
+"""services.common.observe.metrics with plain objects: the routing-reason categories of real
 placements, histogram observations for a known chunk sequence, the names the dashboard and
 `tandem ctl top` rely on, and the /metrics server."""
 
@@ -15,8 +15,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from services.common.errors import ServiceError
-from services.common.metrics import (
+from services.common.observe.metrics import (
     RouterMetrics,
     WorkerMetrics,
     metric_names,
@@ -24,6 +23,7 @@ from services.common.metrics import (
     start_metrics_server,
     stop_metrics_server,
 )
+from services.common.rpc.errors import ServiceError
 from tandem.engine.engine import EngineStats
 from tandem.engine.sampling import SamplingParams
 from tandem.routing import Placement, RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import tandem.model.fetch as fetch
-from tandem import cli
+from services.cli import model as cli
 from tandem.model.config import ModelConfig
 from tandem.model.fetch import (
     MARKER,
@@ -258,7 +258,7 @@ def test_generate_serves_a_gguf_file(gguf_file: Path, tmp_path: Path) -> None:
     """End to end, as a user: `tandem generate --model x.gguf` caches under ~/.cache."""
     env = {**os.environ, "HOME": str(tmp_path)}
     res = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "generate", "--model", str(gguf_file),
+        [sys.executable, "-m", "services.cli", "generate", "--model", str(gguf_file),
          "--max-tokens", "4", "--ignore-eos", "--token-ids", "hi"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

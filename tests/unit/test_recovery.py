@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from tandem.routing import WorkerLoad
-from tandem.routing.recovery import Action, Failure, Fault, RecoveryConfig, plan_recovery
+from tandem.routing.recovery import (
+    WORKER_FAULT_STATUSES,
+    Action,
+    Failure,
+    Fault,
+    RecoveryConfig,
+    ejection_reason,
+    last_of_role,
+    plan_recovery,
+    worker_fault,
+)
 
 
 def w(worker_id: str, role: str, **kw: int | bool) -> WorkerLoad:
@@ -158,3 +168,32 @@ def test_the_decode_workers_inflight_prompts_count_towards_its_queue() -> None:
 def test_config_rejects_a_negative_recompute_limit() -> None:
     with pytest.raises(ValueError, match="recompute_max_queued_tokens"):
         RecoveryConfig(recompute_max_queued_tokens=-1)
+
+
+def test_worker_fault_statuses_are_exactly_the_workers_failures():
+    assert WORKER_FAULT_STATUSES == {"UNAVAILABLE", "CANCELLED", "INTERNAL", "UNKNOWN", "DATA_LOSS"}
+    for status in WORKER_FAULT_STATUSES:
+        assert worker_fault(status)
+    # The request's own outcomes: a bad request, a deadline, pushback, a refused hand-off.
+    for status in (
+        "OK", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "NOT_FOUND",
+        "ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED", "FAILED_PRECONDITION",
+        "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
+    ):  # fmt: skip
+        assert not worker_fault(status), status
+
+
+def test_ejection_reason_prefers_unreachable_then_stalled():
+    assert ejection_reason(unreachable=True, stalled=True) == "unreachable"
+    assert ejection_reason(unreachable=True, stalled=False) == "unreachable"
+    assert ejection_reason(unreachable=False, stalled=True) == "stalled"
+    assert ejection_reason(unreachable=False, stalled=False) == "error"
+
+
+def test_last_of_role_counts_live_workers_of_the_same_role_only():
+    fleet = [w("p0", "prefill"), w("p1", "prefill", draining=True), w("d0", "decode")]
+    assert last_of_role("p0", fleet)  # p1 drains: not live
+    assert last_of_role("d0", fleet)  # the prefill workers are another role
+    assert not last_of_role("p0", [*fleet, w("p2", "prefill")])
+    assert not last_of_role("gone", fleet)  # not a known worker: nothing to protect
+    assert not last_of_role("p1", fleet)  # draining itself, with p0 live beside it

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.errors import ServiceError
+from services.common.rpc.errors import ServiceError
 from services.router.prompts import check_size
 from services.router.server import MAX_REQUEST_ID_CHARS, check_request_id
 from tandem.v1 import router_pb2 as rpb

@@ -14,8 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common import security
-from services.common.process import start_grpc_server
+from services.common.runtime.process import start_grpc_server
 from services.common.security import (
     AuthConfig,
     AuthInterceptor,
@@ -89,7 +88,7 @@ def test_keyring_confirms_every_hit_in_constant_time(monkeypatch: pytest.MonkeyP
         return compare_digest(a, b)
 
     ring = KeyRing.parse(KEYS)
-    monkeypatch.setattr(security.hmac, "compare_digest", spy)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
     assert ring.lookup(BOB) is not None
     assert compared == [(BOB.encode(), BOB.encode())]
 

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from services.common import convert
+from services.common.rpc import convert
 from tandem.engine.prefix_hash import hash_block, hash_blocks, hash_keys
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
 from tandem.transfer.signing import handoff_message, prompt_hashes, sign_handoff, verify_handoff

@@ -13,6 +13,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.model import tokenizer as tokenizer_module
+from tandem.model.detokenize import IncrementalDetokenizer
 from tandem.model.tiny import (
     BOS_ID,
     END_HEADER_ID,
@@ -22,7 +23,7 @@ from tandem.model.tiny import (
     _corpus,
     make_tiny_model,
 )
-from tandem.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.model.tokenizer import Tokenizer
 
 TEXTS = (
     "Hello world, the man said.",

@@ -1,4 +1,4 @@
-"""services.common.tracing without a collector: off by default, W3C context round trips
+"""services.common.observe.tracing without a collector: off by default, W3C context round trips
 through gRPC metadata, span status on errors, and the attributes computed from plain data
 (route candidates, KV read descriptors, engine phases)."""
 
@@ -17,8 +17,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from services.common import tracing
-from services.common.errors import ServiceError, unavailable
+from services.common.observe import tracing
+from services.common.rpc.errors import ServiceError, unavailable
 from tandem.routing import RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose, weigh
 
 CLIENT_TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.process import configure_native_libraries
+from services.common.runtime.process import configure_native_libraries
 from tandem.transfer import (
     KVLayout,
     KVTransport,
@@ -563,6 +563,7 @@ def test_remote_blocks_outside_registration(pair: Pair) -> None:
     pair.assert_copied([0], [0])
 
 
+@pytest.mark.deadline
 def test_unknown_peer(pair: Pair) -> None:
     remote = pair.owner.export([0])
     bogus = dataclasses.replace(remote, agent_name="nobody", agent_metadata=b"junk")
@@ -573,6 +574,7 @@ def test_unknown_peer(pair: Pair) -> None:
     pair.assert_untouched([0])
 
 
+@pytest.mark.deadline
 def test_frozen_owner_times_out(pair: Pair) -> None:
     if not isinstance(pair.owner, NixlOwner):
         pytest.skip("local reads are synchronous: an owner cannot stall them")
@@ -594,6 +596,7 @@ def test_frozen_owner_times_out(pair: Pair) -> None:
     pair.assert_copied([6, 7], [2, 3])
 
 
+@pytest.mark.deadline
 def test_dead_owner_then_restart(pair: Pair) -> None:
     stale = pair.owner.export([3, 4])
     pair.read(stale, [0, 1])

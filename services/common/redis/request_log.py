@@ -21,7 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common.process import cancel_and_wait
+from services.common.runtime.process import cancel_and_wait
 from tandem.control import RequestSample
 
 log = logging.getLogger(__name__)

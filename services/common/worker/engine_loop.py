@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from services.common.metrics import WorkerMetrics
+from services.common.observe.metrics import WorkerMetrics
 from tandem.engine.device import use_device
 from tandem.engine.engine import EngineStats, LLMEngine, RequestOutput
 from tandem.routing.stall import HopProgress

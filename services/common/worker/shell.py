@@ -17,8 +17,12 @@ from http.server import HTTPServer
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from services.common import convert, tracing
-from services.common.errors import (
+from services.common.observe import tracing
+from services.common.observe.metrics import WorkerMetrics, start_metrics_server, stop_metrics_server
+from services.common.redis.index import RedisPrefixIndex
+from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
+from services.common.rpc import convert
+from services.common.rpc.errors import (
     aborted,
     already_exists,
     invalid_argument,
@@ -26,16 +30,13 @@ from services.common.errors import (
     rpc,
     unavailable,
 )
-from services.common.flags import parse_config
-from services.common.metrics import WorkerMetrics, start_metrics_server, stop_metrics_server
-from services.common.process import (
+from services.common.runtime.flags import parse_config
+from services.common.runtime.process import (
     configure_native_libraries,
     run_until_signal,
     setup_logging,
     start_grpc_server,
 )
-from services.common.redis.index import RedisPrefixIndex
-from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
 from services.common.security import AuthConfig, Internal, server_port_credentials
 from services.common.worker.engine_loop import EngineLoop, OutputQueue
 from services.common.worker.kv_events import KVEventPublisher
@@ -67,15 +68,15 @@ def _exit_now(status: int) -> None:
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker process: its engine, plus what the process around it needs. Flags of
-    `python -m services.{prefill,decode}` map 1:1 to the leaf fields (`services.common.flags`:
-    `--kv-cache-bytes` sets `engine.cache.kv_cache_bytes`); the engine's role is the
-    service's, not a flag.
+    `python -m services.{prefill,decode}` map 1:1 to the leaf fields
+    (`services.common.runtime.flags`: `--kv-cache-bytes` sets `engine.cache.kv_cache_bytes`);
+    the engine's role is the service's, not a flag.
 
     Attributes:
         engine: model, dtype, device, KV cache and scheduler (tandem.config.EngineConfig).
         worker_id: unique name (also the NIXL agent name); default role-pid.
         host, port: where the gRPC server listens (port 0: any free port).
-        metrics_port: Prometheus /metrics over HTTP on `host` (services.common.metrics); -1:
+        metrics_port: Prometheus /metrics over HTTP on `host` (services.common.observe.metrics); -1:
             off, 0: any free port (logged).
         advertise_host: host put in the registry (default: host).
         redis_url: registry; empty = do not register (tests that dial workers directly).
@@ -91,7 +92,8 @@ class WorkerConfig:
             elsewhere).
         auth: the internal plane's credentials (services.common.security.AuthConfig).
         otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty:
-            the OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.tracing).
+            the OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing
+            (services.common.observe.tracing).
         progress_interval_s: a request without output for this long gets a progress message
             (queue position, tokens computed, engine steps) on its Prefill or Decode stream,
             so the router tells a busy worker from a stalled one (tandem.routing.stall).

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.interceptors import StatusInterceptor
+from services.common.rpc.interceptors import StatusInterceptor
 from services.common.security import AuthConfig, AuthInterceptor, KeyRing, Open, Rule
 
 # Server options every service gets (a caller's `options` entry of the same name wins):

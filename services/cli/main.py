@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.cli_model import (
+from services.cli.model import (
     DEFAULT_MODEL_DIR,
     DEFAULT_MODEL_ENV,
     MODEL_CACHE_DIR,
@@ -188,7 +188,7 @@ def _add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tandem.cli_up import cmd_up as up
+    from services.cli.up import cmd_up as up
 
     return up(args)
 
@@ -293,7 +293,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.common.errors import ServiceError
+from services.common.rpc.errors import ServiceError
 from services.common.worker.kv_pull import Pulled
 from tandem.routing import Placement, RouteKind
 from tandem.types import KVOutcome, Role

@@ -17,17 +17,9 @@ from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.routing.stall import HopProgress
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
-from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
-
-# The one core <-> proto finish-reason table (the engine's strings are FinishReason values).
-_FINISH_TO_PROTO = {
-    FinishReason.STOP: rpb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: rpb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: rpb.FINISH_REASON_ABORT,
-}
-_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+from tandem.wire import finish_reason_to_proto
 
 _OPTIONAL_FIELDS = (
     "max_tokens",
@@ -74,15 +66,6 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
     return msg
 
 
-def finish_reason_to_proto(reason: FinishReason | str | None) -> rpb.FinishReason:
-    """`reason`: a FinishReason or its value (the engine's `RequestOutput.finish_reason`)."""
-    return _FINISH_TO_PROTO.get(reason or "", rpb.FINISH_REASON_UNSPECIFIED)  # type: ignore[call-overload]
-
-
-def finish_reason_from_proto(value: int) -> FinishReason | None:
-    return _FINISH_FROM_PROTO.get(value)  # type: ignore[call-overload]
-
-
 def stop_reason_to_proto(stop_reason: int | str | None) -> str:
     return "" if stop_reason is None else str(stop_reason)
 
@@ -100,10 +83,6 @@ def logprobs_to_proto(
             )
         )
     return out
-
-
-def logprobs_from_proto(msgs: Sequence[rpb.TokenLogprob]) -> list[LogprobEntry]:
-    return [(m.logprob, tuple((t.token_id, t.logprob) for t in m.top)) for m in msgs]
 
 
 def kv_layout_to_proto(layout: KVLayout) -> wpb.KvLayout:

@@ -105,3 +105,8 @@ def wait_for_router(address: str, timeout_s: float = 60.0, api_key: str | None =
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"router at {address} not ready: {exc}") from None
                 time.sleep(0.2)
+
+
+def say(message: str) -> None:
+    """A line for the person running `tandem up` (stderr)."""
+    print(message, file=sys.stderr, flush=True)

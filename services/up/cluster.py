@@ -1,43 +1,7 @@
-"""`tandem up`: a whole cluster on one machine, as separate processes.
-
-    redis  <-  prefill worker(s), decode worker(s)   (register + heartbeat)
-    router ->  follows the registry, serves tandem.v1.Router on --port and the OpenAI
-               HTTP API on --http-port
-    controller (--autoscale, in this process) -> starts and stops workers, never more
-               than the host holds (one per core, within the available memory: its
-               capacity is logged at start and shown by `tandem ctl status`), serves
-               tandem.v1.Admin on --admin-port for `tandem ctl`
-
-Every child dies with this process (PR_SET_PDEATHSIG), and Ctrl-C stops them in order:
-router first (no new requests), then workers (they drain), then Redis. Children run in their
-own sessions, so a terminal's Ctrl-C reaches only this process, which decides the order.
-
-Supervision: a thread polls the children every 0.2 s. One that exits on its own (not during
-`stop()`, not a worker the controller told to drain) is started again under the same name
-with the same arguments (the router on the same port, Redis on the same socket, so every
-`--redis-url` stays valid), after a backoff from `services.common.supervision`; its log is
-appended to, not truncated. Once a child exits more than `max_restarts` times within
-`restart_window_s`, the supervisor reports it, stops the cluster and sets `failure`, which
-`tandem up` turns into exit status 1. A restarted Redis is empty: workers' heartbeats
-re-register them and the router's registry watcher picks them up (see
-`services/common/redis/registry.py`).
-
-Secrets and addresses: Redis gets a random password (and a socket only this user may open),
-and the run directory a random cluster secret (`cluster.secret`, mode 0600) that every
-process is given with `--cluster-secret-file`. The password travels in the environment
-(REDIS_PASSWORD to Redis, TANDEM_REDIS_URL to the services), never on a command line, which
-any local user can read with `ps`. With `api_keys` the router wants an API key: one is
-generated for tenant "default" (`api_key`, and the router's `api-keys` file, mode 0600).
-The gRPC listeners are on `host` (127.0.0.1), UCX's own on loopback (`LOOPBACK_UCX_ENV`).
-
-Metrics: every router and worker (and the controller, with autoscale) serves Prometheus
-/metrics on `host` at a port picked here before it starts (`--metrics-port`), so a restarted
-child serves where scrapers already look: `Cluster.metrics_addresses`.
-"""
+"""The Cluster of `tandem up` (see the package): start, scale, supervise, stop."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import signal
@@ -52,87 +16,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.redis.server import PASSWORD_ENV
-from services.common.supervision import GiveUp, RestartConfig, RestartPolicy, describe_exit
-from services.router.config import DEFAULT_MAX_QUEUE_DELAY_S
-from services.up_processes import Child, wait_for_router
-from services.up_processes import free_port as _free_port
-from services.up_processes import popen as _popen
-from services.up_processes import read_until as _read_until
-from services.up_processes import write_private as _write_private
+from services.common.runtime.supervision import GiveUp, RestartPolicy, describe_exit
+from services.up.autoscale import EmbeddedController, start_controller
+from services.up.config import LOOPBACK_UCX_ENV, UpConfig
+from services.up.processes import Child, say
+from services.up.processes import free_port as _free_port
+from services.up.processes import popen as _popen
+from services.up.processes import read_until as _read_until
+from services.up.processes import write_private as _write_private
 from tandem.types import Role
 
 if TYPE_CHECKING:
     from tandem.gpus import WorkerGpu
 
-__all__ = ["Child", "Cluster", "UpConfig", "wait_for_router"]
-
 _SUPERVISE_POLL_S = 0.2
-_RESTART_DEFAULTS = RestartConfig()
-# UCX opens a TCP listener on every network device it may use (its tcp transport), so a
-# worker would listen on the host's external addresses too; on one host, loopback is all it
-# needs (KV moves by cma/shared memory or CUDA IPC; TCP carries only control). A
-# UCX_NET_DEVICES of the user's environment wins.
-LOOPBACK_UCX_ENV = {"UCX_NET_DEVICES": "lo"}
-
-
-@dataclass(frozen=True, slots=True)
-class UpConfig:
-    model_dir: str
-    host: str = "127.0.0.1"
-    port: int = 50051
-    http_port: int = 8000  # the router's OpenAI HTTP API; 0: a free port; -1: off
-    num_prefill: int = 1
-    num_decode: int = 1
-    transport: str = "nixl"
-    kv_cache_bytes: int = 256 << 20
-    # Every worker's engine. "cuda": the workers go round-robin over the visible GPUs, in
-    # start order (prefill first); "cuda:N": all on that GPU. Workers sharing a GPU split its
-    # gpu_memory_utilization (tandem.gpus.place_workers).
-    device: str = "cpu"
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"
-    disagg_min_uncached_tokens: int = 64  # router: shorter prompts skip the prefill worker
-    # router: refuse at once (429) what could not get its first token within this; 0: off
-    max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
-    redis_port: int = 0  # 0: a unix socket in the run directory
-    api_keys: bool = False  # the router wants an API key (a generated one: Cluster.api_key)
-    run_dir: str = ""  # logs and sockets; default: a fresh temporary directory
-    ready_timeout_s: float = 120.0
-    autoscale: bool = False  # run the ratio controller with the local actuator
-    admin_port: int = 50061  # the controller's admin API (with autoscale)
-    controller_args: tuple[str, ...] = ()  # ControllerConfig flags, e.g. ("--max-prefill", "4")
-    # With autoscale: the cores the host capacity rule counts (one worker per core); 0:
-    # measured (affinity and cgroup quota, services/controller/host.py).
-    host_cores: int = 0
-    # Supervision (see services/common/supervision.py): a child that exits on its own is
-    # restarted after restart_backoff_s, doubling per exit up to restart_max_backoff_s; the
-    # exit after max_restarts restarts within restart_window_s stops the cluster instead.
-    restart_backoff_s: float = _RESTART_DEFAULTS.backoff_s
-    restart_max_backoff_s: float = _RESTART_DEFAULTS.max_backoff_s
-    max_restarts: int = _RESTART_DEFAULTS.max_restarts  # 0: the first exit stops the cluster
-    restart_window_s: float = _RESTART_DEFAULTS.window_s
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError(
-                f"need num_decode >= 1 and num_prefill >= 0, got {self.num_decode}, "
-                f"{self.num_prefill}"
-            )
-        if self.host_cores < 0:
-            raise ValueError(f"host_cores must be >= 0 (0: measured), got {self.host_cores}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        self.restart_config()  # raises ValueError naming the bad knob
-
-    def restart_config(self) -> RestartConfig:
-        return RestartConfig(
-            backoff_s=self.restart_backoff_s,
-            max_backoff_s=self.restart_max_backoff_s,
-            max_restarts=self.max_restarts,
-            window_s=self.restart_window_s,
-        )
 
 
 @dataclass(slots=True)
@@ -165,8 +62,7 @@ class Cluster:
     _num_spawned: int = 0  # workers started, restarts not counted
     _stopping: set[str] = field(default_factory=set)
     _lock: threading.RLock = field(default_factory=threading.RLock)
-    _controller_stop: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-    _controller_thread: threading.Thread | None = None
+    _controller: EmbeddedController | None = None  # with autoscale
     # Supervision state. `failure` is the give-up message once the supervisor has stopped
     # the cluster; `_halt` ends restarts; `_released` lets the supervisor thread exit.
     failure: str | None = None
@@ -276,7 +172,15 @@ class Cluster:
         port_at = router.module_args.index("--port") + 1
         router.module_args[port_at] = self.router_address.rsplit(":", 1)[1]
         if cfg.autoscale:
-            self._start_controller()
+            try:
+                self._controller = start_controller(
+                    cfg, self, self.redis_url, self.cluster_secret_file
+                )
+            except RuntimeError:
+                self.stop()
+                raise
+            self.controller_address = self._controller.address
+            self.controller_metrics_address = self._controller.metrics_address
         self._start_supervisor()
 
     # -- worker processes (also the local actuator's ProcessPool) ------------------------
@@ -368,60 +272,6 @@ class Cluster:
             if self._policy is not None:
                 self._policy.forget(child.name)
 
-    def _start_controller(self) -> None:
-        from services.common.flags import parse_config
-        from services.controller.actuators import LocalActuator
-        from services.controller.config import ControllerConfig
-        from services.controller.host import HostMeter
-        from services.controller.server import Controller
-        from tandem.control.capacity import describe
-
-        metrics_port = _free_port(self.config.host)
-        config = parse_config(
-            ControllerConfig,
-            [
-                *self.config.controller_args,
-                # In this process: this argv is no command line anyone can read.
-                "--redis-url", self.redis_url,
-                "--cluster-secret-file", str(self.cluster_secret_file),
-                "--actuator", "local",
-                "--host", self.config.host,
-                "--port", str(self.config.admin_port),
-                "--metrics-port", str(metrics_port),
-            ],
-            prog="tandem up --controller-args",
-        )  # fmt: skip
-        ready = threading.Event()
-        failure: list[BaseException] = []
-        # The starting workers are up (READY): their peak memory is what the next one needs.
-        actuator = LocalActuator(self, HostMeter(cores=self.config.host_cores or None))
-        _say(f"autoscale: {describe(actuator.measure())}")
-
-        async def serve() -> None:
-            stop = asyncio.Event()
-            controller = Controller(config, actuator)
-            try:
-                await controller.start()
-            except BaseException as exc:
-                failure.append(exc)
-                ready.set()
-                return
-            self.controller_address = controller.address
-            self.controller_metrics_address = f"{self.config.host}:{metrics_port}"
-            self._controller_stop = (asyncio.get_running_loop(), stop)
-            ready.set()
-            await stop.wait()
-            await controller.stop()
-
-        self._controller_thread = threading.Thread(
-            target=asyncio.run, args=(serve(),), name="controller", daemon=True
-        )
-        self._controller_thread.start()
-        ready.wait()
-        if failure:
-            self.stop()
-            raise RuntimeError(f"controller did not start: {failure[0]}")
-
     def _spawn(
         self,
         name: str,
@@ -464,12 +314,9 @@ class Cluster:
                 # Taking the lock waits out a supervisor pass already under way; later passes
                 # see _halt and restart nothing.
                 self._recovering.clear()
-            if self._controller_stop is not None:
-                loop, event = self._controller_stop
-                loop.call_soon_threadsafe(event.set)
-                self._controller_stop = None
-                if self._controller_thread is not None:
-                    self._controller_thread.join(timeout=10)
+            if self._controller is not None:
+                self._controller.stop()
+                self._controller = None
             with self._lock:
                 rank = {"router": 0, "redis": 2}
                 children = sorted(reversed(self.children), key=lambda c: rank.get(c.name, 1))
@@ -512,7 +359,7 @@ class Cluster:
                 traceback.print_exc(file=sys.stderr)
                 continue
             if gave_up is not None:
-                _say(gave_up)
+                say(gave_up)
                 self.failure = gave_up
                 try:
                     self.stop()
@@ -542,7 +389,7 @@ class Cluster:
                     if recovery.found:
                         child.ready_line = recovery.found[0]
                         del self._recovering[child.name]
-                        _say(f"{child.name} back (pid {pid})")
+                        say(f"{child.name} back (pid {pid})")
                         continue
                     assert recovery.ready_by is not None
                     if code is None and now < recovery.ready_by:
@@ -566,7 +413,7 @@ class Cluster:
                 self._recovering[child.name] = _Recovery(
                     decision.attempt, reason, now + decision.delay_s
                 )
-                _say(
+                say(
                     f"{child.name} (pid {pid}) {reason}; restarting in {decision.delay_s:g}s "
                     f"(restart {decision.attempt})"
                 )
@@ -591,7 +438,3 @@ class Cluster:
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children]
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

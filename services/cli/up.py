@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from tandem.cli_model import kv_cache_bytes, resolve_model, up_kv_cache
+from services.cli.model import kv_cache_bytes, resolve_model, up_kv_cache
 
 if TYPE_CHECKING:
     from tandem.client import TandemClient
