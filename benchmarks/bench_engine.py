@@ -223,7 +223,7 @@ def run_tandem(model_dir: Path, workload: list[tuple[list[int], int]]) -> dict[s
     engine = make_engine(model_dir)
     # One short request first, so one-time costs (allocator growth, kernel selection) are
     # not billed to the timed run; HF gets the same courtesy.
-    engine.add_request("warmup", workload[0][0][:16], greedy(4))
+    engine.add_request(engine.spec("warmup", workload[0][0][:16], greedy(4)))
     while engine.has_unfinished():
         engine.step()
 
@@ -233,7 +233,7 @@ def run_tandem(model_dir: Path, workload: list[tuple[list[int], int]]) -> dict[s
     steps = 0
     with Stopwatch() as watch:
         for i, (prompt, out_len) in enumerate(workload):
-            requests.append(engine.add_request(f"r{i}", prompt, greedy(out_len)))
+            requests.append(engine.add_request(engine.spec(f"r{i}", prompt, greedy(out_len))))
             tokens[f"r{i}"] = []
         last_log = 0.0
         while engine.has_unfinished():
@@ -458,7 +458,7 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     bandwidth = ReadBandwidth(sizes.bw_mib)
     log(f"roofline: {bandwidth.sample(sizes.bw_reps) / 1e9:.2f} GB/s")
 
-    engine.add_request("decode", prompt, greedy(sizes.decode_max_tokens))
+    engine.add_request(engine.spec("decode", prompt, greedy(sizes.decode_max_tokens)))
     engine.step()  # the prefill
     for _ in range(sizes.decode_warmup_steps):
         engine.step()
@@ -527,7 +527,7 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
 def time_to_first_token(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[float, Request]:
     """Seconds from add_request to the end of the step that returns rid's first token."""
     t0 = time.perf_counter()
-    request = engine.add_request(rid, prompt, greedy(1))
+    request = engine.add_request(engine.spec(rid, prompt, greedy(1)))
     first = None
     while first is None:
         if not engine.has_unfinished():

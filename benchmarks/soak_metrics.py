@@ -176,7 +176,7 @@ def tree_rss_bytes(pids: dict[str, int]) -> dict[str, int]:
 
 def worker_lease_ttl_s() -> float:
     """The workers' lease_ttl_s: `tandem up` passes none, so their config's default."""
-    from services.common.worker.shell import WorkerConfig
+    from services.common.worker.config import WorkerConfig
 
     default = next(f.default for f in fields(WorkerConfig) if f.name == "lease_ttl_s")
     return float(default)  # type: ignore[arg-type]

@@ -97,7 +97,7 @@ def measure_itl(engine: Any, prompt: list[int], ctx: Context) -> tuple[Figures, 
     s, dev = ctx.sizes, ctx.device
     n = 1 + s.e2e_warm_steps + s.e2e_steps
     params = sampling_params(max_tokens=n, temperature=0.0, ignore_eos=True)
-    engine.add_request("itl", prompt, params)
+    engine.add_request(engine.spec("itl", prompt, params))
     graphs = engine.runner.graphs
     replays = 0
     if graphs is not None:

@@ -106,7 +106,10 @@ class LogitRecorder:
 
 def run_requests(engine: Any, requests: Sequence[tuple[str, list[int], Any]]) -> dict[str, Any]:
     """Add (id, prompt, params) requests together and step until done; id -> Request."""
-    added = {rid: engine.add_request(rid, prompt, params) for rid, prompt, params in requests}
+    added = {
+        rid: engine.add_request(engine.spec(rid, prompt, params))
+        for rid, prompt, params in requests
+    }
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()

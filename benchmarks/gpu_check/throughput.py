@@ -95,7 +95,7 @@ def run_engine_workload(
     ids = []
     for i, (prompt, n) in enumerate(workload):
         params = sampling_params(max_tokens=n, temperature=0.0, ignore_eos=True)
-        ids.append(engine.add_request(f"w{i}", prompt, params).request_id)
+        ids.append(engine.add_request(engine.spec(f"w{i}", prompt, params)).request_id)
     sync(device)
     t0 = time.perf_counter()
     tokens = steps = 0

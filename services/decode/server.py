@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 
 from services.common.observe import tracing
-from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
+from services.common.redis.registry import Registry, WorkerWatcher
 from services.common.rpc import convert
 from services.common.rpc.errors import (
     ServiceError,
@@ -44,10 +44,11 @@ from services.common.worker.engine_loop import output_batches
 from services.common.worker.kv_pull import Pulled
 from services.common.worker.kv_reader import KVReader, ReadDone
 from services.common.worker.shell import Worker
+from services.decode.roster import PrefillRoster
 from tandem import wire
 from tandem.config import EngineRole
 from tandem.engine.prefix_hash import hash_keys
-from tandem.engine.request import RequestSpec
+from tandem.engine.request import RequestSpec, Resume
 from tandem.transfer import (
     KVHandoff,
     LayoutMismatch,
@@ -57,7 +58,7 @@ from tandem.transfer import (
     prompt_hashes,
     verify_handoff,
 )
-from tandem.types import KVOutcome, Role
+from tandem.types import KVOutcome
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
@@ -66,43 +67,6 @@ log = logging.getLogger(__name__)
 
 def permission_denied(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.PERMISSION_DENIED, message)
-
-
-class PrefillRoster:
-    """The prefill workers a decode worker may pull from, fed by a `WorkerWatcher`: those
-    registered now, and those that left less than `retain_s` ago. A worker that died after
-    handing off signed genuine handles: reading from it fails like any transfer failure and
-    is recovered (kv_failed / recompute), not refused as forged.
-
-    A worker is known by (worker id = agent name, address, epoch); a restart is a new epoch.
-    """
-
-    def __init__(self, retain_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.retain_s = retain_s
-        self._clock = clock
-        self._live: dict[str, WorkerInfo] = {}
-        self._departed: dict[tuple[str, str, int], float] = {}  # identity -> when it left
-
-    def update(self, joined: Iterable[WorkerInfo], left_ids: Iterable[str]) -> None:
-        """`WorkerWatcher.on_change`: a restarted worker is in both lists."""
-        now = self._clock()
-        for worker_id in left_ids:
-            info = self._live.pop(worker_id, None)
-            if info is not None:
-                self._departed[(info.worker_id, info.address, info.epoch)] = now
-        for info in joined:
-            if info.role == Role.PREFILL:
-                self._live[info.worker_id] = info
-        for identity, left_at in list(self._departed.items()):
-            if now - left_at > self.retain_s:
-                del self._departed[identity]
-
-    def knows(self, worker_id: str, address: str, epoch: int) -> bool:
-        info = self._live.get(worker_id)
-        if info is not None and info.address == address and info.epoch == epoch:
-            return True
-        left_at = self._departed.get((worker_id, address, epoch))
-        return left_at is not None and self._clock() - left_at <= self.retain_s
 
 
 class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
@@ -182,7 +146,6 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 raise failed_precondition(f"kv.{exc}") from None
             except ValueError as exc:
                 raise invalid_argument(str(exc)) from None
-            outputs, emitted = list(decode.output_token_ids), decode.num_emitted_chars
             handoff = decode.handoff
             if handoff is not None:
                 with tracing.span(
@@ -191,7 +154,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                     error_attributes={"tandem.kv.outcome": KVOutcome.REFUSED.value},
                 ) as kv_span:
                     try:
-                        pulled = await self._pull_kv(spec, outputs, emitted, handoff, kv_span)
+                        pulled = await self._pull_kv(spec, decode.resume, handoff, kv_span)
                     except ServiceError:
                         self.metrics.kv_transfer(KVOutcome.REFUSED)
                         raise
@@ -211,9 +174,9 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                     self.num_recomputed += 1
                     self.metrics.recomputed.inc()
                     complete.recomputed = True
-                    await self.add_request(spec, outputs, emitted)
+                    await self.add_request(spec, decode.resume)
             else:
-                await self.add_request(spec, outputs, emitted or None)
+                await self.add_request(spec, decode.resume)
             t_joined = time.perf_counter()
             async for batch in output_batches(stream, self.config.progress_interval_s):
                 if not batch:  # waiting in the queue or preempted: still alive
@@ -255,8 +218,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     async def _pull_kv(
         self,
         spec: RequestSpec,
-        outputs: Sequence[int],
-        emitted: int,
+        resume: Resume,
         handoff: KVHandoff,
         span: tracing.Span = tracing.INVALID_SPAN,
     ) -> Pulled:
@@ -276,7 +238,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         await self._check_owner(handoff)
         try:
             reserved = await self.loop.call_until(
-                lambda e: e.reserve_kv(rid, prompt, outputs, spec.params, emitted, spec.cache_salt),
+                lambda e: e.reserve_kv(spec, resume),
                 self.config.kv_wait_s,
             )
         except ValueError as exc:

@@ -16,6 +16,17 @@ from tandem.v1 import router_pb2 as rpb
 
 # Normalizers can drop characters, so the early length check leaves this much slack.
 _PROMPT_CHARS_SLACK = 4
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_request_id(request_id: str) -> None:
+    """A client's request id: a bounded label of printable characters (it appears in logs)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid_argument(
+            f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
+    if not request_id.isprintable():
+        raise invalid_argument("request_id: must be printable (no control characters)")
 
 
 def check_size(

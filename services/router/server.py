@@ -25,7 +25,7 @@ from services.common.observe.metrics import RouterMetrics, start_metrics_server,
 from services.common.redis.request_ids import RequestIds
 from services.common.redis.request_log import RequestLog
 from services.common.rpc import errors
-from services.common.rpc.errors import ServiceError, invalid_argument, rpc
+from services.common.rpc.errors import ServiceError, rpc
 from services.common.runtime.process import start_grpc_server
 from services.router.call import Call, CallContext, Timings, worker_request_id
 from services.router.config import RouterConfig
@@ -33,7 +33,7 @@ from services.router.hops import Hops
 from services.router.links import Background, Links
 from services.router.openai_http import OpenAIServer
 from services.router.placer import Placer
-from services.router.prompts import Prompts
+from services.router.prompts import Prompts, check_request_id
 from services.router.replies import Replies
 from services.router.tenants import Tenants
 from tandem.engine.request import RequestSpec
@@ -44,19 +44,8 @@ from tandem.v1 import router_pb2_grpc as rgrpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "tandem.v1.Router"
-MAX_REQUEST_ID_CHARS = 256
 
 __all__ = ["RouterConfig", "RouterServer"]
-
-
-def check_request_id(request_id: str) -> None:
-    """A client's request id: a bounded label of printable characters (it appears in logs)."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise invalid_argument(
-            f"request_id: {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
-        )
-    if not request_id.isprintable():
-        raise invalid_argument("request_id: must be printable (no control characters)")
 
 
 class RouterServer(rgrpc.RouterServicer):
@@ -348,5 +337,3 @@ class RouterServer(rgrpc.RouterServicer):
         if call.worker_call is not None:
             call.worker_call.cancel()
         return rpb.AbortResponse(found=True)
-
-

@@ -1,10 +1,10 @@
 """The engine: tokenizer + model + KV cache + scheduler + sampler, stepped by the caller.
 
 One engine serves one role (`EngineConfig.role`):
-  full     add_request() ... step() until finished
+  full     add_request(spec) ... step() until finished
   prefill  add_request() runs to the first token, then the request is HANDED_OFF with its
            blocks pinned; `block_table()` names them; `release()` frees them.
-  decode   reserve_kv() allocates blocks for an externally computed prompt; the caller
+  decode   reserve_kv(spec, resume) allocates blocks for an externally computed prompt; the caller
            fills them (`kv_cache`), then commit_kv() joins the request to the batch.
 Any role also serves plain full requests (conditional disaggregation sends short prompts
 straight to decode).
@@ -25,13 +25,13 @@ from tandem.engine.block_pool import KVEvent
 from tandem.engine.device import use_device
 from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import KVCacheManager, cdiv
-from tandem.engine.memory import KVSizing, blocks_for_bytes, fit_context, gpu_kv_bytes
-from tandem.engine.profile import profile_steps
-from tandem.engine.request import Request, RequestStatus, check_prompt
+from tandem.engine.memory import fit_context
+from tandem.engine.profile import size_kv_cache
+from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
-from tandem.model.detokenize import IncrementalDetokenizer
+from tandem.model.detokenize import TextStream
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.tokenizer import Tokenizer
 from tandem.model.triton_attention import make_attention
@@ -129,7 +129,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         dtype = DTYPES[config.resolved_dtype]
         block_size = config.cache.block_size
-        sizing = self._size_kv_cache(dtype, max_model_len)
+        device = torch.device(config.device)
+        sizing = size_kv_cache(self.model, config.cache, sched_cfg, dtype, max_model_len, device)
         self.num_blocks = sizing.num_blocks
         per_block = block_bytes(mcfg, block_size, dtype)
         explicit = sched_cfg.max_model_len is not None
@@ -154,7 +155,7 @@ class LLMEngine:
             self.num_blocks + int(self._graphs_wanted),
             block_size,
             dtype,
-            torch.device(config.device),
+            device,
         )
         self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, self.model_id)
@@ -164,55 +165,11 @@ class LLMEngine:
             self.model, self.kv_cache, block_size, sampler, self.max_model_len
         )
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._emitted: dict[str, int] = {}  # characters of text streamed so far
+        self._text: dict[str, TextStream] = {}
         self.num_steps = 0
         self.num_tokens_computed = 0  # prompt + generated tokens run through the model
         self.last_step_prefill_tokens = 0  # prompt tokens (prefill chunks) of the last step
         self.warmup_prefill_tokens_per_s = 0.0  # measured by warm_up()
-
-    # -- memory ----------------------------------------------------------------------------
-
-    def _size_kv_cache(self, dtype: torch.dtype, max_model_len: int) -> KVSizing:
-        """Blocks for the KV cache: explicit, the CPU byte budget, or on a GPU what the
-        memory budget leaves after the weights and a profile step at full batch."""
-        cache, mcfg = self.config.cache, self.model.config
-        per_block = block_bytes(mcfg, cache.block_size, dtype)
-        if cache.num_blocks is not None:
-            n = cache.num_blocks
-            return KVSizing(n, n * cache.block_size, n * per_block, "num_blocks")
-        device = torch.device(self.config.device)
-        if device.type != "cuda":
-            return blocks_for_bytes(
-                cache.kv_cache_bytes, per_block, "kv_cache_bytes", cache.block_size
-            )
-        peak, scratch = self._profile_peak_bytes(dtype, max_model_len, device)
-        total = torch.cuda.get_device_properties(device).total_memory
-        kv_bytes = gpu_kv_bytes(total, cache.gpu_memory_utilization, peak, scratch)
-        return blocks_for_bytes(kv_bytes, per_block, "gpu_memory_utilization", cache.block_size)
-
-    def _profile_peak_bytes(
-        self, dtype: torch.dtype, max_model_len: int, device: torch.device
-    ) -> tuple[int, int]:
-        """(peak bytes allocated, scratch KV bytes) over the profile steps on a GPU: the
-        weights plus the largest step's activations and attention workspaces."""
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        try:
-            scratch_bytes = profile_steps(
-                self.model, self.config.scheduler, self.config.cache.block_size, dtype,
-                max_model_len, device,
-            )  # fmt: skip
-        except torch.cuda.OutOfMemoryError:
-            raise ValueError(
-                f"a step at max_num_batched_tokens={self.config.scheduler.max_num_batched_tokens}"
-                f" or max_num_seqs={self.config.scheduler.max_num_seqs} decode rows of "
-                f"{max_model_len} tokens does not fit {device}: lower them or max_model_len"
-            ) from None
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.empty_cache()
-        return peak, scratch_bytes
 
     def warm_up(self) -> None:
         """Run one prefill step at the full token budget and a few decode steps before
@@ -228,7 +185,7 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         prompt = [(7 + i) % vocab for i in range(n)]
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-        self.add_request(WARMUP_REQUEST_ID, prompt, params)
+        self.add_request(RequestSpec(WARMUP_REQUEST_ID, tuple(prompt), params))
         t0 = time.perf_counter()
         first = True
         while self.has_unfinished():
@@ -262,32 +219,34 @@ class LLMEngine:
             raise ValueError(f"model {self.model_id} has no tokenizer.json; send token ids")
         return self.tokenizer.encode(text)
 
-    def make_request(
+    def spec(
         self,
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
-        output_token_ids: Sequence[int] = (),
         cache_salt: str = "",
-    ) -> Request:
-        """Validate and build a request (not yet queued). `cache_salt` joins the model id in
-        its block hashes (`prefix_hash.hash_keys`): only requests with the same salt share
-        cached blocks.
+    ) -> RequestSpec:
+        """A `RequestSpec` for offline use: a text prompt is tokenized here."""
+        ids = (self.tokenize(prompt) if prompt else []) if isinstance(prompt, str) else prompt
+        return RequestSpec(
+            request_id, tuple(ids), params or SamplingParams(), cache_salt=cache_salt
+        )
+
+    def make_request(self, spec: RequestSpec, resume: Resume | None = None) -> Request:
+        """Validate and build a request (not yet queued). `spec.cache_salt` joins the model
+        id in its block hashes (`prefix_hash.hash_keys`): only requests with the same salt
+        share cached blocks. `resume`: it continues tokens generated elsewhere.
 
         Raises:
             ValueError: empty or over-long prompt, token ids outside the vocabulary, a
                 duplicate request id, stop strings without a tokenizer, or a request that
                 could never fit the KV cache.
         """
-        params = params or SamplingParams()
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            ids = self.tokenize(prompt) if prompt else []
-        else:
-            ids = list(prompt)
+        params, outputs = spec.params, resume.output_token_ids if resume else ()
+        if spec.request_id in self._requests:
+            raise ValueError(f"request_id {spec.request_id!r} is already in use")
         vocab = self.model.config.vocab_size
-        check_prompt(ids, vocab, self.max_model_len, output_token_ids)
+        check_prompt(spec.prompt_token_ids, vocab, self.max_model_len, outputs)
         params.validate_for_vocab(vocab)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
@@ -295,54 +254,42 @@ class LLMEngine:
         # (memory.fit_context), and generation stops at max_model_len.
         assert self.max_model_len <= self.num_blocks * self.kv.block_size
         request = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
+            request_id=spec.request_id,
+            prompt_token_ids=list(spec.prompt_token_ids),
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=self.clock(),
-            hand_off=self.config.role == EngineRole.PREFILL and not output_token_ids,
-            output_token_ids=list(output_token_ids),
-            cache_salt=cache_salt,
+            hand_off=self.config.role == EngineRole.PREFILL and not outputs,
+            output_token_ids=list(outputs),
+            cache_salt=spec.cache_salt,
             device=self.config.device,
         )
-        if output_token_ids and request.generator is not None and not params.greedy:
+        if outputs and request.generator is not None and not params.greedy:
             # Continue the seeded stream where the worker that sampled those tokens left it.
-            advance_generator(request.generator, vocab, len(output_token_ids))
+            advance_generator(request.generator, vocab, len(outputs))
         return request
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        output_token_ids: Sequence[int] = (),
-        num_emitted_chars: int | None = None,
-        cache_salt: str = "",
-    ) -> Request:
+    def add_request(self, spec: RequestSpec, resume: Resume | None = None) -> Request:
         """Queue a request. Raises ValueError on bad input (see make_request).
 
-        Args:
-            output_token_ids: tokens already generated elsewhere (a decode worker that
-                recomputes a handed-off prompt); generation continues after them.
-            num_emitted_chars: characters of their text already streamed (default: all).
-            cache_salt: the tenant's prefix-cache salt ("" = the shared cache).
+        `resume`: tokens already generated elsewhere (a decode worker that recomputes a
+        handed-off prompt, or continues a migrated stream); generation continues after them.
         """
-        request = self.make_request(request_id, prompt, params, output_token_ids, cache_salt)
-        self._track(request, num_emitted_chars)
+        request = self.make_request(spec, resume)
+        self._track(request, resume)
         self.scheduler.add_request(request)
         return request
 
-    def _track(self, request: Request, num_emitted_chars: int | None = None) -> None:
-        rid = request.request_id
-        self._requests[rid] = request
+    def _track(self, request: Request, resume: Resume | None) -> None:
+        self._requests[request.request_id] = request
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-            self._detok[rid] = detok
-            if request.output_token_ids:
-                # Tokens produced elsewhere: their text was streamed by that worker.
-                detok.add(request.output_token_ids)
-                emitted = len(detok.text) if num_emitted_chars is None else num_emitted_chars
-                self._emitted[rid] = min(emitted, len(detok.text))
+            self._text[request.request_id] = TextStream(
+                self.tokenizer,
+                request.prompt_token_ids,
+                request.sampling_params.stop,
+                request.output_token_ids,
+                resume.num_emitted_chars if resume else None,
+            )
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
@@ -353,8 +300,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.runner.release(request_id)
         self._requests.pop(request_id, None)
-        self._detok.pop(request_id, None)
-        self._emitted.pop(request_id, None)
+        self._text.pop(request_id, None)
 
     # -- disaggregation hooks --------------------------------------------------------------
 
@@ -368,31 +314,22 @@ class LLMEngine:
         self._forget(request_id)
         return request is not None
 
-    def reserve_kv(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        output_token_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        num_emitted_chars: int | None = None,
-        cache_salt: str = "",
-    ) -> tuple[list[int], int] | None:
-        """Decode role: blocks for a prompt computed elsewhere.
+    def reserve_kv(self, spec: RequestSpec, resume: Resume) -> tuple[list[int], int] | None:
+        """Decode role: blocks for a prompt computed elsewhere; `resume` holds at least the
+        prefill worker's first token.
 
         The blocks join this engine's prefix cache (at commit_kv) under hashes computed here
-        from `prompt_token_ids` and `cache_salt`, never under hashes the sender names.
+        from the prompt and `spec.cache_salt`, never under hashes the sender names.
 
         Returns (block table, tokens already cached here) -- fill KV for the prompt's
         positions from the second value on -- or None when the cache is full right now.
         """
-        if not output_token_ids:
+        if not resume.output_token_ids:
             raise ValueError("output_token_ids must hold the prefill worker's first token")
-        request = self.make_request(
-            request_id, prompt_token_ids, params, output_token_ids, cache_salt
-        )
+        request = self.make_request(spec, resume)
         reserved = self.scheduler.reserve_kv(request)
         if reserved is not None:
-            self._track(request, num_emitted_chars)
+            self._track(request, resume)
         return reserved
 
     def commit_kv(self, request_id: str) -> None:
@@ -455,40 +392,27 @@ class LLMEngine:
         return outputs
 
     def _detokenize(self, request: Request, new_ids: list[int], now: float) -> str:
-        """Text delta for new tokens; ends the request at the first stop string.
-
-        With stop strings, the last (longest stop - 1) characters are held back until they
-        cannot be the start of a match, so a stop string is never partly streamed.
-        """
-        rid = request.request_id
-        detok = self._detok.get(rid)
-        if detok is None or not new_ids:
+        """Text delta for new tokens; ends the request at the first stop string."""
+        stream = self._text.get(request.request_id)
+        if stream is None or not new_ids:
             return ""
-        detok.add(new_ids)
-        if request.status.finished:
-            detok.flush()  # text held back for an incomplete character
-        text, emitted = detok.text, self._emitted.get(rid, 0)
-        stops = request.sampling_params.stop
-        end = len(text)
-        if stops:
-            hits = [(i, s) for s in stops if (i := text.find(s, emitted)) != -1]
-            if hits:
-                end, request.stop_reason = min(hits)
-                if request.status.finished:
-                    request.status = RequestStatus.FINISHED_STOPPED  # the stop came first
-                else:
-                    self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED, now)
-            elif not request.status.finished:
-                end = max(emitted, len(text) - max(len(s) for s in stops) + 1)
-        self._emitted[rid] = end
-        return text[emitted:end]
+        text, stop = stream.add(new_ids, request.status.finished)
+        if stop is not None:
+            request.stop_reason = stop
+            if request.status.finished:
+                request.status = RequestStatus.FINISHED_STOPPED  # the stop came first
+            else:
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now)
+        return text
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[Completion]:
         """Run prompts to completion (offline use). Output order follows `prompts`."""
         ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
-        requests = [self.add_request(rid, p, params) for rid, p in zip(ids, prompts, strict=True)]
+        requests = [
+            self.add_request(self.spec(rid, p, params)) for rid, p in zip(ids, prompts, strict=True)
+        ]
         texts = {rid: "" for rid in ids}
         while self.has_unfinished():
             for o in self.step():

@@ -1,6 +1,7 @@
 """The profile steps that size a GPU's KV cache: the two largest steps the scheduler can
 produce, run through a small scratch cache, so that the memory peak they leave behind is
-the weights plus the largest activations and attention workspaces (`memory.gpu_kv_bytes`).
+the weights plus the largest activations and attention workspaces (`memory.gpu_kv_bytes`);
+and `size_kv_cache`, which chooses the cache's size from them (or from the configuration).
 
 Each step's metadata is the kind the model's attention backend reads: TorchAttention's
 prefill spans and masked decode groups, or the Triton kernels' `PagedBatch`, so the profile
@@ -11,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config import SchedulerConfig
-from tandem.engine.kv_cache import allocate_kv_cache
+from tandem.config import CacheConfig, SchedulerConfig
+from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import cdiv
+from tandem.engine.memory import KVSizing, blocks_for_bytes, gpu_kv_bytes
 from tandem.engine.runner import MAX_DECODE_GROUPS, MIN_DECODE_GROUP_ROWS
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
 from tandem.model.llama import LlamaModel
@@ -107,3 +109,53 @@ def profile_steps(
     ids = torch.zeros(rows, dtype=torch.int64, device=device)
     model.compute_logits(model.forward(ids, positions, meta, scratch))
     return scratch.numel() * scratch.element_size()
+
+
+def size_kv_cache(
+    model: LlamaModel,
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+) -> KVSizing:
+    """Blocks for the KV cache: explicit (`num_blocks`), the CPU byte budget, or on a GPU
+    what the memory budget leaves after the weights and the profile steps at full batch."""
+    per_block = block_bytes(model.config, cache.block_size, dtype)
+    if cache.num_blocks is not None:
+        n = cache.num_blocks
+        return KVSizing(n, n * cache.block_size, n * per_block, "num_blocks")
+    if device.type != "cuda":
+        return blocks_for_bytes(cache.kv_cache_bytes, per_block, "kv_cache_bytes", cache.block_size)
+    peak, scratch = _profile_peak_bytes(
+        model, sched, cache.block_size, dtype, max_model_len, device
+    )
+    total = torch.cuda.get_device_properties(device).total_memory
+    kv_bytes = gpu_kv_bytes(total, cache.gpu_memory_utilization, peak, scratch)
+    return blocks_for_bytes(kv_bytes, per_block, "gpu_memory_utilization", cache.block_size)
+
+
+def _profile_peak_bytes(
+    model: LlamaModel,
+    sched: SchedulerConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    max_model_len: int,
+    device: torch.device,
+) -> tuple[int, int]:
+    """(peak bytes allocated, scratch KV bytes) over the profile steps on a GPU: the
+    weights plus the largest step's activations and attention workspaces."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        scratch_bytes = profile_steps(model, sched, block_size, dtype, max_model_len, device)
+    except torch.cuda.OutOfMemoryError:
+        raise ValueError(
+            f"a step at max_num_batched_tokens={sched.max_num_batched_tokens} or "
+            f"max_num_seqs={sched.max_num_seqs} decode rows of {max_model_len} tokens does not "
+            f"fit {device}: lower them or max_model_len"
+        ) from None
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    return peak, scratch_bytes

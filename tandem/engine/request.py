@@ -98,6 +98,24 @@ class RequestSpec:
         return len(self.prompt_token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """A request that continues tokens generated elsewhere: a decode worker after a prefill
+    hand-off (token 1), or after a migration (every token streamed so far).
+
+    Attributes:
+        output_token_ids: the tokens already generated; generation continues after them.
+        num_emitted_chars: characters of their text the client has been sent; None = all
+            of it (the text still to stream starts after them).
+    """
+
+    output_token_ids: tuple[int, ...]
+    num_emitted_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output_token_ids", tuple(self.output_token_ids))
+
+
 @dataclass(slots=True)
 class Request:
     """One generation request.

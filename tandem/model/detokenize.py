@@ -1,4 +1,6 @@
-"""Streaming decode: generated ids -> text deltas, holding back incomplete characters."""
+"""Streaming decode: generated ids -> text deltas, holding back incomplete characters
+(`IncrementalDetokenizer`), and a request's text stream with its stop strings
+(`TextStream`)."""
 
 from __future__ import annotations
 
@@ -66,3 +68,49 @@ class IncrementalDetokenizer:
         if delta:
             self._chunks.append(delta)
         return delta
+
+
+class TextStream:
+    """One request's streamed text: incremental detokenization, then its stop strings.
+
+    With stop strings, the last (longest stop - 1) characters are held back until they cannot
+    be the start of a match, so a stop string is never partly streamed; the text up to the
+    first match is all that is ever emitted.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        stops: Sequence[str] = (),
+        output_ids: Sequence[int] = (),
+        num_emitted_chars: int | None = None,
+    ) -> None:
+        """`output_ids`: tokens generated elsewhere whose text was streamed there, up to
+        `num_emitted_chars` characters (None = all of it)."""
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = tuple(stops)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._emitted = 0
+        if output_ids:
+            self._detok.add(output_ids)
+            whole = len(self._detok.text)
+            self._emitted = whole if num_emitted_chars is None else min(num_emitted_chars, whole)
+
+    def add(self, token_ids: Sequence[int], finished: bool) -> tuple[str, str | None]:
+        """Append generated ids (`finished`: they end the stream). Returns the text delta
+        to stream and the stop string that ended the text here, if one matched (the delta
+        then stops just before it)."""
+        self._detok.add(token_ids)
+        if finished:
+            self._detok.flush()  # text held back for an incomplete character
+        text, start = self._detok.text, self._emitted
+        end, stop = len(text), None
+        if self._stops:
+            hits = [(i, s) for s in self._stops if (i := text.find(s, start)) != -1]
+            if hits:
+                end, stop = min(hits)
+            elif not finished:
+                end = max(start, len(text) - self._hold)
+        self._emitted = end
+        return text[start:end], stop

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from services.common.observe.metrics import metric_names
-from services.controller.server import _Metrics
+from services.controller.metrics import ControllerMetrics
 from tests.deploy.helm import CHART, Helm, find, one
 
 DASHBOARD = CHART / "dashboards" / "tandem.json"
@@ -56,9 +56,9 @@ def exported_names() -> set[str]:
 
 
 def controller_names() -> set[str]:
-    """The controller's metrics, read from the registry services/controller/server.py builds
+    """The controller's metrics, read from the registry services/controller/metrics.py builds
     (services.common.observe.metrics lists them too: the two must agree)."""
-    metrics = _Metrics("127.0.0.1", 0)
+    metrics = ControllerMetrics("127.0.0.1", 0)
     try:
         names = {
             f"{family.name}_total" if family.type == "counter" else family.name

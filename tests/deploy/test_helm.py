@@ -18,7 +18,7 @@ import yaml
 
 from services.common.runtime.flags import Leaf, leaves, parse_config
 from services.common.security import KeyRing
-from services.common.worker.shell import WorkerConfig
+from services.common.worker.config import WorkerConfig
 from services.controller.config import ControllerConfig
 from services.router.config import RouterConfig
 from tests.deploy.helm import (

@@ -17,7 +17,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.redis.registry import Registry
-from services.common.worker.shell import DEVICE_ERROR_EXIT, WorkerConfig
+from services.common.worker.config import WorkerConfig
+from services.common.worker.shell import DEVICE_ERROR_EXIT
 from services.decode.server import DecodeServer
 from tandem.config import CacheConfig, EngineConfig
 from tandem.v1 import router_pb2 as rpb

@@ -24,11 +24,9 @@ import grpc
 import pytest
 import redis
 
-from services.common.redis.registry import WorkerInfo
 from services.common.redis.server import RedisServer
 from services.common.rpc import convert, errors
 from services.common.security import AuthConfig, derive_key, internal_metadata, load_secret
-from services.decode.server import PrefillRoster
 from tandem.client import TandemClient
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
@@ -340,30 +338,3 @@ def test_router_passes_permission_denied_to_the_client() -> None:
     )
     err = errors.from_worker(exc)
     assert (err.code, err.message) == (DENIED, "KV hand-off signature invalid")
-
-
-# -- the decode worker's view of the registry (pure) ---------------------------------------
-
-
-def test_roster_knows_registered_and_recently_departed_prefill_workers() -> None:
-    now = [0.0]
-    roster = PrefillRoster(retain_s=60.0, clock=lambda: now[0])
-
-    def info(worker_id: str, epoch: int, role: str = "prefill") -> WorkerInfo:
-        return WorkerInfo(worker_id, role, f"h:{worker_id}", "m", epoch)
-
-    roster.update([info("p0", 1), info("d0", 1, role="decode")], [])
-    assert roster.knows("p0", "h:p0", 1)
-    assert not roster.knows("p0", "h:p1", 1)  # another address
-    assert not roster.knows("p0", "h:p0", 2)  # another incarnation
-    assert not roster.knows("d0", "h:d0", 1)  # not a prefill worker
-    now[0] = 10.0
-    roster.update([info("p0", 2)], ["p0"])  # restarted: left and joined
-    assert roster.knows("p0", "h:p0", 2)
-    assert roster.knows("p0", "h:p0", 1)  # its handles from before the restart are genuine
-    now[0] = 70.0
-    assert roster.knows("p0", "h:p0", 1)
-    now[0] = 70.5
-    assert not roster.knows("p0", "h:p0", 1)  # long gone: its leases lapsed long ago
-    roster.update([], [])
-    assert roster.knows("p0", "h:p0", 2)

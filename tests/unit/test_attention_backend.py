@@ -68,11 +68,13 @@ def test_engine_sized_by_memory_profiles_warms_up_and_serves_through_triton(  # 
     """An engine built as a GPU worker is (no block count; the cache sized by a memory
     budget, here CPU's kv_cache_bytes) runs the GPU sizing path's profile steps through the
     Triton kernels, warms up and serves the torch backend's tokens. The profile is reached
-    through `_profile_peak_bytes` with CUDA's memory counters faked, as `_size_kv_cache`
-    calls it on a GPU. Before the profile built the Triton backend's paged metadata, this
-    failed in TritonAttention.forward ("the runner builds AttentionMetadata.paged")."""
+    through `profile._profile_peak_bytes` with CUDA's memory counters faked, as
+    `profile.size_kv_cache` calls it on a GPU. Before the profile built the Triton backend's
+    paged metadata, this failed in TritonAttention.forward ("the runner builds
+    AttentionMetadata.paged")."""
     import torch
 
+    from tandem.engine.profile import _profile_peak_bytes
     from tandem.engine.sampling import SamplingParams
 
     for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
@@ -93,7 +95,9 @@ def test_engine_sized_by_memory_profiles_warms_up_and_serves_through_triton(  # 
             attention_backend=backend,
         )
         assert engine.num_blocks == (1 << 20) // engine.kv_cache[0].nbytes
-        peak, scratch = engine._profile_peak_bytes(torch.float32, 128, torch.device("cpu"))
+        peak, scratch = _profile_peak_bytes(
+            engine.model, engine.config.scheduler, 16, torch.float32, 128, torch.device("cpu")
+        )
         assert (peak, scratch) == (1 << 30, 3 * engine.kv_cache[0].nbytes)  # 48 tokens / 16
         engine.warm_up()
         tokens[backend] = [c.token_ids for c in engine.generate(prompts, params)]

@@ -9,6 +9,7 @@ import pytest
 from tandem.config import EngineRole
 from tandem.engine.block_pool import KVEventKind
 from tandem.engine.prefix_hash import hash_blocks, hash_keys
+from tandem.engine.request import Resume
 from tandem.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -23,7 +24,7 @@ def engine(tiny_model_dir, engine_factory):
 
 
 def run(engine, rid: str, prompt: list[int], salt: str):
-    request = engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+    request = engine.add_request(engine.spec(rid, prompt, GREEDY, cache_salt=salt))
     while engine.has_unfinished():
         engine.step()
         engine.check_integrity()
@@ -72,7 +73,7 @@ def test_decode_reserve_is_salted_and_caches_under_its_own_hashes(tiny_model_dir
     prompt = PROMPT[:16]
     # Tenant A's prompt, cached locally: tenant B's hand-off reuses none of it.
     run(decode, "a", prompt + [1], "tenant-a")
-    reserved = decode.reserve_kv("b", prompt, [42], GREEDY, cache_salt="tenant-b")
+    reserved = decode.reserve_kv(decode.spec("b", prompt, GREEDY, "tenant-b"), Resume((42,)))
     assert reserved is not None and reserved[1] == 0
     before = set(decode.cached_block_hashes())
     decode.commit_kv("b")
@@ -80,7 +81,7 @@ def test_decode_reserve_is_salted_and_caches_under_its_own_hashes(tiny_model_dir
     new = set(decode.cached_block_hashes()) - before
     assert new == set(salted(decode, prompt, "tenant-b"))
     decode.abort("b")
-    reserved = decode.reserve_kv("a2", prompt, [42], GREEDY, cache_salt="tenant-a")
+    reserved = decode.reserve_kv(decode.spec("a2", prompt, GREEDY, "tenant-a"), Resume((42,)))
     assert reserved is not None and reserved[1] == 16
     decode.abort("a2")
     decode.check_integrity()

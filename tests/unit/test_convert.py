@@ -6,10 +6,10 @@ import pytest
 
 from services.common.rpc import convert
 from services.common.runtime.flags import parse_config
-from services.common.worker.shell import WorkerConfig
+from services.common.worker.config import WorkerConfig
 from tandem import wire
 from tandem.engine.engine import RequestOutput
-from tandem.engine.request import RequestSpec
+from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import SamplingParams
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
 from tandem.v1 import router_pb2 as rpb
@@ -190,3 +190,15 @@ def test_chunk_merges_consecutive_outputs() -> None:
     chunk = convert.chunk_to_proto(outs)
     assert list(chunk.token_ids) == [4, 5, 6] and chunk.text == "abc"
     assert [lp.logprob for lp in chunk.logprobs] == [-0.5, -1.0, -2.0]
+
+
+def test_decode_input_resume_says_how_much_text_the_client_has() -> None:
+    spec = _spec()
+    # A plain request on a decode worker continues nothing.
+    assert convert.DecodeInput(spec).resume == Resume(())
+    # After a hand-off the count is exact, even 0 (token 1's text held back).
+    assert convert.DecodeInput(spec, (42,), 0, _handoff()).resume == Resume((42,), 0)
+    assert convert.DecodeInput(spec, (42,), 2, _handoff()).resume == Resume((42,), 2)
+    # A migration: a count is exact; 0 is the wire's unset value, every token's text was sent.
+    assert convert.DecodeInput(spec, (7, 8), 5).resume == Resume((7, 8), 5)
+    assert convert.DecodeInput(spec, (7, 8), 0).resume == Resume((7, 8), None)

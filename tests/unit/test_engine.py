@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tandem.config import EngineRole
-from tandem.engine.request import RequestStatus
+from tandem.engine.request import RequestStatus, Resume
 from tandem.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+FOUR = SamplingParams(max_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def drain(engine) -> None:
 )
 def test_bad_requests_are_rejected_and_leave_nothing_behind(engine, prompt, params, match):
     with pytest.raises(ValueError, match=match):
-        engine.add_request("bad", prompt, params)
+        engine.add_request(engine.spec("bad", prompt, params))
     assert not engine.has_unfinished()
     assert engine.num_free_blocks() == engine.num_blocks
 
@@ -57,9 +58,9 @@ def test_max_tokens_beyond_the_cache_stops_at_the_context(engine):
 
 
 def test_duplicate_request_id_rejected(engine):
-    engine.add_request("dup", [5, 6, 7], GREEDY)
+    engine.add_request(engine.spec("dup", [5, 6, 7], GREEDY))
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("dup", [5, 6, 7], GREEDY)
+        engine.add_request(engine.spec("dup", [5, 6, 7], GREEDY))
     drain(engine)
 
 
@@ -67,9 +68,9 @@ def test_text_prompts_need_a_tokenizer(hf_model, engine_factory):
     model_dir, _ = hf_model("llama")
     e = engine_factory(model_dir)
     with pytest.raises(ValueError, match="no tokenizer"):
-        e.add_request("x", "hello", GREEDY)
+        e.add_request(e.spec("x", "hello", GREEDY))
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
-        e.add_request("x", [1, 2], SamplingParams(stop=("a",)))
+        e.add_request(e.spec("x", [1, 2], SamplingParams(stop=("a",))))
 
 
 # -- outputs and stops -------------------------------------------------------------------
@@ -83,7 +84,7 @@ def test_text_matches_tokenizer_decode(engine):
 
 
 def test_streamed_deltas_concatenate_to_the_text(engine):
-    engine.add_request("s", "hello there", GREEDY)
+    engine.add_request(engine.spec("s", "hello there", GREEDY))
     text = ""
     while engine.has_unfinished():
         for o in engine.step():
@@ -97,7 +98,7 @@ def test_stop_string_truncates_and_is_never_streamed(engine):
     stop = ref.text[6:9]  # a 3-character substring from the middle
     cut = ref.text.find(stop)
     params = SamplingParams(max_tokens=24, temperature=0.0, stop=(stop, "\u2603never"))
-    engine.add_request("stop", "Once upon a time", params)
+    engine.add_request(engine.spec("stop", "Once upon a time", params))
     request = engine._requests["stop"]
     streamed = ""
     while engine.has_unfinished():
@@ -150,9 +151,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_model_dir, engi
     e2 = engine_factory(tiny_model_dir, seed=99)
     noise = SamplingParams(max_tokens=16, temperature=1.0)
     results = e2.generate([[9, 9, 9, 9], [5, 6, 7], [11, 12]], noise)  # neighbours differ
-    e2.add_request("n0", [20, 21], noise)
-    e2.add_request("seeded", [5, 6, 7], params)
-    e2.add_request("n1", [30, 31, 32], noise)
+    e2.add_request(e2.spec("n0", [20, 21], noise))
+    e2.add_request(e2.spec("seeded", [5, 6, 7], params))
+    e2.add_request(e2.spec("n1", [30, 31, 32], noise))
     request = e2._requests["seeded"]
     drain(e2)
     assert request.output_token_ids == alone.token_ids
@@ -189,7 +190,7 @@ def test_prefix_cache_hit_gives_same_tokens(tiny_model_dir, engine_factory):
 def test_abort_frees_blocks_in_every_state(tiny_model_dir, engine_factory):
     e = engine_factory(tiny_model_dir, block_size=4, num_blocks=64, max_num_batched_tokens=8)
     for i in range(4):
-        e.add_request(f"r{i}", list(range(5, 25)), GREEDY)
+        e.add_request(e.spec(f"r{i}", list(range(5, 25)), GREEDY))
     e.step()  # r0 is mid-prefill, the rest wait
     e.step()
     assert e.abort("r0") and e.abort("r3")
@@ -211,7 +212,7 @@ def copy_blocks(src, src_ids, dst, dst_ids) -> None:
 
 
 def disaggregated(prefill, decode, rid, prompt, params):
-    prefill.add_request(rid, prompt, params)
+    prefill.add_request(prefill.spec(rid, prompt, params))
     while True:
         outs = [o for o in prefill.step() if o.request_id == rid]
         if outs:
@@ -221,7 +222,7 @@ def disaggregated(prefill, decode, rid, prompt, params):
         return o.new_token_ids
     assert o.handed_off
     src = prefill.block_table(rid)
-    reserved = decode.reserve_kv(rid, prompt, o.new_token_ids, params)
+    reserved = decode.reserve_kv(decode.spec(rid, prompt, params), Resume(o.new_token_ids))
     assert reserved is not None
     dst, num_cached = reserved
     first = num_cached // decode.kv.block_size
@@ -257,7 +258,7 @@ def test_decode_reserve_reuses_local_prefix(tiny_model_dir, engine_factory):
     decode = engine_factory(tiny_model_dir, block_size=4, role=EngineRole.DECODE)
     prompt = list(range(5, 21))
     decode.generate([prompt + [1]], GREEDY)  # caches 4 blocks of the prompt locally
-    reserved = decode.reserve_kv("d", prompt + [9], [42], GREEDY)
+    reserved = decode.reserve_kv(decode.spec("d", prompt + [9], GREEDY), Resume((42,)))
     assert reserved is not None
     table, num_cached = reserved
     assert num_cached == 16 and len(table) == 5
@@ -267,7 +268,7 @@ def test_decode_reserve_reuses_local_prefix(tiny_model_dir, engine_factory):
 
 def test_prefill_role_pins_blocks_until_release(tiny_model_dir, engine_factory):
     prefill = engine_factory(tiny_model_dir, block_size=4, role=EngineRole.PREFILL)
-    prefill.add_request("p", list(range(5, 15)), GREEDY)
+    prefill.add_request(prefill.spec("p", list(range(5, 15)), GREEDY))
     [o] = prefill.step()
     assert o.handed_off and not o.finished and len(o.new_token_ids) == 1
     assert len(prefill.block_table("p")) == 3
@@ -281,11 +282,11 @@ def test_prefill_role_pins_blocks_until_release(tiny_model_dir, engine_factory):
 def test_decode_reserve_rejects_bad_input(tiny_model_dir, engine_factory):
     decode = engine_factory(tiny_model_dir, block_size=4, num_blocks=8, role=EngineRole.DECODE)
     with pytest.raises(ValueError, match="first token"):
-        decode.reserve_kv("d", [5, 6], [], GREEDY)
+        decode.reserve_kv(decode.spec("d", [5, 6], GREEDY), Resume(()))
     with pytest.raises(ValueError, match="outside"):
-        decode.reserve_kv("d", [5, 6], [10**6], GREEDY)
+        decode.reserve_kv(decode.spec("d", [5, 6], GREEDY), Resume((10**6,)))
     # Fits the cache in principle, but not while another request holds blocks.
-    assert decode.reserve_kv("a", list(range(5, 25)), [7], SamplingParams(max_tokens=4)) is not None
-    assert decode.reserve_kv("b", list(range(5, 25)), [7], SamplingParams(max_tokens=4)) is None
+    assert decode.reserve_kv(decode.spec("a", range(5, 25), FOUR), Resume((7,))) is not None
+    assert decode.reserve_kv(decode.spec("b", range(5, 25), FOUR), Resume((7,))) is None
     decode.abort("a")
     assert decode.num_free_blocks() == 8

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.common.runtime.flags import leaves, parse_config
-from services.common.worker.shell import WorkerConfig
+from services.common.worker.config import WorkerConfig
 from services.router.config import RouterConfig
 from tandem.config import EngineRole
 

@@ -58,7 +58,7 @@ def test_engine_caps_and_says_so(
     assert "serving at most 64 tokens per request" in caplog.text
     assert "16 blocks x 4 tokens = 64 tokens" in caplog.text
     with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("r", list(range(5, 69)))
+        engine.add_request(engine.spec("r", list(range(5, 69))))
 
 
 def test_engine_refuses_an_explicit_context_that_does_not_fit(

@@ -283,7 +283,7 @@ def test_queue_time_and_prefix_cache_tokens_at_first_schedule(
     params = SamplingParams(max_tokens=2, temperature=0.0)
     for rid in ("a", "b"):
         m.admitted(rid)
-        engine.add_request(rid, prompt, params)
+        engine.add_request(engine.spec(rid, prompt, params))
         while engine.has_unfinished():
             engine.step()
             m.after_step(engine, 0.001)

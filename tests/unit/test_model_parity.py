@@ -101,7 +101,9 @@ def test_concurrent_greedy_token_identical(hf_model, engine_factory, arch, mode)
         engine = engine_factory(model_dir, block_size=4, num_blocks=24)
     cases = _mixed_prompts(16, seed=sum(map(ord, arch)))
     for i, (prompt, n) in enumerate(cases):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
+        engine.add_request(
+            engine.spec(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
+        )
     requests = dict(engine._requests)
     while engine.has_unfinished():
         engine.step()

@@ -7,8 +7,7 @@ import grpc
 import pytest
 
 from services.common.rpc.errors import ServiceError
-from services.router.prompts import check_size
-from services.router.server import MAX_REQUEST_ID_CHARS, check_request_id
+from services.router.prompts import MAX_REQUEST_ID_CHARS, check_request_id, check_size
 from tandem.v1 import router_pb2 as rpb
 
 

@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from tandem.engine.request import Resume
 from tandem.engine.sampling import (
     GREEDY_TEMPERATURE,
     Sampler,
@@ -515,8 +516,8 @@ def test_engine_generators_live_on_the_engine_device(
     default = engine.runner.sampler.default_generator
     assert default is not None and default.device == device
     seeded = SamplingParams(seed=5)
-    fresh = engine.make_request("fresh", [5, 6, 7], seeded)
-    continued = engine.make_request("continued", [5, 6, 7], seeded, output_token_ids=[8, 9])
+    fresh = engine.make_request(engine.spec("fresh", [5, 6, 7], seeded))
+    continued = engine.make_request(engine.spec("continued", [5, 6, 7], seeded), Resume((8, 9)))
     for request in (fresh, continued):
         assert request.generator is not None and request.generator.device == device
 

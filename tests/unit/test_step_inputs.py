@@ -91,10 +91,10 @@ def test_the_triton_path_builds_no_torch_metadata(
         engine = engine_factory(
             tiny_model_dir, block_size=16, num_blocks=16, attention_backend=backend
         )
-        engine.add_request("a", list(range(5, 25)), params)
-        engine.add_request("b", list(range(30, 37)), params)
+        engine.add_request(engine.spec("a", list(range(5, 25)), params))
+        engine.add_request(engine.spec("b", list(range(30, 37)), params))
         engine.step()  # both prefilled
-        engine.add_request("c", list(range(40, 60)), params)
+        engine.add_request(engine.spec("c", list(range(40, 60)), params))
         out = engine.scheduler.schedule()
         meta = engine.runner.prepare(out).meta
         if backend == "triton":
@@ -119,8 +119,8 @@ def test_finished_and_aborted_requests_free_their_rows(
         tiny_model_dir, block_size=16, num_blocks=16, attention_backend="triton"
     )
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    engine.add_request("kept", [5, 6, 7], params)
-    engine.add_request("aborted", [8, 9], params)
+    engine.add_request(engine.spec("kept", [5, 6, 7], params))
+    engine.add_request(engine.spec("aborted", [8, 9], params))
     engine.step()
     assert engine.runner.block_tables.request_ids() == {"kept", "aborted"}
     engine.abort("aborted")

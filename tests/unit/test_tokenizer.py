@@ -13,7 +13,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.model import tokenizer as tokenizer_module
-from tandem.model.detokenize import IncrementalDetokenizer
+from tandem.model.detokenize import IncrementalDetokenizer, TextStream
 from tandem.model.tiny import (
     BOS_ID,
     END_HEADER_ID,
@@ -250,6 +250,58 @@ def test_incremental_flush_emits_truncated_character(tok: Tokenizer) -> None:
     assert detok.add(emoji[:-1]) == ""
     assert detok.flush() == tok.decode(emoji[:-1])
     assert detok.text.startswith("ok ") and detok.text.endswith("\ufffd")
+
+
+def _stream_text(stream: TextStream, ids: list[int]) -> tuple[list[str], str | None]:
+    """Feed one id at a time (the last one ends the stream); the deltas and the stop hit."""
+    deltas, stop = [], None
+    for n, i in enumerate(ids):
+        delta, stop = stream.add([i], finished=n == len(ids) - 1)
+        deltas.append(delta)
+        if stop is not None:
+            break
+    return deltas, stop
+
+
+def test_text_stream_ends_before_a_stop_string_and_never_streams_part_of_it(
+    tok: Tokenizer,
+) -> None:
+    ids = tok.encode("the cat sat on the mat today", add_special_tokens=False)
+    stream = TextStream(tok, [BOS_ID], stops=("on the", "zebra"))
+    deltas, stop = _stream_text(stream, ids)
+    assert stop == "on the"
+    assert "".join(deltas) == "the cat sat "
+    # Every delta is a prefix-safe piece: no streamed text ever began the stop string.
+    streamed = ""
+    for d in deltas:
+        streamed += d
+        assert "on the" not in streamed and not streamed.endswith(("o", "on", "on "))
+
+
+def test_text_stream_holds_back_only_what_could_start_a_stop_and_flushes_it_at_the_end(
+    tok: Tokenizer,
+) -> None:
+    ids = tok.encode("abc xyz", add_special_tokens=False)
+    plain, _ = _stream_text(TextStream(tok, [BOS_ID]), ids)
+    held, stop = _stream_text(TextStream(tok, [BOS_ID], stops=("never here",)), ids)
+    assert stop is None
+    assert "".join(held) == "".join(plain) == "abc xyz"
+    assert held[-1] != plain[-1]  # the hold-back came out with the final token
+
+
+def test_text_stream_resumes_after_text_streamed_elsewhere(tok: Tokenizer) -> None:
+    first = tok.encode("Hello there", add_special_tokens=False)
+    more = tok.encode(" friend", add_special_tokens=False)
+    # All of the earlier tokens' text was sent: only the new text streams.
+    stream = TextStream(tok, [BOS_ID], output_ids=first)
+    assert "".join(_stream_text(stream, more)[0]) == " friend"
+    # Only 5 characters were sent ("Hello"): the rest comes with the next token.
+    stream = TextStream(tok, [BOS_ID], output_ids=first, num_emitted_chars=5)
+    assert "".join(_stream_text(stream, more)[0]) == " there friend"
+    # A stop string wholly inside text already sent does not end the request again.
+    stream = TextStream(tok, [BOS_ID], stops=("Hello",), output_ids=first)
+    deltas, stop = _stream_text(stream, more)
+    assert (stop, "".join(deltas)) == (None, " friend")
 
 
 # ------------------------------------------------------------------ chat content stays text

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from services.common.redis.worker_info import WorkerInfo
 from tandem.engine.engine import RequestOutput
-from tandem.engine.request import RequestSpec
+from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.routing.stall import HopProgress
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
@@ -275,6 +275,15 @@ class DecodeInput:
     num_emitted_chars: int = 0
     handoff: KVHandoff | None = None
     report_kv_failure: bool = False
+
+    @property
+    def resume(self) -> Resume:
+        """Where the engine continues. After a hand-off the count is exact (token 1's text
+        may be partly held back); without one (a migrated stream), 0 is the wire's unset
+        value and means every token's text was sent."""
+        emitted = self.num_emitted_chars
+        exact = self.handoff is not None or emitted > 0
+        return Resume(self.output_token_ids, emitted if exact else None)
 
 
 def decode_request_to_proto(decode: DecodeInput) -> wpb.DecodeRequest:

@@ -293,6 +293,9 @@ class EngineLoop:
             )
             if self.metrics is not None:
                 self.metrics.after_step(engine, self.last_step_s)
+            # Before the outputs reach their streams: a client that has its reply sees
+            # stats (GetStats, heartbeats) that count it.
+            self._publish()
             if outputs:
                 self.loop.call_soon_threadsafe(self._dispatch, outputs)
 
