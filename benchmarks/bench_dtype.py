@@ -10,7 +10,6 @@ Writes benchmarks/results/dtype.json; prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -20,15 +19,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import RESULTS_DIR, machine_info, result_path, write_json
 
-from tandem.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from tandem.engine.engine import LLMEngine  # noqa: E402
-from tandem.engine.sampling import SamplingParams  # noqa: E402
-from tandem.model.tiny import make_tiny_model  # noqa: E402
+from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.model.tiny import make_tiny_model
 
-RESULTS = Path(__file__).resolve().parent / "results" / "dtype.json"
+RESULT_JSON = result_path(RESULTS_DIR, "dtype")
 
 
 def workload(seed: int = 0) -> list[list[int]]:
@@ -85,8 +84,7 @@ def main() -> int:
         "bf16_over_fp32_median": statistics.median(ratios),
         "identical_greedy_outputs": f"{same}/{len(prompts)}",
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(RESULT_JSON, report, indent=1)
     print("| dtype | output tokens/s per round | bf16 / fp32 (median) | identical greedy |")
     print("|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):

@@ -29,8 +29,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import machine  # benchmarks/machine.py
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import REPO_ROOT, RESULTS_DIR, machine_info, result_path, verdict, write_json
 
 from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
@@ -41,9 +43,7 @@ from tandem.model.llama import LayerWeights, ModelWeights
 from tandem.model.loader import load_weights, safetensors_files
 from tandem.model.tiny import SPECIAL_TOKENS, make_tiny_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
-DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # Special tokens take the first ids; random prompts avoid them so no BOS/EOS lands mid-prompt.
 FIRST_ORDINARY_ID = len(SPECIAL_TOKENS)
 BENCHMARKS = ("throughput", "roofline", "prefix", "loader")
@@ -161,14 +161,15 @@ def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_ORDINARY_ID, vocab) for _ in range(n)]
 
 
-def machine_info() -> dict[str, Any]:
+def machine_extra() -> dict[str, Any]:
+    """This script's fields of the results' `machine` (report.machine_info)."""
     extra: dict[str, Any] = {
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }
     if "transformers" in sys.modules:
         extra["transformers_version"] = sys.modules["transformers"].__version__
-    return machine.machine_info(**extra)
+    return extra
 
 
 class Stopwatch:
@@ -763,22 +764,6 @@ def variant_suffix(
     return ("-quick" if quick else "") + (f"-t{threads}" if threads else "") + hf
 
 
-def result_path(results_dir: Path, name: str, suffix: str, ext: str = "json") -> Path:
-    return results_dir / f"{name}{suffix}.{ext}"
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write-then-rename: an interrupted run never leaves half a JSON file for the plot.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def verdict(ok: bool) -> str:
-    return "pass" if ok else "FAIL"
-
-
 def markdown(name: str, r: dict[str, Any]) -> str:
     if name == "throughput":
         lines = [
@@ -980,7 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("benchmark", nargs="?", default="all", choices=[*BENCHMARKS, "all"])
     parser.add_argument("--quick", action="store_true", help="tiny workloads (smoke test)")
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument(
         "--threads",
         type=int,
@@ -1025,12 +1010,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "benchmark": name,
                 "quick": args.quick,
                 "command": " ".join(["python", "benchmarks/bench_engine.py", *sys.argv[1:]]),
-                "machine": machine_info(),
+                "machine": machine_info(**machine_extra()),
                 "sizes": asdict(sizes),
                 "model_dir": str(model_dir),
                 "duration_s": time.perf_counter() - t0,
                 "results": results[name],
             },
+            indent=2,
         )
         log(f"{name}: wrote {path}")
     plot(args.results_dir, suffix)

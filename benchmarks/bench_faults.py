@@ -67,29 +67,28 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # machine, loadgen, fleet
+import grpc
 
-import grpc  # noqa: E402
-import machine  # noqa: E402
-from fleet import MAX_INFLIGHT, Fleet  # noqa: E402
-from loadgen import (  # noqa: E402
-    RequestClass,
-    RouterTarget,
-    RunResult,
-    Workload,
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from fleet import MAX_INFLIGHT, Fleet
+from loadgen import RequestClass, RouterTarget, RunResult, Workload, run_workload
+from report import (
+    BENCHMARKS_MD,
+    REPO_ROOT,
+    RESULTS_DIR,
+    is_default_results_dir,
+    machine_info,
     percentile,
-    run_workload,
+    result_path,
+    write_json,
     write_markdown_section,
 )
 
-from tandem.client import AsyncTandemClient, Result, TandemError  # noqa: E402
-from tandem.engine.prefix_hash import hash_blocks  # noqa: E402
-from tandem.model.tiny import make_tiny_model  # noqa: E402
-from tandem.routing.policy import home_rank, prefix_key  # noqa: E402
+from tandem.client import AsyncTandemClient, Result, TandemError
+from tandem.engine.prefix_hash import hash_blocks
+from tandem.model.tiny import make_tiny_model
+from tandem.routing.policy import home_rank, prefix_key
 
-DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
 SECTION = "## Fault tolerance (issue 14)"
 BEFORE_SECTION = "## GPU check"  # the new section goes in front of this one
 COMMAND = ".venv/bin/python benchmarks/bench_faults.py"
@@ -1186,15 +1185,6 @@ def section_markdown(report: dict[str, Any], notes: str) -> str:
     return "\n".join(parts)
 
 
-def write_section(body: str) -> None:
-    """Rewrite the section, placing it before the GPU check the first time."""
-    text = BENCHMARKS_MD.read_text()
-    if SECTION not in text and BEFORE_SECTION in text:
-        at = text.index(BEFORE_SECTION)
-        BENCHMARKS_MD.write_text(text[:at] + SECTION + "\n\n" + text[at:])
-    write_markdown_section(BENCHMARKS_MD, SECTION, body)
-
-
 # -- main ----------------------------------------------------------------------------------
 
 
@@ -1202,7 +1192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="smoke run, about a minute")
     p.add_argument("--only", choices=("matrix", "overload", "itl"))
-    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--notes", type=Path, help="markdown appended to the BENCHMARKS.md section")
     p.add_argument("--no-markdown-file", action="store_true", help="leave BENCHMARKS.md alone")
     p.add_argument("--replot", type=Path, help="only redraw plot and section from this JSON")
@@ -1213,10 +1203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(saved, args.replot.with_suffix(".png"))
         body = section_markdown(saved, notes)
         print(body)
-        if args.replot.resolve() == DEFAULT_RESULTS_DIR / "faults.json" and not (
+        if args.replot.resolve() == result_path(RESULTS_DIR, "faults") and not (
             args.no_markdown_file
         ):
-            write_section(body)
+            write_markdown_section(BENCHMARKS_MD, SECTION, body, before=BEFORE_SECTION)
         return 0
     sizes = QUICK if args.quick else FULL
     args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -1227,7 +1217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "faults",
         "quick": args.quick,
         "command": " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine.machine_info(grpc_version=grpc.__version__),
+        "machine": machine_info(grpc_version=grpc.__version__),
         "sizes": asdict(sizes),
         "run_dir": str(run_dir),
     }
@@ -1250,9 +1240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         REDIS_THREAD.shutdown()
     report["duration_s"] = time.perf_counter() - _START
     suffix = "-quick" if args.quick else ""
-    json_path = args.results_dir / f"faults{suffix}.json"
-    png_path = args.results_dir / f"faults{suffix}.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    json_path = result_path(args.results_dir, "faults", suffix)
+    png_path = result_path(args.results_dir, "faults", suffix, "png")
+    write_json(json_path, report, indent=1)
     plot(report, png_path)
     log(f"wrote {json_path} and {png_path}")
     body = section_markdown(report, notes)
@@ -1260,10 +1250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (
         not args.quick
         and not args.only
-        and args.results_dir.resolve() == DEFAULT_RESULTS_DIR
+        and is_default_results_dir(args.results_dir)
         and not args.no_markdown_file
     ):
-        write_section(body)
+        write_markdown_section(BENCHMARKS_MD, SECTION, body, before=BEFORE_SECTION)
         log(f"updated the '{SECTION}' section of {BENCHMARKS_MD}")
     return 0
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -46,8 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import machine
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from bench_serving import cpu_seconds, ensure_model, log
 from loadgen import (
     RequestClass,
@@ -57,16 +57,24 @@ from loadgen import (
     Sla,
     Target,
     Workload,
-    percentile,
     run_workload,
 )
-from loadgen import write_markdown_section as write_section
+from report import (
+    BENCHMARKS_MD,
+    RESULTS_DIR,
+    is_default_results_dir,
+    machine_info,
+    machine_summary,
+    percentile,
+    result_path,
+    verdict,
+    write_json,
+    write_markdown_section,
+)
 
 from services.up import Cluster, UpConfig, wait_for_router
 from tandem.client import TandemError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 SECTION = "## OpenAI HTTP front vs gRPC (issue 17)"
 FRONTS = ("grpc", "http")
 PROMPT_LEN = (64, 256)
@@ -274,7 +282,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, dict[st
     out: dict[str, Any] = {
         "benchmark": "OpenAI HTTP front vs gRPC",
         "command": "python benchmarks/bench_http.py" + (" --quick" if args.quick else ""),
-        "machine": machine.machine_info(),
+        "machine": machine_info(),
         "setup": {
             "cluster": "tandem up: redis, 1 decode worker (colocated prefill), 0 prefill",
             "decode_torch_threads": 1,
@@ -384,11 +392,7 @@ def markdown(r: dict[str, Any], stem: str) -> str:
     g, h = loaded["pooled"]["grpc"], loaded["pooled"]["http"]
     q = loaded["ratio_http_grpc"]
     n = r["output_len"]
-    where = (
-        f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} CPUs, shared, load "
-        f"{m.get('loadavg_1_5_15', [0.0])[0]:.1f}; commit {m.get('git_commit', '?')}, "
-        f"{m.get('date', '?')}"
-    )
+    where = machine_summary(m)
     merged = {
         f: sum(ph["pooled"][f]["requests_with_a_multi_token_chunk"] for ph in (loaded, idle))
         for f in FRONTS
@@ -420,8 +424,8 @@ def markdown(r: dict[str, Any], stem: str) -> str:
         "contents per run. Client-side timings (loadgen's definitions); "
         f"{chunks}. Results: `benchmarks/results/{stem}.json`."
     )
-    met = "met" if r["target"]["met"] else "**not met**"
-    verdict = (
+    met = verdict(r["target"]["met"], "met", "**not met**")
+    target = (
         f"Target: HTTP adds <= 5% to ITL p50 (ratio <= 1.05, loaded): {met} "
         f"({q['itl_p50']:.3f}; median of the per-round ratios "
         f"{loaded['itl_p50_ratio_median_of_rounds']:.3f}). Router CPU per token = the router "
@@ -493,7 +497,7 @@ def markdown(r: dict[str, Any], stem: str) -> str:
         row("HTTP", hi),
         ratio_row(idle["ratio_http_grpc"], gi, hi, ""),
         "",
-        textwrap.fill(verdict, 95, break_on_hyphens=False),
+        textwrap.fill(target, 95, break_on_hyphens=False),
     ]
     if bunched:
         lines += ["", textwrap.fill(note, 95, break_on_hyphens=False)]
@@ -519,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model-dir", default=str(Path.home() / ".cache/tandem/models/tandem-tiny-small")
     )
-    p.add_argument("--results-dir", default=str(RESULTS))
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
     p.add_argument("--no-markdown-file", action="store_true")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 8)
@@ -527,12 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "http_vs_grpc-quick" if args.quick else "http_vs_grpc"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, samples, out / f"{stem}.png")
+    write_json(result_path(out, stem), result, indent=1)
+    plot(result, samples, result_path(out, stem, ext="png"))
     body = markdown(result, stem)
     print(body)
-    if not args.quick and not args.no_markdown_file and out == RESULTS:
-        write_section(REPO_ROOT / "BENCHMARKS.md", SECTION, body)
+    if not args.quick and not args.no_markdown_file and is_default_results_dir(out):
+        write_markdown_section(BENCHMARKS_MD, SECTION, body)
     return 0
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import random
 import socket
 import statistics
@@ -45,16 +44,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import machine  # benchmarks/machine.py
 import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import RESULTS_DIR, machine_info, result_path, write_json
 
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.server import RedisServer
 from tandem.index import ApplyResult, EventBatch
 from tandem.index.base import leading_counts_reference
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 SEED = 20240604
 MODEL = "bench-model"
 CHAIN_BLOCKS = 256
@@ -265,10 +264,6 @@ def server_info(url: str) -> dict[str, Any]:
         client.close()
 
 
-def machine_info() -> dict[str, Any]:
-    return machine.machine_info(redis_py=redis.__version__)
-
-
 async def run(url: str, work: Workload, queries: list[list[int]], args: Any) -> dict[str, Any]:
     index = RedisPrefixIndex(url, socket_timeout_s=5.0)
     try:
@@ -357,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lookups", type=int, default=None, help="timed lookups")
     parser.add_argument("--concurrency", type=int, default=8, help="lookups in flight")
     parser.add_argument("--unix", action="store_true", help="unix socket instead of TCP")
-    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     blocks = args.blocks if args.blocks is not None else (100_000 if args.quick else 1_000_000)
     lookups = args.lookups if args.lookups is not None else (2_000 if args.quick else 20_000)
@@ -390,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "index",
         "quick": args.quick,
         "command": " ".join(["python", "benchmarks/bench_index.py", *sys.argv[1:]]),
-        "machine": machine_info(),
+        "machine": machine_info(redis_py=redis.__version__),
         "transport": "unix" if args.unix else "tcp-loopback",
         "workload": {
             "workers": args.workers,
@@ -405,9 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "meets_target": result["lookup"]["p99_ms"] < TARGET_P99_MS,
         "duration_s": time.perf_counter() - t_start,
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    out = args.results_dir / f"index{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out = result_path(args.results_dir, "index", "-quick" if args.quick else "")
+    write_json(out, payload, indent=2)
     log(f"wrote {out} in {payload['duration_s']:.1f} s")
     print(markdown(payload))
     return 0

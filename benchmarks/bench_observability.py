@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import statistics
 import sys
@@ -32,13 +31,21 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import machine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from bench_serving import Server, ensure_model, log
 from loadgen import RequestClass, RouterTarget, RunResult, Sla, Workload, run_workload
-from loadgen import write_markdown_section as write_section
+from report import (
+    BENCHMARKS_MD,
+    RESULTS_DIR,
+    is_default_results_dir,
+    machine_info,
+    machine_summary,
+    result_path,
+    write_json,
+    write_markdown_section,
+)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 SECTION = "## Observability overhead (issue 16)"
 KV_CACHE_BYTES = 256 << 20
 MIX = (RequestClass(1.0, (64, 256), (64, 128), "chat-like"),)
@@ -184,7 +191,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "observability overhead",
         "command": "python benchmarks/bench_observability.py" + (" --quick" if args.quick else ""),
-        "machine": machine.machine_info(),
+        "machine": machine_info(),
         "rounds": args.rounds,
         "requests_per_run": requests,
         "concurrency": concurrency,
@@ -223,11 +230,7 @@ def markdown(r: dict[str, Any]) -> str:
         for on, off in zip(r["runs"]["on"], r["runs"]["off"], strict=True)
     )
     p = r["pooled"]
-    where = (
-        f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} CPUs, shared, load "
-        f"{m.get('loadavg_1_5_15', [0.0])[0]:.1f}; commit {m.get('git_commit', '?')}, "
-        f"{m.get('date', '?')}"
-    )
+    where = machine_summary(m)
     return f"""{SECTION}
 
 `.venv/bin/{r["command"]}` ({where}). One decode worker (1 torch thread) and one
@@ -256,19 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model-dir", default=str(Path.home() / ".cache/tandem/models/tandem-tiny-small")
     )
-    p.add_argument("--results-dir", default=str(RESULTS))
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
     p.add_argument("--no-markdown-file", action="store_true")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 8)
     result = measure(args)
     out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "observability-quick.json" if args.quick else "observability.json"
-    (out / name).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result_path(out, "observability", "-quick" if args.quick else ""), result, indent=2)
     body = markdown(result)
     print(body)
-    if not args.quick and not args.no_markdown_file and out == RESULTS:
-        write_section(REPO_ROOT / "BENCHMARKS.md", SECTION, body)
+    if not args.quick and not args.no_markdown_file and is_default_results_dir(out):
+        write_markdown_section(BENCHMARKS_MD, SECTION, body)
     return 0
 
 

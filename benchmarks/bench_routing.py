@@ -51,26 +51,24 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from loadgen import (  # noqa: E402
-    FIRST_ORDINARY_ID,
-    RequestSpec,
-    RouterTarget,
-    RunResult,
-    Sla,
-    _run,
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from loadgen import FIRST_ORDINARY_ID, RequestSpec, RouterTarget, RunResult, Sla, _run
+from report import (
+    BENCHMARKS_MD,
+    REPO_ROOT,
+    RESULTS_DIR,
+    machine_info,
+    result_path,
+    verdict,
+    write_json,
     write_markdown_section,
 )
-from machine import machine_info  # noqa: E402
 
-from services.common.redis.registry import Registry  # noqa: E402
-from services.up import Cluster, UpConfig, wait_for_router  # noqa: E402
+from services.common.redis.registry import Registry
+from services.up import Cluster, UpConfig, wait_for_router
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
-BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
 SECTION = "## Prefix-aware routing (issue 4)"
+MET = ("met", "NOT met")  # the words of a target: verdict(ok, *MET)
 MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
 POLICIES = ("kv", "round_robin", "load")
 VOCAB = 8192
@@ -554,10 +552,6 @@ def _ratio(x: float | None) -> str:
     return "n/a (no queue)" if x is None else f"{x:.2f}"
 
 
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
 def shared_tables(run_: dict[str, Any]) -> list[str]:
     """The shared-prefix tables of one cache size."""
     pol = run_["policies"]
@@ -657,8 +651,8 @@ def section_markdown(report: dict[str, Any]) -> str:
         "",
         *summary_table(report),
         f"Targets, judged at {pressure['kv_cache_mb']} MiB: kv / round_robin TTFT p50 = "
-        f"**{ratio:.2f}** (target <= 0.5: {_verdict(ratio <= 0.5)}); kv prefix hit rate "
-        f"**{kv_hit:.1%}** of prompt tokens (target >= 80%: {_verdict(kv_hit >= 0.8)}). "
+        f"**{ratio:.2f}** (target <= 0.5: {verdict(ratio <= 0.5, *MET)}); kv prefix hit rate "
+        f"**{kv_hit:.1%}** of prompt tokens (target >= 80%: {verdict(kv_hit >= 0.8, *MET)}). "
         f"The other sizes: {others}. The median moves only while round_robin's median request "
         "misses. Once every worker holds every prompt, round_robin's requests hit "
         "as well (its misses are each prompt's first request on each worker) and a hit costs "
@@ -709,7 +703,7 @@ def section_markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"Target: kv max/mean queue = **{_ratio(kv_skew)}** (target <= 2: "
-        f"{_verdict(kv_skew is None or kv_skew <= 2.0)}).",
+        f"{verdict(kv_skew is None or kv_skew <= 2.0, *MET)}).",
         "",
         f"![routing]({report['plot']})",
         "",
@@ -727,7 +721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = QUICK if args.quick else Sizes()
     name = "routing-quick" if args.quick else "routing"
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     if not args.markdown_only:
         t0 = time.perf_counter()
         # quick: prompts of 256 tokens, so a cache a quarter the size is under the same pressure
@@ -744,12 +738,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plot": f"benchmarks/results/{name}.png",
             **data,
         }
-        plot(report, RESULTS / f"{name}.png")
-        (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        plot(report, result_path(RESULTS_DIR, name, ext="png"))
+        write_json(result_path(RESULTS_DIR, name), report, indent=1)
         log(f"done in {report['wall_s']:.0f} s")
     if args.quick:
         return 0
-    md = section_markdown(json.loads((RESULTS / "routing.json").read_text()))
+    md = section_markdown(json.loads(result_path(RESULTS_DIR, "routing").read_text()))
     print(md)
     write_markdown_section(BENCHMARKS_MD, SECTION, md)
     log(f"updated '{SECTION}' in {BENCHMARKS_MD}")

@@ -50,7 +50,7 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
-import machine
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from loadgen import (
     DecodeTarget,
     RequestClass,
@@ -61,18 +61,25 @@ from loadgen import (
     Target,
     Workload,
     markdown_table,
-    percentile,
     run_workload,
+)
+from report import (
+    BENCHMARKS_MD,
+    REPO_ROOT,
+    RESULTS_DIR,
+    is_default_results_dir,
+    machine_info,
+    percentile,
+    result_path,
+    verdict,
+    write_json,
     write_markdown_section,
 )
 
 from services.up import Cluster, UpConfig, wait_for_router
 from tandem.model.tiny import make_tiny_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
-DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
 SECTION = "## Serving (issue 3)"
 COMMAND = ".venv/bin/python benchmarks/bench_serving.py"
 TARGET_ROUTER_ITL_OVERHEAD = 0.10  # router ITL p50 / direct ITL p50 - 1, at most
@@ -687,10 +694,11 @@ def _disagg_brief(s: dict[str, Any], cpu: dict[str, float]) -> dict[str, Any]:
 # -- report --------------------------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
+def machine_extra() -> dict[str, Any]:
+    """This script's fields of the results' `machine` (report.machine_info)."""
     import torch
 
-    return machine.machine_info(torch_version=torch.__version__)
+    return {"torch_version": torch.__version__}
 
 
 def overhead_markdown(o: dict[str, Any]) -> str:
@@ -725,12 +733,12 @@ def overhead_markdown(o: dict[str, Any]) -> str:
             f"| {t['p50']:.0f} / {t['p99']:.0f} | {s['throughput_tok_s']:.1f} "
             f"| {c['decode']:.1f} / {c['router']:.2f} / {c['client']:.2f} |"
         )
-    verdict = "meets" if o["meets_target"] else "misses"
     lines += [
         "",
         f"Router / direct ITL p50: **{o['itl_p50_ratio_pooled']:.3f}** pooled over all rounds "
         f"(median of per-round ratios {o['itl_p50_ratio_median_of_rounds']:.3f}); "
-        f"{verdict} the target of <= {1 + o['target_overhead']:.2f}. "
+        f"{verdict(o['meets_target'], 'meets', 'misses')} the target of "
+        f"<= {1 + o['target_overhead']:.2f}. "
         f"Router CPU: {rt['router_cpu_us_per_msg']:.0f} us per relayed message "
         f"({rt['tokens_per_chunk']:.2f} tokens per message).",
     ]
@@ -918,7 +926,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run, < 1 min")
     p.add_argument("--only", choices=("overhead", "disagg"))
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--profile-router", action="store_true", help="always profile the router")
     p.add_argument(
         "--decode-threads",
@@ -938,7 +946,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         body = section_markdown(saved, args.notes.read_text() if args.notes else "")
         print(body)
         if (
-            args.replot.resolve() == DEFAULT_RESULTS_DIR / "serving.json"
+            args.replot.resolve() == result_path(RESULTS_DIR, "serving")
             and not args.no_markdown_file
         ):
             write_markdown_section(BENCHMARKS_MD, SECTION, body)
@@ -954,7 +962,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "serving",
         "quick": args.quick,
         "command": " ".join([COMMAND, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": machine_info(),
+        "machine": machine_info(**machine_extra()),
         "sizes": asdict(sizes),
         "model_dir": str(model_dir),
     }
@@ -967,9 +975,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["disagg"] = bench_disagg(model_dir, sizes, log_dir)
     report["duration_s"] = time.perf_counter() - _START
     suffix = "-quick" if args.quick else ""
-    json_path = args.results_dir / f"serving{suffix}.json"
-    png_path = args.results_dir / f"serving{suffix}.png"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    json_path = result_path(args.results_dir, "serving", suffix)
+    png_path = result_path(args.results_dir, "serving", suffix, "png")
+    write_json(json_path, report, indent=1)
     plot(report, png_path)
     log(f"wrote {json_path} and {png_path}")
     notes = args.notes.read_text() if args.notes else ""
@@ -979,7 +987,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (
         not args.quick
         and not args.only
-        and args.results_dir.resolve() == DEFAULT_RESULTS_DIR
+        and is_default_results_dir(args.results_dir)
         and not args.no_markdown_file
     ):
         write_markdown_section(BENCHMARKS_MD, SECTION, body)

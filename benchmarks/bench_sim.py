@@ -25,15 +25,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import BENCHMARKS_MD, REPO_ROOT, verdict, write_markdown_section
 
-from loadgen import write_markdown_section  # noqa: E402
-
-from tandem.sim import SimResult, Summary, cost_model, generate, preset, simulate  # noqa: E402
-from tandem.sim.plot import plot_runs  # noqa: E402
-from tandem.sim.scenario import (  # noqa: E402
+from tandem.sim import SimResult, Summary, cost_model, generate, preset, simulate
+from tandem.sim.plot import plot_runs
+from tandem.sim.scenario import (
     CONTROL,
     INTERVAL_S,
     SLAS,
@@ -44,7 +41,7 @@ from tandem.sim.scenario import (  # noqa: E402
 )
 
 SECTION = "## Simulator: ratio controller vs static P:D"
-PLOTS = ROOT / "benchmarks" / "plots"
+PLOTS = REPO_ROOT / "benchmarks" / "plots"
 
 
 @dataclass(frozen=True)
@@ -277,12 +274,11 @@ def markdown(outcomes: list[Outcome], scale: tuple[int, int, float, SimResult], 
     ]
     for o in outcomes:
         best = o.statics[o.best]
-        verdict = {True: "**pass**", False: "**FAIL**", None: "(reported only)"}[o.passed]
         lines.append(
             f"| {o.scenario.trace} | {o.scenario.cost} | "
             f"{o.controller.summary().goodput_per_gpu:.3f} | {best.goodput_per_gpu:.3f} "
             f"({o.best[0]}:{o.best[1]}) | {o.ratio:.3f} | {o.scenario.target or '-'} | "
-            f"{verdict} |"
+            f"{verdict(o.passed, '**pass**', '**FAIL**', '(reported only)')} |"
         )
     gpu_sla, cpu_sla = SLAS["gpu"], SLAS["cpu"]
     lines += [
@@ -346,7 +342,7 @@ def markdown(outcomes: list[Outcome], scale: tuple[int, int, float, SimResult], 
                 ),
             ]
         plot = PLOTS / f"sim-{sc.trace}-{sc.cost}{f'-seed{args.seed}' if args.seed else ''}.png"
-        lines += ["", f"![{sc.trace} {sc.cost}]({plot.relative_to(ROOT)})"]
+        lines += ["", f"![{sc.trace} {sc.cost}]({plot.relative_to(REPO_ROOT)})"]
     lines += ["", "### What the numbers say", "", *analysis(outcomes)]
     n, workers, duration, result = scale
     lines += [
@@ -384,15 +380,13 @@ def main() -> int:
             PLOTS / f"sim-{sc.trace}-{sc.cost}{suffix}.png",
             f"{sc.trace} trace, {sc.cost}: controller vs best static",
         )
-        verdict = {True: "pass", False: "FAIL", None: "reported only"}[o.passed]
-        print(f"[{sc.trace}/{sc.cost}] controller / best static = {o.ratio:.3f} ({verdict}); {out}")
+        word = verdict(o.passed, unknown="reported only")
+        print(f"[{sc.trace}/{sc.cost}] controller / best static = {o.ratio:.3f} ({word}); {out}")
     scale = scale_check(args.quick)
     total = time.perf_counter() - started
     print(f"total {total:.0f} s")
     if not args.no_write and not args.quick:
-        write_markdown_section(
-            ROOT / "BENCHMARKS.md", SECTION, markdown(outcomes, scale, total, args)
-        )
+        write_markdown_section(BENCHMARKS_MD, SECTION, markdown(outcomes, scale, total, args))
         print("wrote BENCHMARKS.md")
     return 0
 

@@ -44,8 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import machine
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 import soak_report
+from report import REPO_ROOT, RESULTS_DIR, machine_info, result_path, write_json
 from soak_checks import DRAIN_MARGIN_S, Check, Run, checks, metrics_summary, mib, quantile
 from soak_load import Mix, SoakTraffic, outcome_counts
 from soak_metrics import (
@@ -61,8 +62,6 @@ from services.cli.model import DEFAULT_MODEL_DIR, ensure_default_model, resolve_
 from services.up import Cluster, UpConfig, wait_for_router
 from services.up.processes import free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results"
 RETRY_AFTER_CAP_S = 5.0
 PROGRESS_S = 10.0
 # Router log lines that say a worker left rotation, or that a hop failed and was recovered.
@@ -270,7 +269,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-interval-s", type=float, default=5.0)
-    p.add_argument("--results-dir", default=str(RESULTS))
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
     quick, overload = args.quick, args.overload
     args.clients = args.clients or (64 if overload else 4 if quick else 8)
@@ -330,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = _stem(args)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plotted = soak_report.plot(result, out / f"{stem}.png")
+    write_json(result_path(out, stem), result, indent=1)
+    plotted = soak_report.plot(result, result_path(out, stem, ext="png"))
     shown = out.resolve()
     if shown.is_relative_to(REPO_ROOT):
         shown = shown.relative_to(REPO_ROOT)
@@ -378,7 +377,7 @@ def _result(
         "benchmark": "soak (issue 26)",
         "command": cmd,
         "mode": _stem(args),
-        "machine": machine.machine_info(),
+        "machine": machine_info(),
         "setup": setup,
         "checks": [dataclasses.asdict(c) for c in cs],
         "outcomes": outcome_counts(run.records),

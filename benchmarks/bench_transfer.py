@@ -29,7 +29,6 @@ plot to <results-dir>/transfer.png (`--quick`: fewer sizes and reps, files suffi
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import random
@@ -42,15 +41,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import machine  # benchmarks/machine.py
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import RESULTS_DIR, machine_info, result_path, write_json
 
 from services.common.runtime.process import configure_native_libraries
 from tandem.transfer import RemoteKV, coalesce
 from tandem.transfer.nixl import NixlTransport, advise_hugepages
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 # The `small` preset (tandem/model/tiny.py) with the default block size, one block:
 # [num_layers, 2 (K and V), block_size, num_kv_heads, head_dim]
@@ -267,11 +265,10 @@ def measure(
 # -- reporting -----------------------------------------------------------------------------
 
 
-def machine_info(torch_threads: int) -> dict[str, Any]:
+def machine_extra(torch_threads: int) -> dict[str, Any]:
+    """This script's fields of the results' `machine` (report.machine_info)."""
     env = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))}
-    return machine.machine_info(
-        torch_version=torch.__version__, torch_threads=torch_threads, ucx_nixl_env=env
-    )
+    return {"torch_version": torch.__version__, "torch_threads": torch_threads, "ucx_nixl_env": env}
 
 
 def markdown(cases: Sequence[Case]) -> str:
@@ -347,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="evict CPU caches before every timed operation (files suffixed -cold)",
     )
-    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     reps = args.reps if args.reps is not None else (10 if args.quick else 20)
     if reps < 1:
@@ -403,12 +400,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     suffix = ("-quick" if args.quick else "") + ("-cold" if args.cold else "")
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    out = args.results_dir / f"transfer{suffix}.json"
+    out = result_path(args.results_dir, "transfer", suffix)
     payload = {
         "benchmark": "transfer",
         "quick": args.quick,
         "command": " ".join(["python", "benchmarks/bench_transfer.py", *sys.argv[1:]]),
-        "machine": machine_info(args.torch_threads),
+        "machine": machine_info(**machine_extra(args.torch_threads)),
         "geometry": {
             "block_shape": list(BLOCK_SHAPE),
             "dtype": str(DTYPE),
@@ -425,9 +422,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "duration_s": time.perf_counter() - t0,
         "results": [asdict(c) for c in cases],
     }
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(out, payload, indent=2)
     log(f"wrote {out}")
-    plot(cases, args.results_dir / f"transfer{suffix}.png", args.quick, args.cold)
+    plot(cases, result_path(args.results_dir, "transfer", suffix, "png"), args.quick, args.cold)
     flags = "".join(f" (--{f})" for f in ("quick", "cold") if getattr(args, f))
     print(f"### KV transfer{flags}\n\n{markdown(cases)}\n")
     return 0

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import sys
@@ -46,6 +45,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import percentile, write_json
 
 from tandem.client import AsyncTandemClient, Result, TandemError, build_request
 from tandem.v1 import worker_pb2 as wpb
@@ -320,17 +322,6 @@ async def _run(
 # -- statistics ----------------------------------------------------------------------------
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); nan when empty."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def quantiles_ms(values: Sequence[float]) -> dict[str, float]:
     out = {f"p{q}": percentile(values, q) * 1e3 for q in PERCENTILES}
     out["mean"] = (sum(values) / len(values) * 1e3) if values else math.nan
@@ -528,8 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = asyncio.run(_main(args))
     print(markdown_table([(report["target"], report["summary"])]))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.json, report, indent=1)
     failed = report["summary"]["num_failed"]
     if failed:
         print(f"{failed} requests failed: {report['summary']['errors']}", file=sys.stderr)
@@ -538,17 +528,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def write_markdown_section(path: Path, section: str, body: str) -> None:
-    """Replace (or append) the section titled `section` in the markdown file at `path`,
-    leaving every other section as it is."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(section)
-    if start < 0:
-        new = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
-    else:
-        nxt = text.find("\n## ", start + len(section))
-        tail = text[nxt + 1 :] if nxt >= 0 else ""
-        new = text[:start] + body.rstrip("\n") + "\n" + ("\n" + tail if tail else "")
-    path.write_text(new)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from soak_load import OK_OUTCOMES, Record
 from soak_metrics import Sample, Scrape, bucket_quantile, diff_buckets, is_worker
 
@@ -278,9 +280,7 @@ def explained_check(decisions: list[dict[str, Any]] | None) -> Check:
     it held), and every change it applied says why in its role's reason."""
     if decisions is None:
         return Check("every scaling decision explained", None, "no decisions read", "all")
-    unexplained = [
-        d for d in decisions if not all(d["reasons"].get(role) for role in Role)
-    ]
+    unexplained = [d for d in decisions if not all(d["reasons"].get(role) for role in Role)]
     changes = [d for d in decisions if d["target"] != d["current"]]
     last = decisions[-1]["reasons"] if decisions else {}
     return Check(

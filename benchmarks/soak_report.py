@@ -4,10 +4,12 @@ and the TTFT of each streamed request over the run."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
-PASS = {True: "pass", False: "**FAIL**", None: "n/a"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import machine_summary, verdict
 
 
 def _ms(x: Any) -> str:
@@ -41,11 +43,7 @@ def _na(x: Any) -> str:
 def markdown(r: dict[str, Any], stem: str, plotted: bool, results: str) -> str:
     """The summary; `results`: the results folder as the reader should see it."""
     s, m, mach = r["setup"], r["metrics"], r["machine"]
-    where = (
-        f"{mach.get('cpu_model', '?')}, {mach.get('cpu_count', '?')} CPUs, load "
-        f"{mach.get('loadavg_1_5_15', [0.0])[0]:.1f}; commit {mach.get('git_commit', '?')}, "
-        f"{mach.get('date', '?')}"
-    )
+    where = machine_summary(mach, shared=False)
     lines = [
         f"### Soak: {r['mode']}",
         "",
@@ -62,7 +60,8 @@ def markdown(r: dict[str, Any], stem: str, plotted: bool, results: str) -> str:
         "|---|---|---|---|",
     ]
     for c in r["checks"]:
-        lines.append(f"| {c['name']} | {PASS[c['passed']]} | {c['measured']} | {c['target']} |")
+        result = verdict(c["passed"], fail="**FAIL**")
+        lines.append(f"| {c['name']} | {result} | {c['measured']} | {c['target']} |")
     outcomes = sorted({o for by in r["outcomes"].values() for o in by})
     lines += [
         "",

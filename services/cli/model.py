@@ -79,12 +79,18 @@ def resolve_model(model: str | None, cache_dir: Path = MODEL_CACHE_DIR) -> Path:
     return path
 
 
-def kv_cache_bytes(args: argparse.Namespace) -> int:
+def requested_kv_cache_bytes(args: argparse.Namespace) -> int | None:
+    """The KV cache size asked for: --kv-cache-mb (the old spelling, MiB), else
+    --kv-cache-bytes or TANDEM_KV_CACHE_BYTES; None when none was."""
     if args.kv_cache_mb is not None:
         return int(args.kv_cache_mb) << 20
-    if args.kv_cache_bytes is not None:
-        return int(args.kv_cache_bytes)
-    return CacheConfig().kv_cache_bytes
+    return None if args.kv_cache_bytes is None else int(args.kv_cache_bytes)
+
+
+def kv_cache_bytes(args: argparse.Namespace) -> int:
+    """`tandem generate`'s KV cache: the size asked for, else the engine's default."""
+    requested = requested_kv_cache_bytes(args)
+    return CacheConfig().kv_cache_bytes if requested is None else requested
 
 
 def up_kv_cache(

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import time
+from collections.abc import MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.cli.model import kv_cache_bytes, resolve_model, up_kv_cache
+from services.cli.model import requested_kv_cache_bytes, resolve_model, up_kv_cache
 
 if TYPE_CHECKING:
+    from services.up import UpConfig
     from tandem.client import TandemClient
+
+# UpConfig fields that `tandem up` sets itself, not from a flag of their own: the flag that does.
+SET_BY_CLI = {"model_dir": "--model"}
 
 QUESTION = "What is the capital of France?"
 # Two chat turns: a short one (prefilled and decoded on one decode worker) and one whose prompt
@@ -90,44 +98,63 @@ OpenAI API, base_url http://{http}/v1:
     return text + "\nA process that dies is restarted; Ctrl-C stops every process."
 
 
+def up_config(args: argparse.Namespace) -> UpConfig:
+    """UpConfig from `tandem up`'s flags and TANDEM_* variables (services.cli.main adds them,
+    one per field), validated before any model is fetched: a bad value exits 2 naming its flag.
+    model_dir is --model as given ("": the default model) and kv_cache_bytes the size asked
+    for, else the field's default; `resolve` settles both."""
+    from services.common.runtime.flags import build_config, leaves
+    from services.up import UpConfig
+
+    names = {leaf.name for leaf in leaves(UpConfig)}
+    values = {name: value for name, value in vars(args).items() if name in names}
+    values["model_dir"] = args.model or ""
+    flags = {name: "--" + name.replace("_", "-") for name in names} | SET_BY_CLI
+    requested = requested_kv_cache_bytes(args)
+    if requested is None:
+        del values["kv_cache_bytes"]
+    else:
+        values["kv_cache_bytes"] = requested
+    if args.kv_cache_mb is not None:
+        flags["kv_cache_bytes"] = "--kv-cache-mb"
+    return build_config(UpConfig, args.parser, values, flags)
+
+
+def resolve(config: UpConfig, args: argparse.Namespace) -> tuple[UpConfig, str]:
+    """`config` with the model directory --model names (fetched or converted once) and the KV
+    cache asked for, else enough for one full context of that model; and a line saying what
+    the cache holds."""
+    model_dir = resolve_model(args.model)
+    requested = requested_kv_cache_bytes(args)
+    kv_bytes, kv_line = up_kv_cache(model_dir, requested, config.device, config.dtype)
+    return dataclasses.replace(config, model_dir=str(model_dir), kv_cache_bytes=kv_bytes), kv_line
+
+
+def drop_up_variables(environ: MutableMapping[str, str]) -> None:
+    """Remove the TANDEM_* variables of UpConfig's flags from `environ`: they were `tandem up`'s
+    settings, and its children, which inherit its environment, get what they need of them as
+    flags (a TANDEM_PORT left there would put every worker on the router's port)."""
+    from services.common.runtime.flags import leaves
+    from services.up import UpConfig
+
+    for leaf in leaves(UpConfig):
+        if leaf.name not in SET_BY_CLI:
+            environ.pop(leaf.env, None)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    import shlex
     import signal
 
-    from services.up import Cluster, UpConfig, wait_for_router
+    from services.up import Cluster, wait_for_router
     from tandem.client import TandemClient
 
-    model_dir = resolve_model(args.model)
-    requested = (
-        None if args.kv_cache_mb is None and args.kv_cache_bytes is None else (kv_cache_bytes(args))
-    )
-    kv_bytes, kv_line = up_kv_cache(model_dir, requested, args.device, args.dtype)
-    config = UpConfig(
-        model_dir=str(model_dir),
-        port=args.port,
-        http_port=args.http_port,
-        num_prefill=args.num_prefill,
-        num_decode=args.num_decode,
-        transport=args.transport,
-        kv_cache_bytes=kv_bytes,
-        device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype,
-        autoscale=args.autoscale,
-        admin_port=args.admin_port,
-        controller_args=tuple(shlex.split(args.controller_args)),
-        restart_backoff_s=args.restart_backoff_s,
-        restart_max_backoff_s=args.restart_max_backoff_s,
-        max_restarts=args.max_restarts,
-        restart_window_s=args.restart_window_s,
-        api_keys=args.api_keys,
-        max_queue_delay_s=args.max_queue_delay_s,
-        host_cores=args.host_cores,
-    )
+    config, kv_line = resolve(up_config(args), args)
+    model_dir = Path(config.model_dir)
+    drop_up_variables(os.environ)
     cluster = Cluster(config)
     print(
         f"starting redis, router, {config.num_prefill} prefill and {config.num_decode} decode "

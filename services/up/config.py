@@ -1,13 +1,19 @@
-"""`tandem up`'s settings (UpConfig; its flags are the CLI's, services.cli.main)."""
+"""`tandem up`'s settings (UpConfig; its flags and TANDEM_* variables, one per field, are
+added to the `tandem` command by services.cli.main; services.cli.up builds it)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from services.common.runtime.supervision import RestartConfig
 from services.router.config import DEFAULT_MAX_QUEUE_DELAY_S
+from tandem.config import CacheConfig, EngineConfig
+from tandem.transfer import TRANSPORT_KINDS
 
 _RESTART_DEFAULTS = RestartConfig()
+# RestartConfig's field names in its messages, which UpConfig spells restart_<name>.
+_RESTART_NAMES = re.compile(r"\b(?:backoff_s|max_backoff_s|window_s)\b")
 # UCX opens a TCP listener on every network device it may use (its tcp transport), so a
 # worker would listen on the host's external addresses too; on one host, loopback is all it
 # needs (KV moves by cma/shared memory or CUDA IPC; TCP carries only control). A
@@ -17,39 +23,81 @@ LOOPBACK_UCX_ENV = {"UCX_NET_DEVICES": "lo"}
 
 @dataclass(frozen=True, slots=True)
 class UpConfig:
+    """One `tandem up` cluster. Flags of `tandem up` map 1:1 to the fields, and so do
+    environment variables with the prefix TANDEM_ (services.common.runtime.flags, as for every
+    service: `--num-decode 2` or TANDEM_NUM_DECODE=2 set num_decode; the flag wins). Two fields
+    the command sets itself: model_dir from --model (a directory or .gguf, resolved by
+    services.cli.model), and kv_cache_bytes, unless asked for, sized from the model.
+
+    Attributes:
+        model_dir: the served model's directory (`tandem up --model`).
+        host: where every process listens (loopback: nothing of the cluster is reachable from
+            another host).
+        port: the router's gRPC port (0: a free port).
+        http_port: the router's OpenAI HTTP API; 0: a free port; -1: off.
+        num_prefill: prefill workers at start; 0: every prompt is prefilled on a decode
+            worker.
+        num_decode: decode workers at start (at least 1).
+        transport: the workers' KV transport, nixl or local.
+        kv_cache_bytes: KV cache per worker on a CPU (`tandem up`: enough for one full context
+            of the model, at least 256 MiB; `tandem generate`: 256 MiB); the old spelling
+            --kv-cache-mb takes MiB.
+        device: torch device of the engine (`tandem up`: of every worker's): cpu, cuda,
+            cuda:1. `tandem up` with "cuda": the workers go round-robin over the visible GPUs,
+            in start order (prefill first); "cuda:N": all on that GPU.
+        gpu_memory_utilization: on a GPU, the fraction of its memory for weights, activations
+            and KV cache (`tandem up`: of each GPU, split among the workers placed on it:
+            tandem.gpus.place_workers).
+        dtype: model dtype: auto, float32, bfloat16 or float16; auto: bfloat16 on CUDA,
+            float32 on a CPU.
+        disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
+            skip the prefill worker.
+        max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
+            Retry-After) when its expected wait for the first token exceeds this; 0: no limit.
+        redis_port: Redis's TCP port; 0: a unix socket in the run directory.
+        api_keys: the router wants an API key (one is generated for tenant "default" and
+            printed: Cluster.api_key).
+        run_dir: logs and sockets; default: a fresh temporary directory.
+        ready_timeout_s: how long each process may take to say it is ready.
+        autoscale: run the ratio controller, adding and removing workers (local actuator).
+        admin_port: the controller's admin API (with autoscale), for `tandem ctl`.
+        controller_args: controller flags (python -m services.controller --help), split as a
+            shell would: '--max-prefill 4'.
+        host_cores: with autoscale: the cores the host capacity rule counts (one worker per
+            core); 0: measured (affinity and cgroup quota, services/controller/host.py).
+        restart_backoff_s: delay before restarting a process that exited on its own; doubles
+            per exit within the window, up to restart_max_backoff_s
+            (services/common/runtime/supervision.py).
+        restart_max_backoff_s: the cap on that delay.
+        max_restarts: restarts of one process within restart_window_s before tandem up stops
+            the cluster and exits 1 (0: the first exit does).
+        restart_window_s: how far back a process's exits count.
+    """
+
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 50051
-    http_port: int = 8000  # the router's OpenAI HTTP API; 0: a free port; -1: off
+    http_port: int = 8000
     num_prefill: int = 1
     num_decode: int = 1
     transport: str = "nixl"
     kv_cache_bytes: int = 256 << 20
-    # Every worker's engine. "cuda": the workers go round-robin over the visible GPUs, in
-    # start order (prefill first); "cuda:N": all on that GPU. Workers sharing a GPU split its
-    # gpu_memory_utilization (tandem.gpus.place_workers).
     device: str = "cpu"
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
-    disagg_min_uncached_tokens: int = 64  # router: shorter prompts skip the prefill worker
-    # router: refuse at once (429) what could not get its first token within this; 0: off
+    disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
-    redis_port: int = 0  # 0: a unix socket in the run directory
-    api_keys: bool = False  # the router wants an API key (a generated one: Cluster.api_key)
-    run_dir: str = ""  # logs and sockets; default: a fresh temporary directory
+    redis_port: int = 0
+    api_keys: bool = False
+    run_dir: str = ""
     ready_timeout_s: float = 120.0
-    autoscale: bool = False  # run the ratio controller with the local actuator
-    admin_port: int = 50061  # the controller's admin API (with autoscale)
-    controller_args: tuple[str, ...] = ()  # ControllerConfig flags, e.g. ("--max-prefill", "4")
-    # With autoscale: the cores the host capacity rule counts (one worker per core); 0:
-    # measured (affinity and cgroup quota, services/controller/host.py).
+    autoscale: bool = False
+    admin_port: int = 50061
+    controller_args: tuple[str, ...] = ()
     host_cores: int = 0
-    # Supervision (see services/common/runtime/supervision.py): a child that exits on its own is
-    # restarted after restart_backoff_s, doubling per exit up to restart_max_backoff_s; the
-    # exit after max_restarts restarts within restart_window_s stops the cluster instead.
     restart_backoff_s: float = _RESTART_DEFAULTS.backoff_s
     restart_max_backoff_s: float = _RESTART_DEFAULTS.max_backoff_s
-    max_restarts: int = _RESTART_DEFAULTS.max_restarts  # 0: the first exit stops the cluster
+    max_restarts: int = _RESTART_DEFAULTS.max_restarts
     restart_window_s: float = _RESTART_DEFAULTS.window_s
 
     def __post_init__(self) -> None:
@@ -58,13 +106,27 @@ class UpConfig:
                 f"need num_decode >= 1 and num_prefill >= 0, got {self.num_decode}, "
                 f"{self.num_prefill}"
             )
+        if self.transport not in TRANSPORT_KINDS:
+            raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
         if self.host_cores < 0:
             raise ValueError(f"host_cores must be >= 0 (0: measured), got {self.host_cores}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        self.restart_config()  # raises ValueError naming the bad knob
+        self.engine_config()  # dtype, kv_cache_bytes, gpu_memory_utilization: the workers' checks
+        try:
+            self.restart_config()
+        except ValueError as exc:  # in this config's names: the flags' own
+            raise ValueError(_RESTART_NAMES.sub(lambda m: "restart_" + m[0], str(exc))) from None
+
+    def engine_config(self) -> EngineConfig:
+        """The engine settings every worker gets (validated as the workers validate them)."""
+        return EngineConfig(
+            model_dir=self.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            cache=CacheConfig(
+                kv_cache_bytes=self.kv_cache_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ),
+        )
 
     def restart_config(self) -> RestartConfig:
         return RestartConfig(

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from services.up import UpConfig
 from tandem.model.tokenizer import Tokenizer
 
 
@@ -105,3 +109,249 @@ def test_up_sizes_a_large_context_above_the_default(tmp_path: Path) -> None:
     size, line = up_kv_cache(tmp_path, None, "cpu", "auto")
     assert size == 8192 * 30 * 2 * 3 * 64 * 4
     assert line.startswith("KV cache: 360 MiB per worker (float32) = 8192 tokens")
+
+
+# -- `tandem up`'s flags: UpConfig's fields, through services.common.runtime.flags ------------
+
+# A non-default value for every UpConfig field with a flag: the flag's text, and the field.
+UP_VALUES: dict[str, tuple[str, Any]] = {
+    "host": ("127.0.0.2", "127.0.0.2"),
+    "port": ("7", 7),
+    "http_port": ("-1", -1),
+    "num_prefill": ("0", 0),
+    "num_decode": ("3", 3),
+    "transport": ("local", "local"),
+    "kv_cache_bytes": ("1048576", 1 << 20),
+    "device": ("cuda:1", "cuda:1"),
+    "gpu_memory_utilization": ("0.5", 0.5),
+    "dtype": ("bfloat16", "bfloat16"),
+    "disagg_min_uncached_tokens": ("0", 0),
+    "max_queue_delay_s": ("0", 0.0),
+    "redis_port": ("6390", 6390),
+    "api_keys": ("true", True),
+    "run_dir": ("/tmp/up", "/tmp/up"),
+    "ready_timeout_s": ("5", 5.0),
+    "autoscale": ("1", True),
+    "admin_port": ("0", 0),
+    "controller_args": ("--max-prefill 4", ("--max-prefill", "4")),
+    "host_cores": ("2", 2),
+    "restart_backoff_s": ("0.25", 0.25),
+    "restart_max_backoff_s": ("2", 2.0),
+    "max_restarts": ("0", 0),
+    "restart_window_s": ("5", 5.0),
+}
+
+
+@pytest.fixture
+def up_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No TANDEM_* variable of an UpConfig field from the environment the tests run in."""
+    from services.common.runtime.flags import leaves
+
+    for leaf in leaves(UpConfig):
+        monkeypatch.delenv(leaf.env, raising=False)
+    return monkeypatch
+
+
+def up_args(*argv: str) -> argparse.Namespace:
+    from services.cli.main import build_parser
+
+    return build_parser().parse_args(["up", *argv])  # reads the environment as it is now
+
+
+def up(*argv: str) -> UpConfig:
+    from services.cli.up import up_config
+
+    return up_config(up_args(*argv))
+
+
+def test_every_up_config_field_is_a_flag_with_help(up_env: pytest.MonkeyPatch) -> None:
+    import re
+
+    from services.cli.up import SET_BY_CLI
+    from services.common.runtime.flags import attribute_docs, leaves
+
+    names = [leaf.name for leaf in leaves(UpConfig)]
+    parser = up_args().parser
+    flags = re.findall(r"\[(--[a-z0-9-]+)", parser.format_usage())
+    generated = ["--" + n.replace("_", "-") for n in names if n not in SET_BY_CLI]
+    assert flags == ["--model", *generated, "--kv-cache-mb"]  # hand-written: --model, --kv-cache-mb
+    assert SET_BY_CLI == {"model_dir": "--model"}
+    assert sorted(UP_VALUES) == sorted(n for n in names if n not in SET_BY_CLI)
+    docs = attribute_docs(UpConfig)
+    assert [n for n in names if not docs.get(n)] == []  # every field's help, from its docstring
+    help_text = " ".join(parser.format_help().split())
+    assert "--max-restarts MAX_RESTARTS restarts of one process within restart_window_s" in (
+        help_text
+    )
+    assert "(env TANDEM_MAX_RESTARTS; default 5)" in help_text
+
+
+@pytest.mark.parametrize("name", sorted(UP_VALUES))
+def test_a_flag_or_its_variable_sets_the_field(up_env: pytest.MonkeyPatch, name: str) -> None:
+    raw, value = UP_VALUES[name]
+    flag, env = "--" + name.replace("_", "-"), "TANDEM_" + name.upper()
+    default = UpConfig(model_dir="")
+    assert getattr(default, name) != value
+    assert up(flag, raw) == dataclasses.replace(default, **{name: value})
+    up_env.setenv(env, raw)
+    assert up() == dataclasses.replace(default, **{name: value})
+
+
+def test_a_flag_beats_its_variable(up_env: pytest.MonkeyPatch) -> None:
+    for name, raw in (
+        ("NUM_DECODE", "2"), ("AUTOSCALE", "true"), ("KV_CACHE_BYTES", "4096"), ("DTYPE", "int3"),
+    ):  # fmt: skip
+        up_env.setenv(f"TANDEM_{name}", raw)
+    # int3 would be refused (an environment value is checked only if its flag is not given).
+    config = up(
+        "--num-decode", "3", "--autoscale", "false", "--kv-cache-mb", "2", "--dtype", "auto"
+    )
+    assert (config.num_decode, config.autoscale, config.kv_cache_bytes, config.dtype) == (
+        3, False, 2 << 20, "auto",
+    )  # fmt: skip
+    config = up("--kv-cache-bytes", "8192", "--dtype", "float16")
+    assert (config.num_decode, config.autoscale, config.kv_cache_bytes) == (2, True, 8192)
+
+
+# Every way the tests, scripts, image and docs call `tandem up`, and the UpConfig the command
+# built before its flags were generated (with the tiny model: its full context fits in the
+# default 256 MiB).
+OLD_SPELLINGS = [
+    (["--port", "0", "--kv-cache-mb", "64"], {"port": 0, "kv_cache_bytes": 64 << 20}),
+    (
+        ["--port", "0", "--admin-port", "0", "--autoscale", "--kv-cache-bytes", "1048576"],
+        {"port": 0, "admin_port": 0, "autoscale": True, "kv_cache_bytes": 1 << 20},
+    ),
+    (
+        ["--port", "0", "--num-prefill", "0", "--kv-cache-bytes", "1048576",
+         "--restart-backoff-s", "0.1", "--max-restarts", "0"],
+        {"port": 0, "num_prefill": 0, "kv_cache_bytes": 1 << 20, "restart_backoff_s": 0.1,
+         "max_restarts": 0},
+    ),
+    (["--port", "5", "--admin-port", "6", "--http-port", "7"], {"port": 5, "admin_port": 6,
+                                                                 "http_port": 7}),
+    ([], {}),
+    (["--device", "cuda"], {"device": "cuda"}),
+    (
+        ["--http-port", "-1", "--num-decode", "2", "--transport", "local", "--dtype", "bfloat16",
+         "--gpu-memory-utilization", "0.5", "--api-keys", "--host-cores", "2",
+         "--max-queue-delay-s", "0", "--controller-args", "--max-prefill 4 --min-decode 1",
+         "--restart-window-s", "5", "--restart-max-backoff-s", "1"],
+        {"http_port": -1, "num_decode": 2, "transport": "local", "dtype": "bfloat16",
+         "gpu_memory_utilization": 0.5, "api_keys": True, "host_cores": 2,
+         "max_queue_delay_s": 0.0, "controller_args": ("--max-prefill", "4", "--min-decode", "1"),
+         "restart_window_s": 5.0, "restart_max_backoff_s": 1.0},
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "fields"), OLD_SPELLINGS)
+def test_the_old_spellings_give_the_same_config(
+    up_env: pytest.MonkeyPatch, tiny_model_dir: Path, argv: list[str], fields: dict[str, Any]
+) -> None:
+    from services.cli.up import resolve, up_config
+
+    args = up_args("--model", str(tiny_model_dir), *argv)
+    config, _ = resolve(up_config(args), args)
+    assert config == UpConfig(model_dir=str(tiny_model_dir), **fields)
+
+
+BAD_UP_VALUES = [
+    (["--num-decode", "0"],
+     "arguments --num-decode, --num-prefill: need num_decode >= 1 and num_prefill >= 0, got 0, 1"),
+    (["--restart-window-s", "0"],
+     "argument --restart-window-s: restart_window_s must be > 0, got 0.0"),
+    (["--restart-backoff-s", "9"],
+     "arguments --restart-backoff-s, --restart-max-backoff-s: need 0 < restart_backoff_s <= "
+     "restart_max_backoff_s, got 9.0, 8.0"),
+    (["--transport", "pigeon"],
+     "argument --transport: transport must be one of ('nixl', 'local'), got 'pigeon'"),
+    (["--dtype", "int3"],
+     "argument --dtype: dtype must be auto, float32, bfloat16 or float16, got 'int3'"),
+    (["--gpu-memory-utilization", "1.5"],
+     "argument --gpu-memory-utilization: gpu_memory_utilization must be in (0, 1], got 1.5"),
+    (["--kv-cache-mb", "0"], "argument --kv-cache-mb: kv_cache_bytes must be positive, got 0"),
+    (["--host-cores", "-1"],
+     "argument --host-cores: host_cores must be >= 0 (0: measured), got -1"),
+    (["--port", "x"], "argument --port: invalid int value: 'x'"),
+    (["--autoscale", "maybe"], "argument --autoscale: expected a boolean, got 'maybe'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_UP_VALUES)
+def test_a_bad_value_is_a_usage_error_naming_its_flag(
+    up_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        up(*argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"tandem up: error: {message}"
+
+
+def test_a_bad_variable_is_a_usage_error_naming_it(
+    up_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    up_env.setenv("TANDEM_NUM_DECODE", "many")
+    with pytest.raises(SystemExit) as exc:
+        up()
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "tandem up: error: argument --num-decode: TANDEM_NUM_DECODE='many': invalid literal for "
+        "int() with base 10: 'many'"
+    )
+    assert up("--num-decode", "2").num_decode == 2  # the flag given, the variable is not read
+
+
+def test_tandem_up_refuses_a_bad_value_before_fetching_a_model() -> None:
+    res = tandem("up", "--num-decode", "0")  # no --model: the default one would be fetched
+    assert res.returncode == 2
+    assert res.stderr.splitlines()[-1].startswith("tandem up: error: arguments --num-decode")
+    assert "Traceback" not in res.stderr and "fetch" not in res.stderr
+
+
+def test_tandem_up_leaves_its_variables_out_of_its_children_s_environment() -> None:
+    from services.cli.up import drop_up_variables
+
+    environ = {"TANDEM_PORT": "9", "TANDEM_NUM_DECODE": "2", "TANDEM_MAX_NUM_SEQS": "4",
+               "TANDEM_MODEL_DIR": "/m", "PATH": "/bin"}  # fmt: skip
+    drop_up_variables(environ)
+    assert environ == {"TANDEM_MAX_NUM_SEQS": "4", "TANDEM_MODEL_DIR": "/m", "PATH": "/bin"}
+
+
+def test_generate_shares_the_engine_flags_of_up(
+    up_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cli.main import ENGINE_FLAGS, _engine_config, build_parser
+    from services.cli.up import up_config
+
+    def option_help(command: str) -> dict[str, str]:
+        parser = build_parser().parse_args([command, *(["hi"] if command == "generate" else [])])
+        return {
+            a.option_strings[0]: a.help or ""
+            for a in parser.parser._actions
+            if a.dest in (*ENGINE_FLAGS, "kv_cache_mb")
+        }
+
+    shared = option_help("generate")
+    assert sorted(shared) == [
+        "--device", "--dtype", "--gpu-memory-utilization", "--kv-cache-bytes", "--kv-cache-mb",
+    ]  # fmt: skip
+    assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
+    argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",
+            "--gpu-memory-utilization", "0.5"]  # fmt: skip
+    up_env.setenv("TANDEM_DTYPE", "bfloat16")  # both read the variables
+    engine = _engine_config(build_parser().parse_args(["generate", *argv, "--model", "m", "hi"]))
+    assert engine == up_config(up_args(*argv, "--model", "m")).engine_config()
+    assert (engine.device, engine.dtype, engine.cache.kv_cache_bytes) == (
+        "cuda:1",
+        "float16",
+        3 << 20,
+    )
+    assert _engine_config(build_parser().parse_args(["generate", "hi"])).dtype == "bfloat16"
+    with pytest.raises(SystemExit) as exc:
+        _engine_config(build_parser().parse_args(["generate", "--gpu-memory-utilization", "2"]))
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "tandem generate: error: argument --gpu-memory-utilization: gpu_memory_utilization must "
+        "be in (0, 1], got 2.0"
+    )

@@ -115,3 +115,141 @@ def test_no_config_field_is_declared_twice() -> None:
         nested = {leaf.name for leaf in leaves(cls) if len(leaf.path) > 1}
         own = {leaf.name for leaf in leaves(cls) if len(leaf.path) == 1}
         assert not nested & own, cls.__name__
+
+
+@dataclass(frozen=True, slots=True)
+class Documented:
+    """A config whose docstring documents its fields.
+
+    Attributes:
+        path: where it is; 50% of the
+            time, elsewhere.
+        low, high: the bounds.
+        on: switch it on.
+        inner: not a leaf: its own docstring documents its fields.
+
+    Raises:
+        nothing: this section is no field's.
+    """
+
+    path: str
+    low: int = 0
+    high: int = 9
+    on: bool = False
+    inner: DocumentedInner = field(default_factory=lambda: DocumentedInner())
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentedInner:
+    """Attributes:
+    size: how big (an outer entry would lose to this one).
+    """
+
+    size: int = 1
+
+
+def test_attribute_docs_read_every_entry_of_the_attributes_sections() -> None:
+    from services.common.runtime.flags import attribute_docs
+
+    assert attribute_docs(Documented) == {
+        "path": "where it is; 50% of the time, elsewhere.",
+        "low": "the bounds.",
+        "high": "the bounds.",
+        "on": "switch it on.",
+        "inner": "not a leaf: its own docstring documents its fields.",
+        "size": "how big (an outer entry would lose to this one).",
+    }
+    assert attribute_docs(Inner) == {}  # no docstring of its own: the dataclass signature
+
+
+def test_every_service_flag_has_help_from_its_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(Documented, ["--help"], prog="documented", environ={"TANDEM_HIGH": "5"})
+    out = " ".join(capsys.readouterr().out.split())
+    path = "--path PATH where it is; 50% of the time, elsewhere. (env TANDEM_PATH; required)"
+    assert path in out
+    assert "--high HIGH the bounds. (env TANDEM_HIGH; set from the environment)" in out
+    assert "--on [BOOL] switch it on. (env TANDEM_ON; default False)" in out
+
+
+def test_a_bool_flag_alone_means_true() -> None:
+    def on(*argv: str, env: dict[str, str] | None = None) -> bool:
+        return parse_config(Documented, ["--path", "p", *argv], environ=env or {}).on
+
+    assert (on(), on("--on"), on("--on", "false"), on("--on", "yes")) == (False, True, False, True)
+    assert (on(env={"TANDEM_ON": "1"}), on("--on", "off", env={"TANDEM_ON": "1"})) == (True, False)
+
+
+def test_a_bad_environment_value_is_a_usage_error_naming_it_when_parsed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import argparse
+
+    from services.common.runtime.flags import add_flags
+
+    parser = argparse.ArgumentParser(prog="p")
+    add_flags(parser, Documented, environ={"TANDEM_LOW": "two"})  # nothing converted yet
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--path", "p"])
+    assert exc.value.code == 2
+    assert "p: error: argument --low: TANDEM_LOW='two': invalid literal for int()" in (
+        capsys.readouterr().err
+    )
+    assert parser.parse_args(["--path", "p", "--low", "2"]).low == 2  # the flag wins
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--path", "p", "--high", "x"])
+    assert "argument --high: invalid int value: 'x'" in capsys.readouterr().err  # argparse's own
+
+
+def test_a_validation_error_names_the_flags_of_the_fields_it_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import argparse
+
+    from services.common.runtime.flags import usage_error
+
+    parser = argparse.ArgumentParser(prog="p")
+    flags = {"low": "--low", "high": "--high", "on": "--on"}
+    for message in ("need high > low, got 1, 2", "low_water is not low", "bad"):
+        with pytest.raises(SystemExit) as exc:
+            usage_error(parser, ValueError(message), flags)
+        assert exc.value.code == 2
+        assert (
+            capsys.readouterr().err.splitlines()[-1]
+            == {
+                "need high > low, got 1, 2": "p: error: arguments --high, --low: " + message,
+                "low_water is not low": "p: error: argument --low: " + message,
+                "bad": "p: error: bad",
+            }[message]
+        )
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--model-dir", "/m", "--max-num-seqs", "0"], environ={})
+    assert (
+        "argument --max-num-seqs: max_num_seqs must be positive, got 0" in capsys.readouterr().err
+    )
+
+
+def test_add_flags_takes_some_leaves_with_the_program_s_defaults_and_converters() -> None:
+    import argparse
+
+    from services.common.runtime.flags import add_flags, build_config
+
+    parser = argparse.ArgumentParser()
+    added = add_flags(
+        parser,
+        Documented,
+        skip=("path",),
+        only=("path", "low", "size"),
+        defaults={"low": 3},
+        converters={"size": lambda raw: len(raw)},
+        environ={"TANDEM_SIZE": "abcd", "TANDEM_HIGH": "1"},
+    )
+    assert [leaf.name for leaf in added] == ["low", "size"]
+    assert vars(parser.parse_args([])) == {"low": 3, "size": 4}
+    assert vars(parser.parse_args(["--size", "ab", "--low", "0"])) == {"low": 0, "size": 2}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--high", "2"])  # not among `only`
+    cfg = build_config(Documented, parser, {"path": "p", **vars(parser.parse_args([]))})
+    assert cfg == Documented("p", low=3, inner=DocumentedInner(size=4))
+    with pytest.raises(TypeError, match=r"Documented has no fields \['nope'\]"):
+        add_flags(argparse.ArgumentParser(), Documented, defaults={"nope": 1})

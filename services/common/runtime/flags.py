@@ -6,18 +6,23 @@ A config may compose others (`WorkerConfig.engine: EngineConfig`, which holds a
     WorkerConfig.engine.cache.kv_cache_bytes  <->  --kv-cache-bytes  <->  TANDEM_KV_CACHE_BYTES
 
 A flag beats the environment, which beats the field's default (a nested config's default
-instance supplies its fields' defaults). Only services' main.py call `parse_config`.
+instance supplies its fields' defaults); a flag's help is its field's entry in the
+`Attributes:` section of its config's docstring. Only services' main.py call `parse_config`;
+the `tandem` command adds `tandem up`'s flags (UpConfig's) to its own parser with `add_flags`
+and builds the config with `build_config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 T = TypeVar("T")
 ENV_PREFIX = "TANDEM_"
@@ -118,6 +123,167 @@ def _converter(tp: Any) -> Any:
     raise TypeError(f"no flag conversion for {tp!r}")
 
 
+_ENTRY = re.compile(r"([a-z_][a-z0-9_]*(?:, [a-z_][a-z0-9_]*)*): (.+)")
+
+
+def _own_attribute_docs(doc: str) -> dict[str, str]:
+    lines = inspect.cleandoc(doc).splitlines()
+    starts = [i for i, line in enumerate(lines) if line.strip() == "Attributes:"]
+    out: dict[str, str] = {}
+    if not starts:
+        return out
+    indent: int | None = None
+    names: list[str] = []
+    text: list[str] = []
+    for line in [*lines[starts[0] + 1 :], "END"]:  # a line at no indent ends the section
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        indent = depth if indent is None else indent
+        entry = _ENTRY.fullmatch(line.strip()) if depth == indent else None
+        if names and (entry or depth <= indent):
+            out.update(dict.fromkeys(names, " ".join(text)))
+            names = []
+        if entry:
+            names, text = entry[1].split(", "), [entry[2]]
+        elif depth > indent and names:
+            text.append(line.strip())
+        else:
+            break
+    return out
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> its entry in the `Attributes:` section of the docstring of `cls` or of a
+    config nested in it (continuation lines joined): the flags' help. An entry may name several
+    fields ("host, port: where it listens"); a nested config's entry beats the outer one's."""
+    out = _own_attribute_docs(cls.__doc__ or "")
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(attribute_docs(hints[f.name]))
+    return out
+
+
+class _EnvText(str):
+    """An environment variable's text as a flag's default: argparse converts a str default as
+    it converts the flag's argument, when (and only when) that parser parses."""
+
+    env: str
+
+
+def _typed(conv: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`conv`, saying which environment variable a bad default came from."""
+
+    def convert(raw: str) -> Any:
+        if not isinstance(raw, _EnvText):
+            return conv(raw)
+        try:
+            return conv(raw)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            raise argparse.ArgumentTypeError(f"{raw.env}={str(raw)!r}: {exc}") from None
+
+    convert.__name__ = getattr(conv, "__name__", "value")  # argparse: "invalid int value: 'x'"
+    return convert
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    skip: Collection[str] = (),
+    only: Collection[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    converters: Mapping[str, Callable[[str], Any]] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[Leaf]:
+    """Add a flag per leaf of `cls` to `parser` (its dest: the leaf name); return those leaves.
+
+    A flag's default is its environment variable's value (TANDEM_<NAME>), else `defaults`'s,
+    else the field's; its help is the field's `Attributes:` entry (`attribute_docs`). A bool
+    flag alone means true (`--autoscale`; `--autoscale false` too).
+
+    Args:
+        skip: leaf names that get no flag (the program sets them).
+        only: just these leaves.
+        defaults: leaf name -> the flag's default instead of the field's.
+        converters: leaf name -> the str -> value function instead of the type's.
+        environ: the environment to read (default: os.environ).
+    """
+    env_vars = os.environ if environ is None else environ
+    defaults = dict(defaults or {})
+    converters = dict(converters or {})
+    all_leaves = leaves(cls)
+    unknown = {*skip, *(only or ()), *defaults, *converters} - {leaf.name for leaf in all_leaves}
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
+    docs = attribute_docs(cls)
+    added = []
+    for leaf in all_leaves:
+        if leaf.name in skip or (only is not None and leaf.name not in only):
+            continue
+        conv = converters.get(leaf.name) or _converter(leaf.type)
+        default = defaults.get(leaf.name, leaf.default)
+        required = default is dataclasses.MISSING
+        raw = env_vars.get(leaf.env)
+        shown = "required" if required else f"default {default!r}"
+        if raw is not None:
+            default = _EnvText(raw)
+            default.env = leaf.env
+            # An environment value may be a secret (a Redis URL's password): not in --help.
+            shown = "set from the environment"
+        help_text = " ".join([docs.get(leaf.name, ""), f"(env {leaf.env}; {shown})"]).strip()
+        bare: dict[str, Any] = {"nargs": "?", "const": True, "metavar": "BOOL"}
+        parser.add_argument(
+            leaf.flag,
+            dest=leaf.name,
+            type=_typed(conv),
+            default=None if required and raw is None else default,
+            required=required and raw is None,
+            help=help_text.replace("%", "%%"),
+            **(bare if leaf.type is bool and leaf.name not in converters else {}),
+        )
+        added.append(leaf)
+    return added
+
+
+def usage_error(
+    parser: argparse.ArgumentParser, exc: Exception, flags: Mapping[str, str]
+) -> NoReturn:
+    """Exit 2 with `exc` as a usage error of `parser`, naming the flags (`flags`: field name ->
+    flag) of the fields its message names: "argument --num-decode: need num_decode >= 1 ..."."""
+    message = str(exc)
+    named = sorted(
+        (found.start(), flag)
+        for name, flag in flags.items()
+        if (found := re.search(rf"\b{re.escape(name)}\b", message)) is not None
+    )
+    which = list(dict.fromkeys(flag for _, flag in named))
+    plural = "s" if len(which) > 1 else ""
+    parser.error(f"argument{plural} {', '.join(which)}: {message}" if which else message)
+
+
+def build_config(
+    cls: type[T],
+    parser: argparse.ArgumentParser,
+    values: Mapping[str, Any],
+    flags: Mapping[str, str] | None = None,
+) -> T:
+    """`cls` from leaf name -> value (a leaf left out takes its default). A validation error of
+    any of its dataclasses is a usage error of `parser` (exit 2) naming the flags of the fields
+    it names (`flags`: field name -> flag; default: every leaf's own)."""
+    by_name = {leaf.name: leaf for leaf in leaves(cls)}
+    unknown = set(values) - set(by_name)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
+    try:
+        return build(cls, {by_name[name].path: value for name, value in values.items()})
+    except (ValueError, TypeError) as exc:
+        usage_error(
+            parser, exc, {n: leaf.flag for n, leaf in by_name.items()} if flags is None else flags
+        )
+
+
 def parse_config(
     cls: type[T],
     argv: Sequence[str] | None = None,
@@ -132,36 +298,10 @@ def parse_config(
             these get no flag and no environment variable.
         environ: the environment to read (default: os.environ).
 
-    Validation errors of the dataclasses surface as argparse errors naming the field.
+    Validation errors of the dataclasses surface as argparse errors naming the flag.
     """
-    env_vars = os.environ if environ is None else environ
     fixed = dict(fixed or {})
     parser = argparse.ArgumentParser(prog=prog or cls.__name__)
-    by_name = {leaf.name: leaf for leaf in leaves(cls)}
-    unknown = set(fixed) - set(by_name)
-    if unknown:
-        raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
-    for leaf in by_name.values():
-        if leaf.name in fixed:
-            continue
-        conv = _converter(leaf.type)
-        required = leaf.default is dataclasses.MISSING
-        raw = env_vars.get(leaf.env)
-        default = conv(raw) if raw is not None else (None if required else leaf.default)
-        parser.add_argument(
-            leaf.flag,
-            dest=leaf.name,
-            type=conv,
-            default=default,
-            required=required and raw is None,
-            # An environment value may be a secret (a Redis URL's password): not in --help.
-            help=f"(env {leaf.env}; "
-            + ("set from the environment)" if raw is not None else f"default {default!r})"),
-        )
+    added = add_flags(parser, cls, skip=fixed, environ=environ)
     ns = vars(parser.parse_args(argv))
-    values = {by_name[name].path: value for name, value in {**ns, **fixed}.items()}
-    try:
-        return build(cls, values)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+    return build_config(cls, parser, {**ns, **fixed}, {leaf.name: leaf.flag for leaf in added})
