@@ -62,6 +62,7 @@ BEFORE_SECTION = "## GPU check"
 SYSTEMS = ("vllm-default", "vllm-fp32", "tandem-colocated", "tandem-up")
 VLLM_SYSTEMS = ("vllm-default", "vllm-fp32")
 READY_TIMEOUT_S = 900.0
+VLLM_KV_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,10 @@ def server_command(system: str, model_dir: Path, port: int, vpy: str) -> list[st
     if system.startswith("vllm"):
         cmd = [vpy, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
         cmd += ["--served-model-name", model_dir.name, "--port", str(port)]
-        cmd += ["--host", "127.0.0.1", "--max-model-len", "2048", "--disable-log-requests"]
+        cmd += ["--host", "127.0.0.1", "--max-model-len", "2048"]
+        # A 1 GiB KV cache (Tandem's workers hold less); the utilization check only has to
+        # pass on a box whose memory other processes share.
+        cmd += ["--kv-cache-memory-bytes", str(VLLM_KV_BYTES), "--gpu-memory-utilization", "0.3"]
         if system == "vllm-fp32":
             cmd += ["--dtype", "float32"]
         return cmd
@@ -137,14 +141,23 @@ def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> st
 
 
 @contextlib.contextmanager
-def serving(system: str, model_dir: Path, vpy: str, log_dir: Path) -> Iterator[tuple[int, str]]:
+def serving(
+    system: str, model_dir: Path, vpy: str, log_dir: Path, env: dict[str, str]
+) -> Iterator[tuple[int, str]]:
+    """Start `system`; `env`: extra variables for Tandem's processes (an experiment)."""
     port = free_port()
     cmd = server_command(system, model_dir, port, vpy)
     log_path = log_dir / f"{system}.log"
     log(f"{system}: starting ({' '.join(cmd[:4])} ...), log {log_path}")
     t0 = time.monotonic()
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **env} if system.startswith("tandem") else None,
+        )
     try:
         name = wait_ready(port, proc, READY_TIMEOUT_S)
         log(f"{system}: ready in {time.monotonic() - t0:.0f}s, model {name!r}")
@@ -301,7 +314,18 @@ def main() -> int:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--no-markdown-file", action="store_true")
+    ap.add_argument(
+        "--prompts", type=int, default=0, help="prompts per point (0: each point's own)"
+    )
+    ap.add_argument(
+        "--tandem-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for Tandem's processes (repeatable; an experiment)",
+    )
     args = ap.parse_args()
+    tandem_env = dict(item.split("=", 1) for item in args.tandem_env)
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -309,6 +333,8 @@ def main() -> int:
     points = [p for p in POINTS if p.name in args.points.split(",")]
     if args.quick:
         points = [Point(p.name, p.input_len, 8, p.concurrency, 2) for p in points]
+    if args.prompts:
+        points = [dataclasses.replace(p, num_prompts=args.prompts) for p in points]
     vpy = vllm_python()
     model_dir = args.model_dir or default_model_dir()
     runs: list[dict[str, Any]] = []
@@ -318,7 +344,7 @@ def main() -> int:
         for rnd in range(args.rounds):
             order = systems if rnd % 2 == 0 else systems[::-1]
             for system in order:
-                with serving(system, model_dir, vpy, log_dir) as (port, name):
+                with serving(system, model_dir, vpy, log_dir, tandem_env) as (port, name):
                     for p in points:
                         r = run_point(vpy, port, name, model_dir, p, seed=rnd, out_dir=tmp_dir)
                         r.update(system=system, round=rnd)
@@ -332,6 +358,7 @@ def main() -> int:
         "command": "python benchmarks/bench_vllm_cpu.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(vllm_python=vpy, model_dir=str(model_dir)),
         "rounds": args.rounds,
+        "tandem_env": tandem_env,
         "quick": args.quick,
         "points": [dataclasses.asdict(p) for p in points],
         "runs": runs,
@@ -345,7 +372,8 @@ def main() -> int:
         log("matplotlib missing: no plot")
     text = markdown(result)
     print(text)
-    if not args.quick and not args.no_markdown_file and is_default_results_dir(args.results_dir):
+    complete = not args.quick and not args.prompts and not tandem_env
+    if complete and not args.no_markdown_file and is_default_results_dir(args.results_dir):
         write_markdown_section(BENCHMARKS_MD, SECTION, text, before=BEFORE_SECTION)
     return 0
 

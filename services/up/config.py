@@ -65,6 +65,9 @@ class UpConfig:
             shell would: '--max-prefill 4'.
         host_cores: with autoscale: the cores the host capacity rule counts (one worker per
             core); 0: measured (affinity and cgroup quota, services/controller/host.py).
+        num_threads: torch threads per CPU worker; 0: `cpu_threads_per_worker` of the
+            host's cores and the workers at start (one core left to the router and the
+            clients: on 2 cores, 1 thread each).
         restart_backoff_s: delay before restarting a process that exited on its own; doubles
             per exit within the window, up to restart_max_backoff_s
             (services/common/runtime/supervision.py).
@@ -95,6 +98,7 @@ class UpConfig:
     admin_port: int = 50061
     controller_args: tuple[str, ...] = ()
     host_cores: int = 0
+    num_threads: int = 0
     restart_backoff_s: float = _RESTART_DEFAULTS.backoff_s
     restart_max_backoff_s: float = _RESTART_DEFAULTS.max_backoff_s
     max_restarts: int = _RESTART_DEFAULTS.max_restarts
@@ -108,6 +112,8 @@ class UpConfig:
             )
         if self.transport not in TRANSPORT_KINDS:
             raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0: auto), got {self.num_threads}")
         if self.host_cores < 0:
             raise ValueError(f"host_cores must be >= 0 (0: measured), got {self.host_cores}")
         self.engine_config()  # dtype, kv_cache_bytes, gpu_memory_utilization: the workers' checks
@@ -135,3 +141,16 @@ class UpConfig:
             max_restarts=self.max_restarts,
             window_s=self.restart_window_s,
         )
+
+
+def cpu_threads_per_worker(num_cores: int, num_workers: int, autoscale: bool) -> int:
+    """Torch threads for each CPU worker on a host of `num_cores` that `tandem up` shares
+    with its router and the clients: one core is left to them and the rest split evenly
+    (with autoscale, one each: the controller adds a worker per free core). At least 1.
+
+    Measured on 2 cores (BENCHMARKS.md, issue 24): 1 thread per worker serves faster than
+    torch's default of one per core, which oversubscribes the cores the router, the other
+    worker and the clients need."""
+    if autoscale or num_workers <= 0:
+        return 1
+    return max(1, (num_cores - 1) // num_workers)

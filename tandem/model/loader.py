@@ -22,6 +22,7 @@ import torch
 
 from tandem.model.attention import AttentionBackend, TorchAttention
 from tandem.model.config import ModelConfig
+from tandem.model.linear import choose_matmul, onednn_bf16_available
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights
 from tandem.model.safetensors_io import (
     ProgressFn,
@@ -254,10 +255,14 @@ def load_model(
     config = ModelConfig.from_dir(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    weights = load_weights(path, config, DTYPES[dtype], torch.device(device), progress)
+    dev = torch.device(device)
+    weights = load_weights(path, config, DTYPES[dtype], dev, progress)
+    mm = choose_matmul(dev, DTYPES[dtype], onednn_bf16_available())
+    logger.info("matmuls: %s (%s on %s)", mm.value, dtype, dev)
     return LlamaModel(
         config,
         weights,
         attention or TorchAttention(),
         max_positions or config.max_position_embeddings,
+        matmul=mm,
     )

@@ -73,7 +73,7 @@ def test_up_sizes_the_kv_cache_for_the_full_context(tiny_model_dir: Path) -> Non
 
     # The tiny model: 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token,
     # context 2048: 1 MiB holds it all, so the engine's default (256 MiB) stands.
-    size, line = up_kv_cache(tiny_model_dir, None, "cpu", "auto")
+    size, line = up_kv_cache(tiny_model_dir, None, "cpu", "float32")
     assert size == CacheConfig().kv_cache_bytes
     assert line == (
         "KV cache: 256 MiB per worker (float32) = 524288 tokens: the model's full context of 2048"
@@ -106,7 +106,7 @@ def test_up_sizes_a_large_context_above_the_default(tmp_path: Path) -> None:
         "num_key_value_heads": 3, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    size, line = up_kv_cache(tmp_path, None, "cpu", "auto")
+    size, line = up_kv_cache(tmp_path, None, "cpu", "float32")
     assert size == 8192 * 30 * 2 * 3 * 64 * 4
     assert line.startswith("KV cache: 360 MiB per worker (float32) = 8192 tokens")
 
@@ -135,6 +135,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "admin_port": ("0", 0),
     "controller_args": ("--max-prefill 4", ("--max-prefill", "4")),
     "host_cores": ("2", 2),
+    "num_threads": ("3", 3),
     "restart_backoff_s": ("0.25", 0.25),
     "restart_max_backoff_s": ("2", 2.0),
     "max_restarts": ("0", 0),
@@ -273,6 +274,8 @@ BAD_UP_VALUES = [
     (["--kv-cache-mb", "0"], "argument --kv-cache-mb: kv_cache_bytes must be positive, got 0"),
     (["--host-cores", "-1"],
      "argument --host-cores: host_cores must be >= 0 (0: measured), got -1"),
+    (["--num-threads", "-1"],
+     "argument --num-threads: num_threads must be >= 0 (0: auto), got -1"),
     (["--port", "x"], "argument --port: invalid int value: 'x'"),
     (["--autoscale", "maybe"], "argument --autoscale: expected a boolean, got 'maybe'"),
 ]  # fmt: skip

@@ -1,0 +1,105 @@
+"""tandem/model/linear.py: the matmul chosen per device and dtype, oneDNN's prepacked bf16
+path against the plain product, and dtype "auto" on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tandem.config
+from services.up.config import cpu_threads_per_worker
+from tandem.config import EngineConfig
+from tandem.model.linear import (
+    MatmulKind,
+    choose_matmul,
+    matmul,
+    onednn_bf16_available,
+    pack,
+)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+needs_onednn = pytest.mark.skipif(
+    not onednn_bf16_available(), reason="this CPU does not run bfloat16 natively"
+)
+
+
+def test_choose_matmul_packs_only_bf16_on_a_cpu_that_runs_it() -> None:
+    assert choose_matmul(CPU, torch.bfloat16, True) is MatmulKind.ONEDNN
+    assert choose_matmul(CPU, torch.bfloat16, False) is MatmulKind.PLAIN
+    assert choose_matmul(CPU, torch.float32, True) is MatmulKind.PLAIN
+    assert choose_matmul(CPU, torch.float16, True) is MatmulKind.PLAIN
+    assert choose_matmul(CUDA, torch.bfloat16, True) is MatmulKind.PLAIN
+
+
+def test_plain_is_x_at_w_with_or_without_bias() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(3, 8, generator=g), torch.randn(8, 5, generator=g), torch.randn(5)
+    assert pack(w, MatmulKind.PLAIN) is w
+    assert torch.equal(matmul(x, w, MatmulKind.PLAIN), x @ w)
+    assert torch.allclose(matmul(x, w, MatmulKind.PLAIN, b), x @ w + b)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(64, 96), (576, 960), (1536, 576)])
+def test_onednn_packed_matches_the_float32_product_within_bf16_rounding(
+    shape: tuple[int, int],
+) -> None:
+    """bf16 inputs, float32 accumulation: within a few bf16 ulps of the float32 product of
+    the same bf16 values; the bias is added."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(*shape, generator=g) * 0.05).bfloat16()
+    x = torch.randn(7, shape[0], generator=g).bfloat16()
+    bias = torch.randn(shape[1], generator=g).bfloat16()
+    packed = pack(w, MatmulKind.ONEDNN)
+    ref = x.float() @ w.float()
+    got = matmul(x, packed, MatmulKind.ONEDNN)
+    assert got.dtype == torch.bfloat16 and got.shape == (7, shape[1])
+    tol = 2 ** -7 * ref.abs().max().item()  # a bf16 ulp at the largest output
+    assert (got.float() - ref).abs().max().item() <= tol
+    with_bias = matmul(x, packed, MatmulKind.ONEDNN, bias)
+    assert (with_bias.float() - (ref + bias.float())).abs().max().item() <= 2 * tol
+
+
+@needs_onednn
+def test_onednn_rows_do_not_depend_on_the_batch() -> None:
+    """A request's numbers do not change with who shares its step: each row of a batch of
+    64 is bitwise the row computed alone or in smaller batches (disaggregated and colocated
+    serving then agree token for token)."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(576, 3072, generator=g) * 0.05).bfloat16()
+    packed = pack(w, MatmulKind.ONEDNN)
+    x = torch.randn(64, 576, generator=g).bfloat16()
+    full = matmul(x, packed, MatmulKind.ONEDNN)
+    for m in (1, 2, 3, 16):
+        assert torch.equal(matmul(x[:m].contiguous(), packed, MatmulKind.ONEDNN), full[:m])
+
+
+def test_auto_dtype_is_bf16_on_cuda_and_on_a_cpu_that_runs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tandem.config, "cpu_runs_bf16", lambda: True)
+    assert EngineConfig(model_dir="m").resolved_dtype == "bfloat16"
+    assert EngineConfig(model_dir="m", dtype="float32").resolved_dtype == "float32"
+    monkeypatch.setattr(tandem.config, "cpu_runs_bf16", lambda: False)
+    assert EngineConfig(model_dir="m").resolved_dtype == "float32"
+    assert EngineConfig(model_dir="m", device="cuda").resolved_dtype == "bfloat16"
+    assert EngineConfig(model_dir="m", dtype="bfloat16").resolved_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "autoscale", "threads"),
+    [
+        (2, 2, False, 1),  # tandem up's default on this box: one core left to the router
+        (2, 1, False, 1),
+        (1, 2, False, 1),
+        (16, 2, False, 7),
+        (16, 3, False, 5),
+        (8, 1, False, 7),
+        (16, 2, True, 1),  # autoscale adds a worker per free core
+        (4, 0, False, 1),
+    ],
+)
+def test_cpu_threads_per_worker_leave_a_core_and_split_the_rest(
+    cores: int, workers: int, autoscale: bool, threads: int
+) -> None:
+    assert cpu_threads_per_worker(cores, workers, autoscale) == threads
