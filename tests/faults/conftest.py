@@ -36,7 +36,9 @@ def fleet(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def reference(model_dir: Path) -> Callable[[list[list[int]], int], list[list[int]]]:
     """Greedy token ids of the single-process engine on the same weights."""
     engine = LLMEngine(
-        EngineConfig(model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES))
+        EngineConfig(
+            model_dir=str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES)
+        )
     )
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

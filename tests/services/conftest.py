@@ -115,7 +115,10 @@ def procs() -> SimpleNamespace:
 def up_cluster(model_dir: Path, run_dir: Path, **overrides: object) -> Iterator[Cluster]:
     """A `tandem up` cluster (Redis, router, 1 prefill + 1 decode worker, router on a free
     port) that has answered a request; stopped on exit. `overrides`: UpConfig fields."""
-    fields: dict[str, object] = {"port": 0, "http_port": 0, "kv_cache_bytes": KV_BYTES}
+    # float32: outputs are compared with in-process float32 references (tests/conftest.py).
+    fields: dict[str, object] = {
+        "port": 0, "http_port": 0, "kv_cache_bytes": KV_BYTES, "dtype": "float32",
+    }  # fmt: skip
     config = UpConfig(
         model_dir=str(model_dir),
         run_dir=str(run_dir),

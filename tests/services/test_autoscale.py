@@ -53,6 +53,7 @@ def test_autoscale_follows_a_prefill_heavy_load(small_model_dir: Path) -> None:
     cluster = Cluster(
         UpConfig(
             model_dir=str(small_model_dir),
+            dtype="float32",
             port=0,
             http_port=0,
             num_prefill=1,

@@ -46,7 +46,9 @@ def cluster(model_dir, tmp_path_factory) -> Iterator[Cluster]:
 def reference(model_dir):
     """The single-process engine on the same weights and cache geometry."""
     return LLMEngine(
-        EngineConfig(model_dir=str(model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES))
+        EngineConfig(
+            model_dir=str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES)
+        )
     )
 
 

@@ -94,7 +94,11 @@ def cluster(
 def reference(tiny_model_dir: Path) -> LLMEngine:
     """The single-process engine on the same weights."""
     return LLMEngine(
-        EngineConfig(model_dir=str(tiny_model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES))
+        EngineConfig(
+            model_dir=str(tiny_model_dir),
+            dtype="float32",
+            cache=CacheConfig(kv_cache_bytes=KV_BYTES),
+        )
     )
 
 

@@ -128,7 +128,7 @@ def test_decode_worker_holding_the_prefix_prefills_the_tail_itself(procs, model_
     from tandem.config import EngineConfig
     from tandem.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir)))
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32"))
     [ref] = engine.generate([prefix + tail], SamplingParams(max_tokens=4, temperature=0.0))
     assert local.token_ids == ref.token_ids
 

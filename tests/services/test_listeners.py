@@ -298,6 +298,7 @@ def test_tandem_up_with_api_keys(tiny_model_dir: Path, tmp_path: Path) -> None:
     cluster = Cluster(
         UpConfig(
             model_dir=str(tiny_model_dir),
+            dtype="float32",
             port=0,
             http_port=0,
             num_prefill=0,

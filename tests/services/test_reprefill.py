@@ -42,7 +42,11 @@ def test_lapsed_handoffs_reprefill_then_recompute(lapsing_cluster, tiny_model_di
     with TandemClient(address, timeout_s=60) as client:
         result = client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
     engine = LLMEngine(
-        EngineConfig(model_dir=str(tiny_model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES))
+        EngineConfig(
+            model_dir=str(tiny_model_dir),
+            dtype="float32",
+            cache=CacheConfig(kv_cache_bytes=KV_BYTES),
+        )
     )
     [want] = engine.generate(
         [prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,138 @@
+"""The CPU engine's building blocks on the default model (issue 24), in one process.
+
+    python benchmarks/bench_cpu_engine.py [--threads 1,2] [--model-dir DIR] [--results-dir DIR]
+
+1. matmuls: SmolLM2-135M's 121 weight matrices (30 x qkv, o, gate_up, down, and lm_head),
+   one product each per "step", at M = 1, 4, 16 rows (decode batches) and 256 (a prefill
+   chunk): float32 `x @ w` (the plain path), bfloat16 `x @ w`, and bfloat16 through oneDNN
+   with the weights prepacked (`tandem.model.linear`). Median of 15 steps.
+2. engine: `LLMEngine` decode steps (median of 30) at batch 1, 4 and 16 with 256-token
+   prompts, and the prefill of those prompts, per dtype (float32, bfloat16) and thread count.
+
+Same process, same inputs, alternating nothing but the variant: ratios are what to read
+(the machine is shared). Writes <results-dir>/cpu_engine.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import RESULTS_DIR, machine_info, write_json
+
+from tandem.model.linear import MatmulKind, matmul, pack
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, 30 layers, vocab 49152.
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def bench_matmuls(threads: int) -> list[dict[str, Any]]:
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    w32 = [torch.randn(i, o, generator=g) * 0.02 for i, o in SHAPES]
+    w16 = [w.bfloat16() for w in w32]
+    packed = [pack(w, MatmulKind.ONEDNN) for w in w16]
+    rows = []
+    for m in (1, 4, 16, 256):
+        shapes = SHAPES if m <= 16 else SHAPES[:-1]  # a prefill chunk needs no lm_head
+        x32 = [torch.randn(m, i, generator=g) for i, _ in shapes]
+        x16 = [x.bfloat16() for x in x32]
+        reps = 15 if m <= 16 else 5
+
+        def products(xs: list[torch.Tensor], ws: list[torch.Tensor], kind: MatmulKind) -> None:
+            for x, w in zip(xs, ws, strict=False):  # no lm_head for a prefill chunk
+                matmul(x, w, kind)
+
+        f32 = median_ms(lambda: products(x32, w32, MatmulKind.PLAIN), reps)  # noqa: B023
+        b16 = median_ms(lambda: products(x16, w16, MatmulKind.PLAIN), reps)  # noqa: B023
+        one = median_ms(lambda: products(x16, packed, MatmulKind.ONEDNN), reps)  # noqa: B023
+        row = {
+            "threads": threads,
+            "m": m,
+            "fp32_ms": f32,
+            "bf16_plain_ms": b16,
+            "bf16_onednn_ms": one,
+        }
+        row["onednn_speedup_vs_fp32"] = f32 / one
+        print(
+            f"matmuls threads={threads} M={m}: fp32 {f32:.1f} ms, bf16 x@w {b16:.1f} ms, "
+            f"bf16 oneDNN {one:.1f} ms ({f32 / one:.2f}x)",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def bench_engine(model_dir: Path, dtype: str, threads: int) -> dict[str, Any]:
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=dtype, num_threads=threads))
+    engine.warm_up()
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {"dtype": dtype, "threads": threads, "matmul": engine.model.matmul.value}
+    for bs in (1, 4, 16):
+        ids = [f"r{bs}-{i}" for i in range(bs)]
+        for i, rid in enumerate(ids):
+            engine.add_request(engine.spec(rid, list(range(100 + i, 356 + i)), params))
+        t0 = time.perf_counter()
+        while engine.scheduler.waiting or any(
+            (r := engine.get_request(rid)) is not None and not r.output_token_ids for rid in ids
+        ):
+            engine.step()
+        out[f"prefill_bs{bs}_ms"] = (time.perf_counter() - t0) * 1e3
+        out[f"decode_step_bs{bs}_ms"] = median_ms(engine.step, 30)
+        for rid in ids:
+            engine.abort(rid)
+    print(
+        f"engine {dtype} threads={threads} ({out['matmul']}): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in out.items() if k.endswith("_ms")),
+        flush=True,
+    )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    if args.model_dir is None:
+        from services.cli.model import ensure_default_model
+
+        args.model_dir = ensure_default_model()
+    matmuls = [row for t in threads for row in bench_matmuls(t)]
+    engines = [bench_engine(args.model_dir, d, t) for t in threads for d in ("float32", "bfloat16")]
+    result = {
+        "command": "python benchmarks/bench_cpu_engine.py " + " ".join(sys.argv[1:]),
+        "machine": machine_info(model_dir=str(args.model_dir)),
+        "matmuls": matmuls,
+        "engine": engines,
+    }
+    write_json(args.results_dir / "cpu_engine.json", result, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
