@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from tandem.model import loader
 from tandem.model.config import ModelConfig
-from tandem.model.loader import expected_shapes, load_model
+from tandem.model.llama import ModelWeights
+from tandem.model.loader import DTYPES, expected_shapes, load_model
 
 
 def copy_dir(src: Path, tmp_path: Path) -> Path:
@@ -123,7 +124,10 @@ def test_progress_and_log_lines(hf_model, caplog):
         model = load_model(model_dir, progress=lambda done, total: calls.append((done, total)))
     n = len(expected_shapes(model.config))
     assert calls == [(i, n) for i in range(1, n + 1)]
-    start, end = [r.getMessage() for r in caplog.records if r.name == "tandem.model.loader"]
+    start, end, matmuls = [
+        r.getMessage() for r in caplog.records if r.name == "tandem.model.loader"
+    ]
+    assert matmuls == "matmuls: plain (float32 on cpu)"
     assert start.startswith(f"loading {model_dir}: {n} tensors") and "float32 on cpu" in start
     assert end.startswith(f"loaded {model_dir}: {n} tensors") and end.endswith(" s")
 
@@ -171,7 +175,12 @@ def test_transposing_on_the_device_loads_the_same_weights(hf_model, monkeypatch,
     there), forced on the CPU, builds exactly the weights the host transposes build: fused
     column slices, biases, and casts."""
     model_dir, _ = hf_model("qwen2")
-    want = load_model(model_dir, dtype).weights
+    config = ModelConfig.from_dir(Path(model_dir))
+
+    def load() -> ModelWeights:  # as loaded, before the model packs them for its matmul
+        return loader.load_weights(Path(model_dir), config, DTYPES[dtype], torch.device("cpu"))
+
+    want = load()
     real_init = loader.WeightBuilder.__init__
 
     def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -179,7 +188,7 @@ def test_transposing_on_the_device_loads_the_same_weights(hf_model, monkeypatch,
         self.transpose_on_device = True
 
     monkeypatch.setattr(loader.WeightBuilder, "__init__", init)
-    got = load_model(model_dir, dtype).weights
+    got = load()
     pairs = [(got.embed, want.embed), (got.lm_head, want.lm_head)]
     for g, w in zip(got.layers, want.layers, strict=True):
         pairs += [(g.qkv, w.qkv), (g.qkv_bias, w.qkv_bias), (g.o, w.o)]
