@@ -244,7 +244,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [SECTION, "", "```", result["command"], "```", ""]
     m = result["machine"]
     lines.append(
-        f"Run {m.get('date', '')} on {m.get('cpu', '')} ({os.cpu_count()} CPUs, shared), "
+        f"Run {m.get('date', '')} on {m.get('cpu_model', '')} ({m.get('cpu_count')} CPUs, shared), "
         f"commit {m.get('git_commit', '')}; {result['rounds']} round(s), systems alternated; "
         f"client: `vllm bench serve` (random, fixed lengths, ignore_eos)."
     )
