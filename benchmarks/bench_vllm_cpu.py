@@ -36,6 +36,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -206,12 +207,6 @@ def run_point(
     }
 
 
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def summarize(runs: list[dict[str, Any]], systems: list[str], points: list[Point]) -> dict:
     """Median over rounds per (system, point), and Tandem's ratios to the best vLLM."""
     table: dict[str, dict[str, dict[str, float]]] = {}
@@ -221,7 +216,7 @@ def summarize(runs: list[dict[str, Any]], systems: list[str], points: list[Point
             mine = [r for r in runs if r["system"] == system and r["point"] == p.name]
             if mine:
                 table.setdefault(p.name, {})[system] = {
-                    k: median([r[k] for r in mine]) for k in keys
+                    k: statistics.median(r[k] for r in mine) for k in keys
                 }
     ratios: dict[str, dict[str, dict[str, float]]] = {}
     for p, row in table.items():
