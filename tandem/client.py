@@ -163,7 +163,7 @@ class Result:
 def build_request(
     prompt: str | Sequence[int] | None = None,
     *,
-    messages: Sequence[Mapping[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     model: str = "",
     request_id: str = "",
     **sampling: Any,
@@ -171,9 +171,7 @@ def build_request(
     """A GenerateRequest from a text, token ids or chat messages plus sampling fields."""
     req = rpb.GenerateRequest(request_id=request_id, model=model)
     if messages is not None:
-        req.chat.messages.extend(
-            rpb.ChatMessage(role=m["role"], content=m["content"]) for m in messages
-        )
+        req.chat.messages.extend(chat_message(m) for m in messages)
     elif isinstance(prompt, str):
         req.text = prompt
     elif prompt is not None:
@@ -190,6 +188,28 @@ def build_request(
         else:
             raise ValueError(f"unknown sampling parameter {name!r}")
     return req
+
+
+def chat_message(message: Mapping[str, Any]) -> rpb.ChatMessage:
+    """A message in OpenAI's shape (role, content, and optionally name, tool_call_id and
+    tool_calls [{"id", "function": {"name", "arguments"}}]) as the wire carries it; the
+    router checks it."""
+    calls = [
+        rpb.ToolCall(
+            id=call["id"],
+            function=rpb.FunctionCall(
+                name=call["function"]["name"], arguments=call["function"].get("arguments", "")
+            ),
+        )
+        for call in message.get("tool_calls") or ()
+    ]
+    return rpb.ChatMessage(
+        role=message["role"],
+        content=message.get("content") or "",
+        name=message.get("name") or "",
+        tool_call_id=message.get("tool_call_id") or "",
+        tool_calls=calls,
+    )
 
 
 def _apply(result: Result, msg: rpb.GenerateResponse) -> Chunk | None:

@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-from tandem import wire
+from services.common.rpc import convert
+from tandem import chat, wire
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 
@@ -31,7 +32,6 @@ _FLOAT_FIELDS = (
 # OpenAI's documented upper bound, refused rather than served as given (the engine's
 # SamplingParams refuses negative values itself).
 _FLOAT_MAX = {"temperature": 2.0}
-_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # The one core -> OpenAI finish-reason table (proto -> core is services.common.rpc.convert's).
 _FINISH = {
     FinishReason.STOP: "stop",
@@ -118,12 +118,11 @@ def parse_chat(body: Any, model_id: str, default_max_tokens: int) -> ParsedReque
     body = _object(body)
     _refuse_unsupported(body)
     request = rpb.GenerateRequest(model=_model(body, model_id))
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty list of {role, content} objects")
-    for i, message in enumerate(messages):
-        role, content = _message(message, f"messages[{i}]")
-        request.chat.messages.add(role=role, content=content)
+    try:  # the gRPC Chat input's rule too
+        messages = chat.messages_from_json(body.get("messages"))
+    except chat.ChatError as error:
+        raise invalid(error.field, error.reason) from None
+    request.chat.messages.extend(convert.chat_message_to_proto(m) for m in messages)
     if "add_generation_prompt" in body:
         request.chat.add_generation_prompt = _bool(body, "add_generation_prompt", True)
     logprobs = _bool(body, "logprobs", False)
@@ -236,32 +235,6 @@ def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
         if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
             raise invalid("stop_token_ids", "must be a list of token ids")
         msg.stop_token_ids.extend(ids)
-
-
-def _message(message: Any, where: str) -> tuple[str, str]:
-    message = _object(message, where)
-    role = message.get("role")
-    if role not in _CHAT_ROLES:
-        roles = ", ".join(sorted(_CHAT_ROLES))
-        raise invalid(f"{where}.role", f"must be one of {roles}, got {role!r}")
-    if message.get("tool_calls"):
-        raise invalid(f"{where}.tool_calls", "tool calling is not supported")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            part = _object(part, f"{where}.content[{j}]")
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(
-                    f"{where}.content[{j}]",
-                    f"only text parts are supported, got type {part.get('type')!r}",
-                )
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise invalid(f"{where}.content", f"must be a string or text parts, got {_kind(content)}")
-    # Templates know system; OpenAI's newer "developer" role is the same instruction slot.
-    return ("system" if role == "developer" else role), content
 
 
 def _model(body: JSON, model_id: str) -> str:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from services.common.rpc import convert
 from services.common.rpc.errors import invalid_argument
+from tandem.chat import ChatError, check_messages
 from tandem.engine.request import RequestSpec, check_prompt
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
@@ -42,7 +43,7 @@ def check_size(
     if kind == "text":
         chars = len(request.text)
     elif kind == "chat":
-        chars = sum(len(m.content) + len(m.role) for m in request.chat.messages)
+        chars = sum(m.num_chars() for m in convert.chat_from_proto(request.chat))
     elif kind == "token_ids" and isinstance(request, rpb.GenerateRequest):
         n = len(request.token_ids.ids)
         if n >= max_model_len:
@@ -91,6 +92,11 @@ class Prompts:
             return list(request.token_ids.ids), ""
         if kind not in ("text", "chat"):
             raise invalid_argument("input: set text, chat or token_ids")
+        if kind == "chat":
+            try:  # the HTTP API's rule too, before any tokenizing
+                check_messages(convert.chat_from_proto(request.chat))
+            except ChatError as exc:
+                raise invalid_argument(f"chat.{exc}") from None
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, self._tokenize, request)
@@ -105,7 +111,7 @@ class Prompts:
             text = request.text
             return (self.tokenizer.encode(text) if text else []), text
         chat = request.chat
-        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        messages = [m.to_template() for m in convert.chat_from_proto(chat)]
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         # Message content stays text: only the template's own markers become special tokens.
         return self.tokenizer.encode_chat(messages, add_generation_prompt=add_gen)

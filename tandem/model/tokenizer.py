@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, NoReturn
 
@@ -163,19 +163,21 @@ class Tokenizer:
             raise ValueError(f"token ids must be non-negative 32-bit ints, got {bad[:5]}") from None
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """Render `messages` ({role, content} mappings) with the model's chat template.
+        """Render `messages` ({role, content} mappings, and OpenAI's name, tool_call_id and
+        tool_calls) with the model's chat template.
 
         Encoding this text reads special-token text inside the messages as special tokens;
         `encode_chat` encodes client messages safely."""
         return self._render(self._checked_messages(messages), add_generation_prompt)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> tuple[list[int], str]:
         """Render and encode `messages` so that the strings in them (content, role, any other
-        field) never become control tokens; only the template's own markers do.
+        field, nested ones such as tool-call arguments) never become control tokens; only the
+        template's own markers do.
 
         Control tokens are the special added tokens plus the non-special added tokens that the
         template's literal text contains (e.g. `<think>`, `<tool_call>`), as in transformers'
@@ -203,24 +205,26 @@ class Tokenizer:
         does, or when the vocabulary spells such text with a control token (fail closed)."""
         checked = self._checked_messages(messages)
         controls = self._chat_controls()
+        strings = list(_strings(checked))  # every string, nested ones (tool calls) too
         spans = {
-            (idx, key): found
-            for idx, message in enumerate(checked)
-            for key, value in message.items()
-            if isinstance(value, str) and (found := self._control_spans(value, controls))
+            value: found for value in strings if (found := self._control_spans(value, controls))
         }
         if not spans:
             text = self._render(checked, add_generation_prompt)
             return _ids(self._tok, text), text
-        in_use = [v for m in checked for v in m.values() if isinstance(v, str)]
-        in_use += [self.chat_template or "", self.bos_token or "", self.eos_token or ""]
+        in_use = [*strings, self.chat_template or "", self.bos_token or "", self.eos_token or ""]
         start, end = _free_chars(2, in_use, controls.added_chars | set(_LEAD_TOKEN))
-        for (idx, key), found in spans.items():
-            value: str = checked[idx][key]
+
+        def mark(value: str) -> str:
+            found = spans.get(value)
+            if not found:
+                return value
             bounds = [0, *(i for span in found for i in span), len(value)]
             pieces = [value[a:b] for a, b in itertools.pairwise(bounds)]
             pieces[1::2] = [start + piece + end for piece in pieces[1::2]]  # the control texts
-            checked[idx][key] = "".join(pieces)
+            return "".join(pieces)
+
+        checked = [_map_strings(message, mark) for message in checked]
         rendered = self._render(checked, add_generation_prompt)
         ids = self._encode_marked(rendered, (start, end), controls)
         return ids, rendered.replace(start, "").replace(end, "")
@@ -341,7 +345,7 @@ class Tokenizer:
             )
         return self._controls
 
-    def _checked_messages(self, messages: Sequence[Mapping[str, str]]) -> list[dict[str, Any]]:
+    def _checked_messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         if self.chat_template is None:
             raise ValueError(
                 "model has no chat template (no chat_template.jinja and no chat_template in "
@@ -424,6 +428,29 @@ def _is_match(tok: HFTokenizer, token: AddedToken, text: str) -> bool:
     if token.normalized and tok.normalizer is not None:
         text = tok.normalizer.normalize_str(text)
     return (text.strip() if token.lstrip or token.rstrip else text) == token.content
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a message's JSON-like value (mapping keys excluded)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """A copy of a JSON-like value with `fn` applied to every string in it."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {key: _map_strings(item, fn) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_map_strings(item, fn) for item in value]
+    return value
 
 
 def _free_chars(num: int, texts: Sequence[str], avoid: frozenset[str]) -> list[str]:

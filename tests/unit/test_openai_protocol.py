@@ -61,10 +61,11 @@ def test_chat_fields_map_to_the_request() -> None:
         DEFAULT_MAX,
     )  # fmt: skip
     req = parsed.request
-    assert [(m.role, m.content) for m in req.chat.messages] == [
-        ("system", "be brief"),
-        ("user", "ab"),
-        ("assistant", "c"),
+    # developer stays developer on the wire; the template renders it as system (tandem.chat).
+    assert [(m.role, m.content, m.name) for m in req.chat.messages] == [
+        ("developer", "be brief", ""),
+        ("user", "ab", ""),
+        ("assistant", "c", "bot"),
     ]
     assert req.chat.add_generation_prompt is False
     assert req.model == MODEL and req.request_id == ""
@@ -79,6 +80,26 @@ def test_chat_fields_map_to_the_request() -> None:
         3,
     )
     assert parsed.user == "u-1"
+
+
+def test_a_tool_history_is_carried_on_the_wire() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    wire = chat(messages=messages).request.chat.messages
+    assert [(m.role, m.content, m.tool_call_id) for m in wire] == [
+        ("user", "Weather in Paris?", ""),
+        ("assistant", "", ""),
+        ("tool", "sunny", "call_1"),
+    ]
+    [sent] = wire[1].tool_calls
+    assert (sent.id, sent.function.name, sent.function.arguments) == (
+        "call_1", "get_weather", '{"city": "Paris"}',
+    )  # fmt: skip
 
 
 def test_chat_defaults_leave_the_engine_defaults() -> None:
@@ -103,8 +124,10 @@ def test_chat_defaults_leave_the_engine_defaults() -> None:
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "integer"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0]", "image_url"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]},
-         "messages[0].tool_calls", "not supported"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+         "messages[0].tool_calls[0].function", "JSON object, got null"),
+        ({"messages": [{"role": "tool", "content": "r", "tool_call_id": "c"}]},
+         "messages[0].tool_call_id", "answers no tool call"),
         ({"n": 2}, "n", "one choice"),
         ({"n": 0}, "n", ">= 1"),
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),

@@ -67,6 +67,18 @@ def test_chat_counts_every_message_s_content_and_role() -> None:
     refused(check_size, rpb.TokenizeRequest(text="x" * 41), 8, 40)
 
 
+def test_chat_counts_tool_call_fields_too() -> None:
+    call = rpb.ToolCall(id="c" * 3, function=rpb.FunctionCall(name="f" * 4, arguments="a" * 50))
+    chat = rpb.ChatMessages(
+        messages=[rpb.ChatMessage(role="assistant", tool_calls=[call]),
+                  rpb.ChatMessage(role="tool", content="r", tool_call_id="c" * 3, name="nm")]
+    )  # fmt: skip
+    total = 9 + 3 + 4 + 50 + 4 + 1 + 3 + 2
+    check_size(rpb.GenerateRequest(chat=chat), 8, total)
+    error = refused(check_size, rpb.GenerateRequest(chat=chat), 8, total - 1)
+    assert error.message.startswith(f"chat: {total} characters cannot fit")
+
+
 def test_token_ids_must_leave_room_in_the_context() -> None:
     check_size(rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[1] * 7)), 8, 0)
     error = refused(check_size, rpb.GenerateRequest(token_ids=rpb.TokenIds(ids=[1] * 8)), 8, 0)

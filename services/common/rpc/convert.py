@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.redis.worker_info import WorkerInfo
+from tandem.chat import Message, ToolCall
 from tandem.engine.engine import RequestOutput
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import LogprobEntry, SamplingParams
@@ -34,6 +35,35 @@ _OPTIONAL_FIELDS = (
     "ignore_eos",
     "logprobs",
 )
+
+
+def chat_from_proto(msg: rpb.ChatMessages) -> tuple[Message, ...]:
+    """The messages as the chat rule (tandem.chat.check_messages) reads them; unchecked."""
+    return tuple(
+        Message(
+            role=m.role,
+            content=m.content,
+            name=m.name,
+            tool_call_id=m.tool_call_id,
+            tool_calls=tuple(
+                ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls
+            ),
+        )
+        for m in msg.messages
+    )
+
+
+def chat_message_to_proto(message: Message) -> rpb.ChatMessage:
+    return rpb.ChatMessage(
+        role=message.role,
+        content=message.content,
+        name=message.name,
+        tool_call_id=message.tool_call_id,
+        tool_calls=[
+            rpb.ToolCall(id=c.id, function=rpb.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in message.tool_calls
+        ],
+    )
 
 
 def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
