@@ -183,6 +183,8 @@ def build_request(
             continue
         if name in ("stop", "stop_token_ids"):
             getattr(req.sampling, name).extend([value] if isinstance(value, str) else value)
+        elif name == "logit_bias":  # {token id: bias}
+            req.sampling.logit_bias.update(value)
         elif name in rpb.SamplingParams.DESCRIPTOR.fields_by_name:
             setattr(req.sampling, name, value)
         else:

@@ -202,8 +202,6 @@ def _refuse_unsupported(body: JSON) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise invalid("response_format", 'only {"type": "text"} is supported')
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "logit_bias is not supported")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise invalid("modalities", 'only ["text"] is supported')
@@ -235,6 +233,26 @@ def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
         if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
             raise invalid("stop_token_ids", "must be a list of token ids")
         msg.stop_token_ids.extend(ids)
+    for token_id, bias in _logit_bias(body.get("logit_bias")).items():
+        msg.logit_bias[token_id] = bias
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's {"token id": bias}; the ids' range is the router's check (the vocabulary)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"must map token ids to numbers, got {_kind(value)}")
+    out = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= 2**32:
+            raise invalid("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise invalid("logit_bias", f"[{key}] must be a finite number, got {_kind(bias)}")
+        if not -100 <= bias <= 100:
+            raise invalid("logit_bias", f"[{key}] must be in [-100, 100], got {bias!r}")
+        out[int(key)] = float(bias)
+    return out
 
 
 def _model(body: JSON, model_id: str) -> str:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from tandem.engine.grammar import Constraint, GrammarMatcher, token_bitmask
+
 # One generated token's logprob entry: (its logprob, its top-n (token id, logprob) pairs).
 LogprobEntry = tuple[float | None, tuple[tuple[int, float], ...] | None]
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: -100 bans a token, +100 all but forces it
 # Below this, temperature-scaled logits could overflow fp32, and the draw is argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
 _SEED_LIMIT = 2**63
@@ -45,6 +48,22 @@ def _checked_float(
     return result
 
 
+def _checked_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (token id, bias) pairs sorted by id, from a mapping or pairs."""
+    items = value.items() if isinstance(value, Mapping) else _as_tuple("logit_bias", value)
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to floats, got {item!r}")
+        token_id, bias = item
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"logit_bias token ids must be ints >= 0, got {token_id!r}")
+        pairs[token_id] = _checked_float(
+            f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS
+        )
+    return tuple(sorted(pairs.items()))
+
+
 def _as_tuple(name: str, value: object) -> tuple[object, ...]:
     # A bare str is iterable; splitting it into characters would silently misbehave.
     if isinstance(value, str | bytes) or not isinstance(value, tuple | list):
@@ -69,6 +88,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Added to the logits of these token ids before any other warping (OpenAI's logit_bias;
+    # a mapping is accepted and kept as sorted pairs).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -101,6 +124,9 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        object.__setattr__(self, "logit_bias", _checked_bias(self.logit_bias))
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint, got {self.constraint!r}")
 
     @property
     def greedy(self) -> bool:
@@ -117,12 +143,17 @@ class SamplingParams:
         )
 
     def validate_for_vocab(self, vocab_size: int) -> None:
-        """Reject stop token ids the model can never produce."""
+        """Reject stop token ids and biased token ids the model can never produce."""
         _check_int("vocab_size", vocab_size, 1)
         for token_id in self.stop_token_ids:
             if token_id >= vocab_size:
                 raise ValueError(
                     f"stop_token_ids must be in [0, {vocab_size}), got {self.stop_token_ids!r}"
+                )
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token ids must be in [0, {vocab_size}), got {token_id}"
                 )
 
 
@@ -133,6 +164,7 @@ class SampleRow(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
+    matcher: GrammarMatcher | None = None  # constrained: the request's grammar position
 
 
 class SampleResult(NamedTuple):
@@ -208,6 +240,25 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     return out
 
 
+def apply_logit_bias(scores: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Add each biased row's logit_bias to its scores, in place on a float32 copy the caller
+    owns; unbiased rows are not touched."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return scores
+    row_idx = [i for i in biased for _ in rows[i].params.logit_bias]
+    col_idx = [t for i in biased for t, _ in rows[i].params.logit_bias]
+    values = [b for i in biased for _, b in rows[i].params.logit_bias]
+    device = scores.device
+    # scores: [num_rows, vocab_size]; one scatter of len(values) (row, token) entries.
+    scores.index_put_(
+        (torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)),
+        torch.tensor(values, dtype=scores.dtype, device=device),
+        accumulate=True,
+    )
+    return scores
+
+
 def warp_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Scale by temperature, then mask tokens outside top-k, top-p and min-p with -inf.
 
@@ -258,12 +309,24 @@ class Sampler:
             return []
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         want_penalties = any(r.params.has_penalties for r in rows)
-        if not want_logprobs and not want_penalties and all(r.params.greedy for r in rows):
+        want_bias = any(r.params.logit_bias for r in rows)
+        constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+        plain = not want_logprobs and not want_penalties and not want_bias and not constrained
+        if plain and all(r.params.greedy for r in rows):
             # Fast path: argmax is exact in any float dtype, so skip the fp32 copy.
             return [SampleResult(t, None, None) for t in logits.argmax(dim=-1).tolist()]
 
         raw = logits.float()  # raw: [num_rows, vocab_size]; may alias logits, never written
         scores = apply_penalties(raw, rows) if want_penalties else raw
+        if want_bias:
+            # Before temperature, top-k and top-p; logprobs stay the raw distribution's.
+            scores = apply_logit_bias(scores.clone() if scores is raw else scores, rows)
+        if constrained:
+            # Last, so no bias or penalty can lift a forbidden token back; a copy, so the
+            # unconstrained rows keep exactly the scores they would have had.
+            matchers = [rows[i].matcher for i in constrained]
+            bitmask = token_bitmask(matchers, raw.shape[1])  # type: ignore[arg-type]
+            scores = apply_token_bitmask(scores, constrained, bitmask)
         device = logits.device
         token_ids = torch.empty(len(rows), dtype=torch.long, device=device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -305,6 +368,35 @@ class Sampler:
                 noise[i] = draw.exponential_(generator=row.generator)
         # A zero draw would make 0 / 0 = NaN for a masked token, and argmax prefers NaN.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def apply_token_bitmask(
+    scores: torch.Tensor, row_ids: Sequence[int], bitmask: torch.Tensor
+) -> torch.Tensor:
+    """A copy of scores with the tokens each constrained row may not take set to -inf.
+
+    Args:
+        scores: [num_rows, vocab_size] float.
+        row_ids: the constrained rows, in bitmask order; other rows are copied unchanged.
+        bitmask: [len(row_ids), ceil(vocab_size / 32)] int32; bit i of word w allows token
+            32 w + i (llguidance's layout).
+    """
+    vocab_size = scores.shape[1]
+    num_words = -(-vocab_size // 32)
+    if tuple(bitmask.shape) != (len(row_ids), num_words) or bitmask.dtype != torch.int32:
+        raise ValueError(
+            f"bitmask must be int32 [{len(row_ids)}, {num_words}], "
+            f"got {bitmask.dtype} {tuple(bitmask.shape)}"
+        )
+    device = scores.device
+    words = bitmask.to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    # allowed: [len(row_ids), num_words, 32] -> [len(row_ids), vocab_size]
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+    index = torch.tensor(list(row_ids), dtype=torch.long, device=device)
+    out = scores.clone()
+    out.index_copy_(0, index, out.index_select(0, index).masked_fill(~allowed, -math.inf))
+    return out
 
 
 def _check_generator_device(generator: torch.Generator | None, device: torch.device) -> None:

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.tandem.v1.ToolCall\"A\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x17.tandem.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"v\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xec\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"S\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xaa\x02\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x15\n\rdisaggregated\x18\x04 \x01(\x08\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x07 \x01(\x01\x12\x14\n\x0croute_reason\x18\x08 \x01(\t\x12\x1b\n\x13route_cached_tokens\x18\t \x01(\r\x12\x16\n\x0eindex_degraded\x18\n \x01(\x08\x12\x12\n\nmigrations\x18\x0b \x01(\r\x12\x12\n\nreprefills\x18\x0c \x01(\r\x12\x12\n\nrecoveries\x18\r \x03(\t\"\x95\x01\n\x08\x43omplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\">\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x9d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.tandem.v1.ChunkH\x00\x12\'\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x13.tandem.v1.CompleteH\x00\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x10.tandem.v1.ErrorH\x00\x42\x06\n\x04kind\"b\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"V\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9b\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/router.proto\x12\ttandem.v1\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\'\n\ntool_calls\x18\x05 \x03(\x0b\x32\x13.tandem.v1.ToolCall\"A\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x17.tandem.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"v\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xdc\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\xcd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.tandem.v1.SamplingParamsB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"S\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xaa\x02\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12\x15\n\rdisaggregated\x18\x04 \x01(\x08\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x07 \x01(\x01\x12\x14\n\x0croute_reason\x18\x08 \x01(\t\x12\x1b\n\x13route_cached_tokens\x18\t \x01(\r\x12\x16\n\x0eindex_degraded\x18\n \x01(\x08\x12\x12\n\nmigrations\x18\x0b \x01(\r\x12\x12\n\nreprefills\x18\x0c \x01(\r\x12\x12\n\nrecoveries\x18\r \x03(\t\"\x95\x01\n\x08\x43omplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x04 \x01(\x0b\x32\x12.tandem.v1.Timings\">\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x9d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.tandem.v1.ChunkH\x00\x12\'\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x13.tandem.v1.CompleteH\x00\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x10.tandem.v1.ErrorH\x00\x42\x06\n\x04kind\"b\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"V\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9b\x02\n\x06Router\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2503
-  _globals['_FINISHREASON']._serialized_end=2623
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2615
+  _globals['_FINISHREASON']._serialized_end=2735
   _globals['_CHATMESSAGE']._serialized_start=37
   _globals['_CHATMESSAGE']._serialized_end=158
   _globals['_TOOLCALL']._serialized_start=160
@@ -44,39 +46,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=396
   _globals['_TOKENIDS']._serialized_end=419
   _globals['_SAMPLINGPARAMS']._serialized_start=422
-  _globals['_SAMPLINGPARAMS']._serialized_end=914
-  _globals['_GENERATEREQUEST']._serialized_start=917
-  _globals['_GENERATEREQUEST']._serialized_end=1122
-  _globals['_TOPLOGPROB']._serialized_start=1124
-  _globals['_TOPLOGPROB']._serialized_end=1171
-  _globals['_TOKENLOGPROB']._serialized_start=1173
-  _globals['_TOKENLOGPROB']._serialized_end=1258
-  _globals['_CHUNK']._serialized_start=1260
-  _globals['_CHUNK']._serialized_end=1343
-  _globals['_USAGE']._serialized_start=1345
-  _globals['_USAGE']._serialized_end=1432
-  _globals['_TIMINGS']._serialized_start=1435
-  _globals['_TIMINGS']._serialized_end=1733
-  _globals['_COMPLETE']._serialized_start=1736
-  _globals['_COMPLETE']._serialized_end=1885
-  _globals['_ERROR']._serialized_start=1887
-  _globals['_ERROR']._serialized_end=1949
-  _globals['_GENERATERESPONSE']._serialized_start=1952
-  _globals['_GENERATERESPONSE']._serialized_end=2109
-  _globals['_TOKENIZEREQUEST']._serialized_start=2111
-  _globals['_TOKENIZEREQUEST']._serialized_end=2209
-  _globals['_TOKENIZERESPONSE']._serialized_start=2211
-  _globals['_TOKENIZERESPONSE']._serialized_end=2264
-  _globals['_LISTMODELSREQUEST']._serialized_start=2266
-  _globals['_LISTMODELSREQUEST']._serialized_end=2285
-  _globals['_MODELINFO']._serialized_start=2287
-  _globals['_MODELINFO']._serialized_end=2373
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2375
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2433
-  _globals['_ABORTREQUEST']._serialized_start=2435
-  _globals['_ABORTREQUEST']._serialized_end=2469
-  _globals['_ABORTRESPONSE']._serialized_start=2471
-  _globals['_ABORTRESPONSE']._serialized_end=2501
-  _globals['_ROUTER']._serialized_start=2626
-  _globals['_ROUTER']._serialized_end=2909
+  _globals['_SAMPLINGPARAMS']._serialized_end=1026
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=814
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=862
+  _globals['_GENERATEREQUEST']._serialized_start=1029
+  _globals['_GENERATEREQUEST']._serialized_end=1234
+  _globals['_TOPLOGPROB']._serialized_start=1236
+  _globals['_TOPLOGPROB']._serialized_end=1283
+  _globals['_TOKENLOGPROB']._serialized_start=1285
+  _globals['_TOKENLOGPROB']._serialized_end=1370
+  _globals['_CHUNK']._serialized_start=1372
+  _globals['_CHUNK']._serialized_end=1455
+  _globals['_USAGE']._serialized_start=1457
+  _globals['_USAGE']._serialized_end=1544
+  _globals['_TIMINGS']._serialized_start=1547
+  _globals['_TIMINGS']._serialized_end=1845
+  _globals['_COMPLETE']._serialized_start=1848
+  _globals['_COMPLETE']._serialized_end=1997
+  _globals['_ERROR']._serialized_start=1999
+  _globals['_ERROR']._serialized_end=2061
+  _globals['_GENERATERESPONSE']._serialized_start=2064
+  _globals['_GENERATERESPONSE']._serialized_end=2221
+  _globals['_TOKENIZEREQUEST']._serialized_start=2223
+  _globals['_TOKENIZEREQUEST']._serialized_end=2321
+  _globals['_TOKENIZERESPONSE']._serialized_start=2323
+  _globals['_TOKENIZERESPONSE']._serialized_end=2376
+  _globals['_LISTMODELSREQUEST']._serialized_start=2378
+  _globals['_LISTMODELSREQUEST']._serialized_end=2397
+  _globals['_MODELINFO']._serialized_start=2399
+  _globals['_MODELINFO']._serialized_end=2485
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2487
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2545
+  _globals['_ABORTREQUEST']._serialized_start=2547
+  _globals['_ABORTREQUEST']._serialized_end=2581
+  _globals['_ABORTRESPONSE']._serialized_start=2583
+  _globals['_ABORTRESPONSE']._serialized_end=2613
+  _globals['_ROUTER']._serialized_start=2738
+  _globals['_ROUTER']._serialized_end=3021
 # @@protoc_insertion_point(module_scope)

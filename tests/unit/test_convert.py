@@ -33,6 +33,7 @@ from tandem.v1 import router_pb2 as rpb
             stop=("a", "bc"),
             ignore_eos=True,
             logprobs=2,
+            logit_bias={5: -100.0, 3: 2.5},  # type: ignore[arg-type]
         ),
         SamplingParams(temperature=0.0, logprobs=0),
     ],
@@ -47,6 +48,8 @@ def test_unset_fields_take_defaults_and_bad_values_name_the_field() -> None:
         convert.sampling_from_proto(rpb.SamplingParams(top_p=0.0))
     with pytest.raises(ValueError, match="^max_tokens"):
         convert.sampling_from_proto(rpb.SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match=r"^logit_bias\[7\] must be a finite float"):
+        convert.sampling_from_proto(rpb.SamplingParams(logit_bias={7: 101.0}))
 
 
 def test_finish_reason_round_trip() -> None:

@@ -102,6 +102,13 @@ def test_a_tool_history_is_carried_on_the_wire() -> None:
     )  # fmt: skip
 
 
+def test_logit_bias_maps_token_ids_to_biases() -> None:
+    for parse in (chat, completion):
+        bias = parse(logit_bias={"5": -100, "12": 2.5}).request.sampling.logit_bias
+        assert dict(bias) == {5: -100.0, 12: 2.5}
+    assert not chat().request.sampling.logit_bias
+
+
 def test_chat_defaults_leave_the_engine_defaults() -> None:
     parsed = oai.parse_chat({"messages": USER}, MODEL, DEFAULT_MAX)
     s = parsed.request.sampling
@@ -133,7 +140,11 @@ def test_chat_defaults_leave_the_engine_defaults() -> None:
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
         ({"tool_choice": "auto"}, "tool_choice", "not supported"),
         ({"response_format": {"type": "json_object"}}, "response_format", "text"),
-        ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "[5] must be in [-100, 100], got 101"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias", "[5] must be a finite number, got string"),
+        ({"logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids, got 'a'"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", "keys must be token ids, got '-1'"),
+        ({"logit_bias": [1]}, "logit_bias", "must map token ids to numbers, got array"),
         ({"modalities": ["audio"]}, "modalities", "text"),
         ({"temperature": "hot"}, "temperature", "finite number, got string"),
         ({"temperature": True}, "temperature", "boolean"),

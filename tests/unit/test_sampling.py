@@ -600,3 +600,84 @@ def test_params_not_used_by_sampler_are_kept() -> None:
     greedy = SamplingParams(temperature=0.0, stop_token_ids=(1,), ignore_eos=True)
     assert _tokens(Sampler()(logits, [_row(greedy)])) == [1]
     assert params.max_tokens == 3 and params.ignore_eos
+
+
+# --------------------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_is_kept_as_sorted_pairs() -> None:
+    params = SamplingParams(logit_bias={9: 1, 2: -100.0})  # type: ignore[arg-type]
+    assert params.logit_bias == ((2, -100.0), (9, 1.0))
+    assert isinstance(params.logit_bias[1][1], float)
+    assert SamplingParams(logit_bias=[(3, 0.5)]).logit_bias == ((3, 0.5),)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bias", "says"),
+    [
+        ({5: 100.5}, "logit_bias[5] must be a finite float in [-100.0, 100.0], got 100.5"),
+        ({5: -101}, "logit_bias[5] must be a finite float in [-100.0, 100.0], got -101"),
+        ({5: math.nan}, "logit_bias[5] must be a finite float"),
+        ({5: True}, "logit_bias[5] must be a finite float in [-100.0, 100.0], got True"),
+        ({-1: 1.0}, "logit_bias token ids must be ints >= 0, got -1"),
+        ({"5": 1.0}, "logit_bias token ids must be ints >= 0, got '5'"),
+        ("5", "logit_bias must be a tuple, got '5'"),
+        ([(1, 2, 3)], "logit_bias must map token ids to floats, got (1, 2, 3)"),
+    ],
+)
+def test_bad_logit_bias_is_refused_naming_the_value(bias: object, says: str) -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+    assert str(err.value).startswith(says)
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary() -> None:
+    SamplingParams(logit_bias={VOCAB - 1: 1.0}).validate_for_vocab(VOCAB)
+    with pytest.raises(ValueError, match=f"must be in \\[0, {VOCAB}\\), got {VOCAB}"):
+        SamplingParams(logit_bias={VOCAB: 1.0}).validate_for_vocab(VOCAB)
+
+
+def test_logit_bias_bans_and_forces_tokens_in_greedy_rows() -> None:
+    logits = _random_logits(3)
+    best = logits.argmax(dim=-1).tolist()
+    second = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    greedy = SamplingParams(temperature=0.0)
+    rows = [
+        _row(SamplingParams(temperature=0.0, logit_bias={best[0]: -100.0})),
+        _row(greedy),  # an unbiased neighbour keeps its argmax
+        _row(SamplingParams(temperature=0.0, logit_bias={7: 100.0})),
+    ]
+    assert _tokens(Sampler()(logits, rows)) == [second[0], best[1], 7]
+
+
+def test_logit_bias_comes_before_temperature_and_top_k() -> None:
+    logits = _random_logits(2, seed=3)
+    worst = logits.argmin(dim=-1).tolist()
+    # top_k=1 after a +100 bias keeps only the biased token, whatever the draw.
+    rows = [
+        _row(
+            SamplingParams(temperature=1.5, top_k=1, logit_bias={worst[i]: 100.0}),
+            generator=_gen(i),
+        )
+        for i in range(2)
+    ]
+    assert _tokens(Sampler()(logits, rows)) == worst
+
+
+def test_a_banned_token_is_never_sampled_and_logprobs_stay_raw() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5] = 4.0  # token 5 holds most of the mass
+    params = SamplingParams(temperature=1.0, logit_bias={5: -100.0}, logprobs=1)
+    sampler = Sampler(_gen(0))
+    results = [sampler(logits, [_row(params)])[0] for _ in range(200)]
+    assert 5 not in _tokens(results)
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert results[0].logprob == pytest.approx(raw[results[0].token_id].item())
+    assert results[0].top_logprobs is not None and results[0].top_logprobs[0][0] == 5
+
+
+def test_logit_bias_leaves_the_input_logits_alone() -> None:
+    logits = _random_logits(2)
+    before = logits.clone()
+    Sampler()(logits, [_row(SamplingParams(temperature=0.0, logit_bias={1: 50.0}))] * 2)
+    assert torch.equal(logits, before)

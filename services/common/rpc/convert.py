@@ -71,6 +71,7 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
     kwargs: dict[str, object] = {f: getattr(msg, f) for f in _OPTIONAL_FIELDS if msg.HasField(f)}
     kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
     kwargs["stop"] = tuple(msg.stop)
+    kwargs["logit_bias"] = dict(msg.logit_bias)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
@@ -86,6 +87,7 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
+        logit_bias=dict(params.logit_bias),
     )
     if params.top_k is not None:
         msg.top_k = params.top_k
