@@ -23,6 +23,7 @@ import torch
 from tandem.config import EngineConfig, EngineRole
 from tandem.engine.block_pool import KVEvent
 from tandem.engine.device import use_device
+from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import KVCacheManager, cdiv
 from tandem.engine.memory import fit_context
@@ -127,6 +128,12 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
+        # Constrained decoding: grammars compiled on this (the engine's) thread, once each.
+        self.grammars: GrammarCompiler | None = None
+        if self.tokenizer is not None and self.eos_token_ids:
+            self.grammars = GrammarCompiler(
+                (model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self.eos_token_ids
+            )
         dtype = DTYPES[config.resolved_dtype]
         block_size = config.cache.block_size
         device = torch.device(config.device)
@@ -181,6 +188,8 @@ class LLMEngine:
         Makes the engine's device current in the calling thread, which should be the one
         that steps the engine (see `tandem.engine.device`)."""
         use_device(self.config.device)
+        if self.grammars is not None:
+            self.grammars.load()  # the vocabulary's token trie, before the first request
         n = max(1, min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 5))
         vocab = self.model.config.vocab_size
         prompt = [(7 + i) % vocab for i in range(n)]
@@ -239,8 +248,9 @@ class LLMEngine:
 
         Raises:
             ValueError: empty or over-long prompt, token ids outside the vocabulary, a
-                duplicate request id, stop strings without a tokenizer, or a request that
-                could never fit the KV cache.
+                duplicate request id, stop strings without a tokenizer, a request that
+                could never fit the KV cache, a constraint that does not compile or that
+                the resumed tokens break.
         """
         params, outputs = spec.params, resume.output_token_ids if resume else ()
         if spec.request_id in self._requests:
@@ -264,6 +274,14 @@ class LLMEngine:
             cache_salt=spec.cache_salt,
             device=self.config.device,
         )
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise ValueError("constraint: needs a tokenizer and EOS token; the model lacks one")
+            # Compiled here, on the engine thread (a cache hit after the first time), and
+            # resumed past the tokens generated elsewhere: a decode worker after a hand-off
+            # or a migration continues the grammar exactly where the other worker left it.
+            request.matcher = self.grammars.matcher(params.constraint)
+            request.matcher.replay(outputs)
         if outputs and request.generator is not None and not params.greedy:
             # Continue the seeded stream where the worker that sampled those tokens left it.
             advance_generator(request.generator, vocab, len(outputs))

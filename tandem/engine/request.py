@@ -8,6 +8,7 @@ from enum import StrEnum
 
 import torch
 
+from tandem.engine.grammar import GrammarMatcher
 from tandem.engine.prefix_hash import ROOT_PARENT_HASH, hash_blocks
 from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.types import FinishReason
@@ -133,6 +134,8 @@ class Request:
         device: where a seeded request's generator lives; the engine passes its own, since
             sampling noise is drawn on the logits' device.
         generator: the request's own stream when it has a seed (made in __post_init__).
+        matcher: a constrained request's grammar position, advanced past every output token
+            (the engine makes it, replaying any tokens generated elsewhere).
     """
 
     request_id: str
@@ -152,6 +155,7 @@ class Request:
     logprobs: list[LogprobEntry] = field(default_factory=list)
     device: torch.device | str = "cpu"
     generator: torch.Generator | None = None
+    matcher: GrammarMatcher | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -163,16 +163,14 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         ctx_lens = [s.start + 1 for s in rows]
         max_blocks = -(-max(ctx_lens) // bs)
-        # Padding entries point at block 0; the mask hides them.
+        # Padding entries point at block 0; the key bias hides them.
         table = [list(s.block_ids[:max_blocks]) for s in rows]
         table = [t + [0] * (max_blocks - len(t)) for t in table]
-        lens_t = torch.tensor(ctx_lens, dtype=torch.int64, device=dev)
-        key_pos = torch.arange(max_blocks * bs, device=dev)
-        return DecodeGroup(
-            start=start,
-            end=start + len(rows),
-            block_tables=torch.tensor(table, dtype=torch.int64, device=dev),
-            mask=(key_pos[None, :] < lens_t[:, None])[:, None, None, :],
+        return DecodeGroup.build(
+            start,
+            torch.tensor(table, dtype=torch.int64, device=dev),
+            torch.tensor(ctx_lens, dtype=torch.int64, device=dev),
+            bs,
         )
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
@@ -214,6 +212,7 @@ class ModelRunner:
                 s.request.prompt_token_ids,
                 s.request.output_token_ids,
                 s.request.generator,
+                s.request.matcher,
             )
             for s in sampled_rows
         ]

@@ -228,6 +228,9 @@ class Scheduler:
                 continue
             result = samples[request.request_id]
             request.output_token_ids.append(result.token_id)
+            if request.matcher is not None:
+                # The mask allowed only tokens it accepts; a refusal leaves it finished.
+                request.matcher.accept(result.token_id)
             if request.sampling_params.logprobs is not None:
                 request.logprobs.append((result.logprob, result.top_logprobs))
             if request.first_token_time is None:
@@ -251,6 +254,10 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             request.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if request.matcher is not None and request.matcher.is_finished:
+            # The output is complete (nothing but EOS could follow): a stop, even when it
+            # is also the last token max_tokens allows.
             return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
