@@ -37,6 +37,7 @@ from services.common import security
 from services.common.observe import tracing
 from services.common.rpc.errors import ServiceError
 from services.router import openai_protocol as oai
+from services.router import openai_structured as structured
 from services.router.call import CallContext
 from tandem.model.tokenizer import Tokenizer
 from tandem.v1 import router_pb2 as rpb
@@ -187,6 +188,7 @@ class OpenAIServer:
             parse = oai.parse_chat if chat else oai.parse_completion
             router = self.router
             parsed = parse(body, router.model_id, router.max_model_len)
+            await _check_constraint(body)
         except oai.ApiError as error:
             return _error_response(error)
         label = request.headers.get("x-request-id", "")
@@ -235,6 +237,17 @@ class OpenAIServer:
 
 
 Messages = AsyncGenerator[rpb.GenerateResponse, None]
+
+
+async def _check_constraint(body: Any) -> None:
+    """A schema, regex or grammar is compiled to check it (milliseconds when large): off the
+    event loop, before any compute. Raises ApiError naming the body's field."""
+    found = structured.read(body)  # the parser has accepted its shape
+    if found is None:
+        return
+    error = await asyncio.get_running_loop().run_in_executor(None, structured.check, *found)
+    if error is not None:
+        raise oai.invalid(error.param, error.reason)
 
 
 async def _read_json(request: Request) -> Any:

@@ -4,7 +4,8 @@ GenerateResponse messages -> OpenAI JSON objects, ServiceError -> OpenAI error o
 No I/O here (services.router.openai_http serves it). Every refusal is an `ApiError` naming the
 field, so a client sees a 400 it can act on rather than a 422 listing validator internals.
 Extensions beyond OpenAI's fields (vLLM's names): top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids.
+ignore_eos, stop_token_ids, guided_json, guided_regex, guided_choice, guided_grammar
+(services.router.openai_structured).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import grpc
 
 from services.common.rpc import convert
+from services.router import openai_structured as structured
 from tandem import chat, wire
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
@@ -199,9 +201,6 @@ def _refuse_unsupported(body: JSON) -> None:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise invalid(name, "tool and function calling are not supported")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise invalid("response_format", 'only {"type": "text"} is supported')
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise invalid("modalities", 'only ["text"] is supported')
@@ -209,6 +208,12 @@ def _refuse_unsupported(body: JSON) -> None:
 
 def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
     msg.max_tokens = max_tokens
+    try:  # structured output; openai_http compile-checks it off the event loop
+        constraint = structured.read(body)
+    except structured.FieldError as error:
+        raise invalid(error.param, error.reason) from None
+    if constraint is not None:
+        msg.constraint.CopyFrom(constraint[0])
     for name in _FLOAT_FIELDS:
         value = _float(body, name)
         if value is not None:

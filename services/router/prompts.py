@@ -131,7 +131,15 @@ class Prompts:
         except ValueError as exc:
             raise invalid_argument(f"{request.WhichOneof('input') or 'input'}: {exc}") from None
         try:
-            params = convert.sampling_from_proto(request.sampling)
+            if request.sampling.HasField("constraint"):
+                # Checking a schema or grammar compiles it (milliseconds when large): on
+                # the pool, never on the event loop.
+                loop = asyncio.get_running_loop()
+                params = await loop.run_in_executor(
+                    self._pool, convert.sampling_from_proto, request.sampling
+                )
+            else:
+                params = convert.sampling_from_proto(request.sampling)
             params.validate_for_vocab(vocab)
         except ValueError as exc:
             raise invalid_argument(f"sampling.{exc}") from None

@@ -9,6 +9,7 @@ from services.common.runtime.flags import parse_config
 from services.common.worker.config import WorkerConfig
 from tandem import wire
 from tandem.engine.engine import RequestOutput
+from tandem.engine.grammar import Constraint, ConstraintKind
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import SamplingParams
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
@@ -205,3 +206,39 @@ def test_decode_input_resume_says_how_much_text_the_client_has() -> None:
     # A migration: a count is exact; 0 is the wire's unset value, every token's text was sent.
     assert convert.DecodeInput(spec, (7, 8), 5).resume == Resume((7, 8), 5)
     assert convert.DecodeInput(spec, (7, 8), 0).resume == Resume((7, 8), None)
+
+
+CONSTRAINTS = [
+    Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
+    Constraint(ConstraintKind.JSON_OBJECT),
+    Constraint(ConstraintKind.REGEX, "[0-9]{3}"),
+    Constraint(ConstraintKind.CHOICE, ("yes", "no", "caf\u00e9")),
+    Constraint(ConstraintKind.GRAMMAR, 'root ::= "a" | "b"'),
+]
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINTS, ids=lambda c: c.kind)
+def test_constraints_round_trip_and_travel_to_both_workers(constraint: Constraint) -> None:
+    params = SamplingParams(max_tokens=9, temperature=0.0, constraint=constraint)
+    msg = convert.sampling_to_proto(params)
+    assert msg.constraint.WhichOneof("kind") == constraint.kind.value
+    assert convert.sampling_from_proto(msg) == params
+    spec = RequestSpec("r1", (5, 6, 7), params)
+    prefill = convert.prefill_request_to_proto(spec, "decode-0")
+    assert convert.spec_from_proto(prefill, "r1", None).params.constraint == constraint
+    decode = convert.decode_request_to_proto(convert.DecodeInput(spec, (4,)))
+    assert convert.spec_from_proto(decode, "r1", None).params.constraint == constraint
+
+
+def test_a_bad_constraint_names_its_field() -> None:
+    assert convert.constraint_from_proto(rpb.Constraint()) is None  # no kind: free text
+    cases = {
+        "^constraint.regex: ": rpb.Constraint(regex="a(b"),
+        "^constraint.json_schema: not valid JSON": rpb.Constraint(json_schema="{"),
+        "^constraint.json_object must be true": rpb.Constraint(json_object=False),
+        "^constraint.choice must hold": rpb.Constraint(choice=rpb.Choices()),
+        "^constraint.grammar: ": rpb.Constraint(grammar="start: nowhere"),
+    }
+    for says, msg in cases.items():
+        with pytest.raises(ValueError, match=says):
+            convert.sampling_from_proto(rpb.SamplingParams(constraint=msg))

@@ -139,7 +139,7 @@ def test_chat_defaults_leave_the_engine_defaults() -> None:
         ({"n": 0}, "n", ">= 1"),
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
         ({"tool_choice": "auto"}, "tool_choice", "not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "text"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
         ({"logit_bias": {"5": 101}}, "logit_bias", "[5] must be in [-100, 100], got 101"),
         ({"logit_bias": {"5": "1"}}, "logit_bias", "[5] must be a finite number, got string"),
         ({"logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids, got 'a'"),

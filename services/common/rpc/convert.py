@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from services.common.redis.worker_info import WorkerInfo
 from tandem.chat import Message, ToolCall
 from tandem.engine.engine import RequestOutput
+from tandem.engine.grammar import Constraint, ConstraintKind
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.routing.stall import HopProgress
@@ -72,6 +73,8 @@ def sampling_from_proto(msg: rpb.SamplingParams) -> SamplingParams:
     kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
     kwargs["stop"] = tuple(msg.stop)
     kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.HasField("constraint"):
+        kwargs["constraint"] = constraint_from_proto(msg.constraint)
     return SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
@@ -95,7 +98,36 @@ def sampling_to_proto(params: SamplingParams) -> rpb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(params.constraint))
     return msg
+
+
+def constraint_from_proto(msg: rpb.Constraint) -> Constraint | None:
+    """None when no kind is set. Validates (milliseconds for a large schema, once per
+    content per process). Raises ValueError naming the field (`constraint.json_schema: ...`)."""
+    kind = msg.WhichOneof("kind")
+    try:
+        if kind is None:
+            return None
+        if kind == "json_object":
+            if not msg.json_object:
+                raise ValueError("json_object must be true (unset the constraint for free text)")
+            return Constraint(ConstraintKind.JSON_OBJECT)
+        if kind == "choice":
+            return Constraint(ConstraintKind.CHOICE, tuple(msg.choice.choices))
+        return Constraint(ConstraintKind(kind), getattr(msg, kind))
+    except ValueError as exc:
+        raise ValueError(f"constraint.{exc}") from None
+
+
+def constraint_to_proto(constraint: Constraint) -> rpb.Constraint:
+    kind = constraint.kind
+    if kind == ConstraintKind.JSON_OBJECT:
+        return rpb.Constraint(json_object=True)
+    if kind == ConstraintKind.CHOICE:
+        return rpb.Constraint(choice=rpb.Choices(choices=list(constraint.spec)))
+    return rpb.Constraint(**{kind.value: constraint.spec})  # type: ignore[arg-type]
 
 
 def stop_reason_to_proto(stop_reason: int | str | None) -> str:
