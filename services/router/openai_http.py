@@ -36,6 +36,7 @@ from starlette.types import Receive, Scope, Send
 from services.common import security
 from services.common.observe import tracing
 from services.common.rpc.errors import ServiceError
+from services.router import openai_choices, openai_fanout
 from services.router import openai_protocol as oai
 from services.router import openai_structured as structured
 from services.router.call import CallContext
@@ -195,6 +196,10 @@ class OpenAIServer:
         parsed.request.request_id = label
         tenant = principal.tenant if principal is not None else ""
         prefix = "chatcmpl" if chat else "cmpl"
+        if parsed.num_choices > 1 or parsed.echo:
+            return await self._choices(
+                request, parsed, chat, tenant, f"{prefix}-{uuid.uuid4().hex}"
+            )
         answer = oai.Answer(
             f"{prefix}-{uuid.uuid4().hex}", self.router.model_id, chat, parsed, self._token_text
         )
@@ -215,6 +220,51 @@ class OpenAIServer:
         whole = await _unless_disconnected(request.receive, _collect(answer, first, messages))
         if whole is None:
             await messages.aclose()
+            return Response(status_code=499)
+        if isinstance(whole, oai.ApiError):
+            return _error_response(whole, headers)
+        return JSONResponse(whole, headers=headers)
+
+    async def _choices(
+        self, request: Request, parsed: oai.ParsedRequest, chat: bool, tenant: str, answer_id: str
+    ) -> Response:
+        """Several choices (n > 1, a list of prompts) or echo: one router call per choice
+        (services.router.openai_fanout), answered as one."""
+        label = parsed.request.request_id
+        created = int(time.time())
+        requests = (parsed.request, *parsed.more_prompts)
+        plans = openai_choices.plan(requests, parsed.n, label)
+        context = HttpCallContext(request.headers)
+
+        def make_answer(plan: openai_choices.ChoicePlan) -> oai.Answer:
+            prompt = plan.request
+            echo = ""
+            if parsed.echo:
+                ids = prompt.token_ids.ids
+                echo = prompt.text if prompt.HasField("text") else self.router.tokenizer.decode(ids)
+            model = self.router.model_id
+            return oai.Answer(
+                answer_id, model, chat, parsed, self._token_text, created,
+                index=plan.index, echo=echo,
+            )  # fmt: skip
+
+        def start(one: rpb.GenerateRequest) -> Messages:
+            return self.router.generate(one, context, tenant)
+
+        headers = {"x-request-id": label or answer_id}
+        lanes = await _unless_disconnected(
+            request.receive, openai_fanout.open_lanes(plans, start, make_answer)
+        )
+        if lanes is None:
+            return Response(status_code=499)  # open_lanes closed every call
+        if isinstance(lanes, oai.ApiError):
+            return _error_response(lanes, headers)
+        if parsed.stream:
+            events = openai_fanout.events(lanes, parsed.include_usage)
+            return _EventStream(events, lanes, headers)
+        whole = await _unless_disconnected(request.receive, openai_fanout.whole(lanes))
+        await lanes.aclose()
+        if whole is None:
             return Response(status_code=499)
         if isinstance(whole, oai.ApiError):
             return _error_response(whole, headers)
@@ -351,7 +401,10 @@ class _EventStream(StreamingResponse):
     request) as soon as the client disconnects, whatever the ASGI server's spec version."""
 
     def __init__(
-        self, events: AsyncGenerator[bytes, None], messages: Messages, headers: dict[str, str]
+        self,
+        events: AsyncGenerator[bytes, None],
+        messages: Messages | openai_fanout.Lanes,
+        headers: dict[str, str],
     ) -> None:
         headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
         super().__init__(events, headers=headers, media_type="text/event-stream")

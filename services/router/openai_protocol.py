@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 
 from services.common.rpc import convert
+from services.router import openai_choices as choices
 from services.router import openai_structured as structured
 from tandem import chat, wire
 from tandem.types import FinishReason
@@ -105,6 +106,9 @@ class ParsedRequest:
     """A request body as the router takes it, and how to answer it.
 
     logprobs: per-token logprobs wanted; top_logprobs: how many alternatives per token.
+    n: sequences per prompt; more_prompts: completions' 2nd, 3rd, ... prompts (`request` is
+    the first's); echo: completions' prompt text before each choice's text
+    (services.router.openai_choices plans the choices).
     """
 
     request: rpb.GenerateRequest
@@ -113,6 +117,13 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     user: str = ""
+    n: int = 1
+    more_prompts: tuple[rpb.GenerateRequest, ...] = ()
+    echo: bool = False
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * (1 + len(self.more_prompts))
 
 
 def parse_chat(body: Any, model_id: str, default_max_tokens: int) -> ParsedRequest:
@@ -144,35 +155,39 @@ def parse_completion(body: Any, model_id: str, default_max_tokens: int) -> Parse
     """POST /v1/completions (the legacy text API). Raises ApiError."""
     body = _object(body)
     _refuse_unsupported(body)
-    if _bool(body, "echo", False):
-        raise invalid("echo", "echo is not supported")
     if body.get("suffix") not in (None, ""):
         raise invalid("suffix", "suffix (insertion) is not supported")
-    best_of = _int(body, "best_of", 1, 1)
-    if best_of != 1:
-        raise invalid("best_of", f"only 1 is supported, got {best_of}")
+    n = _int(body, "n", 1, 1)
+    best_of = _int(body, "best_of", n, 1)
+    if best_of != n:
+        raise invalid("best_of", f"only best_of = n ({n}) is supported, got {best_of}")
     request = rpb.GenerateRequest(model=_model(body, model_id))
-    prompt = body.get("prompt")
-    # One prompt per request: a string, [string], a list of token ids, or [[ids]].
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("prompt", "must not be empty")
-        request.text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        request.token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(
-        isinstance(p, str | list) for p in prompt
-    ):
-        raise invalid("prompt", f"one prompt per request is supported, got {len(prompt)}")
-    else:
-        raise invalid("prompt", "must be a non-empty string or a list of token ids")
+    try:
+        prompts = choices.parse_prompts(body.get("prompt"))
+    except ValueError as exc:
+        raise invalid("prompt", str(exc)) from None
     top = _int(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    echo = _bool(body, "echo", False)
+    if echo and top is not None:
+        raise invalid(
+            "echo",
+            "echo with logprobs needs the prompt's logprobs, which Tandem does not compute; "
+            "ask for echo or for logprobs",
+        )
     _sampling(request.sampling, body, _int(body, "max_tokens", None, 1) or default_max_tokens)
     if top is not None:
         request.sampling.logprobs = top
-    return _parsed(body, request, top is not None, top or 0)
+    requests = []
+    for prompt in prompts:
+        one = rpb.GenerateRequest()
+        one.CopyFrom(request)
+        if isinstance(prompt, str):
+            one.text = prompt
+        else:
+            one.token_ids.ids.extend(prompt)
+        requests.append(one)
+    parsed = _parsed(body, requests[0], top is not None, top or 0)
+    return replace(parsed, more_prompts=tuple(requests[1:]), echo=echo)
 
 
 def _parsed(body: JSON, request: rpb.GenerateRequest, logprobs: bool, top: int) -> ParsedRequest:
@@ -186,15 +201,24 @@ def _parsed(body: JSON, request: rpb.GenerateRequest, logprobs: bool, top: int) 
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid("user", f"must be a string, got {_kind(user)}")
-    return ParsedRequest(request, stream, include_usage, logprobs, top, user or "")
+    n = _int(body, "n", 1, 1, choices.MAX_CHOICES)
+    prompt = body.get("prompt")
+    num_prompts = len(prompt) if isinstance(prompt, list) and _is_prompt_list(prompt) else 1
+    if n * num_prompts > choices.MAX_CHOICES:
+        raise invalid(
+            "n", f"{num_prompts} prompts x n {n} is over {choices.MAX_CHOICES} choices"
+        )
+    return ParsedRequest(request, stream, include_usage, logprobs, top, user or "", n)
+
+
+def _is_prompt_list(prompt: list[Any]) -> bool:
+    """A list of prompts (strings or id lists), not one prompt of token ids."""
+    return all(isinstance(p, str | list) for p in prompt)
 
 
 def _refuse_unsupported(body: JSON) -> None:
     """Fields that would change the answer and that Tandem cannot honour: refused, never
     silently ignored."""
-    n = _int(body, "n", 1, 1)
-    if n != 1:
-        raise invalid("n", f"one choice per request is supported, got {n}; send n requests")
     for name in ("tools", "functions"):
         if body.get(name):
             raise invalid(name, "tool and function calling are not supported")
@@ -358,6 +382,8 @@ class Answer:
     text: list[str] = field(default_factory=list)
     logprobs: list[rpb.TokenLogprob] = field(default_factory=list)
     chars: int = 0  # text so far (completions' text_offset)
+    index: int = 0  # the choice's index (n > 1, several prompts)
+    echo: str = ""  # completions' echo: the prompt's text, before the choice's
 
     def chunk(self, chunk: rpb.Chunk) -> JSON:
         """A streamed chunk (and the text and logprobs kept for a whole answer)."""
@@ -365,21 +391,27 @@ class Answer:
         self.logprobs.extend(chunk.logprobs)
         logprobs = self._logprobs(chunk.logprobs, chunk.text) if self.parsed.logprobs else None
         if self.chat:
-            choice = {"index": 0, "delta": {"content": chunk.text}}
+            choice = {"index": self.index, "delta": {"content": chunk.text}}
             return self._envelope([{**choice, "logprobs": logprobs, "finish_reason": None}])
-        choice = {"index": 0, "text": chunk.text}
+        choice = {"index": self.index, "text": chunk.text}
         return self._envelope([{**choice, "logprobs": logprobs, "finish_reason": None}])
+
+    def echo_chunk(self) -> JSON:
+        """Completions' echo: the prompt's text as the choice's first streamed chunk."""
+        choice = {"index": self.index, "text": self.echo, "logprobs": None}
+        return self._envelope([{**choice, "finish_reason": None}])
 
     def first(self) -> JSON:
         """Chat streams open with the assistant role (OpenAI's first chunk)."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}}
         return self._envelope([{**choice, "logprobs": None, "finish_reason": None}])
 
     def last(self, complete: rpb.Complete) -> JSON:
         """The stream's closing chunk: no content, the finish reason."""
         reason = finish_reason(complete.finish_reason)
         key, empty = ("delta", {}) if self.chat else ("text", "")
-        return self._envelope([{"index": 0, key: empty, "logprobs": None, "finish_reason": reason}])
+        choice = {"index": self.index, key: empty, "logprobs": None, "finish_reason": reason}
+        return self._envelope([choice])
 
     def usage_chunk(self, complete: rpb.Complete) -> JSON:
         """stream_options.include_usage: a last chunk with no choices and the usage."""
@@ -392,9 +424,9 @@ class Answer:
         reason = finish_reason(complete.finish_reason)
         if self.chat:
             message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": logprobs}
+            choice = {"index": self.index, "message": message, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs}
+            choice = {"index": self.index, "text": self.echo + text, "logprobs": logprobs}
         kind = "chat.completion" if self.chat else "text_completion"
         return {
             "id": self.id,

@@ -265,8 +265,8 @@ def http_status(cluster: Cluster, method: str, path: str, body: bytes | None) ->
         ("/v1/chat/completions", {}, 400, "messages", "non-empty list"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
          "messages[0].role", "one of"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400,
-         "n", "one choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 65}, 400,
+         "n", "[1, 64]"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
          "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -279,10 +279,11 @@ def http_status(cluster: Cluster, method: str, path: str, body: bytes | None) ->
          "stream_options": {"include_usage": True}}, 400, "stream_options", "stream is true"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
          "model": "gpt-4"}, 404, "model", "does not exist"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt"),
+        ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt", "[1] must not be empty"),
         ("/v1/completions", {"prompt": "x" * 2_000_000}, 400, None, "cannot fit"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, None, "temperature"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo",
+         "echo with logprobs"),
         ("/v1/embeddings", {"input": "x"}, 404, None, "Not Found"),
     ],
 )  # fmt: skip
@@ -309,8 +310,8 @@ def test_openai_client_raises_the_matching_error_classes(client: openai.OpenAI) 
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert not_found.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model="", prompt="x", n=3)
-    assert "one choice per request" in bad.value.message
+        client.completions.create(model="", prompt="x", n=65)
+    assert "n: must be in [1, 64], got 65" in bad.value.message
 
 
 def decode_running(cluster: Cluster) -> int:

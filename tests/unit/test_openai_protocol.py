@@ -135,8 +135,8 @@ def test_chat_defaults_leave_the_engine_defaults() -> None:
          "messages[0].tool_calls[0].function", "JSON object, got null"),
         ({"messages": [{"role": "tool", "content": "r", "tool_call_id": "c"}]},
          "messages[0].tool_call_id", "answers no tool call"),
-        ({"n": 2}, "n", "one choice"),
-        ({"n": 0}, "n", ">= 1"),
+        ({"n": 65}, "n", "must be in [1, 64], got 65"),
+        ({"n": 0}, "n", "must be in [1, 64], got 0"),
         ({"tools": [{"type": "function"}]}, "tools", "not supported"),
         ({"tool_choice": "auto"}, "tool_choice", "not supported"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
@@ -204,14 +204,19 @@ def test_completion_prompts(prompt: Any, text: str, ids: list[int]) -> None:
     ("body", "param", "says"),
     [
         ({"prompt": ""}, "prompt", "must not be empty"),
-        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request is supported, got 2"),
-        ({"prompt": [[1], [2]]}, "prompt", "got 2"),
+        ({"prompt": []}, "prompt", "non-empty list"),
+        ({"prompt": ["a", ""]}, "prompt", "[1] must not be empty"),
+        ({"prompt": [[1], "x", 3]}, "prompt", "[2] must be a non-empty string or a list of token"),
+        ({"prompt": [[1], []]}, "prompt", "[1] must be a non-empty string or a list of token"),
         ({"prompt": [1, -2]}, "prompt", "token ids"),
         ({"prompt": [True]}, "prompt", "token ids"),
         ({"prompt": None}, "prompt", "non-empty string"),
-        ({"echo": True}, "echo", "not supported"),
+        ({"echo": True, "logprobs": 1}, "echo", "echo with logprobs needs the prompt's logprobs"),
+        ({"echo": 1}, "echo", "boolean"),
+        ({"prompt": ["a", "b"], "n": 33}, "n", "2 prompts x n 33 is over 64 choices"),
+        ({"n": 2, "best_of": 3}, "best_of", "only best_of = n (2) is supported, got 3"),
         ({"suffix": "x"}, "suffix", "not supported"),
-        ({"best_of": 2}, "best_of", "only 1"),
+        ({"best_of": 2}, "best_of", "only best_of = n (1)"),
         ({"logprobs": 6}, "logprobs", "[0, 5]"),
         ({"logprobs": True}, "logprobs", "integer"),
     ],
@@ -219,6 +224,18 @@ def test_completion_prompts(prompt: Any, text: str, ids: list[int]) -> None:
 def test_completion_refusals(body: dict[str, Any], param: str, says: str) -> None:
     err = refusal(completion, **body)
     assert (err.status, err.param) == (400, param) and says in err.message
+
+
+def test_completion_prompt_lists_n_and_echo() -> None:
+    parsed = completion(prompt=["a", [7, 8], "c"], n=3, best_of=3, echo=True, seed=5)
+    assert (parsed.n, parsed.echo, parsed.num_choices) == (3, True, 9)
+    inputs = [parsed.request, *parsed.more_prompts]
+    assert [(r.text, list(r.token_ids.ids)) for r in inputs] == [("a", []), ("", [7, 8]), ("c", [])]
+    # Every prompt's request carries the same sampling.
+    assert {(r.sampling.seed, r.sampling.max_tokens) for r in inputs} == {(5, DEFAULT_MAX)}
+    single = completion()
+    assert (single.n, single.echo, single.more_prompts, single.num_choices) == (1, False, (), 1)
+    assert chat(n=4).num_choices == 4
 
 
 def test_completion_logprobs_and_max_tokens() -> None:

@@ -1,0 +1,186 @@
+"""The I/O of an OpenAI request with several choices (n > 1, a list of prompts, echo): one
+router call per choice (services.router.openai_choices plans them), merged into one answer.
+
+Sequence 0 of every prompt is sent first; the other sequences once every first one has its
+first token, so they find the prompt's blocks cached instead of computing them again. Until
+every choice has its first message, an error is the request's HTTP status (the other choices
+are then cancelled); after that, a failing choice ends the stream with an `error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.common.rpc.errors import ServiceError
+from services.router import openai_choices as choices
+from services.router import openai_protocol as oai
+from tandem.v1 import router_pb2 as rpb
+
+Messages = AsyncGenerator[rpb.GenerateResponse, None]
+JSON = dict[str, Any]
+
+
+@dataclass(slots=True)
+class Lane:
+    """One choice's router call and the answer it builds."""
+
+    plan: choices.ChoicePlan
+    answer: oai.Answer
+    messages: Messages
+    first: rpb.GenerateResponse | None = None
+
+
+class Lanes:
+    """Every choice's call, in choice order; `aclose` ends those still running (each one's
+    request is then aborted on its workers)."""
+
+    def __init__(self, lanes: Sequence[Lane]) -> None:
+        self.lanes = sorted(lanes, key=lambda lane: lane.plan.index)
+
+    async def aclose(self) -> None:
+        for lane in self.lanes:
+            await lane.messages.aclose()
+
+
+async def open_lanes(
+    plans: Sequence[choices.ChoicePlan],
+    start: Callable[[rpb.GenerateRequest], Messages],
+    make_answer: Callable[[choices.ChoicePlan], oai.Answer],
+) -> Lanes | oai.ApiError:
+    """Start every choice (first sequences, then their siblings) and wait for each one's
+    first message; the first refusal instead, with every call closed."""
+    lanes: list[Lane] = []
+
+    async def begin(plan: choices.ChoicePlan) -> oai.ApiError | None:
+        lane = Lane(plan, make_answer(plan), start(plan.request))
+        lanes.append(lane)
+        first = await _first(lane.messages)
+        if isinstance(first, oai.ApiError):
+            return first
+        lane.first = first
+        return None
+
+    try:
+        for wave in ([p for p in plans if p.sequence == 0], [p for p in plans if p.sequence]):
+            refusals = [e for e in await asyncio.gather(*map(begin, wave)) if e is not None]
+            if refusals:
+                await Lanes(lanes).aclose()
+                return refusals[0]
+    except BaseException:
+        await Lanes(lanes).aclose()
+        raise
+    return Lanes(lanes)
+
+
+async def whole(lanes: Lanes) -> JSON | oai.ApiError:
+    """The whole answer: every choice collected, their usage merged."""
+    results = await asyncio.gather(*(_collect(lane) for lane in lanes.lanes))
+    answers: list[tuple[JSON, rpb.Complete]] = []
+    for result in results:
+        if isinstance(result, oai.ApiError):
+            return result
+        answers.append(result)
+    merged = answers[0][0]
+    merged["choices"] = [answer["choices"][0] for answer, _ in answers]
+    merged["usage"] = oai.usage(_usage(lanes, [complete for _, complete in answers]))
+    return merged
+
+
+async def events(lanes: Lanes, include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """Server-sent events: each choice's chunks as they come (each with its index), its
+    finish chunk, then the merged usage chunk if asked for, `[DONE]`."""
+    queue: asyncio.Queue[tuple[Lane, rpb.GenerateResponse | ServiceError | None]]
+    queue = asyncio.Queue()
+
+    async def pump(lane: Lane) -> None:
+        message = lane.first
+        try:
+            while message is not None:
+                await queue.put((lane, message))
+                if message.WhichOneof("kind") == "complete":
+                    return
+                message = await _next(lane.messages)
+        except ServiceError as error:
+            await queue.put((lane, error))
+        finally:
+            await queue.put((lane, None))
+
+    tasks: list[asyncio.Task[None]] = []
+    completes: dict[int, rpb.Complete] = {}
+    try:
+        for lane in lanes.lanes:
+            if lane.answer.chat:
+                yield _sse(lane.answer.first())
+            elif lane.answer.echo:
+                yield _sse(lane.answer.echo_chunk())
+        tasks = [asyncio.create_task(pump(lane)) for lane in lanes.lanes]
+        running = len(tasks)
+        while running:
+            lane, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, ServiceError):
+                yield _sse(oai.from_status(item.code, item.message, item.retry_after_ms).body())
+                return
+            elif item.WhichOneof("kind") == "complete":
+                completes[lane.plan.index] = item.complete
+                yield _sse(lane.answer.last(item.complete))
+            else:
+                yield _sse(lane.answer.chunk(item.chunk))
+        if include_usage:
+            ordered = [completes[lane.plan.index] for lane in lanes.lanes]
+            usage = rpb.Complete(usage=_usage(lanes, ordered))
+            yield _sse(lanes.lanes[0].answer.usage_chunk(usage))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await lanes.aclose()  # a client gone: every choice is aborted on its workers
+
+
+def _usage(lanes: Lanes, completes: Sequence[rpb.Complete]) -> rpb.Usage:
+    pairs = zip(lanes.lanes, completes, strict=True)
+    return choices.usage([(lane.plan.prompt_index, c.usage) for lane, c in pairs])
+
+
+async def _next(messages: Messages) -> rpb.GenerateResponse | None:
+    """The next chunk or completion (in-stream Error messages are skipped: the ServiceError
+    raised right after carries the same status); None at the end."""
+    async for message in messages:
+        if message.WhichOneof("kind") != "error":
+            return message
+    return None
+
+
+async def _first(messages: Messages) -> rpb.GenerateResponse | oai.ApiError:
+    try:
+        message = await _next(messages)
+    except ServiceError as error:
+        return oai.from_status(error.code, error.message, error.retry_after_ms)
+    if message is None:
+        return oai.from_status(grpc.StatusCode.INTERNAL, "the request ended without an answer")
+    return message
+
+
+async def _collect(lane: Lane) -> tuple[JSON, rpb.Complete] | oai.ApiError:
+    message = lane.first
+    try:
+        while message is not None:
+            if message.WhichOneof("kind") == "complete":
+                return lane.answer.whole(message.complete), message.complete
+            lane.answer.chunk(message.chunk)
+            message = await _next(lane.messages)
+    except ServiceError as error:
+        return oai.from_status(error.code, error.message, error.retry_after_ms)
+    return oai.from_status(grpc.StatusCode.INTERNAL, "the request ended without completing")
+
+
+def _sse(obj: JSON) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"

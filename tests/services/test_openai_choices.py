@@ -1,0 +1,173 @@
+"""Several choices per OpenAI request against `tandem up`, through the `openai` client: lists
+of prompts and echo on /v1/completions, n > 1 on both endpoints (seeded choices differ and
+repeat; one prefill serves the n sequences), streamed and whole answers alike."""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.router.openai_choices import derive_seed
+from services.up import Cluster
+from tandem.client import TandemClient
+from tandem.config import DEFAULT_BLOCK_SIZE
+from tandem.model.tokenizer import Tokenizer
+
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the workers'
+
+
+def long_prompt() -> str:
+    """Over the router's 64 uncached tokens and new each time: prefilled on the prefill
+    worker and handed over."""
+    tag = uuid.uuid4().hex
+    return f"{tag} " + " ".join(f"item {i} of the list {tag}, then" for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def cluster(shared_cluster: Cluster) -> Cluster:
+    return shared_cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    base_url = f"http://{cluster.http_address}/v1"
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
+    with TandemClient(cluster.router_address, timeout_s=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cluster: Cluster) -> Tokenizer:
+    return Tokenizer.from_dir(cluster.config.model_dir)
+
+
+def test_a_list_of_prompts_gets_one_choice_each_as_alone(
+    client: openai.OpenAI, grpc_client: TandemClient, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode("The lazy dog", add_special_tokens=False)
+    prompts: list[str | list[int]] = ["The quick brown fox", ids, long_prompt()]
+    refs = [grpc_client.generate(p, max_tokens=6, temperature=0.0) for p in prompts]
+    out = client.completions.create(
+        model="",
+        prompt=prompts,
+        max_tokens=6,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [r.text for r in refs]
+    assert [c.finish_reason for c in out.choices] == [r.finish_reason for r in refs]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == sum(r.prompt_tokens for r in refs)
+    assert out.usage.completion_tokens == sum(r.completion_tokens for r in refs)
+
+
+def test_echo_puts_the_prompt_before_each_choice(
+    client: openai.OpenAI, grpc_client: TandemClient, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode(" the lazy dog", add_special_tokens=False)
+    refs = [grpc_client.generate(p, max_tokens=5, temperature=0.0) for p in ("Once upon", ids)]
+    out = client.completions.create(
+        model="", prompt=["Once upon", ids], max_tokens=5, temperature=0, echo=True
+    )
+    assert [c.text for c in out.choices] == [
+        "Once upon" + refs[0].text,
+        tokenizer.decode(ids) + refs[1].text,
+    ]
+    streamed = client.completions.create(
+        model="", prompt="Once upon", max_tokens=5, temperature=0, echo=True, stream=True
+    )
+    pieces = [c.choices[0].text for c in streamed if c.choices]
+    assert pieces[0] == "Once upon"  # the echo comes first, as its own chunk
+    assert "".join(pieces) == "Once upon" + refs[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="", prompt="x", echo=True, logprobs=1)
+    assert err.value.param == "echo"
+
+
+def test_n_seeded_choices_differ_repeat_and_are_the_derived_seeds_answers(
+    client: openai.OpenAI, grpc_client: TandemClient
+) -> None:
+    chat = [{"role": "user", "content": "Tell me a story"}]
+    kwargs = {"model": "", "max_tokens": 8, "temperature": 1.0, "seed": 11}
+    out = client.chat.completions.create(messages=chat, n=4, **kwargs)  # type: ignore[call-overload]
+    again = client.chat.completions.create(messages=chat, n=4, **kwargs)  # type: ignore[call-overload]
+    texts = [c.message.content for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1, texts
+    # Choice i is the request seeded with derive_seed(seed, i): choice 0 is the n=1 answer.
+    refs = [
+        grpc_client.generate(messages=chat, max_tokens=8, temperature=1.0, seed=derive_seed(11, i))
+        for i in range(4)
+    ]
+    assert texts == [r.text for r in refs]
+    assert out.usage is not None
+    assert out.usage.prompt_tokens == refs[0].prompt_tokens  # the prompt once, as OpenAI
+    assert out.usage.completion_tokens == sum(r.completion_tokens for r in refs)
+
+
+def test_n_streamed_reassembles_to_the_whole_answer(client: openai.OpenAI) -> None:
+    kwargs = {"model": "", "prompt": ["Hello", "World"], "max_tokens": 6, "seed": 3, "n": 2}
+    whole = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    stream = client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )  # type: ignore[call-overload]
+    texts: dict[int, str] = defaultdict(str)
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert dict(texts) == {c.index: c.text for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+
+
+def test_n_sequences_share_one_prefill(
+    cluster: Cluster, client: openai.OpenAI, grpc_client: TandemClient
+) -> None:
+    prompt = long_prompt()
+    num_tokens = len(grpc_client.tokenize(prompt))
+    prefill = cluster.metrics_addresses["prefill-0"]
+    before = prefix_cache(prefill)
+    out = client.completions.create(
+        model="", prompt=prompt, n=4, max_tokens=4, temperature=1.0, seed=5
+    )
+    queried, hit = (a - b for a, b in zip(prefix_cache(prefill), before, strict=True))
+    assert len(out.choices) == 4 and len({c.text for c in out.choices}) > 1
+    # Four prefill hops; the first computes the prompt, the three others find it cached
+    # and compute only its last, partial block (the engine always computes one token).
+    assert queried == 4 * num_tokens
+    assert queried - hit <= num_tokens + 3 * BLOCK_SIZE, (queried, hit)
+
+
+def prefix_cache(address: str) -> tuple[float, float]:
+    """A worker's prefix-cache counters: (queried tokens, hit tokens)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[sample.name] = sample.value
+    return (
+        found["tandem_worker_prefix_cache_queried_tokens_total"],
+        found["tandem_worker_prefix_cache_hit_tokens_total"],
+    )
