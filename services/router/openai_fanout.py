@@ -10,16 +10,18 @@ are then cancelled); after that, a failing choice ends the stream with an `error
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from services.common.rpc.errors import ServiceError
 from services.router import openai_choices as choices
 from services.router import openai_protocol as oai
+from services.router.openai_sse import EventStream, error_response, sse, unless_disconnected
 from tandem.v1 import router_pb2 as rpb
 
 Messages = AsyncGenerator[rpb.GenerateResponse, None]
@@ -48,6 +50,34 @@ class Lanes:
             await lane.messages.aclose()
 
 
+async def respond(
+    receive: Receive,
+    parsed: oai.ParsedRequest,
+    answer_id: str,
+    start: Callable[[rpb.GenerateRequest], Messages],
+    make_answer: Callable[[choices.ChoicePlan], oai.Answer],
+) -> Response:
+    """The HTTP answer of a request with several choices; the client leaving (499) or an
+    error closes every choice's call."""
+    label = parsed.request.request_id
+    plans = choices.plan((parsed.request, *parsed.more_prompts), parsed.n, label)
+    headers = {"x-request-id": label or answer_id}
+    lanes = await unless_disconnected(receive, open_lanes(plans, start, make_answer))
+    if lanes is None:
+        return Response(status_code=499)  # open_lanes closed every call
+    if isinstance(lanes, oai.ApiError):
+        return error_response(lanes, headers)
+    if parsed.stream:
+        return EventStream(events(lanes, parsed.include_usage), lanes, headers)
+    answer = await unless_disconnected(receive, whole(lanes))
+    await lanes.aclose()
+    if answer is None:
+        return Response(status_code=499)
+    if isinstance(answer, oai.ApiError):
+        return error_response(answer, headers)
+    return JSONResponse(answer, headers=headers)
+
+
 async def open_lanes(
     plans: Sequence[choices.ChoicePlan],
     start: Callable[[rpb.GenerateRequest], Messages],
@@ -60,7 +90,7 @@ async def open_lanes(
     async def begin(plan: choices.ChoicePlan) -> oai.ApiError | None:
         lane = Lane(plan, make_answer(plan), start(plan.request))
         lanes.append(lane)
-        first = await _first(lane.messages)
+        first = await first_message(lane.messages)
         if isinstance(first, oai.ApiError):
             return first
         lane.first = first
@@ -105,7 +135,7 @@ async def events(lanes: Lanes, include_usage: bool) -> AsyncGenerator[bytes, Non
                 await queue.put((lane, message))
                 if message.WhichOneof("kind") == "complete":
                     return
-                message = await _next(lane.messages)
+                message = await next_message(lane.messages)
         except ServiceError as error:
             await queue.put((lane, error))
         finally:
@@ -116,9 +146,9 @@ async def events(lanes: Lanes, include_usage: bool) -> AsyncGenerator[bytes, Non
     try:
         for lane in lanes.lanes:
             if lane.answer.chat:
-                yield _sse(lane.answer.first())
+                yield sse(lane.answer.first())
             elif lane.answer.echo:
-                yield _sse(lane.answer.echo_chunk())
+                yield sse(lane.answer.echo_chunk())
         tasks = [asyncio.create_task(pump(lane)) for lane in lanes.lanes]
         running = len(tasks)
         while running:
@@ -126,17 +156,17 @@ async def events(lanes: Lanes, include_usage: bool) -> AsyncGenerator[bytes, Non
             if item is None:
                 running -= 1
             elif isinstance(item, ServiceError):
-                yield _sse(oai.from_status(item.code, item.message, item.retry_after_ms).body())
+                yield sse(oai.from_status(item.code, item.message, item.retry_after_ms).body())
                 return
             elif item.WhichOneof("kind") == "complete":
                 completes[lane.plan.index] = item.complete
-                yield _sse(lane.answer.last(item.complete))
+                yield sse(lane.answer.last(item.complete))
             else:
-                yield _sse(lane.answer.chunk(item.chunk))
+                yield sse(lane.answer.chunk(item.chunk))
         if include_usage:
             ordered = [completes[lane.plan.index] for lane in lanes.lanes]
             usage = rpb.Complete(usage=_usage(lanes, ordered))
-            yield _sse(lanes.lanes[0].answer.usage_chunk(usage))
+            yield sse(lanes.lanes[0].answer.usage_chunk(usage))
         yield b"data: [DONE]\n\n"
     finally:
         for task in tasks:
@@ -150,7 +180,7 @@ def _usage(lanes: Lanes, completes: Sequence[rpb.Complete]) -> rpb.Usage:
     return choices.usage([(lane.plan.prompt_index, c.usage) for lane, c in pairs])
 
 
-async def _next(messages: Messages) -> rpb.GenerateResponse | None:
+async def next_message(messages: Messages) -> rpb.GenerateResponse | None:
     """The next chunk or completion (in-stream Error messages are skipped: the ServiceError
     raised right after carries the same status); None at the end."""
     async for message in messages:
@@ -159,9 +189,9 @@ async def _next(messages: Messages) -> rpb.GenerateResponse | None:
     return None
 
 
-async def _first(messages: Messages) -> rpb.GenerateResponse | oai.ApiError:
+async def first_message(messages: Messages) -> rpb.GenerateResponse | oai.ApiError:
     try:
-        message = await _next(messages)
+        message = await next_message(messages)
     except ServiceError as error:
         return oai.from_status(error.code, error.message, error.retry_after_ms)
     if message is None:
@@ -176,11 +206,7 @@ async def _collect(lane: Lane) -> tuple[JSON, rpb.Complete] | oai.ApiError:
             if message.WhichOneof("kind") == "complete":
                 return lane.answer.whole(message.complete), message.complete
             lane.answer.chunk(message.chunk)
-            message = await _next(lane.messages)
+            message = await next_message(lane.messages)
     except ServiceError as error:
         return oai.from_status(error.code, error.message, error.retry_after_ms)
     return oai.from_status(grpc.StatusCode.INTERNAL, "the request ended without completing")
-
-
-def _sse(obj: JSON) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"

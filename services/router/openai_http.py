@@ -23,15 +23,14 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol
 
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from services.common import security
 from services.common.observe import tracing
@@ -40,6 +39,9 @@ from services.router import openai_choices, openai_fanout
 from services.router import openai_protocol as oai
 from services.router import openai_structured as structured
 from services.router.call import CallContext
+from services.router.openai_sse import EventStream as _EventStream
+from services.router.openai_sse import error_response as _error_response
+from services.router.openai_sse import unless_disconnected as _unless_disconnected
 from tandem.model.tokenizer import Tokenizer
 from tandem.v1 import router_pb2 as rpb
 
@@ -230,15 +232,11 @@ class OpenAIServer:
     ) -> Response:
         """Several choices (n > 1, a list of prompts) or echo: one router call per choice
         (services.router.openai_fanout), answered as one."""
-        label = parsed.request.request_id
         created = int(time.time())
-        requests = (parsed.request, *parsed.more_prompts)
-        plans = openai_choices.plan(requests, parsed.n, label)
         context = HttpCallContext(request.headers)
 
         def make_answer(plan: openai_choices.ChoicePlan) -> oai.Answer:
-            prompt = plan.request
-            echo = ""
+            prompt, echo = plan.request, ""
             if parsed.echo:
                 ids = prompt.token_ids.ids
                 echo = prompt.text if prompt.HasField("text") else self.router.tokenizer.decode(ids)
@@ -251,24 +249,7 @@ class OpenAIServer:
         def start(one: rpb.GenerateRequest) -> Messages:
             return self.router.generate(one, context, tenant)
 
-        headers = {"x-request-id": label or answer_id}
-        lanes = await _unless_disconnected(
-            request.receive, openai_fanout.open_lanes(plans, start, make_answer)
-        )
-        if lanes is None:
-            return Response(status_code=499)  # open_lanes closed every call
-        if isinstance(lanes, oai.ApiError):
-            return _error_response(lanes, headers)
-        if parsed.stream:
-            events = openai_fanout.events(lanes, parsed.include_usage)
-            return _EventStream(events, lanes, headers)
-        whole = await _unless_disconnected(request.receive, openai_fanout.whole(lanes))
-        await lanes.aclose()
-        if whole is None:
-            return Response(status_code=499)
-        if isinstance(whole, oai.ApiError):
-            return _error_response(whole, headers)
-        return JSONResponse(whole, headers=headers)
+        return await openai_fanout.respond(request.receive, parsed, answer_id, start, make_answer)
 
     def _principal(self, request: Request) -> security.Principal | None:
         """The caller's key, checked as gRPC Generate checks it; None without keys."""
@@ -375,57 +356,6 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _unless_disconnected(receive: Receive, work: Awaitable[Any]) -> Any:
-    """`work`'s result, or None when the client disconnects first. `work` is cancelled then,
-    and when this call is (it never outlives its caller)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return None if task.cancelled() else task.result()
-
-
-async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class _EventStream(StreamingResponse):
-    """A text/event-stream response that stops (and closes its iterator, aborting the
-    request) as soon as the client disconnects, whatever the ASGI server's spec version."""
-
-    def __init__(
-        self,
-        events: AsyncGenerator[bytes, None],
-        messages: Messages | openai_fanout.Lanes,
-        headers: dict[str, str],
-    ) -> None:
-        headers = {**headers, "cache-control": "no-cache", "x-accel-buffering": "no"}
-        super().__init__(events, headers=headers, media_type="text/event-stream")
-        self.events = events
-        self.messages = messages  # closed here too: a client gone before the first event
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def stream() -> None:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            with contextlib.suppress(OSError):  # the client went away mid-send
-                await _unless_disconnected(receive, stream())
-        finally:
-            await self.events.aclose()
-            await self.messages.aclose()
-
-
 async def _http_exception(request: Request, exc: Exception) -> Response:
     """Unknown paths and methods (404, 405) in OpenAI's error shape, not FastAPI's."""
     assert isinstance(exc, StarletteHTTPException)
@@ -437,7 +367,3 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     """A bug: logged with its traceback; the client sees a 500 without internals."""
     log.exception("HTTP %s %s failed", request.method, request.url.path)
     return _error_response(oai.ApiError(500, "internal error", "server_error"))
-
-
-def _error_response(error: oai.ApiError, headers: dict[str, str] | None = None) -> Response:
-    return JSONResponse(error.body(), error.status, headers={**(headers or {}), **error.headers()})
