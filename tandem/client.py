@@ -25,6 +25,7 @@ TANDEM_API_KEY environment variable) sends it as `authorization: Bearer <key>`; 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -185,11 +186,29 @@ def build_request(
             getattr(req.sampling, name).extend([value] if isinstance(value, str) else value)
         elif name == "logit_bias":  # {token id: bias}
             req.sampling.logit_bias.update(value)
+        elif name in CONSTRAINT_KINDS:  # structured output: one of them
+            _set_constraint(req.sampling.constraint, name, value)
         elif name in rpb.SamplingParams.DESCRIPTOR.fields_by_name:
             setattr(req.sampling, name, value)
         else:
             raise ValueError(f"unknown sampling parameter {name!r}")
     return req
+
+
+# Structured output keywords: json_schema (a dict or JSON text), json_object=True, regex (a
+# str), choice (strings), grammar (GBNF or Lark text). The router checks them.
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _set_constraint(msg: rpb.Constraint, kind: str, value: Any) -> None:
+    if msg.WhichOneof("kind") is not None:
+        raise ValueError(f"{kind}: set one constraint at a time, got {msg.WhichOneof('kind')} too")
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value, separators=(",", ":"), sort_keys=True)
+    if kind == "choice":
+        msg.choice.choices.extend(value)
+    else:
+        setattr(msg, kind, value)
 
 
 def chat_message(message: Mapping[str, Any]) -> rpb.ChatMessage:
