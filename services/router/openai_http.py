@@ -35,7 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.common import security
 from services.common.observe import tracing
 from services.common.rpc.errors import ServiceError
-from services.router import openai_choices, openai_fanout
+from services.router import (
+    openai_choices,
+    openai_fanout,
+    openai_responses,
+    openai_responses_http,
+)
 from services.router import openai_protocol as oai
 from services.router import openai_structured as structured
 from services.router.call import CallContext
@@ -162,6 +167,7 @@ class OpenAIServer:
         app.add_api_route("/v1/models", self._models, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
         app.add_api_route("/v1/completions", self._completions, methods=["POST"])
+        app.add_api_route("/v1/responses", self._responses, methods=["POST"])
         app.add_exception_handler(StarletteHTTPException, _http_exception)
         app.add_exception_handler(Exception, _unexpected)
         return app
@@ -182,6 +188,27 @@ class OpenAIServer:
 
     async def _completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
+
+    async def _responses(self, request: Request) -> Response:
+        """POST /v1/responses (openai_responses): one chat request through the router."""
+        router = self.router
+        try:
+            principal = self._principal(request)
+            body = await _read_json(request)
+            parsed = openai_responses.parse(body, router.model_id, router.max_model_len)
+            await openai_responses_http.check_constraint(parsed)
+        except oai.ApiError as error:
+            return _error_response(error)
+        label = request.headers.get("x-request-id", "")
+        parsed.request.request_id = label
+        tenant = principal.tenant if principal is not None else ""
+        context = HttpCallContext(request.headers)
+
+        def start(one: rpb.GenerateRequest) -> Messages:
+            return router.generate(one, context, tenant)
+
+        reply = openai_responses.Reply(parsed, router.model_id)
+        return await openai_responses_http.respond(request.receive, reply, start, label)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
         """Validate, then answer whole or as a stream; a client gone cancels the request."""
