@@ -18,6 +18,7 @@ from services.up import Cluster
 from tandem.client import TandemClient
 from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.model.tokenizer import Tokenizer
+from tests.services.workers import assert_all_free
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the workers'
 
@@ -171,3 +172,45 @@ def prefix_cache(address: str) -> tuple[float, float]:
         found["tandem_worker_prefix_cache_queried_tokens_total"],
         found["tandem_worker_prefix_cache_hit_tokens_total"],
     )
+
+
+def router_counter(cluster: Cluster, name: str, **labels: str) -> float:
+    """A counter of the router's /metrics (0 before its first sample)."""
+    address = cluster.metrics_addresses["router"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name + "_total" and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
+
+
+def test_disconnect_mid_stream_aborts_every_choice(cluster: Cluster, client: openai.OpenAI) -> None:
+    aborted = router_counter(cluster, "tandem_router_requests", outcome="aborted", code="OK")
+    stream = client.completions.create(
+        model="", prompt=["Once upon a time", long_prompt()], n=2, max_tokens=1500,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    seen: set[int] = set()
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices if c.text)
+        if seen == {0, 1, 2, 3}:
+            break
+    stream.close()
+    assert_all_free(cluster)  # both workers: no block, lease or request left
+    after = router_counter(cluster, "tandem_router_requests", outcome="aborted", code="OK")
+    assert after - aborted == 4
+
+
+def test_one_refused_choice_refuses_the_request_and_ends_the_others(
+    cluster: Cluster, client: openai.OpenAI
+) -> None:
+    too_long = [5] * 5000  # more token ids than the context
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model="", prompt=["Once upon a time", too_long], max_tokens=1500,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    assert "token_ids: 5000 tokens" in err.value.message
+    assert_all_free(cluster)
