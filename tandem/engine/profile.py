@@ -77,10 +77,8 @@ def decode_metadata(
     for start in range(0, num_rows, size):
         end = min(num_rows, start + size)
         tables = torch.zeros(end - start, ctx_blocks, dtype=i64, device=device)
-        mask = torch.ones(
-            end - start, 1, 1, ctx_blocks * block_size, dtype=torch.bool, device=device
-        )
-        meta.decode_groups.append(DecodeGroup(start, end, tables, mask))
+        lens = torch.full((end - start,), ctx_blocks * block_size, dtype=i64, device=device)
+        meta.decode_groups.append(DecodeGroup.build(start, tables, lens, block_size))
     return meta
 
 

@@ -19,6 +19,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+# Up to this many KV heads, CPU decode attention multiplies block-diagonal queries (one
+# contiguous batched matmul per product; measured 1.5-1.8x faster than per-head products at
+# SmolLM2's 3 KV heads, 1 and 16 rows of 300 keys, BENCHMARKS.md issue 24). Above it the
+# zeros' wasted FLOPs grow with the head count, and per-head products are used.
+BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillSpan:
@@ -42,14 +48,27 @@ class DecodeGroup:
     """Decode rows [start, end) of the flat batch, attended together (padded to one length).
 
     Attributes:
-        block_tables: [rows, max_blocks] padded block tables.
-        mask: [rows, 1, 1, max_blocks * block_size], True where a key is valid.
+        block_tables: [rows, max_blocks] padded block tables (padding: any valid block id).
+        key_bias: [rows, 1, max_blocks * block_size] float32, added to the scores: 0 where a
+            key is in the row's context, -inf past it. Built once per step, read by every
+            layer.
     """
 
     start: int
     end: int
     block_tables: torch.Tensor
-    mask: torch.Tensor
+    key_bias: torch.Tensor
+
+    @staticmethod
+    def build(
+        start: int, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+    ) -> DecodeGroup:
+        """The group of rows [start, start + len(block_tables)); `context_lens`: [rows]."""
+        key_pos = torch.arange(block_tables.shape[1] * block_size, device=block_tables.device)
+        past = key_pos[None, :] >= context_lens[:, None]  # [rows, keys]
+        bias = torch.zeros(past.shape, dtype=torch.float32, device=block_tables.device)
+        bias.masked_fill_(past, float("-inf"))
+        return DecodeGroup(start, start + block_tables.shape[0], block_tables, bias.unsqueeze(1))
 
 
 @dataclass(slots=True)
@@ -211,18 +230,55 @@ class TorchAttention:
         num_rows, max_blocks = tables.shape
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         flat = tables.flatten()
-        shape = (num_rows, max_blocks * block_size, num_kv_heads, head_dim)
-        keys = self._gather(k_cache, flat, 0).view(shape)
-        values = self._gather(v_cache, flat, 1).view(shape)
-        # One query per row: two batched matmuls and a softmax beat SDPA's fused CPU kernel,
-        # whose per-call set-up dominates at this size. Query heads are grouped by the KV
-        # head they share (GQA: q head h reads kv head h // group).
+        num_keys = max_blocks * block_size
+        # Gathered as stored: [rows, keys, kv_heads * head_dim], each row one contiguous matrix.
+        keys = self._gather(k_cache, flat, 0).view(num_rows, num_keys, num_kv_heads * head_dim)
+        values = self._gather(v_cache, flat, 1).view(num_rows, num_keys, num_kv_heads * head_dim)
+        group_size = q.shape[1] // num_kv_heads
+        if num_kv_heads > BLOCK_DIAGONAL_MAX_KV_HEADS:
+            return self._decode_per_head(q, keys, values, group, scale, num_kv_heads)
+        # One query per row. The keys stay in their stored order, so that both products are
+        # single contiguous batched matmuls (a head-major view would be copied once more by
+        # matmul): the queries become a block-diagonal matrix, each query head's row holding
+        # its values only in the columns of the KV head it reads (GQA: q head h reads kv head
+        # h // group_size), zeros elsewhere. The zeros cost num_kv_heads x the (tiny) FLOPs
+        # and add exact zeros, so every score is the same number the per-head product gives.
+        #   q_blocks[r, kv, g, kv', :] = q[r, kv * group_size + g, :] if kv == kv' else 0
+        q_blocks = q.new_zeros(num_rows, num_kv_heads, group_size, num_kv_heads, head_dim)
+        q_blocks.diagonal(dim1=1, dim2=3).copy_(
+            q.view(num_rows, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1)
+        )
+        q_rows = q_blocks.view(num_rows, num_kv_heads * group_size, num_kv_heads * head_dim)
+        scores = torch.bmm(q_rows, keys.transpose(1, 2)).float()  # [rows, q_heads, keys]
+        scores = scores.mul_(scale).add_(group.key_bias)
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        # Every query head against every KV head's values; keep the diagonal blocks.
+        out = torch.bmm(probs, values)  # [rows, q_heads, kv_heads * head_dim]
+        out = out.view(num_rows, num_kv_heads, group_size, num_kv_heads, head_dim)
+        out = out.diagonal(dim1=1, dim2=3)  # [rows, group_size, head_dim, kv_heads]
+        return out.permute(0, 3, 1, 2).reshape(num_rows, num_kv_heads * group_size, head_dim)
+
+    def _decode_per_head(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        group: DecodeGroup,
+        scale: float,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """Many KV heads: the block-diagonal queries would waste num_kv_heads x the FLOPs, so
+        products per KV head over head-major views (matmul copies them)."""
+        num_rows, num_keys, _ = keys.shape
+        head_dim = q.shape[-1]
         group_size = q.shape[1] // num_kv_heads
         qg = q.view(num_rows, num_kv_heads, group_size, head_dim)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float()  # [rows, kv, g, T]
-        scores = scores.mul_(scale).masked_fill_(~group.mask, float("-inf"))
+        k4 = keys.view(num_rows, num_keys, num_kv_heads, head_dim)
+        v4 = values.view(num_rows, num_keys, num_kv_heads, head_dim)
+        scores = torch.matmul(qg, k4.permute(0, 2, 3, 1)).float()  # [rows, kv, g, keys]
+        scores = scores.mul_(scale).add_(group.key_bias.unsqueeze(1))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values.transpose(1, 2))  # [rows, kv, g, dim]
+        out = torch.matmul(probs, v4.transpose(1, 2))  # [rows, kv, g, dim]
         return out.view(num_rows, num_kv_heads * group_size, head_dim)
 
     def _prefill(

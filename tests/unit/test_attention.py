@@ -56,13 +56,14 @@ def build_case(
         max_blocks = max(len(tables[i]) for i in decodes)
         padded = [tables[i] + [0] * (max_blocks - len(tables[i])) for i in decodes]
         ctx_t = torch.tensor([lens[i][0] for i in decodes])
-        mask = (torch.arange(max_blocks * block_size)[None] < ctx_t[:, None])[:, None, None]
-        meta.decode_groups.append(DecodeGroup(0, len(decodes), torch.tensor(padded), mask))
+        group = DecodeGroup.build(0, torch.tensor(padded), ctx_t, block_size)
+        meta.decode_groups.append(group)
     return kv, tables, order, q, k, v, meta
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (4, 2), (8, 1)])
+# kv_heads 8: past BLOCK_DIAGONAL_MAX_KV_HEADS, the per-head decode products
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (4, 2), (8, 1), (16, 8)])
 def test_torch_attention_matches_reference(block_size, q_heads, kv_heads):
     rng = random.Random(block_size * 100 + q_heads * 10 + kv_heads)
     # ragged: length 1, non-multiples of the block size, chunks after a cached prefix
@@ -98,7 +99,23 @@ def test_decode_groups_are_independent():
     # the same rows split into three single-row groups
     [g] = meta.decode_groups
     meta.decode_groups = [
-        DecodeGroup(i, i + 1, g.block_tables[i : i + 1], g.mask[i : i + 1]) for i in range(3)
+        DecodeGroup(i, i + 1, g.block_tables[i : i + 1], g.key_bias[i : i + 1]) for i in range(3)
     ]
     split = TorchAttention().forward(q, k, v, kv.clone(), meta, scale=0.5)
     torch.testing.assert_close(whole, split, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_diagonal_decode_equals_per_head_products(monkeypatch, dtype):
+    """The block-diagonal queries' zeros add exact zeros: the same numbers, bit for bit, as
+    the per-head products (GQA 9 q heads over 3 KV heads, as SmolLM2)."""
+    from tandem.model import attention
+
+    rng = random.Random(7)
+    lens = [(45, 1), (17, 1), (3, 1), (64, 1)]
+    kv, tables, order, q, k, v, meta = build_case(rng, lens, 16, 256, 9, 3)
+    kv, q, k, v = kv.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype)
+    diagonal = TorchAttention().forward(q, k, v, kv.clone(), meta, scale=0.125)
+    monkeypatch.setattr(attention, "BLOCK_DIAGONAL_MAX_KV_HEADS", 0)
+    per_head = TorchAttention().forward(q, k, v, kv.clone(), meta, scale=0.125)
+    assert torch.equal(diagonal, per_head)
