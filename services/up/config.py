@@ -48,8 +48,8 @@ class UpConfig:
         gpu_memory_utilization: on a GPU, the fraction of its memory for weights, activations
             and KV cache (`tandem up`: of each GPU, split among the workers placed on it:
             tandem.gpus.place_workers).
-        dtype: model dtype: auto, float32, bfloat16 or float16; auto: bfloat16 on CUDA,
-            float32 on a CPU.
+        dtype: model dtype: auto, float32, bfloat16 or float16; auto: bfloat16 on CUDA and
+            on a CPU that runs it natively (AVX512-BF16 or AMX), float32 on other CPUs.
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
