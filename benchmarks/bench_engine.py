@@ -39,6 +39,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.request import Request
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
+from tandem.model.linear import MatmulKind, matmul
 from tandem.model.llama import LayerWeights, ModelWeights
 from tandem.model.loader import load_weights, safetensors_files
 from tandem.model.tiny import SPECIAL_TOKENS, make_tiny_model
@@ -82,6 +83,9 @@ class Sizes:
     suffix_len: int
     prefix_trials: int
     loader_reps: int  # fresh processes per loader
+    # Tandem's model dtype (--dtype): float32 compares with HF in float32 token for token;
+    # "auto" is what a user gets (bfloat16 through oneDNN on a CPU that runs it natively).
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         # The prefill step yields the first token; every later step must still decode one,
@@ -143,10 +147,11 @@ def vocab_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
-def make_engine(model_dir: Path) -> LLMEngine:
+def make_engine(model_dir: Path, dtype: str) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model_dir=str(model_dir),
+            dtype=dtype,
             cache=CacheConfig(kv_cache_bytes=1 << 30),
             scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
         )
@@ -219,9 +224,11 @@ def make_workload(sizes: Sizes, vocab: int) -> list[tuple[list[int], int]]:
     return [(random_tokens(rng, p, vocab), o) for p, o in lengths]
 
 
-def run_tandem(model_dir: Path, workload: list[tuple[list[int], int]]) -> dict[str, Any]:
+def run_tandem(
+    model_dir: Path, workload: list[tuple[list[int], int]], dtype: str
+) -> dict[str, Any]:
     log("throughput: loading Tandem engine")
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, dtype)
     # One short request first, so one-time costs (allocator growth, kernel selection) are
     # not billed to the timed run; HF gets the same courtesy.
     engine.add_request(engine.spec("warmup", workload[0][0][:16], greedy(4)))
@@ -349,7 +356,7 @@ def check_agreement(
 
 def bench_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     workload = make_workload(sizes, vocab_size(model_dir))
-    tandem = run_tandem(model_dir, workload)
+    tandem = run_tandem(model_dir, workload, sizes.dtype)
     tandem_tokens = tandem.pop("tokens")
 
     from transformers import AutoModelForCausalLM  # slow import: only this benchmark needs it
@@ -429,29 +436,38 @@ class ReadBandwidth:
         }
 
 
-def matmul_times(weights: ModelWeights, reps: int) -> tuple[list[float], int]:
-    """Seconds per pass of batch-1 `x @ w` over every matrix a decode step multiplies by (all
-    but the embedding, which it indexes), and their bytes: a decode step with everything but
-    the weight matmuls taken away, which splits the gap to the roofline in two."""
+def matmul_times(
+    weights: ModelWeights, kind: MatmulKind, reps: int
+) -> tuple[list[float], int]:
+    """Seconds per pass of the batch-1 products of every matrix a decode step multiplies by
+    (all but the embedding, which it indexes), as the model applies them (`kind`), and their
+    bytes: a decode step with everything but the weight matmuls taken away, which splits the
+    gap to the roofline in two."""
     mats = [t for lw in weights.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
     mats.append(weights.lm_head)
-    xs = [torch.randn(1, w.shape[0], dtype=w.dtype) for w in mats]  # x: [1, in]
+    # A plain matrix is stored [in, out]; a oneDNN-packed one reports [out, in].
+    in_dim = 1 if kind is MatmulKind.ONEDNN else 0
+    xs = [torch.randn(1, w.shape[in_dim], dtype=w.dtype) for w in mats]  # x: [1, in]
     times = []
     with torch.inference_mode():
         for _ in range(reps + 1):  # the first pass is a warm-up
             t0 = time.perf_counter()
             for x, w in zip(xs, mats, strict=True):
-                torch.mm(x, w)
+                matmul(x, w, kind)
             times.append(time.perf_counter() - t0)
     return times[1:], sum(w.numel() * w.element_size() for w in mats)
 
 
 def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     log("roofline: loading Tandem engine")
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, sizes.dtype)
     weight_bytes = engine.model.weights.num_bytes()
     embed = engine.model.weights.embed
-    lm_head_ptr = engine.model.weights.lm_head.data_ptr()
+    kind = engine.model.matmul
+    dtype = str(embed.dtype).removeprefix("torch.")
+    # A packed lm_head is a copy (opaque to data_ptr): the step reads it whole either way.
+    lm_head = engine.model.weights.lm_head
+    lm_head_ptr = None if kind is MatmulKind.ONEDNN else lm_head.data_ptr()
     prompt = random_tokens(random.Random(1), sizes.decode_prompt_len, vocab_size(model_dir))
     threads = torch.get_num_threads()
 
@@ -478,7 +494,9 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     step = statistics.median(times)
     log(f"roofline: median step {step * 1e3:.2f} ms")
     engine.abort("decode")
-    mm_times, mm_bytes = matmul_times(engine.model.weights, sizes.decode_timed_steps)
+    mm_times, mm_bytes = matmul_times(
+        engine.model.weights, engine.model.matmul, sizes.decode_timed_steps
+    )
     mm_step = statistics.median(mm_times)
     log(f"roofline: the step's matmuls alone, median {mm_step * 1e3:.2f} ms")
     del engine
@@ -496,6 +514,8 @@ def bench_roofline(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     return {
         "weight_bytes": weight_bytes,
         "threads": threads,
+        "dtype": dtype,
+        "matmul": kind.value,
         "bandwidth": bandwidth.result(),
         "bandwidth_bytes_per_s": bw,
         "roofline_step_s": roofline,
@@ -543,7 +563,7 @@ def time_to_first_token(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple
 
 def bench_prefix(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     log("prefix: loading Tandem engine")
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, sizes.dtype)
     vocab = vocab_size(model_dir)
     rng = random.Random(2)
 
@@ -757,11 +777,15 @@ def bench_loader(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
 
 
 def variant_suffix(
-    quick: bool, threads: int | None, hf_batch_sizes: tuple[int, ...] | None = None
+    quick: bool,
+    threads: int | None,
+    hf_batch_sizes: tuple[int, ...] | None = None,
+    dtype: str = "float32",
 ) -> str:
     """File-name suffix of a non-default run, so it never overwrites the default results."""
     hf = f"-hf{'-'.join(map(str, hf_batch_sizes))}" if hf_batch_sizes else ""
-    return ("-quick" if quick else "") + (f"-t{threads}" if threads else "") + hf
+    dt = "" if dtype == "float32" else f"-{dtype}"
+    return ("-quick" if quick else "") + (f"-t{threads}" if threads else "") + hf + dt
 
 
 def markdown(name: str, r: dict[str, Any]) -> str:
@@ -973,6 +997,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="torch threads for both systems (default: torch's)",
     )
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="Tandem's model dtype (float32 compares with HF token for token; auto is the "
+        "default a user gets)",
+    )
+    parser.add_argument(
         "--hf-batch-sizes",
         type=lambda raw: tuple(int(x) for x in raw.split(",")),
         default=None,
@@ -985,11 +1015,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.hf_batch_sizes is not None and min(args.hf_batch_sizes, default=0) <= 0:
         parser.error("--hf-batch-sizes must be positive integers")
-    suffix = variant_suffix(args.quick, args.threads, args.hf_batch_sizes)
+    suffix = variant_suffix(args.quick, args.threads, args.hf_batch_sizes, args.dtype)
 
     sizes = QUICK if args.quick else FULL
     if args.hf_batch_sizes:
         sizes = replace(sizes, hf_batch_sizes=args.hf_batch_sizes)
+    sizes = replace(sizes, dtype=args.dtype)
     model_dir = ensure_model(args.model_dir)
     names = BENCHMARKS if args.benchmark == "all" else (args.benchmark,)
     runners = {

@@ -50,8 +50,12 @@ class ModelWeights:
             tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o]
             tensors += [lw.post_norm, lw.gate_up, lw.down]
         for t in tensors:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
+            if t is None:
+                continue
+            # A matrix packed for oneDNN has no storage to point at; it is its own copy.
+            key = id(t) if t.is_mkldnn else t.data_ptr()
+            if key not in seen:
+                seen.add(key)
                 total += t.numel() * t.element_size()
         return total
 
