@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -35,7 +35,11 @@ class Lane:
     plan: choices.ChoicePlan
     answer: oai.Answer
     messages: Messages
-    first: rpb.GenerateResponse | None = None
+    read: list[rpb.GenerateResponse] = field(default_factory=list)  # not yet answered
+
+    async def next(self) -> rpb.GenerateResponse | None:
+        """The next message (those read ahead first); None at the end."""
+        return self.read.pop(0) if self.read else await next_message(self.messages)
 
 
 class Lanes:
@@ -83,9 +87,13 @@ async def open_lanes(
     start: Callable[[rpb.GenerateRequest], Messages],
     make_answer: Callable[[choices.ChoicePlan], oai.Answer],
 ) -> Lanes | oai.ApiError:
-    """Start every choice (first sequences, then their siblings) and wait for each one's
-    first message; the first refusal instead, with every call closed."""
+    """Start every choice and wait for each one's first message; the first refusal instead,
+    with every call closed. A prompt's first sequence goes first, and its siblings once it
+    has streamed a token from its decode worker (its second message after a hand-off):
+    that worker then holds the prompt's blocks and has published them to the prefix index,
+    so the siblings are placed on it and served from its cache, with no prefill hop."""
     lanes: list[Lane] = []
+    has_siblings = {p.prompt_index for p in plans if p.sequence}
 
     async def begin(plan: choices.ChoicePlan) -> oai.ApiError | None:
         lane = Lane(plan, make_answer(plan), start(plan.request))
@@ -93,7 +101,15 @@ async def open_lanes(
         first = await first_message(lane.messages)
         if isinstance(first, oai.ApiError):
             return first
-        lane.first = first
+        lane.read.append(first)
+        if plan.sequence == 0 and plan.prompt_index in has_siblings:
+            if first.WhichOneof("kind") == "chunk":
+                try:
+                    second = await next_message(lane.messages)
+                except ServiceError as error:
+                    return oai.from_status(error.code, error.message, error.retry_after_ms)
+                if second is not None:
+                    lane.read.append(second)
         return None
 
     try:
@@ -129,13 +145,13 @@ async def events(lanes: Lanes, include_usage: bool) -> AsyncGenerator[bytes, Non
     queue = asyncio.Queue()
 
     async def pump(lane: Lane) -> None:
-        message = lane.first
         try:
+            message = await lane.next()
             while message is not None:
                 await queue.put((lane, message))
                 if message.WhichOneof("kind") == "complete":
                     return
-                message = await next_message(lane.messages)
+                message = await lane.next()
         except ServiceError as error:
             await queue.put((lane, error))
         finally:
@@ -200,13 +216,13 @@ async def first_message(messages: Messages) -> rpb.GenerateResponse | oai.ApiErr
 
 
 async def _collect(lane: Lane) -> tuple[JSON, rpb.Complete] | oai.ApiError:
-    message = lane.first
     try:
+        message = await lane.next()
         while message is not None:
             if message.WhichOneof("kind") == "complete":
                 return lane.answer.whole(message.complete), message.complete
             lane.answer.chunk(message.chunk)
-            message = await next_message(lane.messages)
+            message = await lane.next()
     except ServiceError as error:
         return oai.from_status(error.code, error.message, error.retry_after_ms)
     return oai.from_status(grpc.StatusCode.INTERNAL, "the request ended without completing")
