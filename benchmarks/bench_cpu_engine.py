@@ -8,6 +8,9 @@
    with the weights prepacked (`tandem.model.linear`). Median of 15 steps.
 2. engine: `LLMEngine` decode steps (median of 30) at batch 1, 4 and 16 with 256-token
    prompts, and the prefill of those prompts, per dtype (float32, bfloat16) and thread count.
+3. attention: bfloat16 decode steps at batch 1, 4 and 16 with the CPU decode attention's
+   block-diagonal products against per-head products (`BLOCK_DIAGONAL_MAX_KV_HEADS` 0), the
+   two alternated every 5 steps in one engine (median of 30 each).
 
 Same process, same inputs, alternating nothing but the variant: ratios are what to read
 (the machine is shared). Writes <results-dir>/cpu_engine.json.
@@ -111,6 +114,46 @@ def bench_engine(model_dir: Path, dtype: str, threads: int) -> dict[str, Any]:
     return out
 
 
+def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+    from tandem.engine.sampling import SamplingParams
+    from tandem.model import attention
+
+    default = attention.BLOCK_DIAGONAL_MAX_KV_HEADS
+    engine = LLMEngine(
+        EngineConfig(model_dir=str(model_dir), dtype="bfloat16", num_threads=threads)
+    )
+    engine.warm_up()
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    out: dict[str, Any] = {"threads": threads}
+    for bs in (1, 4, 16):
+        ids = [f"a{bs}-{i}" for i in range(bs)]
+        for i, rid in enumerate(ids):
+            engine.add_request(engine.spec(rid, list(range(100 + i, 356 + i)), params))
+        for _ in range(3):  # the prefill, then a few decode steps
+            engine.step()
+        times: dict[str, list[float]] = {"block_diagonal": [], "per_head": []}
+        for _ in range(6):
+            for name, limit in (("block_diagonal", default), ("per_head", 0)):
+                attention.BLOCK_DIAGONAL_MAX_KV_HEADS = limit
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    times[name].append(time.perf_counter() - t0)
+        attention.BLOCK_DIAGONAL_MAX_KV_HEADS = default
+        for name, ts in times.items():
+            out[f"decode_step_bs{bs}_{name}_ms"] = sorted(ts)[len(ts) // 2] * 1e3
+        for rid in ids:
+            engine.abort(rid)
+    print(
+        f"attention threads={threads}: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in out.items() if k.endswith("_ms")),
+        flush=True,
+    )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
@@ -124,11 +167,13 @@ def main() -> int:
         args.model_dir = ensure_default_model()
     matmuls = [row for t in threads for row in bench_matmuls(t)]
     engines = [bench_engine(args.model_dir, d, t) for t in threads for d in ("float32", "bfloat16")]
+    attentions = [bench_attention(args.model_dir, t) for t in threads]
     result = {
         "command": "python benchmarks/bench_cpu_engine.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(model_dir=str(args.model_dir)),
         "matmuls": matmuls,
         "engine": engines,
+        "attention": attentions,
     }
     write_json(args.results_dir / "cpu_engine.json", result, indent=1)
     return 0
