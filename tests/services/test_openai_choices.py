@@ -4,6 +4,9 @@ repeat; one prefill serves the n sequences), streamed and whole answers alike.""
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 import urllib.request
 import uuid
 from collections import defaultdict
@@ -19,7 +22,8 @@ from tandem.client import TandemClient
 from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
-from tests.services.workers import assert_all_free
+from tandem.v1 import worker_pb2 as wpb
+from tests.services.workers import assert_all_free, worker_stub
 
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE  # the workers'
 
@@ -232,3 +236,25 @@ def test_one_refused_choice_refuses_the_request_and_ends_the_others(
         )  # fmt: skip
     assert "token_ids: 5000 tokens" in err.value.message
     assert_all_free(cluster)
+
+
+def test_disconnect_before_a_whole_answer_aborts_every_choice(cluster: Cluster) -> None:
+    aborted = router_counter(cluster, "tandem_router_requests", outcome="aborted", code="OK")
+    body = {"prompt": ["Once upon a time", long_prompt()], "n": 2, "max_tokens": 1500,
+            "ignore_eos": True}  # fmt: skip
+    raw = json.dumps(body).encode()
+    host, port = cluster.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(raw)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + raw)
+        decode, _ = worker_stub(cluster, "decode")
+        deadline = time.monotonic() + 30
+        while decode.GetStats(wpb.GetStatsRequest()).num_running < 4:  # every choice runs
+            assert time.monotonic() < deadline, "the choices never all started"
+            time.sleep(0.02)
+    assert_all_free(cluster)
+    after = router_counter(cluster, "tandem_router_requests", outcome="aborted", code="OK")
+    assert after - aborted == 4
