@@ -121,15 +121,14 @@ class LlamaModel:
         for layer_idx, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, eps)
             qkv = matmul(x, lw.qkv, mm, lw.qkv_bias)
-            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = q.view(n, cfg.num_q_heads, cfg.head_dim)
-            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+            qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            qk = qk.view(n, cfg.num_q_heads + cfg.num_kv_heads, cfg.head_dim)
             if lw.q_norm is not None and lw.k_norm is not None:
-                q = rms_norm(q, lw.q_norm, eps)
-                k = rms_norm(k, lw.k_norm, eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+                q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
+                qk = torch.cat((rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)), 1)
+            # Query and key heads rotated together: one set of element-wise ops, not two.
+            q, k = apply_rotary(qk, cos, sin).split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
             h = h + matmul(attn.reshape(n, self._q_size), lw.o, mm)
             x = rms_norm(h, lw.post_norm, eps)
