@@ -1,0 +1,327 @@
+"""Tool-call formats: how a model writes its calls, how to read them back (whole or while
+streaming), the grammar that forces them, and the system preamble for a template that does
+not render tools itself.
+
+    hermes       Hermes / Qwen:  <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
+                 (several: one block each, separated by a newline); text before is content
+    llama3_json  Llama 3.x:      {"name": "f", "parameters": {...}}  (several: joined by "; ");
+                 the whole answer
+    mistral      Mistral:        [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...];
+                 text before is content
+
+Output that is not exactly calls in the format (a JSON error, a call to a function that is not
+a tool, arguments that are not an object, text after the calls) is content, all of it: the
+caller answers it as text with finish_reason "stop".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+import jinja2.meta
+
+from tandem.tools.scan import WHITESPACE, CallScan, Malformed, scan_call, skip_ws
+from tandem.tools.spec import ChoiceMode, Tool, ToolChoice
+
+# The forced JSON is written as json.dumps writes it (tandem.engine.grammar's defaults).
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object's text, as the model wrote it
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """An answer read for calls: `content` (the text before the calls; all of it when there
+    are none) and the calls."""
+
+    content: str
+    calls: tuple[ParsedCall, ...] = ()
+
+
+class ToolFormat:
+    """One model family's tool-call syntax. Subclasses set the class attributes and `scan`."""
+
+    name = ""
+    argument_key = "arguments"  # the key the format writes (and the grammar forces)
+    argument_keys: tuple[str, ...] = ("arguments", "parameters")  # keys read
+    marker = ""  # what opens the calls ("" : a call is the whole answer)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def start(self, text: str) -> int | None:
+        """Where the calls begin in `text`, if they have begun."""
+        i = text.find(self.marker)
+        return None if i < 0 else i
+
+    def hold(self, text: str) -> int:
+        """With no call begun: text from this index on may still turn out to begin one (a
+        partial marker, or whitespace that would precede it), so a stream withholds it."""
+        held = len(text)
+        for k in range(min(len(self.marker) - 1, len(text)), 0, -1):
+            if text.endswith(self.marker[:k]):
+                held = len(text) - k
+                break
+        while held > 0 and text[held - 1] in WHITESPACE:
+            held -= 1
+        return held
+
+    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
+        """The calls from `start` as far as the text goes, and whether the text so far ends
+        at a place where the calls may be complete. Raises Malformed."""
+        raise NotImplementedError
+
+    def parse(self, text: str, names: Collection[str]) -> Parsed:
+        """A whole answer: its calls to functions in `names`, or all of it as content."""
+        start = self.start(text)
+        if start is None:
+            return Parsed(text)
+        try:
+            scans, complete = self.scan(text, start)
+        except Malformed:
+            return Parsed(text)
+        calls = []
+        for scan in scans:
+            arguments = scan.arguments if scan.arguments_done else ""
+            if scan.end is None or scan.name is None or scan.name not in names:
+                return Parsed(text)
+            if not _is_object(arguments or "{}"):
+                return Parsed(text)
+            calls.append(ParsedCall(scan.name, arguments or "{}"))
+        if not complete or not calls:
+            return Parsed(text)
+        return Parsed(text[:start].rstrip(), tuple(calls))
+
+    # -- forcing --------------------------------------------------------------------------
+
+    def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> str:
+        """A Lark grammar (llguidance's, with %json) whose every sentence is calls in this
+        format to `tools` (the named one only, once, for a FUNCTION choice) with arguments
+        that match each tool's parameters schema."""
+        assert choice.forced
+        if choice.mode == ChoiceMode.FUNCTION:
+            tools = [t for t in tools if t.name == choice.name]
+            parallel = False
+        assert tools, "a forced choice needs a tool"
+        rules = [f"call_{i}: %json {json.dumps(self._call_schema(t))}" for i, t in enumerate(tools)]
+        alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+        return "\n".join([self._start_rule(parallel), f"call: {alternatives}", *rules]) + "\n"
+
+    def _start_rule(self, parallel: bool) -> str:
+        raise NotImplementedError
+
+    def _call_schema(self, tool: Tool) -> dict[str, Any]:
+        parameters = tool.schema
+        schema: dict[str, Any] = {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, self.argument_key: parameters},
+            "required": ["name", self.argument_key],
+            "additionalProperties": False,
+            "x-guidance": _JSON_STYLE,
+        }
+        # References resolve from the document's root: move the tool's definitions there.
+        for key in ("$defs", "definitions"):
+            if key in parameters:
+                parameters = {k: v for k, v in parameters.items() if k != key}
+                schema["properties"][self.argument_key] = parameters
+                schema[key] = tool.schema[key]
+        return schema
+
+    # -- templates without tools ------------------------------------------------------------
+
+    def preamble(self, tools: Sequence[Tool]) -> str:
+        """A system text that describes the tools and this format, for a chat template that
+        does not render `tools`."""
+        raise NotImplementedError
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _tool_lines(tools: Sequence[Tool]) -> str:
+    return "\n".join(json.dumps(t.to_template()) for t in tools)
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+    marker = "<tool_call>"
+    close = "</tool_call>"
+
+    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
+        calls: list[CallScan] = []
+        pos = start
+        while True:
+            pos = skip_ws(text, pos + len(self.marker))
+            if pos >= len(text):
+                return calls, False
+            call = scan_call(text, pos, self.argument_keys)
+            calls.append(call)
+            if call.end is None:
+                return calls, False
+            pos = skip_ws(text, call.end)
+            if pos >= len(text):
+                return calls, True  # a last block the model did not close
+            if text.startswith(self.close, pos):
+                pos = skip_ws(text, pos + len(self.close))
+            elif self.close.startswith(text[pos:]):
+                return calls, False
+            else:
+                raise Malformed(f"expected {self.close} at {pos}")
+            if pos >= len(text):
+                return calls, True
+            if not text.startswith(self.marker, pos):
+                if self.marker.startswith(text[pos:]):
+                    return calls, False
+                raise Malformed(f"text after the calls at {pos}")
+
+    def _start_rule(self, parallel: bool) -> str:
+        block = f"{json.dumps(self.marker + chr(10))} call {json.dumps(chr(10) + self.close)}"
+        return f'start: block ("\\n" block)*\nblock: {block}' if parallel else f"start: {block}"
+
+    def preamble(self, tools: Sequence[Tool]) -> str:
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{_tool_lines(tools)}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+
+
+class Llama3Json(ToolFormat):
+    name = "llama3_json"
+    argument_key = "parameters"
+    argument_keys = ("parameters", "arguments")
+
+    def start(self, text: str) -> int | None:
+        i = skip_ws(text, 0)
+        return i if i < len(text) and text[i] == "{" else None
+
+    def hold(self, text: str) -> int:
+        # Only an answer that opens with "{" is a call: hold nothing once it cannot be.
+        return 0 if not text.strip() else len(text)
+
+    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
+        calls: list[CallScan] = []
+        pos = start
+        while True:
+            call = scan_call(text, pos, self.argument_keys)
+            calls.append(call)
+            if call.end is None:
+                return calls, False
+            pos = skip_ws(text, call.end)
+            if pos >= len(text):
+                return calls, True
+            if text[pos] != ";":
+                raise Malformed(f"text after the call at {pos}")
+            pos = skip_ws(text, pos + 1)
+            if pos >= len(text):
+                return calls, False
+            if text[pos] != "{":
+                raise Malformed(f"expected a call after ';' at {pos}")
+
+    def _start_rule(self, parallel: bool) -> str:
+        return 'start: call ("; " call)*' if parallel else "start: call"
+
+    def preamble(self, tools: Sequence[Tool]) -> str:
+        return (
+            "You have access to the following functions. To call a function, respond with "
+            'only JSON in the format {"name": function name, "parameters": dictionary of '
+            "argument name and its value}. Do not use variables.\n\n"
+            f"{_tool_lines(tools)}"
+        )
+
+
+class Mistral(ToolFormat):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+
+    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
+        calls: list[CallScan] = []
+        pos = skip_ws(text, start + len(self.marker))
+        if pos >= len(text):
+            return calls, False
+        if text[pos] != "[":
+            raise Malformed(f"expected '[' after {self.marker}")
+        pos += 1
+        while True:
+            pos = skip_ws(text, pos)
+            if pos >= len(text):
+                return calls, False
+            call = scan_call(text, pos, self.argument_keys)
+            calls.append(call)
+            if call.end is None:
+                return calls, False
+            pos = skip_ws(text, call.end)
+            if pos >= len(text):
+                return calls, False
+            if text[pos] == ",":
+                pos += 1
+                continue
+            if text[pos] != "]":
+                raise Malformed(f"expected ',' or ']' at {pos}")
+            if skip_ws(text, pos + 1) < len(text):
+                raise Malformed("text after the calls")
+            return calls, True
+
+    def _start_rule(self, parallel: bool) -> str:
+        calls = 'call (", " call)*' if parallel else "call"
+        return f'start: "{self.marker}[" {calls} "]"'
+
+    def preamble(self, tools: Sequence[Tool]) -> str:
+        return (
+            "You have access to the following functions:\n"
+            f"{_tool_lines(tools)}\n\n"
+            f"To call functions, answer with {self.marker} followed by a JSON list of calls: "
+            f'{self.marker}[{{"name": <function-name>, "arguments": <args-json-object>}}]'
+        )
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}
+DEFAULT_FORMAT = "hermes"
+
+
+def get_format(name: str) -> ToolFormat:
+    """Raises ValueError naming the formats."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(
+            f"tool-call parser must be one of {', '.join(FORMATS)} or auto, got {name!r}"
+        ) from None
+
+
+def detect_format(template: str | None) -> str | None:
+    """The format a chat template's own text shows, or None when it shows none."""
+    if not template:
+        return None
+    if "<tool_call>" in template:
+        return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or '"parameters": dictionary' in template:
+        return "llama3_json"
+    return None
+
+
+def template_takes_tools(template: str | None) -> bool:
+    """The template reads a `tools` variable (transformers passes the definitions so)."""
+    if not template:
+        return False
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)

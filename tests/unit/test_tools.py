@@ -1,0 +1,390 @@
+"""tandem.tools: the tool rule, each call format's parser on fixed texts (well-formed and
+malformed), the streaming reader against the whole-text parser at every split, format
+detection from templates, the template inputs, and the forcing grammars sampled at random
+on a real vocabulary (every sentence parses, its arguments validate)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from tandem.engine.grammar import GrammarCompiler, token_bitmask
+from tandem.model.tokenizer import Tokenizer
+from tandem.tools import (
+    FORMATS,
+    Arguments,
+    CallStart,
+    ChoiceMode,
+    Content,
+    Parsed,
+    ParsedCall,
+    Tool,
+    ToolCallStream,
+    ToolChoice,
+    ToolError,
+    check_tools,
+    detect_format,
+    forced_constraint,
+    get_format,
+    template_takes_tools,
+    tool_choice_from_json,
+    tool_prompt,
+    tools_from_json,
+)
+from tandem.tools.spec import NO_PARAMETERS
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = tools_from_json(
+    [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+        {"type": "function", "function": {"name": "ping", "description": "no arguments"}},
+    ]
+)
+NAMES = {"get_weather", "ping"}
+W = '{"city": "Paris", "unit": "c"}'
+HW = f'<tool_call>\n{{"name": "get_weather", "arguments": {W}}}\n</tool_call>'  # Hermes
+HP = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+LW = f'{{"name": "get_weather", "parameters": {W}}}'  # Llama 3
+LP = '{"name": "ping", "parameters": {}}'
+MW = f'{{"name": "get_weather", "arguments": {W}}}'  # Mistral's list items
+MP = '{"name": "ping", "arguments": {}}'
+HERMES, LLAMA, MISTRAL = FORMATS["hermes"], FORMATS["llama3_json"], FORMATS["mistral"]
+
+
+# -- the rule -------------------------------------------------------------------------------
+
+
+def test_tools_from_openai_json() -> None:
+    assert TOOLS[0].name == "get_weather" and json.loads(TOOLS[0].parameters) == WEATHER
+    assert TOOLS[1] == Tool("ping", "no arguments", NO_PARAMETERS)
+    assert TOOLS[1].to_template() == {
+        "type": "function",
+        "function": {
+            "name": "ping",
+            "description": "no arguments",
+            "parameters": json.loads(NO_PARAMETERS),
+        },
+    }
+    # The Responses API's flat function tools read the same.
+    flat = tools_from_json([{"type": "function", "name": "get_weather", "parameters": WEATHER}])
+    assert flat == (TOOLS[0],)
+    check_tools(TOOLS, ToolChoice(ChoiceMode.FUNCTION, "ping"))
+
+
+@pytest.mark.parametrize(
+    ("tools", "field", "reason"),
+    [
+        ({"type": "function"}, "tools", "must be a list"),
+        ([{"type": "retrieval"}], "tools[0].type", "only function tools"),
+        ([{"type": "function", "function": {"name": 3}}], "tools[0].function.name", "string"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+            "tools[0].function.parameters",
+            "JSON Schema object, got string",
+        ),
+    ],
+)
+def test_bad_tool_shapes_name_the_field(tools: object, field: str, reason: str) -> None:
+    with pytest.raises(ToolError, match=reason) as info:
+        tools_from_json(tools)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "field", "reason"),
+    [
+        ([Tool("get weather")], ToolChoice(), "tools[0].function.name", "1-64 of"),
+        ([Tool("f"), Tool("f")], ToolChoice(), "tools[1].function.name", "already the name"),
+        ([Tool("f", "", '{"type":"array"}')], ToolChoice(), "tools[0].function.parameters",
+         "must describe an object"),
+        ([Tool("f", "", '{"type":"object","properties":{"a":{"type":"nope"}}}')], ToolChoice(),
+         "tools[0].function.parameters", "nope"),
+        ([Tool("f")], ToolChoice(ChoiceMode.FUNCTION, "g"), "tool_choice.function.name",
+         "'g' is not a tool; the tools: 'f'"),
+        ([], ToolChoice(ChoiceMode.REQUIRED), "tool_choice", "needs at least one tool"),
+    ],
+)  # fmt: skip
+def test_the_rule_refuses_naming_the_field(
+    tools: list[Tool], choice: ToolChoice, field: str, reason: str
+) -> None:
+    with pytest.raises(ToolError, match=reason) as info:
+        check_tools(tools, choice)
+    assert info.value.field == field
+
+
+def test_tool_choice_from_json() -> None:
+    assert tool_choice_from_json(None, True) == ToolChoice(ChoiceMode.AUTO)
+    assert tool_choice_from_json(None, False) == ToolChoice(ChoiceMode.NONE)
+    assert tool_choice_from_json("required", True) == ToolChoice(ChoiceMode.REQUIRED)
+    named = {"type": "function", "function": {"name": "ping"}}
+    assert tool_choice_from_json(named, True) == ToolChoice(ChoiceMode.FUNCTION, "ping")
+    flat = {"type": "function", "name": "ping"}  # the Responses API's shape
+    assert tool_choice_from_json(flat, True) == ToolChoice(ChoiceMode.FUNCTION, "ping")
+    with pytest.raises(ToolError, match="got 'any'"):
+        tool_choice_from_json("any", True)
+    with pytest.raises(ToolError, match="non-empty string") as info:
+        tool_choice_from_json({"type": "function", "function": {}}, True)
+    assert info.value.field == "tool_choice.function.name"
+
+
+# -- parsers on fixed texts -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("format", "text", "expected"),
+    [
+        # Hermes / Qwen: content before, one block per call, the last may be left open.
+        ("hermes", f'<tool_call>\n{{"name": "get_weather", "arguments": {W}}}\n</tool_call>',
+         Parsed("", (ParsedCall("get_weather", W),))),
+        ("hermes", f'Let me check.\n\n<tool_call>\n{{"name": "get_weather", "arguments": {W}}}'
+         '\n</tool_call>\n<tool_call>\n{"arguments": {}, "name": "ping"}\n</tool_call>\n',
+         Parsed("Let me check.", (ParsedCall("get_weather", W), ParsedCall("ping", "{}")))),
+        ("hermes", '<tool_call>{"name": "ping", "arguments": {}}',
+         Parsed("", (ParsedCall("ping", "{}"),))),
+        ("hermes", '<tool_call>{"name": "ping"}</tool_call>',
+         Parsed("", (ParsedCall("ping", "{}"),))),
+        # Llama 3 JSON: the whole answer; "parameters" (or "arguments"); several by "; ".
+        ("llama3_json", f' {{"name": "get_weather", "parameters": {W}}}',
+         Parsed("", (ParsedCall("get_weather", W),))),
+        ("llama3_json", LP + '; {"name": "ping", "arguments": {"x": [1, "}"]}}',
+         Parsed("", (ParsedCall("ping", "{}"), ParsedCall("ping", '{"x": [1, "}"]}')))),
+        # Mistral: a JSON list after the marker; extra keys (ids) skipped.
+        ("mistral",
+         f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {W}, "id": "a1b2c3d4e"}}]',
+         Parsed("", (ParsedCall("get_weather", W),))),
+        ("mistral", f'Sure [TOOL_CALLS] [{MP}, {{"name": "ping", "arguments": {{"a": 1}}}}]',
+         Parsed("Sure", (ParsedCall("ping", "{}"), ParsedCall("ping", '{"a": 1}')))),
+    ],
+)  # fmt: skip
+def test_parsers_read_calls(format: str, text: str, expected: Parsed) -> None:
+    assert get_format(format).parse(text, NAMES) == expected
+
+
+@pytest.mark.parametrize(
+    ("format", "text"),
+    [
+        ("hermes", "The weather is fine."),
+        ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut off
+        ("hermes", '<tool_call>\n{"name": "get_weather" "arguments": {}}\n</tool_call>'),  # no ':'
+        ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),  # not a tool
+        ("hermes", '<tool_call>\n{"name": "ping", "arguments": "{}"}\n</tool_call>'),  # a string
+        ("hermes", '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call> and then text'),
+        ("hermes", "<tool_call>\n</tool_call>"),
+        ("llama3_json", 'I would call {"name": "ping", "parameters": {}}'),  # not the whole answer
+        ("llama3_json", '{"name": "ping", "parameters": {}} done'),
+        ("llama3_json", '{"temperature": 20}'),  # JSON, not a call
+        ("mistral", '[TOOL_CALLS]{"name": "ping", "arguments": {}}'),  # not a list
+        ("mistral", '[TOOL_CALLS][{"name": "ping", "arguments": {}}'),  # unclosed
+        ("mistral", "[TOOL_CALLS][]"),
+    ],
+)
+def test_malformed_output_is_all_content(format: str, text: str) -> None:
+    assert get_format(format).parse(text, NAMES) == Parsed(text)
+
+
+def test_unknown_parser_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="one of hermes, llama3_json, mistral or auto, got 'x'"):
+        get_format("x")
+
+
+# -- streaming ------------------------------------------------------------------------------
+
+
+def _stream(format: str, pieces: list[str]) -> tuple[str, list[ParsedCall], bool, list[object]]:
+    stream = ToolCallStream(get_format(format), NAMES)
+    events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    names = [e.name for e in events if isinstance(e, CallStart)]
+    args = ["" for _ in names]
+    for e in events:
+        if isinstance(e, Arguments):
+            args[e.index] += e.text
+    calls = [ParsedCall(n, a) for n, a in zip(names, args, strict=True)]
+    return content, calls, stream.has_calls, events
+
+
+def test_stream_events_of_a_hermes_call_as_openai_sends_them() -> None:
+    pieces = [
+        "Sure.\n<tool_",
+        'call>\n{"name": "get_weather", "arguments": {"city"',
+        ': "Oslo", "unit": "f"}}\n</tool_call>',
+    ]
+    _, _, has_calls, events = _stream("hermes", pieces)
+    assert events == [
+        Content("Sure."),
+        CallStart(0, "get_weather"),
+        Arguments(0, '{"city"'),
+        Arguments(0, ': "Oslo", "unit": "f"}'),
+    ]
+    assert has_calls
+
+
+TEXTS = [
+    ("hermes", f"Hm.\n{HW}\n{HP}"),
+    ("hermes", "plain text with <tool and < signs\n"),
+    ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),
+    ("hermes", '<tool_call>{"name": "ping"}</tool_call>'),
+    ("llama3_json", f"{LW}; {LP}"),
+    ("llama3_json", '{"not": "a call"}'),
+    ("mistral", f"[TOOL_CALLS][{MW}, {MP}]"),
+    ("mistral", "[TOOL_CALL] is not the marker"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("format", "text"), TEXTS)
+def test_stream_joins_to_the_whole_parse_at_every_split(format: str, text: str) -> None:
+    whole = get_format(format).parse(text, NAMES)
+    for size in (1, 2, 3, 7):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        content, calls, has_calls, _ = _stream(format, pieces)
+        assert (content, tuple(calls), has_calls) == (whole.content, whole.calls, bool(whole.calls))
+
+
+def test_stream_withholds_text_that_may_open_a_call() -> None:
+    stream = ToolCallStream(HERMES, NAMES)
+    assert stream.feed("Hello <tool") == [Content("Hello")]
+    assert stream.feed("box> ") == [Content(" <toolbox>")]  # not the marker after all
+    assert stream.finish() == [Content(" ")]
+    llama = ToolCallStream(LLAMA, NAMES)
+    assert llama.feed("  ") == []  # may still open with "{"
+    assert llama.feed("Hi") == [Content("  Hi")]
+
+
+# -- detection and the template's inputs ---------------------------------------------------------
+
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ tool | tojson }}"
+    '{% endfor %}</tools>\n<tool_call>\n{"name": <function-name>}\n</tool_call><|im_end|>\n'
+    "{%- endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+LLAMA31_LIKE = (
+    "{%- if custom_tools is defined %}{%- set tools = custom_tools %}{%- endif %}"
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument '
+    "name and its value}.' }}{%- if message.tool_calls %}<|python_tag|>{% endif %}"
+)
+MISTRAL_LIKE = "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{% endif %}{% endfor %}"
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}"
+
+
+def test_detect_format_from_the_template_text() -> None:
+    assert detect_format(QWEN_LIKE) == "hermes"
+    assert detect_format(LLAMA31_LIKE) == "llama3_json"
+    assert detect_format(MISTRAL_LIKE) == "mistral"
+    assert detect_format(CHATML) is None
+    assert detect_format(None) is None
+    assert template_takes_tools(QWEN_LIKE)
+    assert not template_takes_tools(CHATML)
+    assert not template_takes_tools(MISTRAL_LIKE)
+    # Llama 3.1 sets `tools` from custom_tools only when that is given: it reads `tools`.
+    assert template_takes_tools(LLAMA31_LIKE)
+
+
+def test_template_inputs() -> None:
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    auto = ToolChoice(ChoiceMode.AUTO)
+    takes = tool_prompt(messages, TOOLS, auto, HERMES, template_takes_tools=True)
+    assert takes.messages == messages
+    assert takes.tools == [t.to_template() for t in TOOLS]
+    assert tool_prompt(messages, TOOLS, ToolChoice(ChoiceMode.NONE), HERMES, True).tools is None
+    preamble = tool_prompt(messages, TOOLS, auto, HERMES, template_takes_tools=False)
+    assert preamble.tools is None
+    assert preamble.messages == [{"role": "system", "content": HERMES.preamble(TOOLS)}, *messages]
+    assert json.dumps(TOOLS[0].to_template()) in HERMES.preamble(TOOLS)
+    system = [{"role": "system", "content": "Be brief."}, *messages]
+    merged = tool_prompt(system, TOOLS, auto, LLAMA, template_takes_tools=False).messages
+    preambled = LLAMA.preamble(TOOLS) + "\n\nBe brief."
+    assert merged == [{"role": "system", "content": preambled}, *messages]
+
+
+# -- forcing grammars on a real vocabulary ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_dir: Path) -> tuple[GrammarCompiler, Tokenizer]:
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    eos = cfg["eos_token_id"]
+    compiler = GrammarCompiler(
+        (tiny_model_dir / "tokenizer.json").read_text(),
+        cfg["vocab_size"],
+        eos if isinstance(eos, list) else [eos],
+    )
+    return compiler, Tokenizer.from_dir(tiny_model_dir)
+
+
+def _sample(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar: object, seed: int) -> str:
+    """A random sentence of the grammar: any allowed token at each step, EOS once allowed
+    with probability 1/2 (every sentence must parse, not only likely ones)."""
+    rng = random.Random(seed)
+    matcher = compiler.matcher(grammar)  # type: ignore[arg-type]
+    eos = set(compiler.eos_token_ids)
+    ids: list[int] = []
+    for _ in range(800):
+        row = token_bitmask([matcher], compiler.vocab_size)[0]
+        bits = [(int(row[t // 32]) >> (t % 32)) & 1 for t in range(compiler.vocab_size)]
+        allowed = [t for t, bit in enumerate(bits) if bit]
+        ends = [t for t in allowed if t in eos]
+        if ends and (len(ends) == len(allowed) or rng.random() < 0.5):
+            return tokenizer.decode(ids)
+        token = rng.choice([t for t in allowed if t not in eos])
+        assert matcher.accept(token)
+        ids.append(token)
+    raise AssertionError(f"no end after 800 tokens: {tokenizer.decode(ids)!r}")
+
+
+@pytest.mark.parametrize("format", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_calls_always_parse_and_validate(
+    vocab: tuple[GrammarCompiler, Tokenizer], format: str, parallel: bool
+) -> None:
+    compiler, tokenizer = vocab
+    fmt = get_format(format)
+    grammar = forced_constraint(TOOLS, ToolChoice(ChoiceMode.REQUIRED), parallel, fmt)
+    assert grammar is not None
+    torch.manual_seed(0)
+    for seed in range(4):
+        text = _sample(compiler, tokenizer, grammar, seed)
+        parsed = fmt.parse(text, NAMES)
+        assert parsed.calls and parsed.content == "", text
+        assert parallel or len(parsed.calls) == 1
+        for call in parsed.calls:
+            schema = WEATHER if call.name == "get_weather" else {"type": "object"}
+            jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def test_a_named_choice_forces_that_one_call(vocab: tuple[GrammarCompiler, Tokenizer]) -> None:
+    compiler, tokenizer = vocab
+    named = ToolChoice(ChoiceMode.FUNCTION, "get_weather")
+    grammar = forced_constraint(TOOLS, named, True, HERMES)
+    assert forced_constraint(TOOLS, ToolChoice(ChoiceMode.AUTO), True, HERMES) is None
+    for seed in range(3):
+        parsed = HERMES.parse(_sample(compiler, tokenizer, grammar, seed), NAMES)
+        assert [c.name for c in parsed.calls] == ["get_weather"]
+        jsonschema.validate(json.loads(parsed.calls[0].arguments), WEATHER)
+
+
+def test_definitions_move_to_the_grammar_root() -> None:
+    schema = {
+        "type": "object",
+        "$defs": {"u": {"enum": ["c", "f"]}},
+        "properties": {"unit": {"$ref": "#/$defs/u"}},
+        "required": ["unit"],
+    }
+    tool = tools_from_json([{"type": "function", "function": {"name": "t", "parameters": schema}}])
+    check_tools(tool, ToolChoice(ChoiceMode.REQUIRED))
+    # Compiles: the reference resolves from the call schema's root.
+    assert forced_constraint(tool, ToolChoice(ChoiceMode.REQUIRED), False, HERMES) is not None
