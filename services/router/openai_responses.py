@@ -8,8 +8,10 @@ tool round trip as `function_call` and `function_call_output` items, which becom
 assistant message's tool calls and the tool messages answering them: the chat rule
 (tandem.chat) then holds for them as for the other APIs. `instructions` is a system message
 before them. `text.format` json_schema / json_object is structured output (the chat API's
-`response_format`, flattened). Responses are not stored: `previous_response_id` and
-`background` are refused, and `tools` until tool calling is served.
+`response_format`, flattened). The chat API's sampling extensions (seed, stop, top_k, min_p,
+penalties, ignore_eos, stop_token_ids, logit_bias) are taken too. Responses are not stored:
+`previous_response_id` and `background` are refused, and `tools` until tool calling is
+served.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ _ACCEPTED = ("model", "input", "instructions", "max_output_tokens", "temperature
              "prompt_cache_key", "parallel_tool_calls", "tools", "tool_choice", "truncation",
              "service_tier", "reasoning", "include", "background", "previous_response_id",
              "top_logprobs", "stream_options")  # fmt: skip
+# The chat API's sampling fields beyond the Responses API's, as there (vLLM's extensions).
+_EXTENSIONS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "ignore_eos", "stop_token_ids", "logit_bias")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +63,7 @@ class ResponsesRequest:
 def parse(body: Any, model_id: str, default_max_tokens: int) -> ResponsesRequest:
     """POST /v1/responses. Raises oai.ApiError naming the field."""
     body = oai._object(body)
-    unknown = sorted(set(body) - set(_ACCEPTED))
+    unknown = sorted(set(body) - set(_ACCEPTED) - set(_EXTENSIONS))
     if unknown:
         raise oai.invalid(unknown[0], "unknown parameter for /v1/responses")
     _refuse_unsupported(body)
@@ -76,11 +81,7 @@ def parse(body: Any, model_id: str, default_max_tokens: int) -> ResponsesRequest
         raise oai.invalid(param, error.reason) from None
     request.chat.messages.extend(convert.chat_message_to_proto(m) for m in messages)
     max_output_tokens = oai._int(body, "max_output_tokens", None, 1)
-    request.sampling.max_tokens = max_output_tokens or default_max_tokens
-    for name in ("temperature", "top_p"):
-        value = oai._float(body, name)
-        if value is not None:
-            setattr(request.sampling, name, value)
+    oai._sampling(request.sampling, body, max_output_tokens or default_max_tokens)
     text_format, constraint = _text_format(body.get("text"))
     if constraint is not None:
         request.sampling.constraint.CopyFrom(constraint[0])

@@ -15,6 +15,7 @@ import pytest
 
 from services.up import Cluster
 from tandem.client import TandemClient
+from tests.services.test_openai_api import Aborted
 
 QUESTION = "What is the capital of France?"
 SCHEMA = {
@@ -137,3 +138,19 @@ def test_refusals_are_400s_naming_the_field(client: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(model="", **body)  # type: ignore[call-overload]
         assert err.value.param == param, err.value.message
+
+
+def test_a_client_leaving_a_stream_aborts_the_response(
+    cluster: Cluster, client: openai.OpenAI
+) -> None:
+    with Aborted(cluster):
+        stream = client.responses.create(
+            model="", input=long_question(), max_output_tokens=2000, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        deltas = 0
+        for event in stream:
+            deltas += event.type == "response.output_text.delta"
+            if deltas == 5:
+                break
+        stream.close()

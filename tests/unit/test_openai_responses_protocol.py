@@ -44,6 +44,15 @@ def test_a_string_input_with_instructions_and_sampling() -> None:
     assert not s.HasField("constraint") and parsed.text_format == {"type": "text"}
 
 
+def test_the_chat_api_s_sampling_extensions() -> None:
+    s = parse(seed=4, stop=["END"], top_k=3, min_p=0.1, ignore_eos=True,
+              logit_bias={"7": -100}, frequency_penalty=0.5).request.sampling  # fmt: skip
+    assert (s.seed, list(s.stop), s.top_k, s.ignore_eos, dict(s.logit_bias)) == (
+        4, ["END"], 3, True, {7: -100.0},
+    )  # fmt: skip
+    assert (s.min_p, s.frequency_penalty) == (pytest.approx(0.1), 0.5)
+
+
 def test_defaults_leave_the_engine_defaults() -> None:
     parsed = responses.parse({"input": "hi"}, MODEL, DEFAULT_MAX)
     s = parsed.request.sampling
@@ -115,7 +124,10 @@ def test_text_format_json_schema_is_a_constraint() -> None:
         ({"text": {"format": {"type": "json_schema", "schema": 5}}}, "text.format.schema",
          "must be a JSON Schema object"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type", "got 'xml'"),
-        ({"frequency_penalty": 1}, "frequency_penalty", "unknown parameter"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "unknown parameter"),
+        ({"guided_regex": "a+"}, "guided_regex", "unknown parameter"),
+        ({"n": 2}, "n", "unknown parameter"),
+        ({"seed": "x"}, "seed", "must be an integer"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_field(body: dict[str, Any], param: str, says: str) -> None:
