@@ -11,6 +11,7 @@ from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.routing import RoutingConfig
 from tandem.routing.health import BreakerConfig
 from tandem.routing.recovery import RecoveryConfig
+from tandem.tools import get_format
 
 DEFAULT_MAX_QUEUE_DELAY_S = 120.0
 
@@ -65,6 +66,8 @@ class RouterConfig:
     auth: the internal plane's credentials (services.common.security.AuthConfig).
     otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty: the
         OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.observe.tracing).
+    tool_call_parser: how the model writes tool calls (tandem.tools): hermes, llama3_json,
+        mistral, or auto (what the chat template shows; hermes when it shows none).
     """
 
     model_dir: str
@@ -93,6 +96,7 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     otlp_endpoint: str = ""
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_inflight <= 0:
@@ -108,5 +112,7 @@ class RouterConfig:
         for name in ("hop_timeout_s", "keepalive_s", "request_id_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.tool_call_parser != "auto":
+            get_format(self.tool_call_parser)  # ValueError naming the formats
         if not self.redis_url and not self.decode_addresses:
             raise ValueError("need redis_url or decode_addresses to find workers")

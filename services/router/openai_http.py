@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -34,12 +35,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import security
 from services.common.observe import tracing
+from services.common.rpc.convert_tools import tools_from_proto
 from services.common.rpc.errors import ServiceError
 from services.router import (
     openai_choices,
     openai_fanout,
     openai_responses,
     openai_responses_http,
+    openai_tools,
 )
 from services.router import openai_protocol as oai
 from services.router import openai_structured as structured
@@ -48,6 +51,7 @@ from services.router.openai_sse import EventStream as _EventStream
 from services.router.openai_sse import error_response as _error_response
 from services.router.openai_sse import unless_disconnected as _unless_disconnected
 from tandem.model.tokenizer import Tokenizer
+from tandem.tools import ToolFormat
 from tandem.v1 import router_pb2 as rpb
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,7 @@ class Router(Protocol):
     model_id: str
     max_model_len: int
     tokenizer: Tokenizer
+    tool_format: ToolFormat  # how the model writes tool calls (tandem.tools)
 
     def generate(
         self, request: rpb.GenerateRequest, context: CallContext, tenant: str
@@ -219,6 +224,8 @@ class OpenAIServer:
             router = self.router
             parsed = parse(body, router.model_id, router.max_model_len)
             await _check_constraint(body)
+            if chat:
+                parsed = await _check_tools(parsed, router.tool_format)
         except oai.ApiError as error:
             return _error_response(error)
         label = request.headers.get("x-request-id", "")
@@ -308,6 +315,22 @@ async def _check_constraint(body: Any) -> None:
         raise oai.invalid(error.param, error.reason)
 
 
+async def _check_tools(parsed: oai.ParsedRequest, tool_format: ToolFormat) -> oai.ParsedRequest:
+    """Each tool's parameters schema compiled to check it, off the event loop, before any
+    compute (ApiError naming the body's field); the request then reads calls in the
+    router's tool-call format."""
+    chat_tools = tools_from_proto(parsed.request.chat)
+    if not chat_tools.tools:
+        return parsed
+    loop = asyncio.get_running_loop()
+    error = await loop.run_in_executor(
+        None, openai_tools.check, chat_tools.tools, chat_tools.choice
+    )
+    if error is not None:
+        raise oai.invalid(error.field, error.reason)
+    return dataclasses.replace(parsed, tool_format=tool_format)
+
+
 async def _read_json(request: Request) -> Any:
     """The body as JSON, at most MAX_BODY_BYTES. Raises ApiError (400, 413)."""
     chunks, size = [], 0
@@ -366,11 +389,14 @@ async def _events(
             yield _sse(answer.first())
         while message is not None:
             if message.WhichOneof("kind") == "complete":
+                for chunk in answer.finish_chunks():  # with tools: what was held back
+                    yield _sse(chunk)
                 yield _sse(answer.last(message.complete))
                 if answer.parsed.include_usage:
                     yield _sse(answer.usage_chunk(message.complete))
                 break
-            yield _sse(answer.chunk(message.chunk))
+            for chunk in answer.chunks(message.chunk):
+                yield _sse(chunk)
             message = await _next(messages)
         yield b"data: [DONE]\n\n"
     except ServiceError as error:

@@ -21,7 +21,9 @@ import grpc
 from services.common.rpc import convert
 from services.router import openai_choices as choices
 from services.router import openai_structured as structured
+from services.router import openai_tools as tools
 from tandem import chat, wire
+from tandem.tools import ToolError, ToolFormat
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 
@@ -120,6 +122,10 @@ class ParsedRequest:
     n: int = 1
     more_prompts: tuple[rpb.GenerateRequest, ...] = ()
     echo: bool = False
+    # Chat with tools (services.router.openai_tools): the functions an answer may call (none:
+    # text only) and how the model writes calls (the router's tool-call parser).
+    tool_names: frozenset[str] = frozenset()
+    tool_format: ToolFormat | None = None
 
     @property
     def num_choices(self) -> int:
@@ -129,7 +135,7 @@ class ParsedRequest:
 def parse_chat(body: Any, model_id: str, default_max_tokens: int) -> ParsedRequest:
     """POST /v1/chat/completions. Raises ApiError."""
     body = _object(body)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, tools_ok=True)
     request = rpb.GenerateRequest(model=_model(body, model_id))
     try:  # the gRPC Chat input's rule too
         messages = chat.messages_from_json(body.get("messages"))
@@ -148,7 +154,12 @@ def parse_chat(body: Any, model_id: str, default_max_tokens: int) -> ParsedReque
     _sampling(request.sampling, body, max_tokens or default_max_tokens)
     if logprobs:
         request.sampling.logprobs = top
-    return _parsed(body, request, logprobs, top)
+    try:  # tools; openai_http compiles their schemas off the event loop
+        found = structured.read(body)
+        body_tools = tools.read(body, request.chat, found[1] if found else None)
+    except ToolError as error:
+        raise invalid(error.field, error.reason) from None
+    return replace(_parsed(body, request, logprobs, top), tool_names=body_tools.names)
 
 
 def parse_completion(body: Any, model_id: str, default_max_tokens: int) -> ParsedRequest:
@@ -216,14 +227,14 @@ def _is_prompt_list(prompt: list[Any]) -> bool:
     return all(isinstance(p, str | list) for p in prompt)
 
 
-def _refuse_unsupported(body: JSON) -> None:
+def _refuse_unsupported(body: JSON, tools_ok: bool = False) -> None:
     """Fields that would change the answer and that Tandem cannot honour: refused, never
-    silently ignored."""
+    silently ignored. `tools_ok`: chat reads tools itself (openai_tools)."""
     for name in ("tools", "functions"):
-        if body.get(name):
+        if body.get(name) and not tools_ok:
             raise invalid(name, "tool and function calling are not supported")
     for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
+        if body.get(name) not in (None, "none") and not tools_ok:
             raise invalid(name, "tool and function calling are not supported")
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
@@ -384,9 +395,32 @@ class Answer:
     chars: int = 0  # text so far (completions' text_offset)
     index: int = 0  # the choice's index (n > 1, several prompts)
     echo: str = ""  # completions' echo: the prompt's text, before the choice's
+    tools: tools.AnswerTools | None = None  # a chat with tools: its calls, read from the text
+
+    def __post_init__(self) -> None:
+        parsed = self.parsed
+        if self.chat and parsed.tool_names and parsed.tool_format is not None:
+            self.tools = tools.AnswerTools(parsed.tool_format, parsed.tool_names)
+
+    def chunks(self, chunk: rpb.Chunk) -> list[JSON]:
+        """A streamed chunk as OpenAI's chunks: one, or with tools one per content piece,
+        call announced or arguments fragment (none while the text may open a call)."""
+        if self.tools is None:
+            return [self.chunk(chunk)]
+        self.text.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs)
+        return [self._delta_chunk(delta) for delta in self.tools.feed(chunk.text)]
+
+    def _delta_chunk(self, delta: JSON) -> JSON:
+        choice = {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._envelope([choice])
 
     def chunk(self, chunk: rpb.Chunk) -> JSON:
         """A streamed chunk (and the text and logprobs kept for a whole answer)."""
+        if self.tools is not None:  # one chunk, every delta of the text merged
+            self.text.append(chunk.text)
+            self.logprobs.extend(chunk.logprobs)
+            return self._delta_chunk(tools.merge(self.tools.feed(chunk.text)))
         self.text.append(chunk.text)
         self.logprobs.extend(chunk.logprobs)
         logprobs = self._logprobs(chunk.logprobs, chunk.text) if self.parsed.logprobs else None
@@ -406,10 +440,22 @@ class Answer:
         choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}}
         return self._envelope([{**choice, "logprobs": None, "finish_reason": None}])
 
+    def finish_chunks(self) -> list[JSON]:
+        """With tools: what the end of the text releases (held content, the calls' last
+        fragments), before the closing chunk."""
+        if self.tools is None:
+            return []
+        return [self._delta_chunk(delta) for delta in self.tools.finish()]
+
     def last(self, complete: rpb.Complete) -> JSON:
         """The stream's closing chunk: no content, the finish reason."""
         reason = finish_reason(complete.finish_reason)
         key, empty = ("delta", {}) if self.chat else ("text", "")
+        if self.tools is not None:  # what finish_chunks did not release, in this chunk
+            rest = self.tools.finish()
+            empty = tools.merge(rest) if rest else {}
+            if self.tools.has_calls and reason == "stop":
+                reason = "tool_calls"
         choice = {"index": self.index, key: empty, "logprobs": None, "finish_reason": reason}
         return self._envelope([choice])
 
@@ -423,7 +469,13 @@ class Answer:
         logprobs = self._logprobs(self.logprobs, text, 0) if self.parsed.logprobs else None
         reason = finish_reason(complete.finish_reason)
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: JSON = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                parsed, calls = self.tools.whole(text)
+                if calls and reason == "stop":
+                    message = {"role": "assistant", "content": parsed.content or None}
+                    message["tool_calls"] = calls
+                    reason = "tool_calls"
             choice = {"index": self.index, "message": message, "logprobs": logprobs}
         else:
             choice = {"index": self.index, "text": self.echo + text, "logprobs": logprobs}

@@ -5,14 +5,27 @@ pool (never on the event loop), and validation with the engine's own rules."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 from services.common.rpc import convert
+from services.common.rpc.convert_tools import ChatTools, tools_from_proto
 from services.common.rpc.errors import invalid_argument
 from tandem.chat import ChatError, check_messages
 from tandem.engine.request import RequestSpec, check_prompt
+from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
+from tandem.tools import (
+    DEFAULT_FORMAT,
+    ToolError,
+    check_tools,
+    detect_format,
+    forced_constraint,
+    get_format,
+    template_takes_tools,
+    tool_prompt,
+)
 from tandem.v1 import router_pb2 as rpb
 
 # Normalizers can drop characters, so the early length check leaves this much slack.
@@ -61,8 +74,14 @@ def check_size(
 class Prompts:
     """The served model's tokenizer and limits, applied to public requests."""
 
-    def __init__(self, model_dir: str, model_id: str) -> None:
+    def __init__(self, model_dir: str, model_id: str, tool_call_parser: str = "auto") -> None:
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        # How the model writes tool calls: the flag, else what its template shows.
+        template = self.tokenizer.chat_template
+        if tool_call_parser == "auto":
+            tool_call_parser = detect_format(template) or DEFAULT_FORMAT
+        self.tool_format = get_format(tool_call_parser)
+        self.template_takes_tools = template_takes_tools(template)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.model_id = model_id
         self.max_model_len = self.model_config.max_position_embeddings
@@ -97,6 +116,7 @@ class Prompts:
                 check_messages(convert.chat_from_proto(request.chat))
             except ChatError as exc:
                 raise invalid_argument(f"chat.{exc}") from None
+            await self.check_tools(request.chat)
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, self._tokenize, request)
@@ -113,8 +133,30 @@ class Prompts:
         chat = request.chat
         messages = [m.to_template() for m in convert.chat_from_proto(chat)]
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        tools = tools_from_proto(chat)
+        if tools.tools:  # the template's `tools`, or a preamble (tandem.tools.prompt)
+            inputs = tool_prompt(
+                messages, tools.tools, tools.choice, self.tool_format, self.template_takes_tools
+            )
+            return self.tokenizer.encode_chat(
+                inputs.messages, add_generation_prompt=add_gen, tools=inputs.tools
+            )
         # Message content stays text: only the template's own markers become special tokens.
         return self.tokenizer.encode_chat(messages, add_generation_prompt=add_gen)
+
+    async def check_tools(self, chat: rpb.ChatMessages) -> ChatTools:
+        """The chat's tools under tandem.tools' rule; each parameters schema is compiled (on
+        the pool). Raises ServiceError (INVALID_ARGUMENT chat.tools[i]...)."""
+        tools = tools_from_proto(chat)
+        if not tools.tools and tools.choice.mode.value == "none":
+            return tools
+        try:
+            check_tools(tools.tools, tools.choice, compile_schemas=False)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._pool, check_tools, tools.tools, tools.choice)
+        except ToolError as exc:
+            raise invalid_argument(f"chat.{exc}") from None
+        return tools
 
     async def spec(
         self,
@@ -143,4 +185,30 @@ class Prompts:
             params.validate_for_vocab(vocab)
         except ValueError as exc:
             raise invalid_argument(f"sampling.{exc}") from None
+        if request.WhichOneof("input") == "chat":
+            params = await self._force_tool_calls(request, params)
         return RequestSpec(request_id, tuple(tokens), params, self.model_id, timeout_s, cache_salt)
+
+    async def _force_tool_calls(
+        self, request: rpb.GenerateRequest, params: SamplingParams
+    ) -> SamplingParams:
+        """tool_choice required or a named function: the grammar of calls in the model's
+        format (compiled on the pool), so that the answer always parses."""
+        tools = tools_from_proto(request.chat)
+        if not tools.choice.forced:
+            return params
+        if params.constraint is not None:
+            raise invalid_argument(
+                "sampling.constraint: a required or named tool_choice constrains the output "
+                "itself; set one or the other"
+            )
+        loop = asyncio.get_running_loop()
+        constraint = await loop.run_in_executor(
+            self._pool,
+            forced_constraint,
+            tools.tools,
+            tools.choice,
+            tools.parallel,
+            self.tool_format,
+        )
+        return dataclasses.replace(params, constraint=constraint)

@@ -52,8 +52,9 @@ class RouterServer(rgrpc.RouterServicer):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.model_id = config.model_id or config.model_dir.rstrip("/").split("/")[-1]
-        self.prompts = Prompts(config.model_dir, self.model_id)
+        self.prompts = Prompts(config.model_dir, self.model_id, config.tool_call_parser)
         self.tokenizer = self.prompts.tokenizer
+        self.tool_format = self.prompts.tool_format
         self.model_config = self.prompts.model_config
         self.max_model_len = self.prompts.max_model_len
         self.metrics = RouterMetrics()

@@ -165,6 +165,8 @@ class Cluster:
                 str(cfg.disagg_min_uncached_tokens),
                 "--max-queue-delay-s",
                 str(cfg.max_queue_delay_s),
+                "--tool-call-parser",
+                cfg.tool_call_parser,
                 *key_args,
                 *http_args,
                 *self._metrics_args(),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from services.common.runtime.supervision import RestartConfig
 from services.router.config import DEFAULT_MAX_QUEUE_DELAY_S
 from tandem.config import CacheConfig, EngineConfig
+from tandem.tools import get_format
 from tandem.transfer import TRANSPORT_KINDS
 
 _RESTART_DEFAULTS = RestartConfig()
@@ -54,6 +55,8 @@ class UpConfig:
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
             Retry-After) when its expected wait for the first token exceeds this; 0: no limit.
+        tool_call_parser: the router's (how the model writes tool calls): auto, hermes,
+            llama3_json or mistral.
         redis_port: Redis's TCP port; 0: a unix socket in the run directory.
         api_keys: the router wants an API key (one is generated for tenant "default" and
             printed: Cluster.api_key).
@@ -90,6 +93,7 @@ class UpConfig:
     dtype: str = "auto"
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
+    tool_call_parser: str = "auto"
     redis_port: int = 0
     api_keys: bool = False
     run_dir: str = ""
@@ -112,6 +116,8 @@ class UpConfig:
             )
         if self.transport not in TRANSPORT_KINDS:
             raise ValueError(f"transport must be one of {TRANSPORT_KINDS}, got {self.transport!r}")
+        if self.tool_call_parser != "auto":
+            get_format(self.tool_call_parser)  # ValueError naming the formats
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0: auto), got {self.num_threads}")
         if self.host_cores < 0:

@@ -173,7 +173,10 @@ class Tokenizer:
         return self._render(self._checked_messages(messages), add_generation_prompt)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[list[int], str]:
         """Render and encode `messages` so that the strings in them (content, role, any other
         field, nested ones such as tool-call arguments) never become control tokens; only the
@@ -201,16 +204,20 @@ class Tokenizer:
         (as in transformers). Templates that build control-token text out of message text
         (e.g. with `lower`) defeat the marking; no known chat template does.
 
+        `tools`: the template's `tools` variable (transformers' function definitions; None:
+        not passed), whose strings are the client's too.
+
         Returns (ids, rendered text without markers). Raises ValueError as `apply_chat_template`
         does, or when the vocabulary spells such text with a control token (fail closed)."""
         checked = self._checked_messages(messages)
         controls = self._chat_controls()
-        strings = list(_strings(checked))  # every string, nested ones (tool calls) too
+        # every string, nested ones (tool calls, tool definitions) too
+        strings = list(_strings(checked)) + list(_strings(tools or []))
         spans = {
             value: found for value in strings if (found := self._control_spans(value, controls))
         }
         if not spans:
-            text = self._render(checked, add_generation_prompt)
+            text = self._render(checked, add_generation_prompt, tools)
             return _ids(self._tok, text), text
         in_use = [*strings, self.chat_template or "", self.bos_token or "", self.eos_token or ""]
         start, end = _free_chars(2, in_use, controls.added_chars | set(_LEAD_TOKEN))
@@ -225,7 +232,8 @@ class Tokenizer:
             return "".join(pieces)
 
         checked = [_map_strings(message, mark) for message in checked]
-        rendered = self._render(checked, add_generation_prompt)
+        tools = None if tools is None else [_map_strings(tool, mark) for tool in tools]
+        rendered = self._render(checked, add_generation_prompt, tools)
         ids = self._encode_marked(rendered, (start, end), controls)
         return ids, rendered.replace(start, "").replace(end, "")
 
@@ -363,11 +371,18 @@ class Tokenizer:
             checked.append(dict(message))
         return checked
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        extra = {} if tools is None else {"tools": list(tools)}  # unset: `tools is defined` false
         try:
             return self._compiled_template().render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 raise_exception=_raise_exception,

@@ -134,9 +134,9 @@ def check_tools(tools: Sequence[Tool], choice: ToolChoice, compile_schemas: bool
 # -- OpenAI's JSON -----------------------------------------------------------------------------
 
 
-def tools_from_json(value: Any, where: str = "tools") -> tuple[Tool, ...]:
-    """OpenAI's `tools` (or the Responses API's flat function tools with `flat`) -> Tools;
-    shapes only (`check_tools` holds the rule). Raises ToolError."""
+def tools_from_json(value: Any, where: str = "tools", flat: bool = False) -> tuple[Tool, ...]:
+    """OpenAI's `tools` (`flat`: the Responses API's function tools, {"type": "function",
+    "name", ...}) -> Tools; shapes only (`check_tools` holds the rule). Raises ToolError."""
     if value is None:
         return ()
     if not isinstance(value, list):
@@ -149,10 +149,7 @@ def tools_from_json(value: Any, where: str = "tools") -> tuple[Tool, ...]:
             raise ToolError(
                 f"{at}.type", f"only function tools are supported, got {obj.get('type')!r}"
             )
-        if "function" in obj:
-            out.append(_function(obj["function"], f"{at}.function"))
-        else:  # the Responses API: {"type": "function", "name", "description", "parameters"}
-            out.append(_function(obj, at))
+        out.append(_function(obj, at) if flat else _function(obj.get("function"), f"{at}.function"))
     return tuple(out)
 
 

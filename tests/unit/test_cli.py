@@ -127,6 +127,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "dtype": ("bfloat16", "bfloat16"),
     "disagg_min_uncached_tokens": ("0", 0),
     "max_queue_delay_s": ("0", 0.0),
+    "tool_call_parser": ("mistral", "mistral"),
     "redis_port": ("6390", 6390),
     "api_keys": ("true", True),
     "run_dir": ("/tmp/up", "/tmp/up"),

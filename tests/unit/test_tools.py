@@ -80,7 +80,8 @@ def test_tools_from_openai_json() -> None:
         },
     }
     # The Responses API's flat function tools read the same.
-    flat = tools_from_json([{"type": "function", "name": "get_weather", "parameters": WEATHER}])
+    flat_json = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    flat = tools_from_json(flat_json, flat=True)
     assert flat == (TOOLS[0],)
     check_tools(TOOLS, ToolChoice(ChoiceMode.FUNCTION, "ping"))
 
