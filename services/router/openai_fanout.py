@@ -176,9 +176,12 @@ async def events(lanes: Lanes, include_usage: bool) -> AsyncGenerator[bytes, Non
                 return
             elif item.WhichOneof("kind") == "complete":
                 completes[lane.plan.index] = item.complete
+                for chunk in lane.answer.finish_chunks():  # with tools: what was held back
+                    yield sse(chunk)
                 yield sse(lane.answer.last(item.complete))
             else:
-                yield sse(lane.answer.chunk(item.chunk))
+                for chunk in lane.answer.chunks(item.chunk):  # with tools: 0 or more
+                    yield sse(chunk)
         if include_usage:
             ordered = [completes[lane.plan.index] for lane in lanes.lanes]
             usage = rpb.Complete(usage=_usage(lanes, ordered))

@@ -258,3 +258,46 @@ def test_disconnect_before_a_whole_answer_aborts_every_choice(cluster: Cluster) 
     assert_all_free(cluster)
     after = router_counter(cluster, "tandem_router_requests", outcome="aborted", code="OK")
     assert after - aborted == 4
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_n_choices_with_forced_tool_calls_stream_as_the_whole_answer(
+    client: openai.OpenAI,
+) -> None:
+    kwargs = {"model": "", "messages": [{"role": "user", "content": "Weather?"}], "n": 3,
+              "tools": [WEATHER_TOOL], "tool_choice": "required", "temperature": 1.0,
+              "seed": 7, "max_tokens": 100}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    want = {
+        c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        for c in whole.choices
+    }
+    assert all(reason == "tool_calls" for reason in (c.finish_reason for c in whole.choices))
+    assert all(calls and {n for n, _ in calls} == {"get_weather"} for calls in want.values())
+    calls: dict[int, dict[int, list[str]]] = defaultdict(dict)
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or []:
+                name, args = calls[c.index].setdefault(delta.index, ["", ""])
+                calls[c.index][delta.index] = [
+                    name + (delta.function.name or ""),
+                    args + (delta.function.arguments or ""),
+                ]
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    assert {i: [tuple(v) for _, v in sorted(d.items())] for i, d in calls.items()} == want
