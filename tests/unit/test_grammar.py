@@ -251,3 +251,21 @@ def test_a_resumed_grammar_continues_exactly_and_refuses_forbidden_tokens(engine
     with pytest.raises(ValueError, match=r"output_token_ids\[0\] = \d+ does not satisfy"):
         engine.add_request(spec, Resume((forbidden,)))
     assert not engine.has_request("resume-bad")
+
+
+def test_constrained_requests_keep_their_grammar_through_preemption(
+    engine: Any, tiny_model_dir: Path
+) -> None:
+    """A preempted request recomputes its KV but keeps its output and its matcher: the same
+    tokens as with room for everyone, and a chunked prefill changes nothing either."""
+    constraint = Constraint.json_schema(PERSON)
+    prompts = [f"Person number {i} of the list, with more words to fill blocks:" for i in range(12)]
+    params = SamplingParams(max_tokens=48, temperature=0.8, seed=5, constraint=constraint)
+    want = [c.token_ids for c in engine.generate(prompts, params)]
+    tight = make_engine(tiny_model_dir, num_blocks=40, max_num_batched_tokens=16)
+    requests = [tight.add_request(tight.spec(f"p{i}", p, params)) for i, p in enumerate(prompts)]
+    while tight.has_unfinished():
+        tight.step()
+        tight.check_integrity()
+    assert sum(r.num_preemptions for r in requests) > 0
+    assert [r.output_token_ids for r in requests] == want
