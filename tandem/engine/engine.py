@@ -189,7 +189,10 @@ class LLMEngine:
         that steps the engine (see `tandem.engine.device`)."""
         use_device(self.config.device)
         if self.grammars is not None:
-            self.grammars.load()  # the vocabulary's token trie, before the first request
+            try:  # the vocabulary's token trie, before the first constrained request
+                self.grammars.load()
+            except ValueError as exc:
+                log.warning("%s; constrained requests will be refused", exc)
         n = max(1, min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 5))
         vocab = self.model.config.vocab_size
         prompt = [(7 + i) % vocab for i in range(n)]

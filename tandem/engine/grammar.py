@@ -232,17 +232,32 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.cache_size = cache_size
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._load_error = ""
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self.num_hits = 0
         self.num_misses = 0
 
     def load(self) -> None:
-        """Build the token trie (about 0.6 s for a 49k vocabulary); the first constrained
-        request does it otherwise."""
-        if self._tokenizer is None:
+        """Build the token trie (0.2-0.6 s for a 49k vocabulary); the first constrained
+        request does it otherwise.
+
+        Raises:
+            ValueError: llguidance cannot read this tokenizer (constraints are then refused,
+                naming why; unconstrained requests are unaffected).
+        """
+        if self._tokenizer is not None:
+            return
+        if self._load_error:
+            raise ValueError(self._load_error)
+        try:
             self._tokenizer = llguidance.LLTokenizer(
                 self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
             )
+        except Exception as exc:  # the Rust side raises plain Exceptions
+            self._load_error = f"constraint: this model's tokenizer is not supported: {exc}"
+            raise ValueError(self._load_error) from None
+        finally:
+            self._tokenizer_json = ""  # megabytes, needed once
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher at the grammar's start.

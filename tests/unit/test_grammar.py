@@ -269,3 +269,11 @@ def test_constrained_requests_keep_their_grammar_through_preemption(
         tight.check_integrity()
     assert sum(r.num_preemptions for r in requests) > 0
     assert [r.output_token_ids for r in requests] == want
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_constraints_only() -> None:
+    broken = GrammarCompiler('{"model": "nonsense"}', 16, [0])
+    constraint = Constraint(ConstraintKind.REGEX, "a")
+    for _ in range(2):  # the reason is kept, not rebuilt per request
+        with pytest.raises(ValueError, match="this model's tokenizer is not supported"):
+            broken.matcher(constraint)
