@@ -114,7 +114,7 @@ def _grammar_and_error(kind: ConstraintKind, spec: str | tuple[str, ...]) -> tup
             schema = json.loads(spec)
         except json.JSONDecodeError as exc:
             return "", f"not valid JSON: {exc}"
-        if not isinstance(schema, dict | bool):
+        if not isinstance(schema, dict):  # (llguidance also reads only objects)
             return "", f"a schema is a JSON object, got {type(schema).__name__}"
         grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_DEFAULTS)
     elif kind == ConstraintKind.JSON_OBJECT:

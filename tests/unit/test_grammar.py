@@ -43,6 +43,7 @@ PERSON = {
     [
         ("json_schema", '{"type": ', "json_schema: not valid JSON"),
         ("json_schema", "[1, 2]", "json_schema: a schema is a JSON object, got list"),
+        ("json_schema", "true", "json_schema: a schema is a JSON object, got bool"),
         ("json_schema", '{"type": "frob"}', "json_schema: Invalid type: frob"),
         ("json_schema", '{"$ref": "#/nope"}', "json_schema: Pointer '/nope' does not exist"),
         ("json_schema", "", "json_schema must not be empty"),
