@@ -47,6 +47,7 @@ from services.router import (
 from services.router import openai_protocol as oai
 from services.router import openai_structured as structured
 from services.router.call import CallContext
+from services.router.openai_responses_tools import ToolReply
 from services.router.openai_sse import EventStream as _EventStream
 from services.router.openai_sse import error_response as _error_response
 from services.router.openai_sse import unless_disconnected as _unless_disconnected
@@ -202,6 +203,7 @@ class OpenAIServer:
             body = await _read_json(request)
             parsed = openai_responses.parse(body, router.model_id, router.max_model_len)
             await openai_responses_http.check_constraint(parsed)
+            await _check_tool_schemas(parsed.request, flat=True)
         except oai.ApiError as error:
             return _error_response(error)
         label = request.headers.get("x-request-id", "")
@@ -213,6 +215,8 @@ class OpenAIServer:
             return router.generate(one, context, tenant)
 
         reply = openai_responses.Reply(parsed, router.model_id)
+        if parsed.tool_names:  # the answer may be calls
+            reply = ToolReply(parsed, router.model_id, format=router.tool_format)
         return await openai_responses_http.respond(request.receive, reply, start, label)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
@@ -319,16 +323,24 @@ async def _check_tools(parsed: oai.ParsedRequest, tool_format: ToolFormat) -> oa
     """Each tool's parameters schema compiled to check it, off the event loop, before any
     compute (ApiError naming the body's field); the request then reads calls in the
     router's tool-call format."""
-    chat_tools = tools_from_proto(parsed.request.chat)
-    if not chat_tools.tools:
+    if not await _check_tool_schemas(parsed.request):
         return parsed
+    return dataclasses.replace(parsed, tool_format=tool_format)
+
+
+async def _check_tool_schemas(request: rpb.GenerateRequest, flat: bool = False) -> bool:
+    """Compile each tool's parameters schema off the event loop (ApiError naming the body's
+    field; `flat`: the Responses API's names). False: the request has no tools."""
+    chat_tools = tools_from_proto(request.chat)
+    if not chat_tools.tools:
+        return False
     loop = asyncio.get_running_loop()
     error = await loop.run_in_executor(
         None, openai_tools.check, chat_tools.tools, chat_tools.choice
     )
     if error is not None:
-        raise oai.invalid(error.field, error.reason)
-    return dataclasses.replace(parsed, tool_format=tool_format)
+        raise oai.invalid(openai_tools.field_name(error.field, flat), error.reason)
+    return True
 
 
 async def _read_json(request: Request) -> Any:

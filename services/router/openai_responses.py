@@ -9,9 +9,10 @@ assistant message's tool calls and the tool messages answering them: the chat ru
 (tandem.chat) then holds for them as for the other APIs. `instructions` is a system message
 before them. `text.format` json_schema / json_object is structured output (the chat API's
 `response_format`, flattened). The chat API's sampling extensions (seed, stop, top_k, min_p,
-penalties, ignore_eos, stop_token_ids, logit_bias) are taken too. Responses are not stored:
-`previous_response_id` and `background` are refused, and `tools` until tool calling is
-served.
+penalties, ignore_eos, stop_token_ids, logit_bias) are taken too. Function `tools`,
+`tool_choice` and `parallel_tool_calls` as on chat (services.router.openai_tools; the answer's
+function_call items: services.router.openai_responses_tools). Responses are not stored:
+`previous_response_id` and `background` are refused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from typing import Any
 from services.common.rpc import convert
 from services.router import openai_protocol as oai
 from services.router import openai_structured as structured
+from services.router import openai_tools as tools
 from tandem import chat, wire
+from tandem.tools import ToolError
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 
@@ -58,6 +61,11 @@ class ResponsesRequest:
     text_format: JSON = field(default_factory=lambda: {"type": "text"})
     constraint: tuple[rpb.Constraint, str] | None = None
     user: str | None = None
+    # Function tools as given (the response repeats them) and the names an answer may call.
+    tools: tuple[JSON, ...] = ()
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    tool_names: frozenset[str] = frozenset()
 
 
 def parse(body: Any, model_id: str, default_max_tokens: int) -> ResponsesRequest:
@@ -85,6 +93,11 @@ def parse(body: Any, model_id: str, default_max_tokens: int) -> ResponsesRequest
     text_format, constraint = _text_format(body.get("text"))
     if constraint is not None:
         request.sampling.constraint.CopyFrom(constraint[0])
+    try:  # the HTTP edge compiles the parameters schemas off the event loop
+        forced = constraint[1] if constraint is not None else None
+        body_tools = tools.read(body, request.chat, forced, flat=True)
+    except ToolError as error:
+        raise oai.invalid(error.field, error.reason) from None
     return ResponsesRequest(
         request,
         stream=oai._bool(body, "stream", False),
@@ -94,14 +107,14 @@ def parse(body: Any, model_id: str, default_max_tokens: int) -> ResponsesRequest
         text_format=text_format,
         constraint=constraint,
         user=_optional_string(body, "user"),
+        tools=tuple(body.get("tools") or ()),
+        tool_choice=body.get("tool_choice") or ("auto" if body_tools.tools else "none"),
+        parallel_tool_calls=body_tools.parallel,
+        tool_names=body_tools.names,
     )
 
 
 def _refuse_unsupported(body: JSON) -> None:
-    if body.get("tools"):
-        raise oai.invalid("tools", "tools on /v1/responses are not supported yet")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise oai.invalid("tool_choice", "tools on /v1/responses are not supported yet")
     if body.get("previous_response_id") is not None:
         raise oai.invalid(
             "previous_response_id", "responses are not stored; send the history as input items"
@@ -274,14 +287,14 @@ class Reply:
             "max_output_tokens": p.max_output_tokens,
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": True,
+            "parallel_tool_calls": p.parallel_tool_calls,
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "store": False,
             "temperature": sampling.temperature if sampling.HasField("temperature") else 1.0,
             "text": {"format": p.text_format},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": p.tool_choice,
+            "tools": list(p.tools),
             "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
             "truncation": "disabled",
             "usage": _usage(complete.usage) if complete is not None else None,
@@ -303,6 +316,10 @@ class Reply:
             self._event("response.output_item.added", output_index=0, item=item),
             self._event("response.content_part.added", **self._at(), part=part),
         ]
+
+    def deltas(self, chunk: rpb.Chunk) -> list[JSON]:
+        """The events of one chunk (with tools, openai_responses_tools: none or several)."""
+        return [self.delta(chunk)]
 
     def delta(self, chunk: rpb.Chunk) -> JSON:
         self.text.append(chunk.text)

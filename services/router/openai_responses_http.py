@@ -82,8 +82,8 @@ async def _events(
                 for event in reply.closing(message.complete):
                     yield sse(event, event["type"])
                 break
-            event = reply.delta(message.chunk)
-            yield sse(event, event["type"])
+            for event in reply.deltas(message.chunk):
+                yield sse(event, event["type"])
             message = await next_message(messages)
     except ServiceError as error:
         failed = reply.error(oai.from_status(error.code, error.message, error.retry_after_ms))

@@ -14,6 +14,7 @@ Content is withheld while the text may be opening a call (tandem.tools.stream).
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -55,19 +56,25 @@ class BodyTools:
         return frozenset(t.name for t in self.tools)
 
 
-def read(body: JSON, chat: rpb.ChatMessages, forced_field: str | None) -> BodyTools:
+def read(
+    body: JSON, chat: rpb.ChatMessages, forced_field: str | None, flat: bool = False
+) -> BodyTools:
     """A chat body's tools into `chat` (shapes and names checked; schemas are `check`'s).
     `forced_field`: the body's field that already constrains the output, if any (a forced
-    tool choice cannot share it). Raises ToolError naming the field."""
+    tool choice cannot share it). `flat`: the Responses API's shapes and field names
+    (tools[i].name, not tools[i].function.name). Raises ToolError naming the field."""
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
             raise ToolError(legacy, "the legacy function calling is not supported; use tools")
-    tools = tools_from_json(body.get("tools"))
-    choice = tool_choice_from_json(body.get("tool_choice"), bool(tools))
+    try:
+        tools = tools_from_json(body.get("tools"), flat=flat)
+        choice = tool_choice_from_json(body.get("tool_choice"), bool(tools))
+        check_tools(tools, choice, compile_schemas=False)
+    except ToolError as error:
+        raise ToolError(field_name(error.field, flat), error.reason) from None
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError("parallel_tool_calls", "must be a boolean")
-    check_tools(tools, choice, compile_schemas=False)
     if choice.forced and forced_field is not None:
         raise ToolError(
             "tool_choice",
@@ -77,6 +84,12 @@ def read(body: JSON, chat: rpb.ChatMessages, forced_field: str | None) -> BodyTo
     if tools or body.get("tool_choice") is not None:
         tools_to_proto(chat, tools, choice, parallel)
     return BodyTools(tools, choice, True if parallel is None else parallel)
+
+
+def field_name(name: str, flat: bool) -> str:
+    """A tool rule's field in the body's names: the Responses API's are flat (tools[i].x,
+    tool_choice.name), the chat API's nest a `function`."""
+    return re.sub(r"^(tools\[\d+\]|tool_choice)\.function", r"\1", name) if flat else name
 
 
 def check(tools: tuple[Tool, ...], choice: ToolChoice) -> ToolError | None:

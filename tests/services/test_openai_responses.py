@@ -128,8 +128,8 @@ def test_text_format_json_schema_holds(client: openai.OpenAI, stream: bool) -> N
 def test_refusals_are_400s_naming_the_field(client: openai.OpenAI) -> None:
     cases = [
         ({"input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
-        ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {}}]},
-         "tools"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f",
+                                   "parameters": {"type": "array"}}]}, "tools[0].parameters"),
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x",
                                            "schema": {"type": "nope"}}}}, "text.format.schema"),

@@ -290,3 +290,59 @@ def test_bad_tools_are_invalid_argument_on_grpc(stub: rgrpc.RouterStub) -> None:
         list(stub.Generate(rpb.GenerateRequest(chat=chat), timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "chat.tool_choice.function.name: 'g' is not a tool" in (err.value.details() or "")
+
+
+# -- the Responses API ---------------------------------------------------------------------------
+
+FLAT_TOOLS: list[Any] = [
+    {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+    for t in TOOLS
+]
+
+
+def test_responses_return_function_calls_whole_and_streamed(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="", input=f"Weather in Oslo? ({uuid.uuid4().hex[:6]})", tools=FLAT_TOOLS,
+        tool_choice="required", temperature=0.0, max_output_tokens=200,
+    )  # fmt: skip
+    whole = client.responses.create(**kwargs)
+    assert whole.status == "completed" and whole.output
+    assert [t.name for t in whole.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+    for item in whole.output:
+        assert item.type == "function_call" and item.call_id.startswith("call_")
+        jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed"
+    assert "response.output_text.delta" not in kinds
+    added = [e for e in events if e.type == "response.output_item.added"]
+    fragments: dict[str, str] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            fragments[e.item_id] = fragments.get(e.item_id, "") + e.delta
+    done = {
+        e.item_id: e.arguments for e in events if e.type == "response.function_call_arguments.done"
+    }
+    assert fragments == done and len(done) == len(added)
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [(i.name, i.arguments) for i in final.output] == [  # type: ignore[union-attr]
+        (i.name, i.arguments)
+        for i in whole.output  # type: ignore[union-attr]
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_take_a_function_call_round_trip(client: openai.OpenAI) -> None:
+    out = client.responses.create(
+        model="", tools=FLAT_TOOLS, max_output_tokens=6, temperature=0.0,
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Oslo", "unit": "celsius"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+        ],
+    )  # fmt: skip
+    assert out.status in ("completed", "incomplete") and out.output
+    assert out.output[0].type in ("message", "function_call")
