@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from tandem.tools import ChoiceMode, tool_choice_from_json, tools_from_json
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.wire import finish_reason_from_proto
@@ -159,6 +160,8 @@ class Result:
     reprefills: int = 0  # prompt prefilled again after a failed hand-off
     recoveries: list[str] = field(default_factory=list)  # one line per recovery step
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    # A chat with tools: the calls the answer made, as {"id", "name", "arguments"}.
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
 
 
 def build_request(
@@ -167,12 +170,19 @@ def build_request(
     messages: Sequence[Mapping[str, Any]] | None = None,
     model: str = "",
     request_id: str = "",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
     **sampling: Any,
 ) -> rpb.GenerateRequest:
-    """A GenerateRequest from a text, token ids or chat messages plus sampling fields."""
+    """A GenerateRequest from a text, token ids or chat messages plus sampling fields. A chat
+    may carry `tools`, `tool_choice` and `parallel_tool_calls` in OpenAI's JSON shapes."""
     req = rpb.GenerateRequest(request_id=request_id, model=model)
     if messages is not None:
         req.chat.messages.extend(chat_message(m) for m in messages)
+        _set_tools(req.chat, tools, tool_choice, parallel_tool_calls)
+    elif tools is not None or tool_choice is not None:
+        raise ValueError("tools need messages (a chat)")
     elif isinstance(prompt, str):
         req.text = prompt
     elif prompt is not None:
@@ -209,6 +219,35 @@ def _set_constraint(msg: rpb.Constraint, kind: str, value: Any) -> None:
         msg.choice.choices.extend(value)
     else:
         setattr(msg, kind, value)
+
+
+_TOOL_CHOICE_MODES = {
+    ChoiceMode.NONE: rpb.TOOL_CHOICE_MODE_NONE,
+    ChoiceMode.AUTO: rpb.TOOL_CHOICE_MODE_AUTO,
+    ChoiceMode.REQUIRED: rpb.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+
+def _set_tools(
+    chat: rpb.ChatMessages,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    parallel: bool | None,
+) -> None:
+    """OpenAI's tools JSON on the wire (the router checks the rule). Raises ToolError."""
+    for tool in tools_from_json(list(tools) if tools is not None else None):
+        function = rpb.FunctionDefinition(
+            name=tool.name, description=tool.description, parameters=tool.parameters
+        )
+        chat.tools.append(rpb.Tool(function=function))
+    if tool_choice is not None:
+        choice = tool_choice_from_json(tool_choice, bool(tools))
+        if choice.mode == ChoiceMode.FUNCTION:
+            chat.tool_choice.function = choice.name
+        else:
+            chat.tool_choice.mode = _TOOL_CHOICE_MODES[choice.mode]
+    if parallel is not None:
+        chat.parallel_tool_calls = parallel
 
 
 def chat_message(message: Mapping[str, Any]) -> rpb.ChatMessage:
@@ -264,6 +303,10 @@ def _apply(result: Result, msg: rpb.GenerateResponse) -> Chunk | None:
         result.migrations = d.timings.migrations
         result.reprefills = d.timings.reprefills
         result.recoveries = list(d.timings.recoveries)
+        result.tool_calls = [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in d.tool_calls
+        ]
         return None
     if kind == "error":
         e = msg.error

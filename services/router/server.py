@@ -29,6 +29,7 @@ from services.common.rpc.errors import ServiceError, rpc
 from services.common.runtime.process import start_grpc_server
 from services.router.call import Call, CallContext, Timings, worker_request_id
 from services.router.config import RouterConfig
+from services.router.grpc_tools import complete_calls
 from services.router.hops import Hops
 from services.router.links import Background, Links
 from services.router.openai_http import OpenAIServer
@@ -186,7 +187,10 @@ class RouterServer(rgrpc.RouterServicer):
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
+        calls = complete_calls(request, self.tool_format)  # a chat with tools: its calls
         async for response in self.generate(request, context, self.tenants.current()):
+            if calls is not None:
+                calls.see(response)
             yield response
 
     async def generate(

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandem.engine.grammar import Constraint, ConstraintKind
 from tandem.tools.formats import ToolFormat
 from tandem.tools.spec import ChoiceMode, Tool, ToolChoice
+
+if TYPE_CHECKING:
+    from tandem.engine.grammar import Constraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,9 @@ def forced_constraint(
 ) -> Constraint | None:
     """The grammar that makes the answer calls in `format` (required: one or more, one with
     `parallel` false; a named function: exactly that one), or None when the model chooses."""
+    # Here, not at the top: tandem.client reads tools without the engine (torch).
+    from tandem.engine.grammar import Constraint, ConstraintKind
+
     if not choice.forced:
         return None
     return Constraint(ConstraintKind.GRAMMAR, format.grammar(tools, choice, parallel))

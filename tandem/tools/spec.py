@@ -21,7 +21,6 @@ from enum import StrEnum
 from typing import Any
 
 from tandem.chat import kind
-from tandem.engine.grammar import Constraint
 
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -117,6 +116,9 @@ def check_tools(tools: Sequence[Tool], choice: ToolChoice, compile_schemas: bool
                 f'must describe an object (type "object"), got type {schema.get("type")!r}',
             )
         if compile_schemas:
+            # Here, not at the top: tandem.client reads tools without the engine (torch).
+            from tandem.engine.grammar import Constraint
+
             try:
                 Constraint.json_schema(tool.parameters)
             except ValueError as exc:

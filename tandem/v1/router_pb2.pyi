@@ -249,16 +249,18 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., disaggregated: _Optional[bool] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., route_reason: _Optional[str] = ..., route_cached_tokens: _Optional[int] = ..., index_degraded: _Optional[bool] = ..., migrations: _Optional[int] = ..., reprefills: _Optional[int] = ..., recoveries: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("finish_reason", "stop_reason", "usage", "timings")
+    __slots__ = ("finish_reason", "stop_reason", "usage", "timings", "tool_calls")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     stop_reason: str
     usage: Usage
     timings: Timings
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "retry_after_ms")

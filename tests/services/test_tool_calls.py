@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from services.up import Cluster
-from tandem.tools import FORMATS, tools_from_json
+from tandem.client import TandemClient
+from tandem.tools import FORMATS
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 
@@ -58,6 +59,12 @@ def cluster(shared_cluster: Cluster) -> Cluster:
 def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
     base_url = f"http://{cluster.http_address}/v1"
     with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
+    with TandemClient(cluster.router_address, timeout_s=120) as c:
         yield c
 
 
@@ -175,30 +182,35 @@ def test_streamed_required_calls_with_several_calls_reassemble(client: openai.Op
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-def test_a_forced_call_holds_after_the_hand_off(stub: rgrpc.RouterStub) -> None:
-    """gRPC with typed tools; a long new prompt: the prefill worker samples token 1 under
-    the grammar and the decode worker continues it."""
-    chat = rpb.ChatMessages(
-        messages=[rpb.ChatMessage(role="user", content=long_prompt())],
-        tools=[
-            rpb.Tool(function=rpb.FunctionDefinition(name=t.name, parameters=t.parameters))
-            for t in tools_from_json(TOOLS)
-        ],
-        tool_choice=rpb.ToolChoice(mode=rpb.TOOL_CHOICE_MODE_REQUIRED),
+def test_a_forced_call_holds_after_the_hand_off(grpc_client: TandemClient) -> None:
+    """gRPC (typed tools through TandemClient); a long new prompt: the prefill worker samples
+    token 1 under the grammar and the decode worker continues it; Complete.tool_calls has
+    the calls the text holds."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed, choice in ((5, "required"), (6, named)):
+        got = grpc_client.generate(
+            messages=[{"role": "user", "content": long_prompt()}], tools=TOOLS,
+            tool_choice=choice, max_tokens=200, temperature=1.0, seed=seed,
+        )  # fmt: skip
+        assert got.disaggregated, got.route_reason
+        assert got.finish_reason == "stop", got.text
+        parsed = FORMATS["hermes"].parse(got.text, {"get_weather", "get_time"})
+        assert parsed.calls and parsed.content == "", got.text
+        assert [(c["name"], c["arguments"]) for c in got.tool_calls] == [
+            (c.name, c.arguments) for c in parsed.calls
+        ]
+        assert all(c["id"].startswith("call_") for c in got.tool_calls)
+        for call in parsed.calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        if isinstance(choice, dict):
+            assert [c.name for c in parsed.calls] == ["get_time"]
+
+
+def test_grpc_answers_without_tools_carry_no_calls(grpc_client: TandemClient) -> None:
+    none = grpc_client.generate(
+        messages=ask(), tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0.0
     )
-    sampling = rpb.SamplingParams(max_tokens=200, temperature=1.0, seed=5)
-    text, complete = "", None
-    for message in stub.Generate(rpb.GenerateRequest(chat=chat, sampling=sampling), timeout=120):
-        if message.WhichOneof("kind") == "chunk":
-            text += message.chunk.text
-        elif message.WhichOneof("kind") == "complete":
-            complete = message.complete
-    assert complete is not None and complete.timings.disaggregated, complete
-    assert complete.finish_reason == rpb.FINISH_REASON_STOP, (complete, text)
-    parsed = FORMATS["hermes"].parse(text, {"get_weather", "get_time"})
-    assert parsed.calls and parsed.content == "", text
-    for call in parsed.calls:
-        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert none.tool_calls == [] and none.completion_tokens > 0
 
 
 def test_the_prompt_carries_the_tools_unless_none(stub: rgrpc.RouterStub) -> None:
