@@ -17,6 +17,7 @@ caller answers it as text with finish_reason "stop".
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -245,12 +246,29 @@ class Llama3Json(ToolFormat):
 
 
 class Mistral(ToolFormat):
+    """`[TOOL_CALLS]` is a special token in Mistral's vocabularies, which decoding drops: an
+    answer that is a bare list of call objects (`[{...`) is calls too."""
+
     name = "mistral"
     marker = "[TOOL_CALLS]"
+    _BARE = re.compile(r"\s*\[\s*\{")
+    _BARE_PREFIX = re.compile(r"\s*(\[\s*)?")
+
+    def start(self, text: str) -> int | None:
+        i = text.find(self.marker)
+        if i >= 0:
+            return i
+        bare = self._BARE.match(text)
+        return None if bare is None else skip_ws(text, 0)
+
+    def hold(self, text: str) -> int:
+        return 0 if self._BARE_PREFIX.fullmatch(text) else ToolFormat.hold(self, text)
 
     def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
         calls: list[CallScan] = []
-        pos = skip_ws(text, start + len(self.marker))
+        if text.startswith(self.marker, start):
+            start += len(self.marker)
+        pos = skip_ws(text, start)
         if pos >= len(text):
             return calls, False
         if text[pos] != "[":

@@ -169,6 +169,8 @@ def test_tool_choice_from_json() -> None:
         ("mistral",
          f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {W}, "id": "a1b2c3d4e"}}]',
          Parsed("", (ParsedCall("get_weather", W),))),
+        # Decoding drops Mistral's special [TOOL_CALLS]: a bare list of calls is calls.
+        ("mistral", f" [{MW}]", Parsed("", (ParsedCall("get_weather", W),))),
         ("mistral", f'Sure [TOOL_CALLS] [{MP}, {{"name": "ping", "arguments": {{"a": 1}}}}]',
          Parsed("Sure", (ParsedCall("ping", "{}"), ParsedCall("ping", '{"a": 1}')))),
     ],
@@ -193,6 +195,8 @@ def test_parsers_read_calls(format: str, text: str, expected: Parsed) -> None:
         ("mistral", '[TOOL_CALLS]{"name": "ping", "arguments": {}}'),  # not a list
         ("mistral", '[TOOL_CALLS][{"name": "ping", "arguments": {}}'),  # unclosed
         ("mistral", "[TOOL_CALLS][]"),
+        ("mistral", "[1, 2]"),
+        ("mistral", f"Sure: [{MP}]"),  # a bare list only as the whole answer
     ],
 )
 def test_malformed_output_is_all_content(format: str, text: str) -> None:
@@ -245,6 +249,8 @@ TEXTS = [
     ("llama3_json", '{"not": "a call"}'),
     ("mistral", f"[TOOL_CALLS][{MW}, {MP}]"),
     ("mistral", "[TOOL_CALL] is not the marker"),
+    ("mistral", f"[{MW}, {MP}]"),
+    ("mistral", "[1, [2]]"),
 ]  # fmt: skip
 
 
