@@ -1,0 +1,126 @@
+"""The OpenAI API's tool rules (services.router.openai_tools, openai_protocol.Answer with
+tools): a body's tools on the wire, and the exact chunks and whole answers an answer with
+calls makes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from services.common.rpc.convert_tools import ChatTools, tools_from_proto
+from services.router import openai_protocol as oai
+from tandem.tools import FORMATS, ChoiceMode, Tool, ToolChoice
+from tandem.v1 import router_pb2 as rpb
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+USER = [{"role": "user", "content": "weather?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+def answer(**body: Any) -> oai.Answer:
+    parsed = oai.parse_chat({"messages": USER, "tools": TOOLS, **body}, "m", 64)
+    parsed = replace(parsed, tool_format=FORMATS["hermes"])
+    return oai.Answer("chatcmpl-1", "m", True, parsed, lambda token_id: "")
+
+
+def complete(reason: int = rpb.FINISH_REASON_STOP) -> rpb.Complete:
+    return rpb.Complete(finish_reason=reason)
+
+
+def test_a_body_s_tools_go_on_the_wire() -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    parsed = oai.parse_chat(
+        {"messages": USER, "tools": TOOLS, "tool_choice": named, "parallel_tool_calls": False},
+        "m",
+        64,
+    )
+    assert tools_from_proto(parsed.request.chat) == ChatTools(
+        (Tool("get_weather", "", json.dumps(SCHEMA, separators=(",", ":"), sort_keys=True)),),
+        ToolChoice(ChoiceMode.FUNCTION, "get_weather"),
+        parallel=False,
+    )
+    assert parsed.tool_names == {"get_weather"}
+    none = oai.parse_chat({"messages": USER, "tools": TOOLS, "tool_choice": "none"}, "m", 64)
+    assert none.tool_names == frozenset()  # the answer is text
+    plain = oai.parse_chat({"messages": USER}, "m", 64)
+    assert not plain.request.chat.tools and not plain.request.chat.HasField("tool_choice")
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "must be a boolean"),
+        ({"tool_choice": "any"}, "tool_choice", "got 'any'"),
+        ({"tool_choice": "required", "guided_regex": "a+"}, "tool_choice", "guided_regex"),
+        ({"function_call": "auto"}, "function_call", "legacy"),
+    ],
+)
+def test_bad_tool_fields_name_the_field(body: dict[str, Any], param: str, says: str) -> None:
+    with pytest.raises(oai.ApiError) as err:
+        oai.parse_chat({"messages": USER, "tools": TOOLS, **body}, "m", 64)
+    assert (err.value.status, err.value.param) == (400, param)
+    assert says in err.value.message
+
+
+def deltas(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c["choices"][0]["delta"] for c in chunks]
+
+
+def test_streamed_chunks_of_a_call_are_openai_s() -> None:
+    a = answer(stream=True)
+    pieces = ["Let me look.\n<tool", "_call>\n{\"name\": \"get_weather\", ", '"arguments": {"ci',
+              'ty": "Oslo"}}\n</tool_call>']  # fmt: skip
+    got = [d for piece in pieces for d in deltas(a.chunks(rpb.Chunk(text=piece)))]
+    call_id = got[1]["tool_calls"][0]["id"]
+    assert call_id.startswith("call_")
+    assert got == [
+        {"content": "Let me look."},
+        {"tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]},
+    ]  # fmt: skip
+    assert a.finish_chunks() == []
+    last = a.last(complete())["choices"][0]
+    assert (last["delta"], last["finish_reason"]) == ({}, "tool_calls")
+
+
+def test_text_that_is_not_a_call_is_released_and_finishes_with_stop() -> None:
+    a = answer(stream=True)
+    assert deltas(a.chunks(rpb.Chunk(text="Sunny <tool"))) == [{"content": "Sunny"}]
+    assert a.chunks(rpb.Chunk(text="_call")) == []  # may still open a call
+    assert deltas(a.finish_chunks()) == [{"content": " <tool_call"}]
+    assert a.last(complete())["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_several_choices_stream_merges_a_chunk_s_deltas_and_the_rest_at_the_end() -> None:
+    a = answer(stream=True)
+    merged = a.chunk(rpb.Chunk(text=CALL[:40]))["choices"][0]["delta"]
+    assert merged["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "content" not in merged
+    a.chunk(rpb.Chunk(text=CALL[40:]))
+    b = answer(stream=True)
+    assert b.chunk(rpb.Chunk(text="Hmm <tool"))["choices"][0]["delta"] == {"content": "Hmm"}
+    closing = b.last(complete())["choices"][0]  # no finish_chunks on that path
+    assert (closing["delta"], closing["finish_reason"]) == ({"content": " <tool"}, "stop")
+
+
+def test_whole_answers() -> None:
+    a = answer()
+    a.chunk(rpb.Chunk(text="Checking.\n" + CALL))
+    choice = a.whole(complete())["choices"][0]
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert message["content"] == "Checking."
+    [call] = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    broken = answer()
+    broken.chunk(rpb.Chunk(text=CALL[:50]))
+    choice = broken.whole(complete(rpb.FINISH_REASON_LENGTH))["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"] == {"role": "assistant", "content": CALL[:50]}
