@@ -23,6 +23,7 @@ from tandem.tools import (
     CallStart,
     ChoiceMode,
     Content,
+    Event,
     Parsed,
     ParsedCall,
     Tool,
@@ -211,7 +212,7 @@ def test_unknown_parser_is_refused_naming_the_choices() -> None:
 # -- streaming ------------------------------------------------------------------------------
 
 
-def _stream(format: str, pieces: list[str]) -> tuple[str, list[ParsedCall], bool, list[object]]:
+def _stream(format: str, pieces: list[str]) -> tuple[str, list[ParsedCall], bool, list[Event]]:
     stream = ToolCallStream(get_format(format), NAMES)
     events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
     content = "".join(e.text for e in events if isinstance(e, Content))
