@@ -27,7 +27,7 @@ def answer(**body: Any) -> oai.Answer:
     return oai.Answer("chatcmpl-1", "m", True, parsed, lambda token_id: "")
 
 
-def complete(reason: rpb.FinishReason.ValueType = rpb.FINISH_REASON_STOP) -> rpb.Complete:
+def complete(reason: rpb.FinishReason = rpb.FINISH_REASON_STOP) -> rpb.Complete:
     return rpb.Complete(finish_reason=reason)
 
 
