@@ -491,6 +491,7 @@ def test_colocated_pools(helm: Helm, tmp_path: Path, topology_key: str | None) -
         ("controller.config.namespace=x", "Additional property namespace is not allowed"),
         ("decode.config.kv_cache_bytes=-1", "decode.config.kv_cache_bytes: Must be greater"),
         ("router.config.policy=random", "router.config.policy: router.config.policy must be one"),
+        ("router.config.tool_call_parser=qwen", "router.config.tool_call_parser must be one of"),
         ("controller.config.actuator=k8s", "controller.config.actuator must be one of"),
         ("prefill.port=0", "prefill.port: Must be greater than or equal to 1"),
         ("routr.replicas=2", "Additional property routr is not allowed"),
