@@ -358,30 +358,3 @@ def test_responses_take_a_function_call_round_trip(client: openai.OpenAI) -> Non
     )  # fmt: skip
     assert out.status in ("completed", "incomplete") and out.output
     assert out.output[0].type in ("message", "function_call")
-
-
-def test_several_choices_each_return_their_calls(client: openai.OpenAI) -> None:
-    """n > 1 goes through the fan-out: every choice is read for calls, whole and streamed."""
-    kwargs: dict[str, Any] = dict(
-        messages=ask(), tools=TOOLS, tool_choice="required", n=2, seed=3, temperature=1.0,
-        max_tokens=200,
-    )  # fmt: skip
-    whole = client.chat.completions.create(model="", **kwargs)
-    assert sorted(c.index for c in whole.choices) == [0, 1]
-    for choice in whole.choices:
-        assert choice.finish_reason == "tool_calls"
-        check_calls(choice.message.tool_calls or [], {"get_weather", "get_time"})
-    streamed: dict[int, dict[int, dict[str, str]]] = {0: {}, 1: {}}
-    reasons: dict[int, str] = {}
-    for chunk in client.chat.completions.create(model="", stream=True, **kwargs):
-        for choice in chunk.choices:
-            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index, "")
-            for delta in choice.delta.tool_calls or []:
-                call = streamed[choice.index].setdefault(delta.index, {"name": "", "args": ""})
-                call["name"] += (delta.function and delta.function.name) or ""
-                call["args"] += (delta.function and delta.function.arguments) or ""
-    assert reasons == {0: "tool_calls", 1: "tool_calls"}
-    for choice in whole.choices:  # seeded: the same calls as the whole answer's
-        want = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        got = streamed[choice.index]
-        assert [(got[i]["name"], got[i]["args"]) for i in sorted(got)] == want
