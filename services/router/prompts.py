@@ -18,6 +18,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.tokenizer import Tokenizer
 from tandem.tools import (
     DEFAULT_FORMAT,
+    ChoiceMode,
     ToolError,
     check_tools,
     detect_format,
@@ -82,6 +83,9 @@ class Prompts:
             tool_call_parser = detect_format(template) or DEFAULT_FORMAT
         self.tool_format = get_format(tool_call_parser)
         self.template_takes_tools = template_takes_tools(template)
+        # A template that never names tool_calls drops an assistant's calls: they are written
+        # into its content in the format instead (tandem.tools.prompt).
+        self.template_renders_calls = "tool_calls" in (template or "")
         self.model_config = ModelConfig.from_dir(model_dir)
         self.model_id = model_id
         self.max_model_len = self.model_config.max_position_embeddings
@@ -134,9 +138,15 @@ class Prompts:
         messages = [m.to_template() for m in convert.chat_from_proto(chat)]
         add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
         tools = tools_from_proto(chat)
-        if tools.tools:  # the template's `tools`, or a preamble (tandem.tools.prompt)
+        if tools.tools or any(m.tool_calls for m in chat.messages):
+            # the template's `tools`, or a preamble; calls it would drop as text
             inputs = tool_prompt(
-                messages, tools.tools, tools.choice, self.tool_format, self.template_takes_tools
+                messages,
+                tools.tools,
+                tools.choice,
+                self.tool_format,
+                self.template_takes_tools,
+                self.template_renders_calls,
             )
             return self.tokenizer.encode_chat(
                 inputs.messages, add_generation_prompt=add_gen, tools=inputs.tools
@@ -148,7 +158,7 @@ class Prompts:
         """The chat's tools under tandem.tools' rule; each parameters schema is compiled (on
         the pool). Raises ServiceError (INVALID_ARGUMENT chat.tools[i]...)."""
         tools = tools_from_proto(chat)
-        if not tools.tools and tools.choice.mode.value == "none":
+        if not tools.tools and tools.choice.mode == ChoiceMode.NONE:
             return tools
         try:
             check_tools(tools.tools, tools.choice, compile_schemas=False)

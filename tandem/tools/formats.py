@@ -137,6 +137,14 @@ class ToolFormat:
 
     # -- templates without tools ------------------------------------------------------------
 
+    def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
+        """(name, arguments text) calls as the model would have written them (a template
+        that does not render an assistant's tool_calls gets them in its content)."""
+        raise NotImplementedError
+
+    def _object(self, name: str, arguments: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "{self.argument_key}": {arguments or "{}"}}}'
+
     def preamble(self, tools: Sequence[Tool]) -> str:
         """A system text that describes the tools and this format, for a chat template that
         does not render `tools`."""
@@ -186,6 +194,11 @@ class Hermes(ToolFormat):
                     return calls, False
                 raise Malformed(f"text after the calls at {pos}")
 
+    def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
+        return "\n".join(
+            f"{self.marker}\n{self._object(name, args)}\n{self.close}" for name, args in calls
+        )
+
     def _start_rule(self, parallel: bool) -> str:
         block = f"{json.dumps(self.marker + chr(10))} call {json.dumps(chr(10) + self.close)}"
         return f'start: block ("\\n" block)*\nblock: {block}' if parallel else f"start: {block}"
@@ -232,6 +245,9 @@ class Llama3Json(ToolFormat):
                 return calls, False
             if text[pos] != "{":
                 raise Malformed(f"expected a call after ';' at {pos}")
+
+    def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
+        return "; ".join(self._object(name, args) for name, args in calls)
 
     def _start_rule(self, parallel: bool) -> str:
         return 'start: call ("; " call)*' if parallel else "start: call"
@@ -293,6 +309,9 @@ class Mistral(ToolFormat):
             if skip_ws(text, pos + 1) < len(text):
                 raise Malformed("text after the calls")
             return calls, True
+
+    def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
+        return f"{self.marker}[{', '.join(self._object(n, a) for n, a in calls)}]"
 
     def _start_rule(self, parallel: bool) -> str:
         calls = 'call (", " call)*' if parallel else "call"

@@ -3,6 +3,8 @@
 choice none                   the tools are dropped (the prompt as without them)
 template reads `tools`        tools=[{"type": "function", "function": {...}}] (transformers)
 template does not             the format's preamble opens the system message (or is one)
+template never names          an assistant message's calls are written into its content in
+  `tool_calls`                the format, so the model sees what it called before the results
 choice required / a function  the output is forced by `forced_constraint`'s grammar
 """
 
@@ -33,9 +35,13 @@ def tool_prompt(
     choice: ToolChoice,
     format: ToolFormat,
     template_takes_tools: bool,
+    template_renders_calls: bool = True,
 ) -> ToolPrompt:
-    """The template's inputs for a chat with `tools` (module docstring)."""
+    """The template's inputs for a chat with `tools` (module docstring). `messages` are in
+    transformers' shape (tandem.chat.Message.to_template)."""
     messages = list(messages)
+    if not template_renders_calls:
+        messages = [_calls_as_text(m, format) for m in messages]
     if not tools or choice.mode == ChoiceMode.NONE:
         return ToolPrompt(messages, None)
     if template_takes_tools:
@@ -46,6 +52,17 @@ def tool_prompt(
         first["content"] = f"{preamble}\n\n{first['content']}" if first["content"] else preamble
         return ToolPrompt([first, *messages[1:]], None)
     return ToolPrompt([{"role": "system", "content": preamble}, *messages], None)
+
+
+def _calls_as_text(message: dict[str, Any], format: ToolFormat) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    written = format.write_calls(
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    )
+    content = message["content"]
+    return {**message, "content": f"{content}\n{written}" if content else written}
 
 
 def forced_constraint(

@@ -230,6 +230,22 @@ def test_the_prompt_carries_the_tools_unless_none(stub: rgrpc.RouterStub) -> Non
     without = stub.Tokenize(rpb.TokenizeRequest(chat=chat), timeout=30)
     plain = stub.Tokenize(rpb.TokenizeRequest(chat=rpb.ChatMessages(messages=[user])), timeout=30)
     assert list(without.token_ids) == list(plain.token_ids)
+    # The template drops an assistant's tool_calls: they are in its content, in the format.
+    call = rpb.ToolCall(
+        id="call_9", function=rpb.FunctionCall(name="get_time", arguments='{"zone": "UTC"}')
+    )
+    history = [
+        user,
+        rpb.ChatMessage(role="assistant", tool_calls=[call]),
+        rpb.ChatMessage(role="tool", tool_call_id="call_9", content="12:00"),
+    ]
+    chat = rpb.ChatMessages(messages=history, tools=tools)
+    rendered = stub.Tokenize(rpb.TokenizeRequest(chat=chat), timeout=30).prompt
+    assert (
+        '<|start_header_id|>assistant<|end_header_id|>\n\n<tool_call>\n{"name": "get_time", '
+        '"arguments": {"zone": "UTC"}}\n</tool_call><|eot_id|>'
+        "<|start_header_id|>tool<|end_header_id|>\n\n12:00<|eot_id|>"
+    ) in rendered
 
 
 def test_a_tool_result_round_trip(client: openai.OpenAI) -> None:

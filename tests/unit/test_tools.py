@@ -321,6 +321,27 @@ def test_template_inputs() -> None:
     assert merged == [{"role": "system", "content": preambled}, *messages]
 
 
+def test_calls_a_template_would_drop_are_written_in_the_format() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": W}}  # fmt: skip
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    auto = ToolChoice(ChoiceMode.AUTO)
+    written = tool_prompt(history, TOOLS, auto, HERMES, False, template_renders_calls=False)
+    assert written.messages[2]["content"] == HW  # after the preamble's system message
+    assert HERMES.parse(written.messages[2]["content"], NAMES).calls == (
+        ParsedCall("get_weather", W),
+    )
+    said = [history[0], {**history[1], "content": "Checking."}, history[2]]
+    llama = tool_prompt(said, (), ToolChoice(ChoiceMode.NONE), LLAMA, False, False).messages
+    assert llama[1]["content"] == f"Checking.\n{LW}"
+    assert tool_prompt(history, TOOLS, auto, HERMES, True, True).messages == history
+    assert MISTRAL.write_calls([("ping", "")]) == f"[TOOL_CALLS][{MP}]"
+
+
 # -- forcing grammars on a real vocabulary ---------------------------------------------------------
 
 
