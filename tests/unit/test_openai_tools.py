@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from services.common.rpc.convert_tools import ChatTools, tools_from_proto
+from services.common.rpc.convert_tools import ChatTools, tools_from_proto, tools_to_proto
 from services.router import openai_protocol as oai
 from tandem.tools import FORMATS, ChoiceMode, Tool, ToolChoice
 from tandem.v1 import router_pb2 as rpb
@@ -124,3 +124,21 @@ def test_whole_answers() -> None:
     choice = broken.whole(complete(rpb.FINISH_REASON_LENGTH))["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["message"] == {"role": "assistant", "content": CALL[:50]}
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [ToolChoice(mode) for mode in (ChoiceMode.NONE, ChoiceMode.AUTO, ChoiceMode.REQUIRED)]
+    + [ToolChoice(ChoiceMode.FUNCTION, "ping")],
+)
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tools_round_trip_the_wire(choice: ToolChoice, parallel: bool) -> None:
+    tools = (Tool("ping", "no arguments"), Tool("get_weather", "", '{"type":"object"}'))
+    chat = rpb.ChatMessages()
+    tools_to_proto(chat, tools, choice, parallel)
+    back = rpb.ChatMessages.FromString(chat.SerializeToString())
+    assert tools_from_proto(back) == ChatTools(tools, choice, parallel)
+    # Unset: OpenAI's defaults (auto with tools, none without; parallel calls allowed).
+    assert tools_from_proto(rpb.ChatMessages()) == ChatTools((), ToolChoice(ChoiceMode.NONE))
+    bare = rpb.ChatMessages(tools=[rpb.Tool(function=rpb.FunctionDefinition(name="ping"))])
+    assert tools_from_proto(bare) == ChatTools((Tool("ping"),), ToolChoice(ChoiceMode.AUTO))
