@@ -12,6 +12,8 @@ import pytest
 
 from services.common.rpc.convert_tools import ChatTools, tools_from_proto, tools_to_proto
 from services.router import openai_protocol as oai
+from services.router import openai_responses
+from services.router.openai_responses_tools import ToolReply
 from tandem.tools import FORMATS, ChoiceMode, Tool, ToolChoice
 from tandem.v1 import router_pb2 as rpb
 
@@ -142,3 +144,50 @@ def test_tools_round_trip_the_wire(choice: ToolChoice, parallel: bool) -> None:
     assert tools_from_proto(rpb.ChatMessages()) == ChatTools((), ToolChoice(ChoiceMode.NONE))
     bare = rpb.ChatMessages(tools=[rpb.Tool(function=rpb.FunctionDefinition(name="ping"))])
     assert tools_from_proto(bare) == ChatTools((Tool("ping"),), ToolChoice(ChoiceMode.AUTO))
+
+
+# -- the Responses API --------------------------------------------------------------------------
+
+
+def reply(text: list[str]) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
+    body = {"input": "weather?", "tools": [{"type": "function", "name": "get_weather",
+                                           "parameters": SCHEMA}], "stream": True}  # fmt: skip
+    parsed = openai_responses.parse(body, "m", 64)
+    r = ToolReply(parsed, "m", format=FORMATS["hermes"])
+    events = r.opening() + [e for t in text for e in r.deltas(rpb.Chunk(text=t))]
+    events += r.closing(complete())
+    return [e["type"] for e in events], events, events[-1]["response"]
+
+
+def test_responses_stream_a_text_answer_as_without_tools() -> None:
+    kinds, events, response = reply(["Sunny", " <tool", "box> today"])
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    assert [e["delta"] for e in events if "delta" in e] == ["Sunny", " <toolbox> today"]
+    assert response["output"][0]["content"][0]["text"] == "Sunny <toolbox> today"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_responses_stream_text_then_a_call() -> None:
+    kinds, events, response = reply(["Checking.\n", CALL[:30], CALL[30:]])
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    message, call = response["output"]
+    assert message["content"][0]["text"] == "Checking." and message["status"] == "completed"
+    assert (call["type"], call["name"], call["arguments"], call["status"]) == (
+        "function_call", "get_weather", '{"city": "Oslo"}', "completed",
+    )  # fmt: skip
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+    added = events[8]
+    assert (added["output_index"], added["item"]["arguments"]) == (1, "")
+    assert response["tools"][0]["name"] == "get_weather" and response["tool_choice"] == "auto"
