@@ -1,0 +1,191 @@
+"""Quantized weight matrices: the one in-memory format every loader produces and every matmul
+path (CPU, Triton) consumes, with the reference quantizers and the reference dequantization
+that the kernels and loaders are tested against.
+
+A matrix is stored output-major, as checkpoints store it ([out_features, in_features]):
+
+  scheme  qweight                               scales                      zeros
+  int8    int8  [out, in]                       fp32 [out]                  None (symmetric)
+  int4    uint8 [out, in // 2], two per byte:   fp32 [out, in // group]     uint8 [out, in // group]
+          input 2j in the low nibble, 2j + 1                                (0..15), or None: 8
+          in the high nibble
+  fp8     float8_e4m3fn [out, in]               fp32 [out] (per channel)    None
+                                                or [1] (per tensor)
+
+  w[o, i] = (q[o, i] - zero[o, i // group]) * scale[o, i // group]     (int4)
+  w[o, i] = q[o, i] * scale[o]                                         (int8, fp8)
+
+The model multiplies activations [n, in] by w transposed: y = x @ w.T, i.e. [n, out].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_EPS = 1e-12  # scale floor: an all-zero channel or group still gets a finite scale
+
+
+class WeightScheme(StrEnum):
+    NONE = "none"  # the checkpoint's (or --dtype's) floating point
+    INT8 = "int8"  # W8A16, per output channel, symmetric
+    INT4 = "int4"  # W4A16, group-wise along the input, asymmetric (zero points)
+    FP8 = "fp8"  # e4m3 weights, per channel (or per tensor) scales
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """One weight matrix in a quantized scheme (layout in the module docstring).
+
+    Attributes:
+        scheme: INT8, INT4 or FP8.
+        qweight: the quantized values, [out, in] (int4: [out, in // 2] packed).
+        scales: fp32, [out] (int8, fp8 per channel), [1] (fp8 per tensor) or
+            [out, in // group_size] (int4).
+        zeros: int4 only: uint8 [out, in // group_size] zero points in 0..15; None means 8.
+        group_size: int4: inputs per scale (32, 64 or 128); others: in_features.
+    """
+
+    scheme: WeightScheme
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+
+    def __post_init__(self) -> None:
+        out, width = self.qweight.shape
+        in_features = width * 2 if self.scheme is WeightScheme.INT4 else width
+        want = {
+            WeightScheme.INT8: torch.int8,
+            WeightScheme.INT4: torch.uint8,
+            WeightScheme.FP8: torch.float8_e4m3fn,
+        }
+        if self.scheme not in want:
+            raise ValueError(f"scheme must be int8, int4 or fp8, got {self.scheme!r}")
+        if self.qweight.dtype != want[self.scheme]:
+            raise ValueError(
+                f"{self.scheme} qweight must be {want[self.scheme]}, got {self.qweight.dtype}"
+            )
+        if self.scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32, got {self.scales.dtype}")
+        if self.scheme is WeightScheme.INT4:
+            if self.group_size not in INT4_GROUP_SIZES or in_features % self.group_size:
+                raise ValueError(
+                    f"int4 group_size must be one of {INT4_GROUP_SIZES} and divide "
+                    f"in_features {in_features}, got {self.group_size}"
+                )
+            groups = (out, in_features // self.group_size)
+            if tuple(self.scales.shape) != groups:
+                raise ValueError(f"int4 scales must be {groups}, got {tuple(self.scales.shape)}")
+            if self.zeros is not None and (
+                tuple(self.zeros.shape) != groups or self.zeros.dtype != torch.uint8
+            ):
+                raise ValueError(
+                    f"int4 zeros must be uint8 {groups}, got {self.zeros.dtype} "
+                    f"{tuple(self.zeros.shape)}"
+                )
+        else:
+            if self.zeros is not None:
+                raise ValueError(f"{self.scheme} has no zero points")
+            if self.group_size != in_features:
+                raise ValueError(f"{self.scheme} group_size must be in_features {in_features}")
+            per_tensor = self.scheme is WeightScheme.FP8 and tuple(self.scales.shape) == (1,)
+            if tuple(self.scales.shape) != (out,) and not per_tensor:
+                raise ValueError(
+                    f"{self.scheme} scales must be [{out}]"
+                    + (" or [1]" if self.scheme is WeightScheme.FP8 else "")
+                    + f", got {tuple(self.scales.shape)}"
+                )
+
+    @property
+    def out_features(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        width = int(self.qweight.shape[1])
+        return width * 2 if self.scheme is WeightScheme.INT4 else width
+
+    def num_bytes(self) -> int:
+        """Bytes held: values, scales and zero points."""
+        parts = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference: the matrix as [out, in] in `dtype` (computed in float32)."""
+        if self.scheme is WeightScheme.INT4:
+            q = unpack_int4(self.qweight).float()  # [out, in]
+            zeros = self.zeros.float() if self.zeros is not None else torch.full_like(
+                self.scales, 8.0
+            )
+            g = self.group_size
+            w = (q - zeros.repeat_interleave(g, dim=1)) * self.scales.repeat_interleave(g, dim=1)
+        else:
+            w = self.qweight.float() * self.scales.view(-1, 1)
+        return w.to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] integers in 0..15 -> uint8 [out, in // 2] (input 2j low nibble, 2j + 1 high)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even in_features, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in // 2] -> uint8 [out, in] values in 0..15."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Reference int8: per output channel, symmetric, scale = absmax / 127. w: [out, in]."""
+    wf = w.float()
+    scales = (wf.abs().amax(dim=1) / 127.0).clamp_min(_EPS)  # [out]
+    q = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(WeightScheme.INT8, q, scales, None, int(w.shape[1]))
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
+    """Reference int4: per (output channel, input group of `group_size`), asymmetric min/max:
+    scale = (max - min) / 15, zero = round(-min / scale) in 0..15. w: [out, in]."""
+    out, in_features = w.shape
+    if group_size not in INT4_GROUP_SIZES or in_features % group_size:
+        raise ValueError(
+            f"group_size must be one of {INT4_GROUP_SIZES} and divide {in_features}, "
+            f"got {group_size}"
+        )
+    wg = w.float().view(out, in_features // group_size, group_size)
+    lo = wg.amin(dim=2).clamp(max=0.0)  # the range always holds 0, so 0 is exact
+    hi = wg.amax(dim=2).clamp(min=0.0)
+    scales = ((hi - lo) / 15.0).clamp_min(_EPS)  # [out, groups]
+    zeros = torch.round(-lo / scales).clamp_(0, 15)
+    q = torch.round(wg / scales[..., None] + zeros[..., None]).clamp_(0, 15)
+    packed = pack_int4(q.view(out, in_features))
+    return QuantizedWeight(WeightScheme.INT4, packed, scales, zeros.to(torch.uint8), group_size)
+
+
+def quantize_fp8(w: torch.Tensor, per_tensor: bool = False) -> QuantizedWeight:
+    """Reference fp8 (e4m3): scale = absmax / 448 per output channel (or for the whole
+    tensor), values rounded to the nearest e4m3. w: [out, in]."""
+    wf = w.float()
+    absmax = wf.abs().amax().view(1) if per_tensor else wf.abs().amax(dim=1)
+    scales = (absmax / FP8_MAX).clamp_min(_EPS)
+    q = (wf / scales.view(-1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(WeightScheme.FP8, q, scales, None, int(w.shape[1]))
+
+
+def quantize(w: torch.Tensor, scheme: WeightScheme, group_size: int = 128) -> QuantizedWeight:
+    """Quantize an [out, in] matrix with the reference algorithm of `scheme`."""
+    if scheme is WeightScheme.INT8:
+        return quantize_int8(w)
+    if scheme is WeightScheme.INT4:
+        return quantize_int4(w, group_size)
+    if scheme is WeightScheme.FP8:
+        return quantize_fp8(w)
+    raise ValueError(f"scheme must be int8, int4 or fp8, got {scheme!r}")
