@@ -6,14 +6,17 @@ A matrix is stored output-major, as checkpoints store it ([out_features, in_feat
 
   scheme  qweight                               scales                      zeros
   int8    int8  [out, in]                       fp32 [out]                  None (symmetric)
-  int4    uint8 [out, in // 2], two per byte:   fp32 [out, in // group]     uint8 [out, in // group]
-          input 2j in the low nibble, 2j + 1                                (0..15), or None: 8
-          in the high nibble
+  int4    uint8 [out, in // 2], two per byte:   fp32 [out, in // group]     [out, in // group]:
+          input 2j in the low nibble, 2j + 1                                uint8 0..15 (AWQ,
+          in the high nibble                                                GPTQ), fp32 (GGUF
+                                                                            Q4_1's -min/scale),
+                                                                            or None: 8
   fp8     float8_e4m3fn [out, in]               fp32 [out] (per channel)    None
                                                 or [1] (per tensor)
 
-  w[o, i] = (q[o, i] - zero[o, i // group]) * scale[o, i // group]     (int4)
-  w[o, i] = q[o, i] * scale[o]                                         (int8, fp8)
+  w[o, i] = (q[o, i] - zero[o, g(i)]) * scale[o, g(i)]      (int4; g(i) = i // group, or
+                                                            g_idx[i] for GPTQ's act-order)
+  w[o, i] = q[o, i] * scale[o]                              (int8, fp8)
 
 The model multiplies activations [n, in] by w transposed: y = x @ w.T, i.e. [n, out].
 """
@@ -46,8 +49,11 @@ class QuantizedWeight:
         qweight: the quantized values, [out, in] (int4: [out, in // 2] packed).
         scales: fp32, [out] (int8, fp8 per channel), [1] (fp8 per tensor) or
             [out, in // group_size] (int4).
-        zeros: int4 only: uint8 [out, in // group_size] zero points in 0..15; None means 8.
+        zeros: int4 only: [out, in // group_size] zero points, uint8 in 0..15 or float32
+            (fractional, as GGUF Q4_1's offsets); None means 8.
         group_size: int4: inputs per scale (32, 64 or 128); others: in_features.
+        g_idx: int4 only, GPTQ's act-order: int32 [in], the group of each input (None: input
+            i is in group i // group_size).
     """
 
     scheme: WeightScheme
@@ -55,6 +61,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     zeros: torch.Tensor | None
     group_size: int
+    g_idx: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         out, width = self.qweight.shape
@@ -82,15 +89,23 @@ class QuantizedWeight:
             if tuple(self.scales.shape) != groups:
                 raise ValueError(f"int4 scales must be {groups}, got {tuple(self.scales.shape)}")
             if self.zeros is not None and (
-                tuple(self.zeros.shape) != groups or self.zeros.dtype != torch.uint8
+                tuple(self.zeros.shape) != groups
+                or self.zeros.dtype not in (torch.uint8, torch.float32)
             ):
                 raise ValueError(
-                    f"int4 zeros must be uint8 {groups}, got {self.zeros.dtype} "
+                    f"int4 zeros must be uint8 or float32 {groups}, got {self.zeros.dtype} "
                     f"{tuple(self.zeros.shape)}"
                 )
+            if self.g_idx is not None and (
+                tuple(self.g_idx.shape) != (in_features,) or self.g_idx.dtype != torch.int32
+            ):
+                raise ValueError(
+                    f"int4 g_idx must be int32 [{in_features}], got {self.g_idx.dtype} "
+                    f"{tuple(self.g_idx.shape)}"
+                )
         else:
-            if self.zeros is not None:
-                raise ValueError(f"{self.scheme} has no zero points")
+            if self.zeros is not None or self.g_idx is not None:
+                raise ValueError(f"{self.scheme} has no zero points or g_idx")
             if self.group_size != in_features:
                 raise ValueError(f"{self.scheme} group_size must be in_features {in_features}")
             per_tensor = self.scheme is WeightScheme.FP8 and tuple(self.scales.shape) == (1,)
@@ -112,8 +127,8 @@ class QuantizedWeight:
 
     def num_bytes(self) -> int:
         """Bytes held: values, scales and zero points."""
-        parts = [self.qweight, self.scales] + ([self.zeros] if self.zeros is not None else [])
-        return sum(t.numel() * t.element_size() for t in parts)
+        parts = [self.qweight, self.scales, self.zeros, self.g_idx]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The reference: the matrix as [out, in] in `dtype` (computed in float32)."""
@@ -122,8 +137,11 @@ class QuantizedWeight:
             zeros = self.zeros.float() if self.zeros is not None else torch.full_like(
                 self.scales, 8.0
             )
-            g = self.group_size
-            w = (q - zeros.repeat_interleave(g, dim=1)) * self.scales.repeat_interleave(g, dim=1)
+            if self.g_idx is not None:
+                group = self.g_idx.long()
+            else:
+                group = torch.arange(self.in_features, device=q.device) // self.group_size
+            w = (q - zeros[:, group]) * self.scales[:, group]
         else:
             w = self.qweight.float() * self.scales.view(-1, 1)
         return w.to(dtype)

@@ -82,7 +82,20 @@ def test_malformed_weights_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="group_size must be one of"):
         QuantizedWeight(WeightScheme.INT4, torch.zeros(4, 24, dtype=torch.uint8),
                         torch.ones(4, 1), None, 48)  # fmt: skip
-    with pytest.raises(ValueError, match="has no zero points"):
+    with pytest.raises(ValueError, match="has no zero points or g_idx"):
         QuantizedWeight(WeightScheme.INT8, q8, torch.ones(4), torch.zeros(4, 1), 8)
     with pytest.raises(ValueError, match="scheme must be"):
         quantize(torch.ones(2, 64), WeightScheme.NONE)
+
+
+def test_int4_fractional_zeros_and_act_order_groups():
+    """GGUF Q4_1's fractional offsets, and GPTQ's g_idx (input i in group g_idx[i])."""
+    q = torch.tensor([[0, 1, 2, 3] * 16])  # [1, 64]
+    scales = torch.tensor([[0.5, 2.0]])
+    zeros = torch.tensor([[0.25, 1.0]])
+    plain = QuantizedWeight(WeightScheme.INT4, pack_int4(q), scales, zeros, 32)
+    assert plain.dequantize()[0, :4].tolist() == [-0.125, 0.375, 0.875, 1.375]
+    assert plain.dequantize()[0, 32:36].tolist() == [-2.0, 0.0, 2.0, 4.0]
+    g_idx = (torch.arange(64) % 2).to(torch.int32)  # even inputs group 0, odd inputs group 1
+    ordered = QuantizedWeight(WeightScheme.INT4, pack_int4(q), scales, zeros, 32, g_idx)
+    assert ordered.dequantize()[0, :4].tolist() == [-0.125, 0.0, 0.875, 4.0]
