@@ -24,6 +24,7 @@ from tandem.model.attention import AttentionBackend, TorchAttention
 from tandem.model.config import ModelConfig
 from tandem.model.linear import choose_matmul, onednn_bf16_available
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights
+from tandem.model.quant_checkpoints import QuantizedReader, read_checkpoint_quant, stored_shapes
 from tandem.model.safetensors_io import (
     ProgressFn,
     TensorEntry,
@@ -83,7 +84,7 @@ class WeightBuilder:
 
     def __init__(
         self,
-        reader: TensorReader,
+        reader: TensorReader | QuantizedReader,
         shapes: dict[str, tuple[int, ...]],
         dtype: torch.dtype,
         device: torch.device,
@@ -209,20 +210,26 @@ def load_weights(
     for f in files:
         entries.update(read_header(f))
     shapes = expected_shapes(config)
-    check_entries(entries, shapes)
-    file_bytes = sum(entries[n].num_bytes for n in shapes)
+    # A quantized checkpoint (config.json's quantization_config) stores its linear layers
+    # in its own tensors: read those, converted by tandem.model.quant_checkpoints.
+    quant = read_checkpoint_quant(model_dir)
+    stored, quantized = stored_shapes(quant, shapes, entries) if quant else (shapes, {})
+    check_entries(entries, stored)
+    file_bytes = sum(entries[n].num_bytes for n in stored)
     logger.info(
-        "loading %s: %d tensors, %.1f MiB in %d file(s), as %s on %s",
+        "loading %s: %d tensors, %.1f MiB in %d file(s), as %s on %s%s",
         model_dir,
-        len(shapes),
+        len(stored),
         file_bytes / MIB,
         len(files),
         str(dtype).removeprefix("torch."),
         device,
+        f" ({quant.format} checkpoint, {len(quantized)} layers dequantized)" if quant else "",
     )
-    with TensorReader(entries, list(shapes), progress) as reader:
-        weights = WeightBuilder(reader, shapes, dtype, device).model(config)
-    assert reader.num_read == len(shapes), f"read {reader.num_read} of {len(shapes)} tensors"
+    with TensorReader(entries, list(stored), progress) as reader:
+        source = QuantizedReader(reader, quant, quantized) if quant else reader
+        weights = WeightBuilder(source, shapes, dtype, device).model(config)
+    assert reader.num_read == len(stored), f"read {reader.num_read} of {len(stored)} tensors"
     logger.info(
         "loaded %s: %d tensors, %.1f MiB of weights as %s on %s in %.2f s",
         model_dir,
