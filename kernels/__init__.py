@@ -1,5 +1,5 @@
-"""Attention kernels: Triton kernels for CUDA and the pure-torch references they are tested
-against.
+"""Attention and dequant-GEMM kernels: Triton kernels for CUDA and the pure-torch references
+they are tested against.
 
 - `reference`: pure-torch ground truth (imports no Triton).
 - `kv_write.write_kv`: store a step's new K/V into their slots of the paged cache.
@@ -21,6 +21,9 @@ _LAZY_EXPORTS = {
     "write_kv": "kernels.kv_write",
     "paged_prefill_attention": "kernels.prefill_attention",
     "paged_decode_attention": "kernels.decode_attention",
+    "int4_matmul": "kernels.quant_matmul",
+    "scaled_matmul": "kernels.quant_matmul",
+    "quantized_linear": "kernels.quant_matmul",
 }
 
 __all__ = ["reference", *_LAZY_EXPORTS]

@@ -72,3 +72,44 @@ def write_kv_reference(
     """
     kv_layer[slot_block_ids.long(), 0, slot_offsets.long()] = k
     kv_layer[slot_block_ids.long(), 1, slot_offsets.long()] = v
+
+
+def int4_dequantize_reference(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """uint8 [out, in // 2] (input 2j low nibble, 2j + 1 high) -> float32 [out, in]:
+    w[o, i] = (q[o, i] - zeros[o, g(i)]) * scales[o, g(i)], g(i) = g_idx[i] or i // group_size,
+    zeros None meaning 8."""
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(1).float()  # [out, in]
+    in_features = q.shape[1]
+    group = g_idx.long() if g_idx is not None else torch.arange(in_features) // group_size
+    group = group.to(q.device)
+    z = zeros.float()[:, group] if zeros is not None else torch.full_like(q, 8.0)
+    return (q - z) * scales[:, group]
+
+
+def int4_matmul_reference(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [n, in] @ dequantized W.T -> [n, out] in x's dtype. The weights are rounded to x's
+    dtype (what a W4A16 kernel feeds its tensor cores), the products summed in float64."""
+    w = int4_dequantize_reference(qweight, scales, zeros, group_size, g_idx).to(x.dtype)
+    return (x.double() @ w.double().t()).to(x.dtype)
+
+
+def scaled_matmul_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """x [n, in] @ (qweight * scales[:, None]).T -> [n, out] in x's dtype, for int8 or fp8
+    qweight [out, in] and float32 scales [out] or [1]; summed in float64, scaled after."""
+    y = x.double() @ qweight.double().t()  # int8 and e4m3 values are exact in float64
+    return (y * scales.double().view(1, -1)).to(x.dtype)
