@@ -129,6 +129,23 @@ def compressed_layer(gen, prefix, out, inp):
     return tensors, tensors[f"{prefix}.weight"].float() * scale.float()
 
 
+def compressed_int8_layer(gen, prefix, out, inp):
+    q = torch.randint(-128, 128, (out, inp), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(out, 1, generator=gen) * 0.01 + 0.001).half()
+    dense = q.float() * scale.float()
+    return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale}, dense
+
+
+def compressed_config(fmt: str, kind: str) -> dict[str, Any]:
+    weights = dict(num_bits=8, type=kind, strategy="channel", symmetric=True, dynamic=False)
+    return dict(
+        quant_method="compressed-tensors",
+        format=fmt,
+        config_groups={"group_0": dict(targets=["Linear"], weights=weights)},
+        ignore=["lm_head"],
+    )
+
+
 QUANT_CONFIGS: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {
     "awq-g32": (
         dict(quant_method="awq", bits=4, group_size=32, zero_point=True, version="gemm"),
@@ -159,18 +176,12 @@ QUANT_CONFIGS: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {
         lambda gen, p, o, i: fp8_layer(gen, p, o, i, (-(-o // 128), 1), "weight_scale_inv"),
     ),
     "compressed-tensors-fp8-channel": (
-        dict(
-            quant_method="compressed-tensors",
-            format="float-quantized",
-            config_groups={
-                "group_0": dict(
-                    targets=["Linear"],
-                    weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True),
-                )
-            },
-            ignore=["lm_head"],
-        ),
+        compressed_config("float-quantized", "float"),
         lambda gen, p, o, i: compressed_layer(gen, p, o, i),
+    ),
+    "compressed-tensors-int8-channel": (
+        compressed_config("int-quantized", "int"),
+        lambda gen, p, o, i: compressed_int8_layer(gen, p, o, i),
     ),
 }
 
