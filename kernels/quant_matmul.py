@@ -54,7 +54,9 @@ def tiles_for(num_rows: int, int4: bool) -> Tiles:
 
 
 # Triton reads kernel annotations (tl.constexpr), so the arguments carry comments instead.
-@triton.jit
+# num_rows follows the batch: not specialised on (1, multiples of 16, other), so a batch size
+# warm-up did not hit never compiles a variant mid-serving.
+@triton.jit(do_not_specialize=["num_rows"])
 def _scaled_matmul_kernel(  # type: ignore[no-untyped-def]
     x_ptr,  # [num_rows, in_features] activations, inputs contiguous
     w_ptr,  # [out_features, in_features] int8, or e4m3 bytes as uint8; inputs contiguous
@@ -102,7 +104,7 @@ def _scaled_matmul_kernel(  # type: ignore[no-untyped-def]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _int4_matmul_kernel(  # type: ignore[no-untyped-def]
     x_ptr,  # [num_rows, in_features] activations, inputs contiguous
     qweight_ptr,  # uint8 [out_features, in_features // 2]: input 2j low nibble, 2j+1 high

@@ -14,8 +14,10 @@ from tests.kernels.compile_check import REPO_ROOT
 SCRIPT = r"""
 from kernels.decode_attention import _decode_reduce_kernel, _decode_split_kernel
 from kernels.prefill_attention import _prefill_kernel
+from kernels.quant_matmul import _int4_matmul_kernel, _scaled_matmul_kernel
 
-for kernel in (_decode_split_kernel, _decode_reduce_kernel, _prefill_kernel):
+kernels = (_decode_split_kernel, _decode_reduce_kernel, _prefill_kernel)
+for kernel in (*kernels, _scaled_matmul_kernel, _int4_matmul_kernel):
     flags = [p.name for p in kernel.params if p.do_not_specialize]
     print(kernel.fn.__name__, *flags)
 """
@@ -36,4 +38,6 @@ def test_batch_dependent_arguments_are_not_specialised() -> None:
         "_decode_split_kernel stride_bt_req",
         "_decode_reduce_kernel num_splits",
         "_prefill_kernel stride_t_req",
+        "_scaled_matmul_kernel num_rows",
+        "_int4_matmul_kernel num_rows",
     ]
