@@ -17,6 +17,10 @@ launch can be captured in a CUDA graph. The split count comes from the longest c
 the step (`choose_num_splits`; the host knows it), so a short request in a batch with a long
 one has splits that start past its context: such a split writes only lse = -inf, and the
 reduction neither weighs nor reads its partial.
+
+An fp8 (e4m3) cache is dequantized as it is loaded, in registers: K and V tiles become
+float32(stored) * scale in q's dtype (tandem.model.kv_quant), so the rest of the kernel is
+the same for every cache; it reads half the bytes of a 16-bit one.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # a quantized cache (with k_scale, v_scale)
 # Tensor-core dots need every dimension >= 16 on NVIDIA GPUs.
 _MIN_DOT_DIM = 16
 
@@ -80,6 +85,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     #                (none written for an empty split)
     part_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, out: log-sum-exp of each partial
     scale,  # softmax scale (fp32)
+    k_scale,  # fp32: an fp8 cache holds K / k_scale (unused otherwise)
+    v_scale,  # fp32: likewise V
     stride_q_req,  # q.stride(0)
     stride_q_head,  # q.stride(1); q.stride(2) is 1
     stride_kv_block,  # kv.stride(0): may be large (all layers of a block), used in int64
@@ -97,6 +104,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the loop over tiles
     USE_DOT: tl.constexpr,  # tl.dot (tensor cores) rather than broadcast multiply-sum
     UPCAST: tl.constexpr,  # compute on q/K/V converted to fp32 (see the wrapper)
+    FP8_KV: tl.constexpr,  # the cache is e4m3: dequantize each tile with the scales
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,6 +169,9 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         tok_valid = blk * BLOCK_SIZE + tl.arange(0, TILE) < context_len  # [TILE]
         k = tl.load(kv_ptr + kv_offsets, mask=tok_valid[:, None], other=0.0)
         v = tl.load(kv_ptr + stride_kv_kv + kv_offsets, mask=tok_valid[:, None], other=0.0)
+        if FP8_KV:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -284,8 +295,8 @@ def _check_inputs(
     _, _, block_size, num_kv_heads, kv_head_dim = kv_layer.shape
     if q.dtype not in _DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not one of {_DTYPES}")
-    if kv_layer.dtype != q.dtype:
-        raise ValueError(f"kv_layer dtype {kv_layer.dtype} != q dtype {q.dtype}")
+    if kv_layer.dtype not in (q.dtype, FP8_KV_DTYPE):
+        raise ValueError(f"kv_layer dtype {kv_layer.dtype} is neither q's {q.dtype} nor fp8")
     if kv_head_dim != head_dim:
         raise ValueError(f"kv_layer head_dim {kv_head_dim} != q head_dim {head_dim}")
     if not _is_pow2(head_dim) or not 16 <= head_dim <= 256:
@@ -337,6 +348,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each request's newest token over its paged context.
 
@@ -355,6 +368,7 @@ def paged_decode_attention(
             context the block tables hold (`choose_num_splits`); a caller that knows the
             batch's longest context passes the choice for that.
         out: [batch, num_q_heads, head_dim] in q's dtype, written in place if given.
+        k_scale, v_scale: a float8_e4m3fn cache's scales (value = stored * scale).
 
     Returns:
         [batch, num_q_heads, head_dim] in q's dtype (`out` when given).
@@ -397,6 +411,8 @@ def paged_decode_attention(
         part_out,
         part_lse,
         scale,
+        float(k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         kv_layer.stride(0),
@@ -414,6 +430,7 @@ def paged_decode_attention(
         NUM_STAGES=tiles.num_stages,
         USE_DOT=use_dot,
         UPCAST=upcast,
+        FP8_KV=kv_layer.dtype == FP8_KV_DTYPE,
         num_warps=tiles.num_warps,
     )
     _decode_reduce_kernel[(batch, num_q_heads)](

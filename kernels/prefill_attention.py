@@ -28,6 +28,9 @@ rescales the fp32 accumulator as the tiles go by.
 
 The grid is (batch, num_kv_heads, cdiv(max_query_len, BLOCK_Q)): shapes only, no device to
 host sync; tiles past a request's chunk return at once.
+
+An fp8 (e4m3) cache is dequantized as each K/V tile is loaded: float32(stored) * scale in q's
+dtype (tandem.model.kv_quant); the rest of the kernel does not change.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import triton
 import triton.language as tl
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # a quantized cache (with k_scale, v_scale)
 INDEX_DTYPES = (torch.int32, torch.int64)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 LOG2_E = 1.4426950408889634
@@ -87,6 +91,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     query_starts_ptr,  # [batch + 1] cumulative chunk starts in q
     context_lens_ptr,  # [batch] context length including the chunk
     qk_scale,  # softmax scale * log2(e): scores go through exp2
+    k_scale,  # fp32: an fp8 cache holds K / k_scale (unused otherwise)
+    v_scale,  # fp32: likewise V
     stride_q_token,  # q.stride(0), elements
     stride_q_head,  # q.stride(1)
     stride_o_token,  # out.stride(0)
@@ -106,6 +112,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding); 16-bit dots ignore it
     DOT_FP32: tl.constexpr,  # feed tl.dot fp32 copies (Triton's CPU interpreter has no bf16 dot)
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the loop over key tiles
+    FP8_KV: tl.constexpr,  # the cache is e4m3: dequantize each tile with the scales
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0)
@@ -173,6 +180,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         k = tl.load(
             cache_ptr + slot[None, :] + dims[:, None], mask=key_valid[None, :], other=0.0
         )  # [HEAD_DIM, BLOCK_N]
+        if FP8_KV:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
@@ -189,6 +198,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             mask=key_valid[:, None],
             other=0.0,
         )  # [BLOCK_N, HEAD_DIM]
+        if FP8_KV:
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         # P in the cache dtype, as flash-attention does: the second dot runs on tensor cores.
         p = p.to(v.dtype)
         if DOT_FP32:
@@ -237,7 +248,7 @@ def _check(
         )
     if q.dtype not in DTYPES:
         raise ValueError(f"q dtype must be one of {DTYPES}, got {q.dtype}")
-    if kv_layer.dtype != q.dtype:
+    if kv_layer.dtype not in (q.dtype, FP8_KV_DTYPE):
         raise ValueError(f"q dtype {q.dtype} does not match kv_layer dtype {kv_layer.dtype}")
     if context_lens.dim() != 1:
         raise ValueError(f"context_lens must be [batch], got {tuple(context_lens.shape)}")
@@ -293,6 +304,8 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each request's chunk over its cached prefix and itself.
 
@@ -309,6 +322,7 @@ def paged_prefill_attention(
             are not computed (their rows of `out` are left as they were).
         scale: softmax scale.
         out: optional [num_tokens, num_q_heads, head_dim] output, q's dtype.
+        k_scale, v_scale: a float8_e4m3fn cache's scales (value = stored * scale).
 
     Returns:
         `out` (allocated when not given): [num_tokens, num_q_heads, head_dim], q's dtype,
@@ -339,6 +353,8 @@ def paged_prefill_attention(
         query_starts,
         context_lens,
         scale * LOG2_E,
+        float(k_scale),
+        float(v_scale),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -360,6 +376,7 @@ def paged_prefill_attention(
         # integers; fp32 copies of bf16 values multiply exactly, as bf16 tensor cores do.
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         NUM_STAGES=tiles.num_stages,
+        FP8_KV=kv_layer.dtype == FP8_KV_DTYPE,
         num_warps=tiles.num_warps,
     )
     return out

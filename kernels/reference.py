@@ -74,6 +74,22 @@ def write_kv_reference(
     kv_layer[slot_block_ids.long(), 1, slot_offsets.long()] = v
 
 
+def quantize_kv_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """e4m3 of x / scale in float32, saturated to +-448 (e4m3fn's largest finite value)."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv_reference(
+    kv_layer: torch.Tensor, k_scale: float, v_scale: float
+) -> torch.Tensor:
+    """An fp8 layer [num_blocks, 2, block_size, heads, dim] as float32 values: stored * scale
+    (K in [:, 0], V in [:, 1])."""
+    out = kv_layer.float()
+    out[:, 0] *= k_scale
+    out[:, 1] *= v_scale
+    return out
+
+
 def int4_dequantize_reference(
     qweight: torch.Tensor,
     scales: torch.Tensor,

@@ -104,10 +104,13 @@ class EngineConfig:
             1.3-2x faster than float32, within 0.1 nat of it, BENCHMARKS.md issue 24),
             else float32. "float32" for outputs token-identical to transformers in float32.
         device: torch device string ("cpu", "cuda", "cuda:1").
-        kv_cache_dtype: dtype of the KV cache; "auto" = the model's dtype (the only choice
-            today; the field exists so that FP8 KV can follow).
-        attention_backend: "auto" (Triton paged kernels on CUDA, torch ops on a CPU),
-            "torch" or "triton" (on a CPU, Triton runs only under TRITON_INTERPRET=1: tests).
+        kv_cache_dtype: dtype of the KV cache: "auto" = the model's dtype; "fp8" = e4m3 with
+            per-layer K and V scales from the checkpoint, else 1.0 (tandem.model.kv_quant):
+            half the bytes per token of bfloat16.
+        attention_backend: "auto" (Triton paged kernels on CUDA; on a CPU the native paged
+            decode kernel when it builds, else torch ops), "torch" (torch ops only), "native"
+            (the CPU decode kernel, built with the system's C compiler: tandem.model.cpu_kernels)
+            or "triton" (on a CPU, Triton runs only under TRITON_INTERPRET=1: tests).
         cuda_graphs: on CUDA with the Triton backend, capture decode-only steps in CUDA
             graphs during warm-up and replay them (see tandem.engine.cuda_graphs).
         seed: seed of the sampler's default generator (requests without their own seed).
@@ -133,18 +136,19 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )
-        if self.kv_cache_dtype not in ("auto", self.resolved_dtype):
+        if self.kv_cache_dtype not in ("auto", "fp8", self.resolved_dtype):
             raise ValueError(
-                f"kv_cache_dtype must be auto (the model's dtype, {self.resolved_dtype}), "
-                f"got {self.kv_cache_dtype!r}: other KV dtypes are not supported yet"
+                f"kv_cache_dtype must be auto (the model's dtype, {self.resolved_dtype}) or "
+                f"fp8, got {self.kv_cache_dtype!r}"
             )
         if not isinstance(self.role, EngineRole):
             object.__setattr__(self, "role", EngineRole(self.role))
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "native", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, native or triton, "
+                f"got {self.attention_backend!r}"
             )
 
     @property

@@ -299,7 +299,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         worker computes from the request's own tokens and salt. Raises PERMISSION_DENIED."""
         if self._handoff_key is None:
             return  # no cluster secret: unsigned hand-offs (warned at start)
-        keys = hash_keys(self.engine.model_id, spec.cache_salt)
+        keys = hash_keys(self.engine.model_id, spec.cache_salt, self.engine.kv_hash_format)
         hashes = prompt_hashes(spec.prompt_token_ids, self.engine.kv.block_size, keys)
         if not verify_handoff(self._handoff_key, spec.request_id, hashes, handoff):
             what = "missing" if not handoff.signature else "does not match"

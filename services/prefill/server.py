@@ -161,7 +161,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         the ones the decode worker computes from its own request: same tokens, same salt."""
         if self._handoff_key is None:
             return handoff
-        keys = hash_keys(self.engine.model_id, spec.cache_salt)
+        keys = hash_keys(self.engine.model_id, spec.cache_salt, self.engine.kv_hash_format)
         hashes = prompt_hashes(spec.prompt_token_ids, handoff.block_size, keys)
         signature = sign_handoff(self._handoff_key, spec.request_id, hashes, handoff)
         return dataclasses.replace(handoff, signature=signature)

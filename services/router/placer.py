@@ -16,7 +16,7 @@ from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
 from services.common.rpc.errors import unavailable
 from services.router.config import RouterConfig
 from services.router.links import Background
-from tandem.engine.prefix_hash import hash_blocks, hash_keys
+from tandem.engine.prefix_hash import hash_blocks, hash_keys, kv_hash_format
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
 from tandem.routing import (
@@ -81,13 +81,8 @@ class Placer:
     ) -> Placement:
         """Raises ServiceError(UNAVAILABLE) when no decode worker is available. `span`
         (tandem.route) gets the decision, its reason and the candidates' scores."""
-        # The same chained hashes the workers publish (tandem.engine.prefix_hash).
-        hashes = hash_blocks(
-            list(spec.prompt_token_ids),
-            self.config.block_size,
-            hash_keys(self.model_id, spec.cache_salt),
-        )
-        overlap = await self._lookup(hashes)
+        workers = self.workers()
+        hashes, overlap = await self._prefix_overlap(spec, workers)
         self._sequence += 1
         route = RouteRequest(
             spec.num_prompt_tokens,
@@ -96,7 +91,6 @@ class Placer:
             self._sequence,
             prefix_key(hashes, self.config.routing.affinity_blocks),
         )
-        workers = self.workers()
         placement = choose(route, workers, self.config.routing)
         candidates = (
             placement.candidates
@@ -190,6 +184,34 @@ class Placer:
         if held:
             return f"no healthy decode worker (recently failed: {', '.join(held)}); retry later"
         return "no decode worker available; retry later"
+
+    async def _prefix_overlap(
+        self, spec: RequestSpec, workers: list[WorkerLoad]
+    ) -> tuple[list[int], dict[str, int] | None]:
+        """The prompt's block hashes and each worker's cached leading blocks. The same
+        chained hashes the workers publish (tandem.engine.prefix_hash): an fp8 cache hashes
+        its KV format too, so each format's workers are looked up under their own hashes
+        (one lookup per format in the fleet, usually one). The hashes returned (the prefix
+        key's) are those of the format most workers have."""
+        by_format: dict[str, list[str]] = {}
+        for w in workers:
+            by_format.setdefault(kv_hash_format(w.kv_format), []).append(w.worker_id)
+        formats = sorted(by_format, key=lambda f: (-len(by_format[f]), f)) or [""]
+        tokens = list(spec.prompt_token_ids)
+        first: list[int] = []
+        merged: dict[str, int] | None = None
+        for i, fmt in enumerate(formats):
+            keys = hash_keys(self.model_id, spec.cache_salt, fmt)
+            hashes = hash_blocks(tokens, self.config.block_size, keys)
+            if i == 0:
+                first = hashes
+            overlap = await self._lookup(hashes)
+            if overlap is None:
+                return first, None
+            members = set(by_format.get(fmt, ()))
+            found = {w: n for w, n in overlap.items() if w in members or len(formats) == 1}
+            merged = {**(merged or {}), **found}
+        return first, merged
 
     async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:
         """Leading cached blocks per worker, or None when the index cannot answer in time

@@ -33,6 +33,7 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.model.detokenize import TextStream
+from tandem.model.kv_quant import FP8_DTYPE, KVScales, kv_format, load_kv_scales
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.tokenizer import Tokenizer
 from tandem.model.triton_attention import make_attention
@@ -135,11 +136,23 @@ class LLMEngine:
                 (model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self.eos_token_ids
             )
         dtype = DTYPES[config.resolved_dtype]
+        # FP8 KV (tandem.model.kv_quant): the backend quantizes on write with these scales.
+        self.kv_scales: KVScales | None = None
+        if config.kv_cache_dtype == "fp8":
+            self.kv_scales = load_kv_scales(model_dir, mcfg.num_layers)
+            self.model.attention.use_fp8_kv(self.kv_scales, dtype)
+            log.info("FP8 KV cache, scales from the %s", self.kv_scales.source)
+        kv_dtype = FP8_DTYPE if self.kv_scales is not None else dtype
+        # What the registry advertises and, for a scaled cache, what the prefix hashes add.
+        self.kv_format = kv_format(str(kv_dtype).removeprefix("torch."), self.kv_scales)
+        self.kv_hash_format = self.kv_format if self.kv_scales is not None else ""
         block_size = config.cache.block_size
         device = torch.device(config.device)
-        sizing = size_kv_cache(self.model, config.cache, sched_cfg, dtype, max_model_len, device)
+        sizing = size_kv_cache(
+            self.model, config.cache, sched_cfg, kv_dtype, max_model_len, device
+        )
         self.num_blocks = sizing.num_blocks
-        per_block = block_bytes(mcfg, block_size, dtype)
+        per_block = block_bytes(mcfg, block_size, kv_dtype)
         explicit = sched_cfg.max_model_len is not None
         self.max_model_len = fit_context(
             max_model_len, explicit, self.num_blocks, block_size, per_block
@@ -147,7 +160,7 @@ class LLMEngine:
         log.info(
             "KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB %s on %s; context %d",
             sizing.source, sizing.num_blocks, block_size, sizing.num_tokens,
-            sizing.num_bytes / 2**20, config.resolved_dtype, config.device, self.max_model_len,
+            sizing.num_bytes / 2**20, self.kv_format, config.device, self.max_model_len,
         )  # fmt: skip
         if self.max_model_len < max_model_len:
             log.warning(
@@ -161,11 +174,13 @@ class LLMEngine:
             mcfg,
             self.num_blocks + int(self._graphs_wanted),
             block_size,
-            dtype,
+            kv_dtype,
             device,
         )
         self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.max_model_len, self.model_id)
+        self.scheduler = Scheduler(
+            sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
+        )
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
         self.runner = ModelRunner(

@@ -58,10 +58,25 @@ def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: Sequence[
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_keys(model_id: str, cache_salt: str = "") -> tuple[str, ...]:
+def hash_keys(model_id: str, cache_salt: str = "", kv_format: str = "") -> tuple[str, ...]:
     """The extra keys of a request's block hashes: the model, and its cache salt if any.
-    Every party that hashes a prompt (router, prefill, decode, signature checks) uses this."""
+    Every party that hashes a prompt (router, prefill, decode, signature checks) uses this.
+
+    `kv_format`: a scaled (FP8) cache's format (`tandem.model.kv_quant.kv_format`), "" for a
+    cache in the model's dtype. It follows the salt, which is then always present, so the
+    three-key form can never equal a two-key one: fp8 blocks never share a hash with bf16
+    ones, nor with another tenant's salt.
+    """
+    if kv_format:
+        return (model_id, cache_salt, "kv:" + kv_format)
     return (model_id, cache_salt) if cache_salt else (model_id,)
+
+
+def kv_hash_format(kv_format: str) -> str:
+    """The `hash_keys` kv_format of a worker advertising `kv_format`
+    (`tandem.model.kv_quant.kv_format`): itself for a scaled (fp8) cache, whose format names
+    its scales after a "/", and "" for a cache in the model's dtype (unchanged hashes)."""
+    return kv_format if "/" in kv_format else ""
 
 
 def hash_blocks(

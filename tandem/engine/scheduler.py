@@ -75,6 +75,8 @@ class Scheduler:
         model_id: the first extra key of every block hash; a request's own `cache_salt`
             follows it (`prefix_hash.hash_keys`), so requests with different salts never
             share a cached block.
+        kv_format: a scaled (FP8) cache's KV format (`kv_quant.kv_format`), hashed after
+            them so that its blocks never share a hash with another format's; "" otherwise.
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         model_id: str = "",
+        kv_format: str = "",
     ) -> None:
         self.config = config
+        self.kv_format = kv_format
         self.kv = kv
         self.max_model_len = max_model_len
         self.model_id = model_id
@@ -96,7 +100,7 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------
 
     def _update_hashes(self, request: Request) -> None:
-        keys = hash_keys(self.model_id, request.cache_salt)
+        keys = hash_keys(self.model_id, request.cache_salt, self.kv_format)
         request.update_block_hashes(self.kv.block_size, keys)
 
     def add_request(self, request: Request) -> None:

@@ -13,11 +13,15 @@ Token layout of one step (built by the runner): decode rows first, then prefill 
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from tandem.model import cpu_kernels
+from tandem.model.kv_quant import KVScales, dequantize_kv, layer_index, quantize_kv
 
 # Up to this many KV heads, CPU decode attention multiplies block-diagonal queries (one
 # contiguous batched matmul per product; measured 1.5-1.8x faster than per-head products at
@@ -52,12 +56,15 @@ class DecodeGroup:
         key_bias: [rows, 1, max_blocks * block_size] float32, added to the scores: 0 where a
             key is in the row's context, -inf past it. Built once per step, read by every
             layer.
+        context_lens: [rows] int64, each row's context including its new token (what the
+            native kernel reads instead of the padding and bias); None: torch ops only.
     """
 
     start: int
     end: int
     block_tables: torch.Tensor
     key_bias: torch.Tensor
+    context_lens: torch.Tensor | None = None
 
     @staticmethod
     def build(
@@ -68,7 +75,8 @@ class DecodeGroup:
         past = key_pos[None, :] >= context_lens[:, None]  # [rows, keys]
         bias = torch.zeros(past.shape, dtype=torch.float32, device=block_tables.device)
         bias.masked_fill_(past, float("-inf"))
-        return DecodeGroup(start, start + block_tables.shape[0], block_tables, bias.unsqueeze(1))
+        end = start + block_tables.shape[0]
+        return DecodeGroup(start, end, block_tables, bias.unsqueeze(1), context_lens)
 
 
 @dataclass(slots=True)
@@ -144,6 +152,11 @@ class AttentionBackend(Protocol):
         """
         ...
 
+    def use_fp8_kv(self, scales: KVScales, dtype: torch.dtype) -> None:
+        """The cache is float8_e4m3fn with `scales` (tandem.model.kv_quant): quantize K/V on
+        write, dequantize to the model's `dtype` on read. Called before the first step."""
+        ...
+
     def warm_up(self, kv_layer: torch.Tensor, num_q_heads: int, max_context_len: int) -> None:
         """Before traffic: compile whatever a step with contexts of up to `max_context_len`
         tokens could need that the warm-up steps may not have hit (e.g. kernel variants)."""
@@ -151,7 +164,9 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """CPU attention with torch ops: gather the context's blocks, then SDPA.
+    """CPU attention with torch ops: gather the context's blocks, then SDPA; decode rows
+    through `decode_kernel` (tandem.model.cpu_kernels: paged, reading blocks in place) when
+    one is given and takes the cache.
 
     Gathers go into a reused workspace: a fresh multi-MB tensor per layer costs page faults
     that take ~8x longer than the copy itself.
@@ -159,9 +174,17 @@ class TorchAttention:
 
     needs_paged_batch = False
 
-    def __init__(self) -> None:
+    def __init__(self, decode_kernel: ctypes.CDLL | None = None) -> None:
+        self.decode_kernel = decode_kernel
         # Allocated on first use, on the cache's device and in its dtype.
         self._workspace: torch.Tensor | None = None
+        # Set by the engine for an FP8 cache (tandem.model.kv_quant): K/V are quantized on
+        # write and dequantized after each gather.
+        self.kv_scales: KVScales | None = None
+
+    def use_fp8_kv(self, scales: KVScales, dtype: torch.dtype) -> None:
+        """The cache is float8_e4m3fn with `scales`; reads dequantize to q's dtype."""
+        self.kv_scales = scales
 
     def warm_up(self, kv_layer: torch.Tensor, num_q_heads: int, max_context_len: int) -> None:
         """Nothing to compile: torch's ops have no variants to build ahead of time."""
@@ -198,12 +221,24 @@ class TorchAttention:
     ) -> torch.Tensor:
         k_cache = kv_layer[:, 0]  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache = kv_layer[:, 1]
-        k_cache[meta.slot_block_ids, meta.slot_offsets] = k
-        v_cache[meta.slot_block_ids, meta.slot_offsets] = v
+        kv_scales: tuple[float, float] | None = None
+        if self.kv_scales is not None:
+            layer = layer_index(kv_layer)
+            kv_scales = (self.kv_scales.k[layer], self.kv_scales.v[layer])
+            k8, v8 = quantize_kv(k, kv_scales[0]), quantize_kv(v, kv_scales[1])
+            k_cache[meta.slot_block_ids, meta.slot_offsets] = k8
+            v_cache[meta.slot_block_ids, meta.slot_offsets] = v8
+            # A chunk attends over its own K/V as the cache holds them, so that its output
+            # does not depend on whether a prefix came from the cache or was just computed.
+            k = dequantize_kv(k8, kv_scales[0], q.dtype)
+            v = dequantize_kv(v8, kv_scales[1], q.dtype)
+        else:
+            k_cache[meta.slot_block_ids, meta.slot_offsets] = k
+            v_cache[meta.slot_block_ids, meta.slot_offsets] = v
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             out[group.start : group.end] = self._decode(
-                q[group.start : group.end], k_cache, v_cache, group, scale
+                q[group.start : group.end], k_cache, v_cache, group, scale, kv_scales
             )
         for span in meta.prefills:
             end = span.token_start + span.num_new_tokens
@@ -215,6 +250,7 @@ class TorchAttention:
                 v_cache,
                 span,
                 scale,
+                kv_scales,
             )
         return out
 
@@ -225,7 +261,17 @@ class TorchAttention:
         v_cache: torch.Tensor,
         group: DecodeGroup,
         scale: float,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
+        lib = self.decode_kernel
+        if (
+            lib is not None
+            and group.context_lens is not None
+            and cpu_kernels.supports(q, k_cache)
+        ):
+            return cpu_kernels.decode_attention(
+                lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale
+            )
         tables = group.block_tables
         num_rows, max_blocks = tables.shape
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -234,6 +280,9 @@ class TorchAttention:
         # Gathered as stored: [rows, keys, kv_heads * head_dim], each row one contiguous matrix.
         keys = self._gather(k_cache, flat, 0).view(num_rows, num_keys, num_kv_heads * head_dim)
         values = self._gather(v_cache, flat, 1).view(num_rows, num_keys, num_kv_heads * head_dim)
+        if kv_scales is not None:
+            keys = dequantize_kv(keys, kv_scales[0], q.dtype)
+            values = dequantize_kv(values, kv_scales[1], q.dtype)
         group_size = q.shape[1] // num_kv_heads
         if num_kv_heads > BLOCK_DIAGONAL_MAX_KV_HEADS:
             return self._decode_per_head(q, keys, values, group, scale, num_kv_heads)
@@ -290,6 +339,7 @@ class TorchAttention:
         v_cache: torch.Tensor,
         span: PrefillSpan,
         scale: float,
+        kv_scales: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         num_new, ctx = span.num_new_tokens, span.context_len
         if ctx == num_new:
@@ -300,6 +350,9 @@ class TorchAttention:
             keys = self._gather(k_cache, span.block_ids, 0).view(-1, num_kv_heads, head_dim)
             values = self._gather(v_cache, span.block_ids, 1).view(-1, num_kv_heads, head_dim)
             keys, values = keys[:ctx], values[:ctx]
+            if kv_scales is not None:
+                keys = dequantize_kv(keys, kv_scales[0], q.dtype)
+                values = dequantize_kv(values, kv_scales[1], q.dtype)
             # Query i sits at position ctx - num_new + i and sees keys at positions <= that.
             q_pos = torch.arange(ctx - num_new, ctx, device=q.device).unsqueeze(1)
             mask, causal = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos, False

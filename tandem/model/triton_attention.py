@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tandem.model.attention import AttentionMetadata
+from tandem.model.kv_quant import KVScales, layer_index
 
 
 class TritonAttention:
@@ -32,6 +33,20 @@ class TritonAttention:
         self._choose_num_splits: Any = decode_attention.choose_num_splits
         self._device_num_sms: Any = decode_attention.device_num_sms
         self._num_sms: int | None = None  # read from the device at the first decode
+        # Set by the engine for an FP8 cache (tandem.model.kv_quant): the kernels quantize
+        # on write and dequantize on read with the layer's scales.
+        self.kv_scales: KVScales | None = None
+        self._q_dtype: torch.dtype | None = None  # the model's dtype, with an fp8 cache
+
+    def use_fp8_kv(self, scales: KVScales, dtype: torch.dtype) -> None:
+        """The cache is float8_e4m3fn with `scales`; the model computes in `dtype`."""
+        self.kv_scales, self._q_dtype = scales, dtype
+
+    def _scales(self, kv_layer: torch.Tensor) -> tuple[float, float]:
+        if self.kv_scales is None:
+            return 1.0, 1.0
+        layer = layer_index(kv_layer)
+        return self.kv_scales.k[layer], self.kv_scales.v[layer]
 
     def num_splits(self, kv_layer: torch.Tensor, num_rows: int, max_context_len: int) -> int:
         """The decode kernel's split count for `num_rows` rows whose longest context is
@@ -48,9 +63,8 @@ class TritonAttention:
         single-row launch per padding, up to the most splits (one row at the longest
         context). Reads block 0 of `kv_layer`; writes nothing to it."""
         most = self.num_splits(kv_layer, 1, max_context_len)
-        q = torch.zeros(
-            (1, num_q_heads, kv_layer.shape[4]), dtype=kv_layer.dtype, device=kv_layer.device
-        )
+        dtype = self._q_dtype or kv_layer.dtype
+        q = torch.zeros((1, num_q_heads, kv_layer.shape[4]), dtype=dtype, device=kv_layer.device)
         table = torch.zeros((1, 1), dtype=torch.int32, device=kv_layer.device)
         lens = torch.ones(1, dtype=torch.int32, device=kv_layer.device)
         for i in range((most - 1).bit_length() + 1):
@@ -68,7 +82,10 @@ class TritonAttention:
         # q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         paged = meta.paged
         assert paged is not None, "the runner builds AttentionMetadata.paged for this backend"
-        self._write_kv(k, v, kv_layer, meta.slot_block_ids, meta.slot_offsets)
+        k_scale, v_scale = self._scales(kv_layer)
+        self._write_kv(
+            k, v, kv_layer, meta.slot_block_ids, meta.slot_offsets, k_scale, v_scale
+        )
         out = torch.empty_like(q)
         nd = paged.num_decode
         if nd:
@@ -80,6 +97,8 @@ class TritonAttention:
                 scale,
                 num_splits=self.num_splits(kv_layer, nd, paged.max_decode_context_len),
                 out=out[:nd],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if q.shape[0] > nd:
             self._prefill(
@@ -91,23 +110,41 @@ class TritonAttention:
                 paged.max_query_len,
                 scale,
                 out=out[nd:],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out
 
 
 def make_attention(name: str, device: str) -> Any:
-    """The attention backend `name` ("auto", "torch" or "triton") for `device`: auto picks
-    Triton on CUDA and the torch CPU path elsewhere.
+    """The attention backend `name` for `device`:
+      triton  the paged Triton kernels (CUDA; the CPU only under TRITON_INTERPRET=1);
+      torch   TorchAttention with torch ops only;
+      native  TorchAttention with its decode rows through the native paged CPU kernel
+              (tandem.model.cpu_kernels, built with the system's C compiler);
+      auto    Triton on CUDA; on a CPU native when the kernel builds, else torch.
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or native where the kernel cannot be built.
     """
+    from tandem.model import cpu_kernels
     from tandem.model.attention import TorchAttention
 
+    is_cuda = torch.device(device).type == "cuda"
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        if is_cuda:
+            return TritonAttention()
+        return TorchAttention(cpu_kernels.load())
     if name == "torch":
         return TorchAttention()
+    if name == "native":
+        lib = None if is_cuda else cpu_kernels.load()
+        if lib is None:
+            raise ValueError(
+                "attention_backend native: the CPU kernel is unavailable (a CPU device and a C "
+                "compiler are needed; see the log)"
+            )
+        return TorchAttention(lib)
     if name == "triton":
         return TritonAttention()
-    raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
+    raise ValueError(f"attention_backend must be auto, torch, native or triton, got {name!r}")

@@ -29,6 +29,10 @@ workers (`overlap`, from the prefix index):
      landing on the first worker (or on every worker in turn). Requests without a key
      (shorter than one block, so below any sensible disaggregation threshold; the
      simulator's, which carry no tokens) take the first tied worker by id.
+  5. KV format: a prefill worker is paired only with a decode worker of the same KV format
+     (dtype and fp8 scales, `WorkerLoad.kv_format`): the decode worker would refuse any
+     other's blocks. With none of that format, the decode worker prefills and the reason
+     says why.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class WorkerLoad:
     inflight_requests: int = 0  # sent by this router, not yet finished
     inflight_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # measured prompt rate (0: not measured yet)
+    kv_format: str = ""  # the KV cache's format (dtype, fp8 scales); pairs must be equal
 
     @property
     def prefill_queue(self) -> int:
@@ -238,6 +243,10 @@ def choose(
             local,
             candidates,
         )
+    compatible = [w for w in prefills if w.kv_format == decode.kv_format]
+    if not compatible:
+        return _no_compatible_prefill(decode, prefills, local, candidates)
+    prefills = compatible
     if not kv:
         # Rotate among equally loaded workers: at low load every queue reads 0, and a fixed
         # tie-break would send everything to one worker.
@@ -336,5 +345,24 @@ def _round_robin(
     if request.num_prompt_tokens < config.disagg_min_uncached_tokens or not prefills:
         reason = "round robin: prefill on decode"
         return Placement(decode, None, kind, reason, candidates=candidates)
+    compatible = [w for w in prefills if w.kv_format == decode.kv_format]
+    if not compatible:
+        return _no_compatible_prefill(decode, prefills, 0, candidates)
+    prefills = compatible
     prefill = prefills[request.sequence % len(prefills)]
     return Placement(decode, prefill, kind, "round robin", candidates=candidates)
+
+
+def _no_compatible_prefill(
+    decode: WorkerLoad,
+    prefills: list[WorkerLoad],
+    cached: int,
+    candidates: tuple[Candidate, ...],
+) -> Placement:
+    """Colocated on `decode`: every prefill worker's KV format differs from its own."""
+    others = sorted({w.kv_format or "unknown" for w in prefills})
+    reason = (
+        f"no prefill worker with KV format {decode.kv_format or 'unknown'} "
+        f"(theirs: {', '.join(others)}): prefill on {decode.worker_id}"
+    )
+    return Placement(decode, None, RouteKind.NO_PREFILL_WORKER, reason, cached, candidates)

@@ -231,8 +231,14 @@ class KVTransport(ABC):
 
     # -------------------------------------------------------------------------------- contract
 
-    def register(self, kv_cache: torch.Tensor) -> None:
+    def register(
+        self,
+        kv_cache: torch.Tensor,
+        scales: tuple[tuple[float, ...], tuple[float, ...]] = ((), ()),
+    ) -> None:
         """Register this engine's KV cache (block-major, dim 0 indexes blocks) for transfers.
+        `scales`: (k_scales, v_scales) of a scaled (fp8) cache, one per layer; they join
+        its layout (the manifest every handle carries and every read checks).
 
         Call once, before `export` or `read`. The tensor must stay alive and must not be
         reallocated until `close`. Its `KVLayout` (memory type and device from the tensor's
@@ -262,7 +268,7 @@ class KVTransport(ABC):
                 f"kv_cache must have at least one non-empty block, got shape "
                 f"{tuple(kv_cache.shape)}"
             )
-        layout = KVLayout.of_cache(kv_cache)
+        layout = KVLayout.of_cache(kv_cache, scales)
         block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         assert block_bytes == layout.block_bytes, (block_bytes, layout)
         self._do_register(kv_cache)

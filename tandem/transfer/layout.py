@@ -10,6 +10,12 @@ bytes (`check_compatible`), before it moves any:
 
 Where the bytes live (memory type, device) may differ between the sides: NIXL reads VRAM into
 DRAM and across devices.
+
+An FP8 cache's bytes mean something only with its scales (tandem.model.kv_quant): the layout
+carries them as a manifest, `k_scales` and `v_scales` (one per layer; empty for a cache in the
+model's dtype), matched exactly like the dtype, and signed with the rest of the handle. Equal
+fp8 bytes under other scales are other numbers: a peer that drops or changes them serves
+garbage.
 """
 
 from __future__ import annotations
@@ -23,7 +29,16 @@ MEMORY_TYPES = ("DRAM", "VRAM")
 # V of a block contiguous, so that a block is one byte range.
 BLOCK_MAJOR = "[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]"
 # The fields that must be equal on both sides of a read, in the order a mismatch names them.
-MATCHED_FIELDS = ("dtype", "order", "num_layers", "block_size", "num_kv_heads", "head_dim")
+MATCHED_FIELDS = (
+    "dtype",
+    "k_scales",
+    "v_scales",
+    "order",
+    "num_layers",
+    "block_size",
+    "num_kv_heads",
+    "head_dim",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +52,8 @@ class KVLayout:
         num_layers, block_size, num_kv_heads, head_dim: the cache's dimensions after the
             block dimension; block_size is in tokens.
         order: the cache's dimension order; `BLOCK_MAJOR` for every engine cache.
+        k_scales, v_scales: a scaled (fp8) cache's dequantization scales, one per layer
+            (x = stored * scale); empty for a cache in the model's dtype.
     """
 
     memory_type: str
@@ -47,6 +64,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     order: str = BLOCK_MAJOR
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.memory_type not in MEMORY_TYPES:
@@ -63,6 +82,12 @@ class KVLayout:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.order:
             raise ValueError("order must be a non-empty string")
+        object.__setattr__(self, "k_scales", tuple(float(x) for x in self.k_scales))
+        object.__setattr__(self, "v_scales", tuple(float(x) for x in self.v_scales))
+        for name in ("k_scales", "v_scales"):
+            n = len(getattr(self, name))
+            if n not in (0, self.num_layers):
+                raise ValueError(f"{name} must have 0 or num_layers={self.num_layers}, got {n}")
 
     @property
     def itemsize(self) -> int:
@@ -76,8 +101,13 @@ class KVLayout:
         return elements * self.itemsize
 
     @classmethod
-    def of_cache(cls, kv_cache: torch.Tensor) -> KVLayout:
-        """The layout of an engine's KV cache tensor (`BLOCK_MAJOR`, see the module docstring).
+    def of_cache(
+        cls,
+        kv_cache: torch.Tensor,
+        scales: tuple[tuple[float, ...], tuple[float, ...]] = ((), ()),
+    ) -> KVLayout:
+        """The layout of an engine's KV cache tensor (`BLOCK_MAJOR`, see the module docstring),
+        with `scales` = (k_scales, v_scales) for a scaled (fp8) cache.
 
         Raises:
             ValueError: the tensor does not have the engine cache's 6 dimensions with K and V
@@ -100,6 +130,8 @@ class KVLayout:
             block_size=block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            k_scales=tuple(scales[0]),
+            v_scales=tuple(scales[1]),
         )
 
 
@@ -134,7 +166,8 @@ def layout_diff(remote: KVLayout, local: KVLayout) -> tuple[tuple[str, object, o
 def check_compatible(remote: KVLayout, local: KVLayout) -> None:
     """Whether a reader with cache `local` may copy blocks described by `remote` verbatim.
 
-    dtype, order and block geometry must be equal; memory type and device may differ.
+    dtype, scales, order and block geometry must be equal; memory type and device may
+    differ.
 
     Raises:
         LayoutMismatch: naming each differing field with both values.

@@ -26,9 +26,12 @@ length, every integer is fixed width):
     u64(base_addr) u64(block_bytes)
     str(memory_type) u64(device_id) str(dtype) u64(num_layers) u64(layout block_size)
     u64(num_kv_heads) u64(head_dim) str(order)
+    [f32s(k_scales) f32s(v_scales)]         only when the layout has scales (an fp8 cache)
 
     bytes(b) = u32le(len(b)) || b     str(s) = bytes(utf8(s))
     ints(xs) = u32le(len(xs)) || u64le(x) for x in xs     f64 = IEEE 754 little-endian
+    f32s(xs) = u32le(len(xs)) || f32le(x) for x in xs     (the fp8 cache's scales: a handle
+    whose scales were altered, dropped or added fails verification)
 """
 
 from __future__ import annotations
@@ -82,10 +85,15 @@ def _ints(values: Sequence[int]) -> bytes:
     return struct.pack("<I", len(values)) + b"".join(_u64(v) for v in values)
 
 
+def _f32s(values: Sequence[float]) -> bytes:
+    return struct.pack(f"<I{len(values)}f", len(values), *values)
+
+
 def handoff_message(request_id: str, block_hashes: Sequence[int], handoff: KVHandoff) -> bytes:
     """The canonical bytes signed for `handoff` (module docstring); its signature is not
     part of them. Raises ValueError for an integer outside [0, 2**64)."""
     remote, layout = handoff.remote, handoff.remote.layout
+    scaled = bool(layout.k_scales or layout.v_scales)
     return b"".join(
         (
             _DOMAIN,
@@ -111,6 +119,9 @@ def handoff_message(request_id: str, block_hashes: Sequence[int], handoff: KVHan
             _u64(layout.num_kv_heads),
             _u64(layout.head_dim),
             _str(layout.order),
+            # Only for a scaled (fp8) cache: an unscaled hand-off signs the same bytes as
+            # before the manifest existed.
+            _f32s(layout.k_scales) + _f32s(layout.v_scales) if scaled else b"",
         )
     )
 

@@ -18,7 +18,7 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expires_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("memory_type", "device_id", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order")
+    __slots__ = ("memory_type", "device_id", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order", "k_scales", "v_scales")
     MEMORY_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,8 @@ class KvLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    K_SCALES_FIELD_NUMBER: _ClassVar[int]
+    V_SCALES_FIELD_NUMBER: _ClassVar[int]
     memory_type: str
     device_id: int
     dtype: str
@@ -35,7 +37,9 @@ class KvLayout(_message.Message):
     num_kv_heads: int
     head_dim: int
     order: str
-    def __init__(self, memory_type: _Optional[str] = ..., device_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., order: _Optional[str] = ...) -> None: ...
+    k_scales: _containers.RepeatedScalarFieldContainer[float]
+    v_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, memory_type: _Optional[str] = ..., device_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., order: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("transport", "agent_name", "agent_metadata", "base_addr", "block_bytes", "block_ids", "num_tokens", "block_size", "lease", "prefill_address", "layout", "signature")

@@ -165,17 +165,22 @@ except ImportError as exc:
 
 from kernels.kv_write import _write_kv_kernel
 
-for dtype in ("fp16", "bf16", "fp32"):
+# (k/v dtype, cache dtype): an fp8 cache quantizes 16-bit k/v on the way in.
+for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")):
     for index in ("i32", "i64"):
-        constants = dict(BLOCK_H=4, BLOCK_D=128)
+        constants = dict(BLOCK_H=4, BLOCK_D=128, FP8=cache == "fp8e4nv")
         signature = {}
         for name in _write_kv_kernel.arg_names:
             if name in constants:
                 signature[name] = "constexpr"
             elif name.startswith("slot_"):
                 signature[name] = "*" + index
+            elif name == "cache_ptr":
+                signature[name] = "*" + cache
             elif name.endswith("_ptr"):
                 signature[name] = "*" + dtype
+            elif name in ("k_scale", "v_scale"):
+                signature[name] = "fp32"
             else:
                 signature[name] = "i64" if name == "stride_c_block" else "i32"
         try:
@@ -190,10 +195,10 @@ for dtype in ("fp16", "bf16", "fp32"):
                 sys.exit(3)
             raise
         assert "cubin" in kernel.asm
-        print(dtype, index, "ok")
+        print(dtype, cache, index, "ok")
 """
 
 
 def test_lowers_for_sm90() -> None:
     """The interpreter runs programs the GPU compiler rejects: compile for a real target."""
-    assert_lowers(LOWER_SCRIPT, 6)
+    assert_lowers(LOWER_SCRIPT, 8)

@@ -94,6 +94,8 @@ LAYOUT_CHANGES = {
     "num_kv_heads": 1,
     "head_dim": 16,
     "order": "[other]",
+    "k_scales": (1.0, 1.0),  # scales added to an unscaled handle (tests/unit/test_kv_fp8.py:
+    "v_scales": (1.0, 1.0),  # a scaled handle's scales altered or dropped)
 }
 
 

@@ -61,6 +61,9 @@ class WorkerInfo:
     prefill_tokens_per_s: float = 0.0
     draining: bool = False
     updated_at: float = 0.0
+    # The KV cache's format (tandem.model.kv_quant.kv_format: dtype, and an fp8 cache's
+    # scales digest); "" from a worker that predates it. The router pairs equal formats only.
+    kv_format: str = ""
 
     def __post_init__(self) -> None:
         for name in ("worker_id", "role", "address", "model"):
@@ -83,6 +86,8 @@ class WorkerInfo:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"WorkerInfo.{name} must be a number >= 0, got {value!r}")
+        if not isinstance(self.kv_format, str):
+            raise ValueError(f"WorkerInfo.kv_format must be a str, got {self.kv_format!r}")
         if not isinstance(self.draining, bool):
             raise ValueError(f"WorkerInfo.draining must be a bool, got {self.draining!r}")
         if not isinstance(self.updated_at, int | float) or isinstance(self.updated_at, bool):
@@ -107,6 +112,7 @@ class WorkerInfo:
             num_blocks=self.num_blocks,
             draining=self.draining,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            kv_format=self.kv_format,
         )
 
     def to_json(self) -> str:

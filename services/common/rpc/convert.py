@@ -159,6 +159,8 @@ def kv_layout_to_proto(layout: KVLayout) -> wpb.KvLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         order=layout.order,
+        k_scales=layout.k_scales,
+        v_scales=layout.v_scales,
     )
 
 
@@ -173,6 +175,8 @@ def kv_layout_from_proto(msg: wpb.KvLayout) -> KVLayout:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         order=msg.order,
+        k_scales=tuple(msg.k_scales),
+        v_scales=tuple(msg.v_scales),
     )
 
 

@@ -93,7 +93,10 @@ class Worker:
         self._metrics_server: HTTPServer | None = None
         with _phase(f"KV cache registered with the {config.transport} transport"):
             self.transport: KVTransport = make_transport(config.transport, self.worker_id)
-            self.transport.register(self.engine.kv_cache)
+            scales = self.engine.kv_scales
+            self.transport.register(
+                self.engine.kv_cache, (scales.k, scales.v) if scales else ((), ())
+            )
         self.loop_runner: EngineLoop | None = None
         self._device_exit: asyncio.Task[None] | None = None  # after a device error
         self.server: grpc.aio.Server | None = None
@@ -148,6 +151,7 @@ class Worker:
             step_ms=round(step_ms, 2),
             prefill_tokens_per_s=round(prefill_rate, 1),
             draining=self.draining,
+            kv_format=self.engine.kv_format,
             updated_at=time.time(),
         )
 
