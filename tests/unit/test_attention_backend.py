@@ -26,8 +26,20 @@ def test_backend_choice(name: str, device: str, expected: type) -> None:
     assert backend.needs_paged_batch is (expected is TritonAttention)
 
 
+def test_cpu_backends_choose_their_decode_path() -> None:
+    """auto and native on a CPU decode through the native kernel (a C compiler is here);
+    torch never does; native refuses a CUDA device."""
+    assert make_attention("auto", "cpu").decode_kernel is not None
+    assert make_attention("native", "cpu").decode_kernel is not None
+    assert make_attention("torch", "cpu").decode_kernel is None
+    with pytest.raises(ValueError, match="the CPU kernel is unavailable"):
+        make_attention("native", "cuda")
+
+
 def test_unknown_backend_is_refused() -> None:
-    with pytest.raises(ValueError, match="attention_backend must be auto, torch or triton"):
+    with pytest.raises(
+        ValueError, match="attention_backend must be auto, torch, native or triton"
+    ):
         make_attention("flash", "cpu")
     with pytest.raises(ValueError, match="got 'flash'"):
         EngineConfig("m", attention_backend="flash")
