@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -221,6 +222,18 @@ def _compile(compiler: str, path: Path) -> None:
         os.replace(built, path)
 
 
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (Linux), what -march=native compiles for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return platform.machine() + "".join(
+        sorted({line for line in lines if line.split(":")[0].strip() in wanted})
+    )
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use), or None when no C compiler is here or the
     build failed (logged once; the caller keeps its torch path)."""
@@ -232,7 +245,10 @@ def load() -> ctypes.CDLL | None:
         if compiler is None:
             log.info("CPU decode attention: torch ops (no C compiler found)")
         else:
-            key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + compiler).encode()).hexdigest()
+            # -march=native: a library built on another CPU (a shared home) must not load.
+            key = hashlib.sha256(
+                (_SOURCE + " ".join(_FLAGS) + compiler + _cpu_identity()).encode()
+            ).hexdigest()
             path = _cache_dir() / f"decode_attention-{key[:16]}.so"
             try:
                 if not path.exists():
