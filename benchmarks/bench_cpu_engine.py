@@ -9,8 +9,9 @@
 2. engine: `LLMEngine` decode steps (median of 30) at batch 1, 4 and 16 with 256-token
    prompts, and the prefill of those prompts, per dtype (float32, bfloat16) and thread count.
 3. attention: bfloat16 decode steps at batch 1, 4 and 16 with the CPU decode attention's
-   block-diagonal products against per-head products (`BLOCK_DIAGONAL_MAX_KV_HEADS` 0), the
-   two alternated every 5 steps in one engine (median of 30 each).
+   three paths: the native paged kernel (tandem.model.cpu_kernels), torch ops with
+   block-diagonal products, torch ops with per-head products (`BLOCK_DIAGONAL_MAX_KV_HEADS`
+   0); alternated every 5 steps in one engine (median of 30 each).
 
 Same process, same inputs, alternating nothing but the variant: ratios are what to read
 (the machine is shared). Writes <results-dir>/cpu_engine.json.
@@ -124,6 +125,10 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
     engine = LLMEngine(
         EngineConfig(model_dir=str(model_dir), dtype="bfloat16", num_threads=threads)
     )
+    backend = engine.model.attention
+    native = backend.decode_kernel
+    variants = [("native", native, default), ("block_diagonal", None, default)]
+    variants.append(("per_head", None, 0))
     engine.warm_up()
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {"threads": threads}
@@ -133,17 +138,22 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
             engine.add_request(engine.spec(rid, list(range(100 + i, 356 + i)), params))
         for _ in range(3):  # the prefill, then a few decode steps
             engine.step()
-        times: dict[str, list[float]] = {"block_diagonal": [], "per_head": []}
+        times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
         for _ in range(6):
-            for name, limit in (("block_diagonal", default), ("per_head", 0)):
+            for name, kernel, limit in variants:
+                if name == "native" and kernel is None:
+                    continue  # no C compiler here
+                backend.decode_kernel = kernel
                 attention.BLOCK_DIAGONAL_MAX_KV_HEADS = limit
                 for _ in range(5):
                     t0 = time.perf_counter()
                     engine.step()
                     times[name].append(time.perf_counter() - t0)
         attention.BLOCK_DIAGONAL_MAX_KV_HEADS = default
+        backend.decode_kernel = native
         for name, ts in times.items():
-            out[f"decode_step_bs{bs}_{name}_ms"] = sorted(ts)[len(ts) // 2] * 1e3
+            if ts:
+                out[f"decode_step_bs{bs}_{name}_ms"] = sorted(ts)[len(ts) // 2] * 1e3
         for rid in ids:
             engine.abort(rid)
     print(
