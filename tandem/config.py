@@ -14,6 +14,7 @@ from tandem.types import Role
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; routers and workers must agree
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # tandem.model.quant.WeightScheme's values
 
 
 class EngineRole(StrEnum):
@@ -104,6 +105,13 @@ class EngineConfig:
             1.3-2x faster than float32, within 0.1 nat of it, BENCHMARKS.md issue 24),
             else float32. "float32" for outputs token-identical to transformers in float32.
         device: torch device string ("cpu", "cuda", "cuda:1").
+        quantization: the layer matrices' weights: "none" (the model's dtype), "int8" (per
+            channel), "int4" (group-wise with zero points) or "fp8" (e4m3 per channel);
+            embeddings, norms and lm_head stay in the model's dtype. A checkpoint that stores
+            them in that scheme (AWQ, GPTQ, fp8, a GGUF's Q8_0/Q4_x) is kept as stored, else
+            they are quantized as they load (tandem.model.quant_load).
+        quantization_group_size: int4's inputs per scale: 32, 64 or 128 (it must divide
+            the model's hidden and intermediate sizes).
         kv_cache_dtype: dtype of the KV cache: "auto" = the model's dtype; "fp8" = e4m3 with
             per-layer K and V scales from the checkpoint, else 1.0 (tandem.model.kv_quant):
             half the bytes per token of bfloat16.
@@ -122,6 +130,8 @@ class EngineConfig:
     role: EngineRole = EngineRole.FULL
     dtype: str = "auto"
     device: str = "cpu"
+    quantization: str = "none"
+    quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
@@ -140,6 +150,15 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be auto (the model's dtype, {self.resolved_dtype}) or "
                 f"fp8, got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
+            )
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(
+                f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size}"
             )
         if not isinstance(self.role, EngineRole):
             object.__setattr__(self, "role", EngineRole(self.role))

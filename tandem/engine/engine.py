@@ -117,7 +117,10 @@ class LLMEngine:
             config.device,
             attention=make_attention(config.attention_backend, config.device),
             progress=progress,
+            quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
         )
+        self.weight_bytes = self.model.weights.num_bytes()  # quantized matrices as stored
         mcfg = self.model.config
         max_model_len = min(
             sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings

@@ -7,7 +7,11 @@ sha256, stream the GGUF out of the zip and convert it with `convert_gguf` into a
 directory that the engine loads like any other model directory.
 
 A cache entry is complete when it holds the model files and a marker recording the source's
-sha256. It is built in a temporary directory next to it and renamed into place, so a crash
+sha256. It also keeps the GGUF itself (`model.gguf`, `tandem.model.gguf_quant`): with
+`--quantization` of its scheme the layer matrices are served from its blocks as shipped; an
+entry converted before it was kept serves quantized online instead.
+
+It is built in a temporary directory next to it and renamed into place, so a crash
 never leaves a directory that would be taken as complete.
 """
 
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 
 from tandem.model.gguf import convert_gguf
+from tandem.model.gguf_quant import GGUF_FILE
 
 MARKER = "tandem-source.json"  # the source's sha256; written last, so it marks completeness
 MODEL_FILES = (
@@ -225,6 +230,10 @@ def _convert_into(
         convert_gguf(gguf_path, built, dtype=torch.float32)
     except (ValueError, OSError, KeyError, IndexError) as exc:  # unsupported or corrupt file
         raise FetchError(f"cannot convert {gguf_path.name}: {exc}") from None
+    try:  # the GGUF as shipped, for --quantization (a link where the file system allows)
+        os.link(gguf_path, built / GGUF_FILE)
+    except OSError:
+        shutil.copyfile(gguf_path, built / GGUF_FILE)
     (built / MARKER).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
     try:
         if target.exists() and not is_complete(target, source["sha256"]):

@@ -12,7 +12,9 @@ dtype (`choose_matmul`), logged at load.
            at batch 4-16, 2.4x for a 256-1024-token prefill; unpacked bfloat16 `x @ w` is
            slower than float32 at batch 1.
 
-A packed matrix is an opaque tensor: only `matmul` may read it.
+A packed matrix is an opaque tensor: only `matmul` may read it. A quantized matrix
+(`tandem.model.quant_linear.QuantLinear`, packed at load by its own rule) goes to
+`quant_matmul` whatever the kind.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 from enum import StrEnum
 
 import torch
+
+from tandem.model.quant import QuantizedWeight
+from tandem.model.quant_linear import QuantLinear, quant_matmul
 
 
 class MatmulKind(StrEnum):
@@ -49,9 +54,18 @@ def pack(w: torch.Tensor, kind: MatmulKind) -> torch.Tensor:
 
 
 def matmul(
-    x: torch.Tensor, w: torch.Tensor, kind: MatmulKind, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor | QuantLinear | QuantizedWeight,
+    kind: MatmulKind,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [n, in] times a `pack`ed matrix, plus `bias` ([out]) if given: [n, out]."""
+    """x [n, in] times a `pack`ed matrix, plus `bias` ([out]) if given: [n, out]. A
+    QuantizedWeight not packed (`quant_linear.pack_quantized`) is dequantized per call."""
+    if isinstance(w, QuantLinear):
+        return quant_matmul(x, w, bias)
+    if isinstance(w, QuantizedWeight):
+        y = x @ w.dequantize(x.dtype).t()
+        return y if bias is None else y + bias
     if kind is MatmulKind.ONEDNN:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return x @ w if bias is None else torch.addmm(bias, x, w)

@@ -6,6 +6,9 @@ are fused into one matmul each (fewer, larger GEMMs on CPU). Weight matrices are
 transposed, [in_features, out_features], and applied by `tandem.model.linear.matmul` in the
 form the device's matmul wants (`LlamaModel(matmul=...)`: `x @ w` as loaded, or prepacked
 once for oneDNN on a bfloat16 CPU); decode at batch 1 is bound by reading the weights.
+A layer matrix may instead be a `QuantizedWeight` (`--quantization`), packed here for its
+device's quantized path (`tandem.model.quant_linear`); embeddings, norms and lm_head stay in
+the model's dtype.
 """
 
 from __future__ import annotations
@@ -18,20 +21,29 @@ import torch.nn.functional as F
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul, pack
+from tandem.model.quant import QuantizedWeight
+from tandem.model.quant_linear import QuantLinear, Workspace, pack_quantized
 from tandem.model.rope import RotaryEmbedding, apply_rotary
+
+# A layer matrix: dense [in, out] (as loaded, or packed for oneDNN), quantized [out, in] as
+# loaded, or quantized and packed for its path (LlamaModel does that).
+Weight = torch.Tensor | QuantizedWeight | QuantLinear
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [hidden, (q_heads + 2 * kv_heads) * head_dim]
+    qkv: Weight  # [hidden, (q_heads + 2 * kv_heads) * head_dim]
     qkv_bias: torch.Tensor | None  # [(q_heads + 2 * kv_heads) * head_dim]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    o: torch.Tensor  # [q_heads * head_dim, hidden]
+    o: Weight  # [q_heads * head_dim, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
-    down: torch.Tensor  # [intermediate, hidden]
+    gate_up: Weight  # [hidden, 2 * intermediate]
+    down: Weight  # [intermediate, hidden]
+
+    def matrices(self) -> tuple[Weight, Weight, Weight, Weight]:
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 @dataclass(slots=True)
@@ -42,15 +54,19 @@ class ModelWeights:
     lm_head: torch.Tensor  # [hidden, vocab]; a transposed view of embed when tied (as loaded)
 
     def num_bytes(self) -> int:
-        """Bytes of distinct weight tensors (a tied lm_head counts once)."""
+        """Bytes of distinct weight tensors (a tied lm_head counts once); a quantized matrix
+        counts its values, scales and zero points."""
         seen: set[int] = set()
         total = 0
-        tensors: list[torch.Tensor | None] = [self.embed, self.final_norm, self.lm_head]
+        tensors: list[Weight | None] = [self.embed, self.final_norm, self.lm_head]
         for lw in self.layers:
             tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o]
             tensors += [lw.post_norm, lw.gate_up, lw.down]
         for t in tensors:
             if t is None:
+                continue
+            if isinstance(t, QuantizedWeight | QuantLinear):
+                total += t.num_bytes()
                 continue
             # A matrix packed for oneDNN has no storage to point at; it is its own copy.
             key = id(t) if t.is_mkldnn else t.data_ptr()
@@ -82,10 +98,12 @@ class LlamaModel:
         here, in place (`weights` then holds the packed forms, readable only by `matmul`)."""
         self.config = config
         self.matmul = matmul
+        self.workspace = Workspace()  # what per-call dequantizations reuse
+        dtype = weights.embed.dtype
+        for lw in weights.layers:
+            lw.qkv, lw.o = self._pack(lw.qkv, dtype), self._pack(lw.o, dtype)
+            lw.gate_up, lw.down = self._pack(lw.gate_up, dtype), self._pack(lw.down, dtype)
         if matmul is not MatmulKind.PLAIN:
-            for lw in weights.layers:
-                lw.qkv, lw.o = pack(lw.qkv, matmul), pack(lw.o, matmul)
-                lw.gate_up, lw.down = pack(lw.gate_up, matmul), pack(lw.down, matmul)
             weights.lm_head = pack(weights.lm_head, matmul)
         self.weights = weights
         self.attention = attention
@@ -93,6 +111,13 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
+
+    def _pack(self, w: Weight, dtype: torch.dtype) -> Weight:
+        if isinstance(w, QuantizedWeight):
+            return pack_quantized(w, dtype, self.workspace)
+        if isinstance(w, torch.Tensor) and self.matmul is not MatmulKind.PLAIN:
+            return pack(w, self.matmul)
+        return w
 
     @torch.inference_mode()
     def forward(

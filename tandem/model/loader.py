@@ -22,9 +22,13 @@ import torch
 
 from tandem.model.attention import AttentionBackend, TorchAttention
 from tandem.model.config import ModelConfig
+from tandem.model.gguf_quant import GGUF_FILE, GGUFMatrices, gguf_matrices
 from tandem.model.linear import choose_matmul, onednn_bf16_available
-from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights
+from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights, Weight
+from tandem.model.quant import WeightScheme
 from tandem.model.quant_checkpoints import QuantizedReader, read_checkpoint_quant, stored_shapes
+from tandem.model.quant_linear import QuantLinear
+from tandem.model.quant_load import quantized_matrix
 from tandem.model.safetensors_io import (
     ProgressFn,
     TensorEntry,
@@ -84,15 +88,19 @@ class WeightBuilder:
 
     def __init__(
         self,
-        reader: TensorReader | QuantizedReader,
+        reader: TensorReader | QuantizedReader | GGUFMatrices,
         shapes: dict[str, tuple[int, ...]],
         dtype: torch.dtype,
         device: torch.device,
+        quantization: WeightScheme = WeightScheme.NONE,
+        group_size: int = 64,
     ) -> None:
         self.reader = reader
         self.shapes = shapes
         self.dtype = dtype
         self.device = device
+        self.quantization = quantization  # the layer matrices' scheme (tandem.model.quant_load)
+        self.group_size = group_size
         self.transpose_on_device = device.type != "cpu"
         self._staging: torch.Tensor | None = None  # copy_transposed's reused buffer
 
@@ -157,23 +165,30 @@ class WeightBuilder:
             buf = self._staging = torch.empty(n, dtype=dtype, device=device)
         return buf[:n]
 
+    def matrix(self, names: Sequence[str]) -> Weight:
+        """A layer matrix: dense and transposed ([in, out], `fused`), or quantized as loaded
+        ([out, in], tandem.model.quant_load) when the builder quantizes."""
+        if self.quantization is WeightScheme.NONE:
+            return self.fused(names, transpose=True)
+        return quantized_matrix(self.reader, names, self.quantization, self.group_size, self.device)
+
     def layer(self, config: ModelConfig, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         return LayerWeights(
             # qkv: [hid, q_out + 2 * kv_out]
-            qkv=self.fused([attn + f"{x}_proj.weight" for x in "qkv"], transpose=True),
+            qkv=self.matrix([attn + f"{x}_proj.weight" for x in "qkv"]),
             qkv_bias=(
                 self.fused([attn + f"{x}_proj.bias" for x in "qkv"]) if config.qkv_bias else None
             ),
             input_norm=self.fused([p + "input_layernorm.weight"]),
             q_norm=self.fused([attn + "q_norm.weight"]) if config.qk_norm else None,
             k_norm=self.fused([attn + "k_norm.weight"]) if config.qk_norm else None,
-            o=self.fused([attn + "o_proj.weight"], transpose=True),  # [q_out, hid]
+            o=self.matrix([attn + "o_proj.weight"]),  # [q_out, hid]
             post_norm=self.fused([p + "post_attention_layernorm.weight"]),
             # gate_up: [hid, 2 * inter]
-            gate_up=self.fused([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")], True),
-            down=self.fused([p + "mlp.down_proj.weight"], transpose=True),  # [inter, hid]
+            gate_up=self.matrix([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]),
+            down=self.matrix([p + "mlp.down_proj.weight"]),  # [inter, hid]
         )
 
     def model(self, config: ModelConfig) -> ModelWeights:
@@ -197,8 +212,13 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device,
     progress: ProgressFn | None = None,
+    quantization: WeightScheme = WeightScheme.NONE,
+    group_size: int = 64,
 ) -> ModelWeights:
     """Check, then stream the weights of `model_dir` into our layout (see the module doc).
+    `quantization`: the layer matrices' scheme (quantized as they load, or kept as a
+    quantized checkpoint or kept GGUF stores them: tandem.model.quant_load); `group_size`:
+    int4's.
 
     Raises:
         FileNotFoundError: a weight file is missing.
@@ -214,6 +234,10 @@ def load_weights(
     # in its own tensors: read those, converted by tandem.model.quant_checkpoints.
     quant = read_checkpoint_quant(model_dir)
     stored, quantized = stored_shapes(quant, shapes, entries) if quant else (shapes, {})
+    # A converted GGUF kept beside its safetensors serves its matrices in their own scheme.
+    kept = None if quant else gguf_matrices(model_dir, None, quantization, config)
+    if kept is not None:
+        stored = {n: s for n, s in stored.items() if n not in kept.layers}
     check_entries(entries, stored)
     file_bytes = sum(entries[n].num_bytes for n in stored)
     logger.info(
@@ -227,15 +251,24 @@ def load_weights(
         f" ({quant.format} checkpoint, {len(quantized)} layers dequantized)" if quant else "",
     )
     with TensorReader(entries, list(stored), progress) as reader:
+        source: TensorReader | QuantizedReader | GGUFMatrices
         source = QuantizedReader(reader, quant, quantized) if quant else reader
-        weights = WeightBuilder(source, shapes, dtype, device).model(config)
+        if kept is not None:
+            kept.dense, source = reader, kept
+        weights = WeightBuilder(source, shapes, dtype, device, quantization, group_size).model(
+            config
+        )
     assert reader.num_read == len(stored), f"read {reader.num_read} of {len(stored)} tensors"
     logger.info(
-        "loaded %s: %d tensors, %.1f MiB of weights as %s on %s in %.2f s",
+        "loaded %s: %d tensors, %.1f MiB of weights as %s%s on %s in %.2f s",
         model_dir,
         reader.num_read,
         weights.num_bytes() / MIB,
         str(dtype).removeprefix("torch."),
+        ""
+        if quantization is WeightScheme.NONE
+        else f" with {quantization.value} layer matrices"
+        + (f" ({len(kept.layers)} kept from {GGUF_FILE})" if kept is not None else ""),
         device,
         time.perf_counter() - t0,
     )
@@ -249,8 +282,11 @@ def load_model(
     max_positions: int | None = None,
     attention: AttentionBackend | None = None,
     progress: ProgressFn | None = None,
+    quantization: str = "none",
+    quantization_group_size: int = 64,
 ) -> LlamaModel:
-    """Load config and weights from a HuggingFace directory.
+    """Load config and weights from a HuggingFace directory; `quantization` (none, int8,
+    int4, fp8) quantizes the layer matrices (tandem.model.quant_load).
 
     Raises:
         FileNotFoundError: config.json or a weight file is missing.
@@ -263,13 +299,22 @@ def load_model(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     dev = torch.device(device)
-    weights = load_weights(path, config, DTYPES[dtype], dev, progress)
+    scheme = WeightScheme(quantization)
+    weights = load_weights(
+        path, config, DTYPES[dtype], dev, progress, scheme, quantization_group_size
+    )
     mm = choose_matmul(dev, DTYPES[dtype], onednn_bf16_available())
     logger.info("matmuls: %s (%s on %s)", mm.value, dtype, dev)
-    return LlamaModel(
+    model = LlamaModel(
         config,
         weights,
         attention or TorchAttention(),
         max_positions or config.max_position_embeddings,
         matmul=mm,
     )
+    if scheme is not WeightScheme.NONE:
+        paths = {
+            w.path.value for w in model.weights.layers[0].matrices() if isinstance(w, QuantLinear)
+        }
+        logger.info("quantized matmuls: %s", ", ".join(sorted(paths)))
+    return model

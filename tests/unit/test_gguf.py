@@ -169,10 +169,11 @@ def _finish(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
-def _write_gguf(model_dir: Path, path: Path) -> dict[str, torch.Tensor]:
-    """Write `model_dir` as llama.cpp would (norms F32, matrices F16, Q/K permuted).
+def _write_gguf(model_dir: Path, path: Path, matrix_type: QT = QT.F16) -> dict[str, torch.Tensor]:
+    """Write `model_dir` as llama.cpp would (norms F32, matrices `matrix_type`: F16, or
+    Q8_0/Q4_0/Q4_1 for the layer matrices, embeddings F16; Q/K permuted).
 
-    Returns the weights as stored (matrices rounded to f16), in HF layout.
+    Returns the weights as stored (matrices rounded to f16, or dequantized), in HF layout.
     """
     cfg = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
@@ -218,6 +219,18 @@ def _write_gguf(model_dir: Path, path: Path) -> dict[str, torch.Tensor]:
                 w = _llama_cpp_permute(w, cfg["num_attention_heads"])
             elif ".k_proj." in name:
                 w = _llama_cpp_permute(w, cfg["num_key_value_heads"])
+            if matrix_type != QT.F16 and name.startswith("model.layers."):
+                packed = gguf.quants.quantize(w.float().numpy(), matrix_type)
+                writer.add_tensor(
+                    _gguf_name(name), packed, raw_shape=packed.shape, raw_dtype=matrix_type
+                )
+                back = torch.from_numpy(gguf.quants.dequantize(packed, matrix_type).copy())
+                if ".q_proj." in name:
+                    back = unpermute_rotary(back, cfg["num_attention_heads"])
+                elif ".k_proj." in name:
+                    back = unpermute_rotary(back, cfg["num_key_value_heads"])
+                stored[name] = back.float()
+                continue
             array = w.to(torch.float16).numpy()
         writer.add_tensor(_gguf_name(name), array)
     _finish(writer)

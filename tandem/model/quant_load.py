@@ -1,0 +1,139 @@
+"""Weights quantized as they load (`--quantization int8|int4|fp8`): each layer matrix is read,
+quantized with the reference quantizer of its scheme (`tandem.model.quant`) and its
+full-precision copy dropped before the next is read, so peak memory is the quantized model
+plus one full-precision tensor, never both models. A fused matrix (qkv, gate_up) is
+quantized part by part and its parts' rows concatenated: every scheme's scales are per
+output row (int4: per row and input group), so that equals quantizing the fused matrix.
+
+A checkpoint that already holds a matrix in the asked scheme (an AWQ/GPTQ/fp8 checkpoint
+through `tandem.model.quant_checkpoints`, a GGUF's Q8_0/Q4_x blocks through
+`tandem.model.gguf_quant`) hands it over as stored; one in another scheme is dequantized and
+quantized again (logged: that costs accuracy twice).
+
+What stays in the model's dtype: embeddings (a row gather, not a matmul), norms and biases
+(a few thousand values), and lm_head: it is tied to the embedding in most small models
+(SmolLM2: one tensor serves both), and its errors land directly on the logits that sampling
+reads; peers (vLLM, AWQ, GPTQ) keep it dense by default too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from tandem.model.quant import QuantizedWeight, WeightScheme, quantize
+
+logger = logging.getLogger(__name__)
+
+
+class MatrixSource(Protocol):
+    """What `quantized_matrix` reads: `read(name)` gives a dense tensor (any dtype, host or
+    device; it may be a view that the next read overwrites)."""
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+def quantized_matrix(
+    source: MatrixSource,
+    names: Sequence[str],
+    scheme: WeightScheme,
+    group_size: int,
+    device: torch.device,
+) -> QuantizedWeight:
+    """The rows of `names`' matrices ([out_i, in] each) concatenated, as one QuantizedWeight
+    [sum(out_i), in] on `device`: kept as stored where `source` holds one in `scheme`
+    (`source.read_quantized(name)`, for the names in `source.layers`), else quantized here.
+
+    Raises:
+        ValueError: int4 with a group size that does not divide the input features.
+    """
+    stored = getattr(source, "layers", None) or {}
+    parts: list[QuantizedWeight] = []
+    for name in names:
+        if name in stored:
+            qw: QuantizedWeight = source.read_quantized(name)  # type: ignore[attr-defined]
+            if qw.scheme is not scheme:
+                logger.warning(
+                    "%s is stored as %s: dequantized and quantized again as %s",
+                    name, qw.scheme.value, scheme.value,
+                )  # fmt: skip
+                qw = quantize(qw.dequantize(torch.float32).to(device), scheme, group_size)
+            parts.append(to_device(qw, device))
+            continue
+        dense = source.read(name).to(device=device, dtype=torch.float32)
+        parts.append(quantize(dense, scheme, group_size))
+        del dense
+    return cat_rows(parts, group_size)
+
+
+def to_device(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    if qw.qweight.device == device:
+        return qw
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return QuantizedWeight(
+        qw.scheme,
+        qw.qweight.to(device),
+        qw.scales.to(device),
+        move(qw.zeros),
+        qw.group_size,
+        move(qw.g_idx),
+    )
+
+
+def cat_rows(parts: Sequence[QuantizedWeight], group_size: int = 128) -> QuantizedWeight:
+    """Matrices with the same input features stacked by rows, in one scheme.
+
+    fp8 per-tensor scales become per-row ones (a part's scale repeated over its rows); int4
+    parts with no zero points get 8; parts whose groups differ (group size, g_idx) are
+    dequantized and quantized again with `group_size` (logged).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    scheme = first.scheme
+    assert all(p.scheme is scheme for p in parts), [p.scheme for p in parts]
+    if scheme is not WeightScheme.INT4:
+        scales = [p.scales.expand(p.out_features) for p in parts]
+        return QuantizedWeight(
+            scheme,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat(scales).contiguous(),
+            None,
+            first.in_features,
+        )
+    same_groups = all(
+        p.group_size == first.group_size
+        and (p.g_idx is None) == (first.g_idx is None)
+        and (p.g_idx is None or torch.equal(p.g_idx, first.g_idx))  # type: ignore[arg-type]
+        for p in parts
+    )
+    if not same_groups:
+        logger.warning("int4 parts with different groups: quantized again with group %d",
+                       group_size)  # fmt: skip
+        dense = torch.cat([p.dequantize(torch.float32) for p in parts])
+        return quantize(dense, WeightScheme.INT4, group_size)
+    zeros: Any = None
+    if any(p.zeros is not None for p in parts):
+        floats = any(p.zeros is not None and p.zeros.dtype == torch.float32 for p in parts)
+        zdtype = torch.float32 if floats else torch.uint8
+        zeros = torch.cat(
+            [
+                torch.full_like(p.scales, 8, dtype=zdtype) if p.zeros is None
+                else p.zeros.to(zdtype)
+                for p in parts
+            ]
+        )  # fmt: skip
+    return QuantizedWeight(
+        WeightScheme.INT4,
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        zeros,
+        first.group_size,
+        first.g_idx,
+    )

@@ -1,0 +1,155 @@
+"""Quantized weights through the model (issue 28): a tiny model quantized as it loads matches
+the dense model built from the dequantized weights, on every CPU matmul path; the weight bytes
+count the quantized form; the CPU paths against their reference product."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
+from tandem.model.linear import onednn_bf16_available
+from tandem.model.quant import WeightScheme, quantize
+from tandem.model.quant_linear import (
+    INT4_PACKED_MAX_ROWS,
+    QuantLinear,
+    QuantPath,
+    Workspace,
+    pack_quantized,
+    quant_matmul,
+)
+from tests.conftest import make_engine
+
+MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP = 32
+# A prompt longer than the packed kernels' row limit: its prefill takes the dequantizing
+# branch, its decode steps the packed kernel.
+PROMPT = random.Random(0).choices(range(5, 500), k=INT4_PACKED_MAX_ROWS + 6)
+STEPS = 6
+
+
+class RecordingSampler:
+    """Keeps every row's logits, in order, then samples as the engine's own."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
+        self.logits += [row.float().clone() for row in logits]
+        return self.inner(logits, rows)
+
+
+def dequantized_copy(src: Path, dst: Path, scheme: WeightScheme) -> Path:
+    """`src` with every layer matrix replaced by dequantize(quantize(.)), in float32: the
+    dense model of exactly the weights an online-quantized load holds."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.split(".")[-2] in MATRICES:
+            tensors[name] = quantize(t.float(), scheme, GROUP).dequantize(torch.float32)
+        else:
+            tensors[name] = t.float()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["torch_dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def run(model_dir: Path, **config: Any) -> tuple[list[int], list[torch.Tensor], Any]:
+    engine = make_engine(model_dir, quantization_group_size=GROUP, **config)
+    rec = RecordingSampler(engine.runner.sampler)
+    engine.runner.sampler = rec
+    [done] = engine.generate([PROMPT], SamplingParams(max_tokens=STEPS, temperature=0.0))
+    return done.token_ids, rec.logits, engine
+
+
+CASES = [
+    # (scheme, dtype, the path its matrices take, tolerance on logits relative to their max)
+    ("int8", "float32", QuantPath.DEQUANT, 1e-5),
+    ("int4", "float32", QuantPath.DEQUANT, 1e-5),
+    ("fp8", "float32", QuantPath.DEQUANT, 1e-5),
+    ("int8", "bfloat16", QuantPath.INT8_PACKED, 0.05),
+    ("int4", "bfloat16", QuantPath.INT4_PACKED, 0.05),
+    ("fp8", "bfloat16", QuantPath.DEQUANT, 0.05),
+]
+
+
+@pytest.mark.parametrize(("scheme", "dtype", "path", "tol"), CASES)
+def test_online_quantized_model_matches_its_dequantized_weights(
+    tiny_model_dir: Path, tmp_path: Path, scheme: str, dtype: str, path: QuantPath, tol: float
+) -> None:
+    """float32: the dequantizing path is the reference itself (logits equal to float32
+    rounding, greedy tokens identical). bfloat16: both models run in bfloat16 (the
+    reference through oneDNN's dense path), so the gap is bfloat16 rounding of two different
+    kernels over 2 layers: within 5% of the largest logit."""
+    if dtype == "bfloat16" and not onednn_bf16_available():
+        pytest.skip("this CPU does not run bfloat16 natively (no packed bf16 paths)")
+    ref_dir = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", WeightScheme(scheme))
+    ref_tokens, ref_logits, _ = run(ref_dir, dtype=dtype)
+    tokens, logits, engine = run(tiny_model_dir, dtype=dtype, quantization=scheme)
+    layer = engine.model.weights.layers[0]
+    assert all(isinstance(w, QuantLinear) and w.path is path for w in layer.matrices())
+    assert isinstance(engine.model.weights.lm_head, torch.Tensor)  # stays dense
+    assert len(logits) == len(ref_logits) == STEPS
+    if dtype == "float32":
+        assert tokens == ref_tokens
+    for got, ref in zip(logits, ref_logits, strict=True):
+        assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+def test_weight_bytes_count_the_quantized_form(tiny_model_dir: Path) -> None:
+    dense = make_engine(tiny_model_dir, dtype="float32")
+    quant = make_engine(tiny_model_dir, dtype="float32", quantization="int8")
+    cfg = dense.model.config
+    per_layer = sum(
+        (o * i) for o, i in (
+            ((cfg.num_q_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size),
+            (cfg.hidden_size, cfg.num_q_heads * cfg.head_dim),
+            (2 * cfg.intermediate_size, cfg.hidden_size),
+            (cfg.hidden_size, cfg.intermediate_size),
+        )
+    )  # fmt: skip
+    out_rows = (cfg.num_q_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + cfg.hidden_size * 2
+    out_rows += 2 * cfg.intermediate_size
+    # fp32 matrices (4 bytes each) become int8 values (1 byte) plus an fp32 scale per row
+    saved = cfg.num_layers * (per_layer * 3 - out_rows * 4)
+    assert dense.weight_bytes - quant.weight_bytes == saved
+    assert quant.weight_bytes == quant.model.weights.num_bytes()
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, INT4_PACKED_MAX_ROWS + 1, 200])
+def test_packed_cpu_paths_match_the_reference_product(scheme: str, rows: int) -> None:
+    """bfloat16 activations through the packed kernel (few rows) or the dequantizing branch
+    (many): within bfloat16 rounding (2^-7 of the largest output, plus the bias's) of the
+    float32 product of the same bf16 inputs with the reference dequantization."""
+    if not onednn_bf16_available():
+        pytest.skip("this CPU does not run bfloat16 natively")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(192, 96, generator=g) * 0.05
+    qw = quantize(w, WeightScheme(scheme), GROUP)
+    ql = pack_quantized(qw, torch.bfloat16, Workspace())
+    assert ql.path is (QuantPath.INT4_PACKED if scheme == "int4" else QuantPath.INT8_PACKED)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    bias = torch.randn(192, generator=g).bfloat16()
+    ref = x.float() @ qw.dequantize().t() + bias.float()
+    got = quant_matmul(x, ql, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 192)
+    assert (got.float() - ref).abs().max().item() <= 2**-6 * ref.abs().max().item()
+
+
+def test_int4_with_g_idx_or_odd_rows_takes_the_dequantizing_path() -> None:
+    w = torch.randn(96, 64)
+    qw = quantize(w, WeightScheme.INT4, GROUP)
+    assert pack_quantized(qw, torch.bfloat16, Workspace()).path is QuantPath.DEQUANT  # 96 rows
+    with pytest.raises(ValueError, match="int4_packed needs"):
+        pack_quantized(qw, torch.bfloat16, Workspace(), QuantPath.INT4_PACKED)
