@@ -152,7 +152,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 # The engine flags `tandem generate` shares with `tandem up`: UpConfig's fields, one definition
 # (name, help, TANDEM_* variable) for both.
-ENGINE_FLAGS = ("device", "dtype", "kv_cache_bytes", "gpu_memory_utilization")
+ENGINE_FLAGS = (
+    "device",
+    "dtype",
+    "quantization",
+    "quantization_group_size",
+    "kv_cache_dtype",
+    "kv_cache_bytes",
+    "gpu_memory_utilization",
+)
 
 
 def _add_up_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
@@ -191,6 +199,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             model_dir=args.model or "",
             device=args.device,
             dtype=args.dtype,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
+            kv_cache_dtype=args.kv_cache_dtype,
             cache=CacheConfig(
                 kv_cache_bytes=kv_cache_bytes(args),
                 gpu_memory_utilization=args.gpu_memory_utilization,

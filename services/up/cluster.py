@@ -136,6 +136,12 @@ class Cluster:
             str(cfg.kv_cache_bytes),
             "--dtype",
             cfg.dtype,
+            "--kv-cache-dtype",
+            cfg.kv_cache_dtype,
+            "--quantization",
+            cfg.quantization,
+            "--quantization-group-size",
+            str(cfg.quantization_group_size),
         ]
         started = [
             self._spawn_worker(role)

@@ -51,6 +51,13 @@ class UpConfig:
             tandem.gpus.place_workers).
         dtype: model dtype: auto, float32, bfloat16 or float16; auto: bfloat16 on CUDA and
             on a CPU that runs it natively (AVX512-BF16 or AMX), float32 on other CPUs.
+        quantization: every worker's layer-matrix weights: none, int8, int4 or fp8
+            (tandem.config.EngineConfig.quantization); the default model's Q4_1 weights are
+            served as shipped with int4.
+        quantization_group_size: int4's inputs per scale: 32, 64 or 128.
+        kv_cache_dtype: KV cache dtype of every worker: auto (the model's dtype) or fp8
+            (e4m3 with per-layer scales: twice the tokens per byte of bfloat16; prefill and
+            decode workers must agree, tandem.model.kv_quant).
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
@@ -91,6 +98,9 @@ class UpConfig:
     device: str = "cpu"
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
+    quantization: str = "none"
+    quantization_group_size: int = 64
+    kv_cache_dtype: str = "auto"
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     tool_call_parser: str = "auto"
@@ -134,6 +144,9 @@ class UpConfig:
             model_dir=self.model_dir,
             device=self.device,
             dtype=self.dtype,
+            quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             cache=CacheConfig(
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -117,6 +117,9 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "lease_ttl_s": 2.5,
         "dtype": "bfloat16",
         "long_prefill_token_threshold": 512,
+        "kv_cache_dtype": "fp8",
+        "quantization": "int4",
+        "quantization_group_size": 32,
     },
     "decode": {
         "kv_cache_bytes": 12884901888,
@@ -124,6 +127,8 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "drain_timeout_s": 100.5,
         "enable_prefix_caching": False,
         "device": "cpu",
+        "kv_cache_dtype": "fp8",
+        "quantization": "int8",
     },
     "controller": {"target_utilization": 0.55, "max_decode": 12, "actuator": "none"},
 }
@@ -491,6 +496,8 @@ def test_colocated_pools(helm: Helm, tmp_path: Path, topology_key: str | None) -
         ("controller.config.namespace=x", "Additional property namespace is not allowed"),
         ("decode.config.kv_cache_bytes=-1", "decode.config.kv_cache_bytes: Must be greater"),
         ("router.config.policy=random", "router.config.policy: router.config.policy must be one"),
+        ("decode.config.kv_cache_dtype=int8", "decode.config.kv_cache_dtype must be one of"),
+        ("prefill.config.quantization=int3", "prefill.config.quantization must be one of"),
         ("router.config.tool_call_parser=qwen", "router.config.tool_call_parser must be one of"),
         ("controller.config.actuator=k8s", "controller.config.actuator must be one of"),
         ("prefill.port=0", "prefill.port: Must be greater than or equal to 1"),

@@ -125,6 +125,9 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "device": ("cuda:1", "cuda:1"),
     "gpu_memory_utilization": ("0.5", 0.5),
     "dtype": ("bfloat16", "bfloat16"),
+    "kv_cache_dtype": ("fp8", "fp8"),
+    "quantization": ("int4", "int4"),
+    "quantization_group_size": ("32", 32),
     "disagg_min_uncached_tokens": ("0", 0),
     "max_queue_delay_s": ("0", 0.0),
     "tool_call_parser": ("mistral", "mistral"),
@@ -270,6 +273,11 @@ BAD_UP_VALUES = [
      "argument --transport: transport must be one of ('nixl', 'local'), got 'pigeon'"),
     (["--dtype", "int3"],
      "argument --dtype: dtype must be auto, float32, bfloat16 or float16, got 'int3'"),
+    (["--quantization", "int3"],
+     "argument --quantization: quantization must be one of none, int8, int4, fp8, got 'int3'"),
+    (["--quantization-group-size", "48"],
+     "argument --quantization-group-size: quantization_group_size must be 32, 64 or 128, "
+     "got 48"),
     (["--gpu-memory-utilization", "1.5"],
      "argument --gpu-memory-utilization: gpu_memory_utilization must be in (0, 1], got 1.5"),
     (["--kv-cache-mb", "0"], "argument --kv-cache-mb: kv_cache_bytes must be positive, got 0"),
@@ -338,11 +346,12 @@ def test_generate_shares_the_engine_flags_of_up(
 
     shared = option_help("generate")
     assert sorted(shared) == [
-        "--device", "--dtype", "--gpu-memory-utilization", "--kv-cache-bytes", "--kv-cache-mb",
+        "--device", "--dtype", "--gpu-memory-utilization", "--kv-cache-bytes",
+        "--kv-cache-dtype", "--kv-cache-mb", "--quantization", "--quantization-group-size",
     ]  # fmt: skip
     assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
     argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",
-            "--gpu-memory-utilization", "0.5"]  # fmt: skip
+            "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8"]  # fmt: skip
     up_env.setenv("TANDEM_DTYPE", "bfloat16")  # both read the variables
     engine = _engine_config(build_parser().parse_args(["generate", *argv, "--model", "m", "hi"]))
     assert engine == up_config(up_args(*argv, "--model", "m")).engine_config()
@@ -351,6 +360,7 @@ def test_generate_shares_the_engine_flags_of_up(
         "float16",
         3 << 20,
     )
+    assert engine.kv_cache_dtype == "fp8"
     assert _engine_config(build_parser().parse_args(["generate", "hi"])).dtype == "bfloat16"
     with pytest.raises(SystemExit) as exc:
         _engine_config(build_parser().parse_args(["generate", "--gpu-memory-utilization", "2"]))

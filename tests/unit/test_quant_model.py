@@ -153,3 +153,35 @@ def test_int4_with_g_idx_or_odd_rows_takes_the_dequantizing_path() -> None:
     assert pack_quantized(qw, torch.bfloat16, Workspace()).path is QuantPath.DEQUANT  # 96 rows
     with pytest.raises(ValueError, match="int4_packed needs"):
         pack_quantized(qw, torch.bfloat16, Workspace(), QuantPath.INT4_PACKED)
+
+
+def test_generate_serves_a_quantized_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`tandem generate --quantization int8` (flags as a user passes them): the same greedy
+    tokens as the dense model of its dequantized weights, in float32."""
+    import subprocess
+    import sys
+
+    def generate(model: Path, *flags: str) -> list[int]:
+        res = subprocess.run(
+            [sys.executable, "-m", "services.cli", "generate", "--model", str(model),
+             "--dtype", "float32", "--max-tokens", "6", "--ignore-eos", "--token-ids",
+             *flags, "hello"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        return [int(t) for t in res.stdout.split()]
+
+    ref = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", WeightScheme.INT8)
+    got = generate(tiny_model_dir, "--quantization", "int8", "--quantization-group-size", "32")
+    assert len(got) == 6 and got == generate(ref)
+
+
+def test_worker_metrics_report_the_weight_bytes() -> None:
+    from services.common.observe.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("decode")
+    metrics.weights(179_671_680, "int4")
+    got = metrics.registry.get_sample_value(
+        "tandem_worker_weight_bytes", {"role": "decode", "quantization": "int4"}
+    )
+    assert got == 179_671_680

@@ -383,6 +383,14 @@ class WorkerMetrics:
         self._admitted: collections.deque[str] = collections.deque()  # thread-safe appends
         self._pending: dict[str, bool] = {}  # engine thread only: id -> missed once
 
+    def weights(self, num_bytes: int, quantization: str) -> None:
+        """tandem_worker_weight_bytes{role, quantization}: the loaded weights' bytes (quantized
+        matrices as held), set once at load."""
+        Gauge(
+            "tandem_worker_weight_bytes", "Bytes of the model's weights as loaded.",
+            ["role", "quantization"], registry=self.registry,
+        ).labels(self.role, quantization).set(num_bytes)  # fmt: skip
+
     def admitted(self, request_id: str) -> None:
         """`request_id` is about to be added to the engine (any thread)."""
         self._admitted.append(request_id)

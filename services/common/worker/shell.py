@@ -89,6 +89,7 @@ class Worker:
         # Gauges read what the engine thread last published (a scrape never iterates the
         # scheduler's queues while the engine changes them).
         self.metrics = WorkerMetrics(self.role.value, self._published_stats)
+        self.metrics.weights(self.engine.weight_bytes, config.engine.quantization)
         self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
         self._metrics_server: HTTPServer | None = None
         with _phase(f"KV cache registered with the {config.transport} transport"):
