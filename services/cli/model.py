@@ -94,10 +94,11 @@ def kv_cache_bytes(args: argparse.Namespace) -> int:
 
 
 def up_kv_cache(
-    model_dir: Path, requested: int | None, device: str, dtype: str
+    model_dir: Path, requested: int | None, device: str, dtype: str, kv_cache_dtype: str = "auto"
 ) -> tuple[int, str]:
     """`tandem up`'s KV cache per worker and a line saying what it holds: `requested`, or
-    (None) enough blocks for one full context of the model, at least the engine's default."""
+    (None) enough blocks for one full context of the model, at least the engine's default.
+    An fp8 cache (`kv_cache_dtype`) holds a token in one byte per element."""
     from tandem.config import DEFAULT_BLOCK_SIZE, EngineConfig
     from tandem.model.config import ModelConfig
 
@@ -105,7 +106,10 @@ def up_kv_cache(
         return requested or CacheConfig().kv_cache_bytes, "KV cache: sized from the GPU's memory"
     model = ModelConfig.from_dir(model_dir)
     resolved = EngineConfig(model_dir=str(model_dir), device=device, dtype=dtype).resolved_dtype
-    per_token = model.kv_elements_per_token * (4 if resolved == "float32" else 2)
+    itemsize = 1 if kv_cache_dtype == "fp8" else 4 if resolved == "float32" else 2
+    per_token = model.kv_elements_per_token * itemsize
+    if kv_cache_dtype == "fp8":
+        resolved = "fp8 KV"
     block = DEFAULT_BLOCK_SIZE * per_token
     context = model.max_position_embeddings
     full = -(-context // DEFAULT_BLOCK_SIZE) * block

@@ -126,7 +126,9 @@ def resolve(config: UpConfig, args: argparse.Namespace) -> tuple[UpConfig, str]:
     the cache holds."""
     model_dir = resolve_model(args.model)
     requested = requested_kv_cache_bytes(args)
-    kv_bytes, kv_line = up_kv_cache(model_dir, requested, config.device, config.dtype)
+    kv_bytes, kv_line = up_kv_cache(
+        model_dir, requested, config.device, config.dtype, config.kv_cache_dtype
+    )
     return dataclasses.replace(config, model_dir=str(model_dir), kv_cache_bytes=kv_bytes), kv_line
 
 

@@ -66,6 +66,13 @@ def other_cache(dtype: str, block_shape: tuple[int, ...]) -> torch.Tensor:
     return torch.full((OTHER_BLOCKS, *block_shape), 7, dtype=getattr(torch, dtype))
 
 
+def other_scales(dtype: str, block_shape: tuple[int, ...]) -> tuple[tuple[float, ...], ...]:
+    """An fp8 cache's manifest (k_scales, v_scales, one per layer); none for other dtypes."""
+    if dtype != "float8_e4m3fn":
+        return ((), ())
+    return ((0.5,) * block_shape[0], (0.25,) * block_shape[0])
+
+
 # ------------------------------------------------------------------------------ pure functions
 
 
@@ -177,7 +184,9 @@ def _owner_main(conn: Connection, agent_name: str, generation: int) -> None:
             name = other_name(dtype, block_shape)
             if name not in others:
                 others[name] = make_transport("nixl", name)
-                others[name].register(other_cache(dtype, block_shape))
+                others[name].register(
+                    other_cache(dtype, block_shape), other_scales(dtype, block_shape)
+                )
             conn.send(others[name].export(block_ids))
         elif cmd == "notifs":
             conn.send(notifs)
@@ -261,7 +270,9 @@ class LocalOwner(Owner):
         name = other_name(dtype, block_shape)
         if name not in self.others:
             self.others[name] = LocalTransport(name)
-            self.others[name].register(other_cache(dtype, block_shape))
+            self.others[name].register(
+                other_cache(dtype, block_shape), other_scales(dtype, block_shape)
+            )
         return self.others[name].export(block_ids)
 
     def _fetch_notifs(self) -> list[bytes]:
@@ -527,17 +538,29 @@ def test_register_rejects_non_contiguous(pair: Pair) -> None:
         ("bfloat16", BLOCK_SHAPE, {"dtype": ("bfloat16", "float32")}),
         # As many bytes per block as the reader's: only the layout tells the caches apart.
         ("float32", (1, 2, 8, 2, 8), {"num_layers": (1, 2), "block_size": (8, 4)}),
+        # An fp8 cache and its manifest (issue 28): both named.
+        (
+            "float8_e4m3fn",
+            BLOCK_SHAPE,
+            {
+                "dtype": ("float8_e4m3fn", "float32"),
+                "k_scales": ((0.5, 0.5), ()),
+                "v_scales": ((0.25, 0.25), ()),
+            },
+        ),
     ],
-    ids=["dtype", "block-geometry"],
+    ids=["dtype", "block-geometry", "fp8-kv-format"],
 )
 def test_incompatible_layout_is_refused_before_reading(
     pair: Pair, dtype: str, block_shape: tuple[int, ...], diffs: dict[str, tuple[Any, Any]]
 ) -> None:
     remote = pair.owner.export_other(dtype, block_shape, [0, 1, 2])
     num_layers, _, block_size, num_kv_heads, head_dim = block_shape
+    k_scales, v_scales = other_scales(dtype, block_shape)
     assert remote.layout == KVLayout(
-        "DRAM", 0, dtype, num_layers, block_size, num_kv_heads, head_dim
-    )
+        "DRAM", 0, dtype, num_layers, block_size, num_kv_heads, head_dim,
+        k_scales=k_scales, v_scales=v_scales,
+    )  # fmt: skip
     with pytest.raises(LayoutMismatch) as refused:
         pair.read(remote, [3, 4, 5], notif=b"refused")
     assert {name: (theirs, ours) for name, theirs, ours in refused.value.diffs} == diffs
