@@ -114,6 +114,14 @@ def _ms(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{v:.0f} ms"
 
 
+def short_kv_format(kv_format: str) -> str:
+    """A worker's KV format as `ctl top` shows it: "fp8/1a2b3c4d" (8 digits of its scales'
+    digest), "bfloat16", "-" when the worker does not say."""
+    dtype, _, digest = kv_format.partition("/")
+    dtype = {"float8_e4m3fn": "fp8"}.get(dtype, dtype)
+    return f"{dtype}/{digest[:8]}" if digest else dtype or "-"
+
+
 def render_top(s: Any, address: str, now: float) -> list[str]:
     """The `tandem ctl top` screen for one StatusResponse `s` of the controller at `address`,
     at wall-clock time `now` (lines without escape codes or trailing newlines)."""
@@ -142,7 +150,7 @@ def render_top(s: Any, address: str, now: float) -> list[str]:
     width = max([24, *map(len, names)])
     lines.append(
         f"{'ROLE':<8} {'WORKER':<{width}} {'WAITING':>7} {'RUNNING':>7} {'KV USED/TOTAL':>18} "
-        f"{'STEP':>9} {'TOK/S':>8}"
+        f"{'STEP':>9} {'TOK/S':>8}  KV"
     )
     for w, name in zip(s.workers, names, strict=True):
         used = w.num_blocks - w.num_free_blocks
@@ -150,7 +158,7 @@ def render_top(s: Any, address: str, now: float) -> list[str]:
         lines.append(
             f"{w.role:<8} {name:<{width}} {w.num_waiting:>7} {w.num_running:>7} "
             f"{f'{used}/{w.num_blocks} {share}':>18} {f'{w.step_ms:.1f} ms':>9} "
-            f"{w.tokens_per_s:>8.0f}"
+            f"{w.tokens_per_s:>8.0f}  {short_kv_format(w.kv_format)}"
         )
     if not s.workers:
         lines.append("(no workers heartbeating)")

@@ -359,6 +359,7 @@ class Controller(agrpc.AdminServicer):
                     busy_frac=w.busy_frac,
                     draining=w.draining,
                     updated_unix=w.updated_at,
+                    kv_format=w.kv_format,
                 )
                 for w in sorted(self._latest, key=lambda w: (Role(w.role).rank, w.worker_id))
             ],

@@ -40,6 +40,7 @@ def status() -> apb.StatusResponse:
                 num_free_blocks=64,
                 step_ms=12.34,
                 tokens_per_s=4096.4,
+                kv_format="float8_e4m3fn/0011223344556677",
             ),
             apb.WorkerStatus(
                 worker_id="decode-0",
@@ -73,9 +74,12 @@ def test_render_top() -> None:
         "  decode: ok",
         "last 60 s: 42 requests  TTFT p50 120 ms p90 341 ms  ITL p50 12 ms p90 20 ms",
         "",
-        "ROLE     WORKER                   WAITING RUNNING      KV USED/TOTAL      STEP    TOK/S",
-        "prefill  prefill-0                      5       2      192/256 (75%)   12.3 ms     4096",
-        "decode   decode-0 [draining]            0      17        0/1024 (0%)    8.1 ms      250",
+        "ROLE     WORKER                   WAITING RUNNING      KV USED/TOTAL      STEP    TOK/S"
+        "  KV",
+        "prefill  prefill-0                      5       2      192/256 (75%)   12.3 ms     4096  "
+        "fp8/00112233",
+        "decode   decode-0 [draining]            0      17        0/1024 (0%)    8.1 ms      250"
+        "  -",
     ]
 
 
@@ -93,7 +97,8 @@ def test_render_top_before_any_observation() -> None:
         "P:D  current 0:0  wanted 0:0  live 0:0",
         "last 60 s: 0 requests  TTFT p50 n/a p90 n/a  ITL p50 n/a p90 n/a",
         "",
-        "ROLE     WORKER                   WAITING RUNNING      KV USED/TOTAL      STEP    TOK/S",
+        "ROLE     WORKER                   WAITING RUNNING      KV USED/TOTAL      STEP    TOK/S"
+        "  KV",
         "(no workers heartbeating)",
         "",
         "last error: observe: Redis down",
@@ -109,11 +114,11 @@ def test_long_worker_names_widen_the_column() -> None:
     header, row = render_top(s, "a:1", NOW)[-2:]
     assert header == (
         "ROLE     WORKER                         WAITING RUNNING      KV USED/TOTAL      STEP"
-        "    TOK/S"
+        "    TOK/S  KV"
     )
     assert row == (
         "prefill  tandem-prefill-5d8f7c9b4-x2x9z       5       2            0/0 (-)   12.3 ms"
-        "     4096"
+        "     4096  fp8/00112233"
     )
 
 
