@@ -11,9 +11,13 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           INT8_PACKED_MAX_ROWS rows; above, the int8 values
                                           cast into a reused buffer, one GEMM, the channel
                                           scales applied to the output
+  fp8_decoded   CPU                       e4m3 cast (exactly) into a reused buffer of the
+                                          activations' dtype, one GEMM, the channel scales
+                                          on the output (one pass over the weights, not the
+                                          reference's three)
   dequant       everywhere else           the reference dequantization, then x @ w.T: CPU
-                                          float32 (exact to float32 rounding), fp8 on a CPU,
-                                          CUDA without Triton
+                                          float32 (exact to float32 rounding), CUDA without
+                                          Triton
   triton        CUDA                      the dequant-GEMM kernels
                                           (`kernels.quant_matmul.quantized_linear`)
 
@@ -51,6 +55,7 @@ _INT4_BLOCK_N = 64  # output rows per block of torch's CPU int4 layout
 class QuantPath(StrEnum):
     INT4_PACKED = "int4_packed"
     INT8_PACKED = "int8_packed"
+    FP8_DECODED = "fp8_decoded"
     DEQUANT = "dequant"
     TRITON = "triton"
 
@@ -131,6 +136,8 @@ def choose_path(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) ->
             return QuantPath.INT4_PACKED
         if w.scheme is WeightScheme.INT8:
             return QuantPath.INT8_PACKED
+    if device.type == "cpu" and w.scheme is WeightScheme.FP8:
+        return QuantPath.FP8_DECODED
     return QuantPath.DEQUANT
 
 
@@ -201,6 +208,11 @@ def quant_matmul(
             wq = ql.workspace.take((ql.out_features, ql.in_features), x.dtype, x.device)
             wq.copy_(ql.packed)  # int8 -> bf16 is exact
             y = (x @ wq.t()).mul_(ql.packed_scales)
+    elif ql.path is QuantPath.FP8_DECODED:
+        assert ql.weight is not None
+        w = ql.workspace.take((ql.out_features, ql.in_features), x.dtype, x.device)
+        w.copy_(ql.weight.qweight)  # e4m3 -> bf16/fp32 is exact
+        y = (x @ w.t()).mul_(ql.weight.scales.to(x.dtype))
     elif ql.path is QuantPath.TRITON:
         from kernels.quant_matmul import quantized_linear
 

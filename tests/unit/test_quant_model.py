@@ -76,10 +76,10 @@ CASES = [
     # (scheme, dtype, the path its matrices take, tolerance on logits relative to their max)
     ("int8", "float32", QuantPath.DEQUANT, 1e-5),
     ("int4", "float32", QuantPath.DEQUANT, 1e-5),
-    ("fp8", "float32", QuantPath.DEQUANT, 1e-5),
+    ("fp8", "float32", QuantPath.FP8_DECODED, 1e-5),
     ("int8", "bfloat16", QuantPath.INT8_PACKED, 0.05),
     ("int4", "bfloat16", QuantPath.INT4_PACKED, 0.05),
-    ("fp8", "bfloat16", QuantPath.DEQUANT, 0.05),
+    ("fp8", "bfloat16", QuantPath.FP8_DECODED, 0.05),
 ]
 
 
@@ -185,3 +185,4 @@ def test_worker_metrics_report_the_weight_bytes() -> None:
         "tandem_worker_weight_bytes", {"role": "decode", "quantization": "int4"}
     )
     assert got == 179_671_680
+
