@@ -102,8 +102,10 @@ def int4_dequantize_reference(
     zeros None meaning 8."""
     q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(1).float()  # [out, in]
     in_features = q.shape[1]
-    group = g_idx.long() if g_idx is not None else torch.arange(in_features) // group_size
-    group = group.to(q.device)
+    if g_idx is not None:
+        group = g_idx.long().to(q.device)
+    else:
+        group = torch.arange(in_features, device=q.device) // group_size
     z = zeros.float()[:, group] if zeros is not None else torch.full_like(q, 8.0)
     return (q - z) * scales[:, group]
 

@@ -200,7 +200,7 @@ class GrammarMatcher:
 
 def token_bitmask(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
     """The allowed tokens of each matcher: [len(matchers), ceil(vocab_size / 32)] int32 CPU."""
-    bitmask = torch.zeros(len(matchers), -(-vocab_size // 32), dtype=torch.int32)
+    bitmask = torch.zeros(len(matchers), -(-vocab_size // 32), dtype=torch.int32, device="cpu")
     for row, matcher in zip(bitmask, matchers, strict=True):
         matcher.fill(row)
     return bitmask

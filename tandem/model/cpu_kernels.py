@@ -202,8 +202,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tandem" / "kernels"
+    return Path.home() / ".cache" / "tandem" / "kernels"
 
 
 def _compile(compiler: str, path: Path) -> None:
@@ -241,7 +240,7 @@ def load() -> ctypes.CDLL | None:
         if "lib" in _loaded:
             return _loaded["lib"]
         lib: ctypes.CDLL | None = None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        compiler = shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
             log.info("CPU decode attention: torch ops (no C compiler found)")
         else:
@@ -327,9 +326,10 @@ def decode_attention(
     max_ctx = int(lens.max()) if rows else 0
     if max_ctx > tables.shape[1] * block_size:
         raise ValueError(f"a context of {max_ctx} tokens needs more than {tables.shape[1]} blocks")
-    out = torch.empty((rows, num_q_heads, head_dim), dtype=k_cache.dtype)
+    out = torch.empty((rows, num_q_heads, head_dim), dtype=k_cache.dtype, device="cpu")
     group = num_q_heads // num_kv_heads
-    scores = torch.empty(max(1, group * max_ctx), dtype=torch.float32)  # one (row, head) at a time
+    # scores of one (row, KV head) at a time: [group, context]
+    scores = torch.empty(max(1, group * max_ctx), dtype=torch.float32, device="cpu")
     fn = (
         lib.tandem_decode_attention_bf16
         if k_cache.dtype == torch.bfloat16

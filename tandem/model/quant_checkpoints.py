@@ -257,7 +257,7 @@ def convert(
 
 def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [rows, cols] -> int32 [rows, cols, 32 // bits]: field j = bits [bits*j, ...)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
     return (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
 
 
@@ -272,7 +272,9 @@ def _int4(
     """q [out, in] in 0..15, zeros and scales [out, groups] of `group` inputs -> INT4,
     repeating groups down to a supported size when the checkpoint's are larger."""
     inp = q.shape[1]
-    if g_idx is not None and torch.equal(g_idx.long(), torch.arange(inp) // group):
+    if g_idx is not None and torch.equal(
+        g_idx.long(), torch.arange(inp, device=g_idx.device) // group
+    ):
         g_idx = None  # GPTQ stores g_idx even without act-order
     target = group
     if group not in INT4_GROUP_SIZES:
@@ -310,7 +312,7 @@ def _convert_awq(
 ) -> QuantizedWeight:
     group = quant.group_size or inp
     # Undo the nibble order: field i of word c is output 8c + AWQ_ORDER[i].
-    where = torch.tensor(AWQ_ORDER).argsort()  # output 8c + k sits in field where[k]
+    where = torch.tensor(AWQ_ORDER, device="cpu").argsort()  # output 8c + k sits in field where[k]
 
     def unpack(words: torch.Tensor) -> torch.Tensor:  # [rows, out/8] -> [rows, out]
         return unpack_words(words, 4)[:, :, where].flatten(1)

@@ -281,7 +281,11 @@ def _bad_cases() -> list[tuple[str, dict[str, object], str]]:
         ("q 2-d", _replace(q=q[0]), r"q must be \[batch"),
         ("kv 4-d", _replace(kv_layer=kv[:, 0]), r"kv_layer must be"),
         ("q int", _replace(q=q.to(torch.int32)), r"q dtype torch.int32"),
-        ("kv dtype", _replace(kv_layer=kv.half()), r"kv_layer dtype torch.float16 != q dtype"),
+        (
+            "kv dtype",
+            _replace(kv_layer=kv.half()),
+            r"kv_layer dtype torch.float16 is neither q's torch.float32 nor fp8",
+        ),
         ("head_dim", _replace(q=q[..., :32]), r"kv_layer head_dim 64 != q head_dim 32"),
         (
             "head_dim pow2",
