@@ -36,16 +36,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Per (row, KV head): each key converted to float once and dotted with every query head of
-# the group, one softmax, each value converted once and accumulated for every query head;
-# the output rounded once. Two entry points, one per cache dtype.
+# Per row, token by token: the token's keys of all KV heads read as one contiguous run, each
+# converted to float once and dotted with the query heads that share it; one softmax per
+# query head; the values likewise; the output rounded once. Two entry points, one per cache
+# dtype.
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define MAX_DIM 256
-#define MAX_GROUP 16
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -91,80 +91,80 @@ static inline void load_row(const void *p, int is_bf16, int64_t dim, float *dst)
     }
 }
 
-/* One (row, KV head): its group of query heads over ctx keys. Scores for every key first
-   (each key row converted once, then dotted with every query of the group), one softmax,
-   then the values accumulated for every query of the group. */
-static void attend(const float *qf /* [group][MAX_DIM], pre-scaled */, int64_t group,
-                   const char *k, const char *v, int is_bf16, int64_t elem,
-                   int64_t s_block, int64_t s_tok, int64_t head_off,
-                   const int64_t *table, int64_t ctx, int64_t block_size, int64_t dim,
-                   float *scores /* [group][ctx] */, float *out /* [group][MAX_DIM] */) {
+/* One row: every query head over its ctx keys. Token by token, the token's keys of every
+   KV head are read together (one contiguous run of the cache: the read streams), each
+   converted once and dotted with the query heads that share it; one softmax per query head;
+   then the values the same way, accumulated for every query head. Scratch (float32):
+   qf and acc [num_q_heads][dim], scores [num_q_heads][ctx]. */
+static void decode_row(const void *q, int64_t sq_head, const char *k, const char *v,
+                       int is_bf16, int64_t elem, int64_t s_block, int64_t s_tok,
+                       int64_t s_head, const int64_t *table, int64_t ctx, int64_t block_size,
+                       int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, float scale,
+                       float *qf, float *acc, float *scores, void *out) {
+    int64_t group = num_q_heads / num_kv_heads;
     float row[MAX_DIM];
-    float m[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) m[g] = -INFINITY;
-    for (int64_t t = 0; t < ctx; t++) {
-        int64_t at = (table[t / block_size] * s_block + (t % block_size) * s_tok + head_off);
-        load_row(k + at * elem, is_bf16, dim, row);
-        for (int64_t g = 0; g < group; g++) {
-            const float *qg = qf + g * MAX_DIM;
-            float s = 0.0f;
-            for (int64_t d = 0; d < dim; d++) s += qg[d] * row[d];
-            scores[g * ctx + t] = s;
-            m[g] = s > m[g] ? s : m[g];
-        }
-    }
-    float inv[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
-        float *sg = scores + g * ctx, mg = m[g], sum = 0.0f;
-        for (int64_t t = 0; t < ctx; t++) sg[t] = exp_nonpositive(sg[t] - mg);
-        for (int64_t t = 0; t < ctx; t++) sum += sg[t];
-        inv[g] = 1.0f / sum;
-        for (int64_t d = 0; d < dim; d++) out[g * MAX_DIM + d] = 0.0f;
+    for (int64_t h = 0; h < num_q_heads; h++) {
+        for (int64_t d = 0; d < dim; d++)
+            qf[h * dim + d] = scale * (is_bf16 ? bf16_to_f32(((const uint16_t *)q)[h * sq_head + d])
+                                               : ((const float *)q)[h * sq_head + d]);
     }
     for (int64_t t = 0; t < ctx; t++) {
-        int64_t at = (table[t / block_size] * s_block + (t % block_size) * s_tok + head_off);
-        load_row(v + at * elem, is_bf16, dim, row);
-        for (int64_t g = 0; g < group; g++) {
-            float p = scores[g * ctx + t];
-            float *o = out + g * MAX_DIM;
-            for (int64_t d = 0; d < dim; d++) o[d] += p * row[d];
+        int64_t base = table[t / block_size] * s_block + (t % block_size) * s_tok;
+        for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+            load_row(k + (base + kv * s_head) * elem, is_bf16, dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qh = qf + (kv * group + g) * dim;
+                float s = 0.0f;
+                for (int64_t d = 0; d < dim; d++) s += qh[d] * row[d];
+                scores[(kv * group + g) * ctx + t] = s;
+            }
         }
     }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t d = 0; d < dim; d++) out[g * MAX_DIM + d] *= inv[g];
+    for (int64_t h = 0; h < num_q_heads; h++) {
+        float *sh = scores + h * ctx, m = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < ctx; t++) m = sh[t] > m ? sh[t] : m;
+        for (int64_t t = 0; t < ctx; t++) sh[t] = exp_nonpositive(sh[t] - m);
+        for (int64_t t = 0; t < ctx; t++) sum += sh[t];
+        float inv = 1.0f / sum;
+        for (int64_t t = 0; t < ctx; t++) sh[t] *= inv;
+        for (int64_t d = 0; d < dim; d++) acc[h * dim + d] = 0.0f;
+    }
+    for (int64_t t = 0; t < ctx; t++) {
+        int64_t base = table[t / block_size] * s_block + (t % block_size) * s_tok;
+        for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+            load_row(v + (base + kv * s_head) * elem, is_bf16, dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                int64_t h = kv * group + g;
+                float p = scores[h * ctx + t];
+                float *o = acc + h * dim;
+                for (int64_t d = 0; d < dim; d++) o[d] += p * row[d];
+            }
+        }
+    }
+    for (int64_t i = 0; i < num_q_heads * dim; i++) {
+        if (is_bf16) ((uint16_t *)out)[i] = f32_to_bf16(acc[i]);
+        else ((float *)out)[i] = acc[i];
+    }
 }
 
 /* q [rows][num_q_heads][dim] (strides sq_row, sq_head; dim contiguous), caches with strides
    s_block, s_tok, s_head (dim contiguous), tables [rows][s_table] int64, context_lens [rows];
-   out [rows][num_q_heads][dim] contiguous. Returns 0, or -1 for sizes past the limits. */
+   out [rows][num_q_heads][dim] contiguous; scratch float32 of
+   num_q_heads * (2 * dim + max context). Returns 0, or -1 for a head_dim past MAX_DIM. */
 static int decode(const void *q, int64_t sq_row, int64_t sq_head, const void *k,
                   const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
                   const int64_t *tables, int64_t s_table, const int64_t *context_lens,
                   int64_t rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t dim,
-                  int64_t block_size, float scale, void *out, int is_bf16, float *scores) {
-    int64_t group = num_q_heads / num_kv_heads, elem = is_bf16 ? 2 : 4;
-    if (dim > MAX_DIM || group > MAX_GROUP) return -1;
-    float qf[MAX_GROUP * MAX_DIM], of[MAX_GROUP * MAX_DIM];
+                  int64_t block_size, float scale, void *out, int is_bf16, float *scratch) {
+    int64_t elem = is_bf16 ? 2 : 4;
+    if (dim > MAX_DIM) return -1;
+    float *qf = scratch, *acc = scratch + num_q_heads * dim, *scores = acc + num_q_heads * dim;
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            for (int64_t g = 0; g < group; g++) {
-                int64_t at = r * sq_row + (h * group + g) * sq_head;
-                for (int64_t d = 0; d < dim; d++)
-                    qf[g * MAX_DIM + d] = scale * (is_bf16
-                        ? bf16_to_f32(((const uint16_t *)q)[at + d])
-                        : ((const float *)q)[at + d]);
-            }
-            attend(qf, group, (const char *)k, (const char *)v, is_bf16, elem, s_block, s_tok,
-                   h * s_head, tables + r * s_table, context_lens[r], block_size, dim, scores,
-                   of);
-            for (int64_t g = 0; g < group; g++) {
-                int64_t at = (r * num_q_heads + h * group + g) * dim;
-                for (int64_t d = 0; d < dim; d++) {
-                    if (is_bf16) ((uint16_t *)out)[at + d] = f32_to_bf16(of[g * MAX_DIM + d]);
-                    else ((float *)out)[at + d] = of[g * MAX_DIM + d];
-                }
-            }
-        }
+        const char *qr = (const char *)q + r * sq_row * elem;
+        char *outr = (char *)out + r * num_q_heads * dim * elem;
+        decode_row(qr, sq_head, (const char *)k, (const char *)v, is_bf16, elem, s_block,
+                   s_tok, s_head, tables + r * s_table, context_lens[r], block_size,
+                   num_q_heads, num_kv_heads, dim, scale, qf, acc, scores, outr);
     }
     return 0;
 }
@@ -173,20 +173,20 @@ int tandem_decode_attention_bf16(const void *q, int64_t sq_row, int64_t sq_head,
         const void *k, const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
         const int64_t *tables, int64_t s_table, const int64_t *context_lens, int64_t rows,
         int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, int64_t block_size,
-        float scale, void *out, float *scores) {
+        float scale, void *out, float *scratch) {
     return decode(q, sq_row, sq_head, k, v, s_block, s_tok, s_head, tables, s_table,
                   context_lens, rows, num_q_heads, num_kv_heads, dim, block_size, scale, out, 1,
-                  scores);
+                  scratch);
 }
 
 int tandem_decode_attention_f32(const void *q, int64_t sq_row, int64_t sq_head,
         const void *k, const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
         const int64_t *tables, int64_t s_table, const int64_t *context_lens, int64_t rows,
         int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, int64_t block_size,
-        float scale, void *out, float *scores) {
+        float scale, void *out, float *scratch) {
     return decode(q, sq_row, sq_head, k, v, s_block, s_tok, s_head, tables, s_table,
                   context_lens, rows, num_q_heads, num_kv_heads, dim, block_size, scale, out, 0,
-                  scores);
+                  scratch);
 }
 """
 
@@ -278,7 +278,6 @@ def load() -> ctypes.CDLL | None:
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-MAX_GROUP = 16
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -290,7 +289,6 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and q.dtype == k_cache.dtype
         and head_dim <= MAX_HEAD_DIM
         and q.shape[1] % num_kv_heads == 0
-        and q.shape[1] // num_kv_heads <= MAX_GROUP
         and q.stride(2) == 1
         and k_cache.stride(3) == 1
     )
@@ -327,9 +325,8 @@ def decode_attention(
     if max_ctx > tables.shape[1] * block_size:
         raise ValueError(f"a context of {max_ctx} tokens needs more than {tables.shape[1]} blocks")
     out = torch.empty((rows, num_q_heads, head_dim), dtype=k_cache.dtype, device="cpu")
-    group = num_q_heads // num_kv_heads
-    # scores of one (row, KV head) at a time: [group, context]
-    scores = torch.empty(max(1, group * max_ctx), dtype=torch.float32, device="cpu")
+    # one row at a time: its scaled queries, accumulators and scores
+    scratch = torch.empty(num_q_heads * (2 * head_dim + max_ctx), dtype=torch.float32, device="cpu")
     fn = (
         lib.tandem_decode_attention_bf16
         if k_cache.dtype == torch.bfloat16
@@ -341,8 +338,8 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), scores.data_ptr(),
+        out.data_ptr(), scratch.data_ptr(),
     )  # fmt: skip
     if status != 0:
-        raise ValueError(f"native decode attention refused head_dim {head_dim}, group {group}")
+        raise ValueError(f"native decode attention refused head_dim {head_dim}")
     return out

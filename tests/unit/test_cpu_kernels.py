@@ -86,7 +86,8 @@ def test_unsupported_inputs_keep_the_torch_path(lib):
     cache = torch.randn(8, 4, 2, 32)
     assert cpu_kernels.supports(q, cache)
     assert not cpu_kernels.supports(q.half(), cache.half())  # dtype
-    assert not cpu_kernels.supports(torch.randn(1, 64, 32), torch.randn(8, 4, 2, 32))  # group 32
+    big = torch.randn(1, 4, 512)  # head_dim past MAX_HEAD_DIM
+    assert not cpu_kernels.supports(big, torch.randn(8, 4, 2, 512))
     group = DecodeGroup(0, 1, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, 4))
     # no context lengths (a group built by hand): torch ops, the same answer as before
     out = TorchAttention(lib)._decode(q, cache, cache, group, 1.0)
