@@ -91,7 +91,7 @@ def _f16(blocks: npt.NDArray[np.uint8], start: int) -> torch.Tensor:
 
 def permute_rows(qw: QuantizedWeight, num_heads: int) -> QuantizedWeight:
     """`unpermute_rotary` on a quantized matrix: its rows, with their scales and zeros."""
-    rows = torch.arange(qw.out_features).view(-1, 1)
+    rows = torch.arange(qw.out_features, device=qw.qweight.device).view(-1, 1)
     order = unpermute_rotary(rows, num_heads).view(-1)
 
     def take(t: torch.Tensor | None) -> torch.Tensor | None:
