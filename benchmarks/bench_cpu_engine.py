@@ -1,6 +1,7 @@
 """The CPU engine's building blocks on the default model (issue 24), in one process.
 
-    python benchmarks/bench_cpu_engine.py [--threads 1,2] [--model-dir DIR] [--results-dir DIR]
+    python benchmarks/bench_cpu_engine.py [--threads 1,2] [--parts matmuls,engine,attention]
+        [--model-dir DIR] [--results-dir DIR]
 
 1. matmuls: SmolLM2-135M's 121 weight matrices (30 x qkv, o, gate_up, down, and lm_head),
    one product each per "step", at M = 1, 4, 16 rows (decode batches) and 256 (a prefill
@@ -167,6 +168,7 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--parts", default="matmuls,engine,attention")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args()
@@ -175,9 +177,15 @@ def main() -> int:
         from services.cli.model import ensure_default_model
 
         args.model_dir = ensure_default_model()
-    matmuls = [row for t in threads for row in bench_matmuls(t)]
-    engines = [bench_engine(args.model_dir, d, t) for t in threads for d in ("float32", "bfloat16")]
-    attentions = [bench_attention(args.model_dir, t) for t in threads]
+    parts = set(args.parts.split(","))
+    matmuls = [row for t in threads for row in bench_matmuls(t)] if "matmuls" in parts else []
+    engines = [
+        bench_engine(args.model_dir, d, t)
+        for t in threads
+        for d in ("float32", "bfloat16")
+        if "engine" in parts
+    ]
+    attentions = [bench_attention(args.model_dir, t) for t in threads if "attention" in parts]
     result = {
         "command": "python benchmarks/bench_cpu_engine.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(model_dir=str(args.model_dir)),
@@ -185,7 +193,10 @@ def main() -> int:
         "engine": engines,
         "attention": attentions,
     }
-    write_json(args.results_dir / "cpu_engine.json", result, indent=1)
+    name = "cpu_engine.json" if parts >= {"matmuls", "engine", "attention"} else (
+        "cpu_engine-" + "-".join(sorted(parts)) + ".json"
+    )
+    write_json(args.results_dir / name, result, indent=1)
     return 0
 
 
