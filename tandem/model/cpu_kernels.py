@@ -169,6 +169,35 @@ static int decode(const void *q, int64_t sq_row, int64_t sq_head, const void *k,
     return 0;
 }
 
+/* The residual stream's add and HF's RMSNorm over bfloat16 rows, fused: per row
+   h += y (rounded), then out = w * bf16(h * rsqrt(mean(h^2) + eps)) in transformers' order
+   (the normalized row rounded before the weight multiplies it). y may be NULL (no add). */
+void tandem_add_rms_norm_bf16(uint16_t *h, const uint16_t *y, const uint16_t *w,
+                              uint16_t *out, int64_t rows, int64_t dim, float eps) {
+    float hf[4096];
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *hr = h + r * dim, *outr = out + r * dim;
+        float sq = 0.0f;
+        for (int64_t c = 0; c < dim; c += 4096) {
+            int64_t n = dim - c < 4096 ? dim - c : 4096;
+            for (int64_t i = 0; i < n; i++) {
+                float x = bf16_to_f32(hr[c + i]);
+                if (y) {
+                    x = bf16_to_f32(f32_to_bf16(x + bf16_to_f32(y[r * dim + c + i])));
+                    hr[c + i] = f32_to_bf16(x);
+                }
+                hf[i] = x;
+                sq += x * x;
+            }
+        }
+        float inv = 1.0f / sqrtf(sq / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) {
+            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(hr[i]) * inv));
+            outr[i] = f32_to_bf16(bf16_to_f32(w[i]) * normed);
+        }
+    }
+}
+
 int tandem_decode_attention_bf16(const void *q, int64_t sq_row, int64_t sq_head,
         const void *k, const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
         const int64_t *tables, int64_t s_table, const int64_t *context_lens, int64_t rows,
@@ -264,6 +293,11 @@ def load() -> ctypes.CDLL | None:
                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                         ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
                     ]  # fmt: skip
+                norm = lib.tandem_add_rms_norm_bf16
+                norm.restype = None
+                norm.argtypes = [ctypes.c_void_p] * 4 + [
+                    ctypes.c_int64, ctypes.c_int64, ctypes.c_float
+                ]
                 log.info("CPU decode attention: native paged kernel (%s)", path)
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", b"") or b""
@@ -342,4 +376,26 @@ def decode_attention(
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"native decode attention refused head_dim {head_dim}")
+    return out
+
+
+def add_rms_norm(
+    lib: ctypes.CDLL,
+    h: torch.Tensor,
+    y: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """bfloat16 only: `h += y` in place (when y is given), then RMSNorm of h times `weight`
+    in transformers' order. h, y: [rows, dim] contiguous; weight: [dim]. Returns [rows, dim]."""
+    if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.dim() != 2:
+        raise ValueError(f"h must be a contiguous 2-d bfloat16 tensor, got {h.dtype} {h.shape}")
+    if y is not None and (y.shape != h.shape or y.dtype != h.dtype or not y.is_contiguous()):
+        raise ValueError(f"y must match h {tuple(h.shape)}, got {y.dtype} {tuple(y.shape)}")
+    w = weight.contiguous()
+    out = torch.empty_like(h)
+    lib.tandem_add_rms_norm_bf16(
+        h.data_ptr(), None if y is None else y.data_ptr(), w.data_ptr(), out.data_ptr(),
+        h.shape[0], h.shape[1], eps,
+    )  # fmt: skip
     return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.model import cpu_kernels
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul, pack
@@ -107,6 +108,10 @@ class LlamaModel:
             weights.lm_head = pack(weights.lm_head, matmul)
         self.weights = weights
         self.attention = attention
+        # bfloat16 on a CPU with the native kernels (the attention backend's choice): the
+        # residual add and RMSNorm as one call, bitwise what the torch ops give (a test).
+        native = getattr(attention, "decode_kernel", None)
+        self.native_norm = native if dtype == torch.bfloat16 else None
         self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
@@ -143,8 +148,9 @@ class LlamaModel:
         h = F.embedding(input_ids, w.embed)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, h.dtype)
         n = input_ids.shape[0]
+        pending: torch.Tensor | None = None  # the last layer's MLP output, not yet added to h
         for layer_idx, lw in enumerate(w.layers):
-            x = rms_norm(h, lw.input_norm, eps)
+            h, x = self._add_norm(h, pending, lw.input_norm, eps)
             qkv = matmul(x, lw.qkv, mm, lw.qkv_bias)
             qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -155,11 +161,22 @@ class LlamaModel:
             # Query and key heads rotated together: one set of element-wise ops, not two.
             q, k = apply_rotary(qk, cos, sin).split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
-            h = h + matmul(attn.reshape(n, self._q_size), lw.o, mm)
-            x = rms_norm(h, lw.post_norm, eps)
+            h, x = self._add_norm(h, matmul(attn.reshape(n, self._q_size), lw.o, mm),
+                                  lw.post_norm, eps)  # fmt: skip
             gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
-            h = h + matmul(F.silu(gate) * up, lw.down, mm)
-        return rms_norm(h, w.final_norm, eps)
+            pending = matmul(F.silu(gate) * up, lw.down, mm)
+        return self._add_norm(h, pending, w.final_norm, eps)[1]
+
+    def _add_norm(
+        self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + y, rms_norm(h + y)); y None: (h, rms_norm(h)). The native path adds in place
+        (h is the forward's own residual stream)."""
+        if self.native_norm is not None and h.is_contiguous():
+            return h, cpu_kernels.add_rms_norm(self.native_norm, h, y, weight, eps)
+        if y is not None:
+            h = h + y
+        return h, rms_norm(h, weight, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -92,3 +92,23 @@ def test_unsupported_inputs_keep_the_torch_path(lib):
     # no context lengths (a group built by hand): torch ops, the same answer as before
     out = TorchAttention(lib)._decode(q, cache, cache, group, 1.0)
     torch.testing.assert_close(out, TorchAttention()._decode(q, cache, cache, group, 1.0))
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (16, 576), (3, 4100)])
+def test_fused_add_rms_norm_is_bitwise_the_torch_ops(lib, rows, dim):
+    """bfloat16: h + y, then transformers' RMSNorm (the normalized row rounded before the
+    weight), as one call: the same bits as the torch ops, h updated in place."""
+    from tandem.model.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(rows * dim)
+    h = (torch.randn(rows, dim, generator=gen) * 3).bfloat16()
+    y = torch.randn(rows, dim, generator=gen).bfloat16()
+    w = torch.randn(dim, generator=gen).bfloat16()
+    fused_h = h.clone()
+    out = cpu_kernels.add_rms_norm(lib, fused_h, y, w, 1e-5)
+    assert torch.equal(fused_h, h + y)
+    assert torch.equal(out, rms_norm(h + y, w, 1e-5))
+    alone = cpu_kernels.add_rms_norm(lib, h.clone(), None, w, 1e-5)
+    assert torch.equal(alone, rms_norm(h, w, 1e-5))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.add_rms_norm(lib, h.float(), None, w, 1e-5)
