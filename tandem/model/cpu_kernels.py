@@ -198,6 +198,29 @@ void tandem_add_rms_norm_bf16(uint16_t *h, const uint16_t *y, const uint16_t *w,
     }
 }
 
+/* HF's rotate-half RoPE over bfloat16 heads, in torch's roundings: out = bf16(bf16(x * cos)
+   + bf16(rotate_half(x) * sin)), rotate_half(x) = [-x[half:], x[:half]]. x: [rows][heads][dim]
+   with strides (sx_row, sx_head), dim contiguous; cos, sin: [rows][dim]; out contiguous. */
+void tandem_rope_bf16(const uint16_t *x, int64_t sx_row, int64_t sx_head, const uint16_t *cos,
+                      const uint16_t *sin, uint16_t *out, int64_t rows, int64_t heads,
+                      int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xh = x + r * sx_row + h * sx_head;
+            uint16_t *o = out + (r * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                float xi = bf16_to_f32(xh[i]);
+                float rot = i < half ? -bf16_to_f32(xh[i + half]) : bf16_to_f32(xh[i - half]);
+                float a = bf16_to_f32(f32_to_bf16(xi * bf16_to_f32(c[i])));
+                float b = bf16_to_f32(f32_to_bf16(rot * bf16_to_f32(s[i])));
+                o[i] = f32_to_bf16(a + b);
+            }
+        }
+    }
+}
+
 int tandem_decode_attention_bf16(const void *q, int64_t sq_row, int64_t sq_head,
         const void *k, const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
         const int64_t *tables, int64_t s_table, const int64_t *context_lens, int64_t rows,
@@ -298,6 +321,13 @@ def load() -> ctypes.CDLL | None:
                 norm.argtypes = [ctypes.c_void_p] * 4 + [
                     ctypes.c_int64, ctypes.c_int64, ctypes.c_float
                 ]
+                rope = lib.tandem_rope_bf16
+                rope.restype = None
+                rope.argtypes = [
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                ]  # fmt: skip
                 log.info("CPU decode attention: native paged kernel (%s)", path)
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", b"") or b""
@@ -397,5 +427,22 @@ def add_rms_norm(
     lib.tandem_add_rms_norm_bf16(
         h.data_ptr(), None if y is None else y.data_ptr(), w.data_ptr(), out.data_ptr(),
         h.shape[0], h.shape[1], eps,
+    )  # fmt: skip
+    return out
+
+
+def rope(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """bfloat16 only: `tandem.model.rope.apply_rotary` in one call (the same roundings).
+    x: [rows, heads, dim], dim contiguous; cos, sin: [rows, 1, dim] or [rows, dim]."""
+    rows, heads, dim = x.shape
+    if x.dtype != torch.bfloat16 or x.stride(2) != 1 or dim % 2:
+        raise ValueError(f"x must be bfloat16 [rows, heads, even dim], got {x.dtype} {x.shape}")
+    c, s = cos.reshape(rows, dim).contiguous(), sin.reshape(rows, dim).contiguous()
+    if c.dtype != torch.bfloat16 or s.dtype != torch.bfloat16:
+        raise ValueError(f"cos and sin must be bfloat16, got {c.dtype}, {s.dtype}")
+    out = torch.empty((rows, heads, dim), dtype=x.dtype, device="cpu")
+    lib.tandem_rope_bf16(
+        x.data_ptr(), x.stride(0), x.stride(1), c.data_ptr(), s.data_ptr(), out.data_ptr(),
+        rows, heads, dim,
     )  # fmt: skip
     return out

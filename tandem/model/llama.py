@@ -109,7 +109,8 @@ class LlamaModel:
         self.weights = weights
         self.attention = attention
         # bfloat16 on a CPU with the native kernels (the attention backend's choice): the
-        # residual add and RMSNorm as one call, bitwise what the torch ops give (a test).
+        # residual add and RMSNorm as one call, RoPE as one call, bitwise what the torch ops
+        # give (tests/unit/test_cpu_kernels.py).
         native = getattr(attention, "decode_kernel", None)
         self.native_norm = native if dtype == torch.bfloat16 else None
         self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
@@ -159,7 +160,11 @@ class LlamaModel:
                 q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
                 qk = torch.cat((rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)), 1)
             # Query and key heads rotated together: one set of element-wise ops, not two.
-            q, k = apply_rotary(qk, cos, sin).split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
+            if self.native_norm is not None:  # bfloat16: the same roundings in one call
+                qk = cpu_kernels.rope(self.native_norm, qk, cos, sin)
+            else:
+                qk = apply_rotary(qk, cos, sin)
+            q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
             h, x = self._add_norm(h, matmul(attn.reshape(n, self._q_size), lw.o, mm),
                                   lw.post_norm, eps)  # fmt: skip

@@ -112,3 +112,18 @@ def test_fused_add_rms_norm_is_bitwise_the_torch_ops(lib, rows, dim):
     assert torch.equal(alone, rms_norm(h, w, 1e-5))
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_kernels.add_rms_norm(lib, h.float(), None, w, 1e-5)
+
+
+def test_native_rope_is_bitwise_apply_rotary(lib):
+    """bfloat16 query and key heads (a strided view, as the model's qkv split gives) rotated
+    in one call: the same bits as tandem.model.rope.apply_rotary."""
+    from tandem.model.rope import apply_rotary
+
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(7, 15 * 64, generator=gen) * 2).bfloat16()
+    qk = qkv[:, : 12 * 64].view(7, 12, 64)  # rows strided by 15 heads
+    cos = torch.randn(7, 1, 64, generator=gen).bfloat16()
+    sin = torch.randn(7, 1, 64, generator=gen).bfloat16()
+    assert torch.equal(cpu_kernels.rope(lib, qk, cos, sin), apply_rotary(qk, cos, sin))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.rope(lib, qk.float(), cos, sin)
