@@ -364,3 +364,38 @@ def test_kv_cache_bytes_hold_twice_the_tokens_with_fp8(tiny_model_dir, engine_fa
     )  # fmt: skip
     assert narrow.num_blocks == 2 * wide.num_blocks
     assert narrow.kv_cache.element_size() == 1
+
+
+def test_the_router_looks_each_kv_format_up_under_its_own_hashes() -> None:
+    """The router's prefix index keys follow the workers': an fp8 worker's cached blocks are
+    found under the fp8 hashes, a bfloat16 worker's under the plain ones, and neither
+    worker is credited with the other format's blocks."""
+    import asyncio
+
+    from services.router.config import RouterConfig
+    from services.router.placer import Placer
+    from tandem.engine.request import RequestSpec
+
+    tokens = tuple(range(5, 69))  # 4 blocks of 16
+    plain = hash_blocks(list(tokens), 16, hash_keys("m"))
+    fp8 = hash_blocks(list(tokens), 16, hash_keys("m", "", FMT_A))
+
+    class Index:
+        def __init__(self) -> None:
+            self.asked: list[list[int]] = []
+
+        async def lookup(self, model: str, hashes: list[int]) -> dict[str, int]:
+            self.asked.append(hashes)
+            # Each worker holds the prompt in its own format; d-bf16 also (wrongly) under the
+            # fp8 hashes, which must not count for it.
+            return {"d-fp8": 4, "d-bf16": 2} if hashes == fp8 else {"d-bf16": 3, "d-fp8": 1}
+
+    config = RouterConfig(model_dir="m", block_size=16, decode_addresses=("d:1",))
+    placer = Placer(config, "m")
+    index = Index()
+    placer._index = index  # type: ignore[assignment]
+    workers = [load("d-fp8", "decode", FMT_A), load("d-bf16", "decode", FMT_B)]
+    hashes, overlap = asyncio.run(placer._prefix_overlap(RequestSpec("r", tokens), workers))
+    assert sorted(map(tuple, index.asked)) == sorted([tuple(plain), tuple(fp8)])
+    assert overlap == {"d-fp8": 4, "d-bf16": 3}
+    assert hashes in (plain, fp8)
