@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import openai
 import pytest
 import redis
 
 from services.common.redis.server import RedisServer
 from services.up import Cluster, UpConfig, wait_for_router
+from tandem.client import TandemClient
 
 
 @pytest.fixture(scope="session")
@@ -140,4 +142,24 @@ def shared_cluster(
     """One `tandem up` cluster for tests that only read what it exports (metrics, a
     Prometheus scraping it): they must not stop, kill or reconfigure its processes."""
     with up_cluster(tiny_model_dir, tmp_path_factory.mktemp("shared-run")) as c:
+        yield c
+
+
+# A module's `cluster` is the shared one unless the module defines its own; `client` (the
+# real openai client over the router's HTTP API) and `grpc_client` (TandemClient) talk to it.
+@pytest.fixture(scope="module")
+def cluster(shared_cluster: Cluster) -> Cluster:
+    return shared_cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
+    base_url = f"http://{cluster.http_address}/v1"
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
+    with TandemClient(cluster.router_address, timeout_s=60) as c:
         yield c

@@ -4,7 +4,6 @@ the chat template and answered identically."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -27,24 +26,6 @@ TOOL_HISTORY: list[dict[str, Any]] = [
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
     {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_7"},
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
-def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
-    with TandemClient(cluster.router_address, timeout_s=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    base_url = f"http://{cluster.http_address}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
-        yield c
 
 
 BAD_CHATS = [

@@ -5,7 +5,6 @@ outside the vocabulary are refused before any work."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import grpc
 import openai
@@ -22,17 +21,6 @@ def long_prompt() -> str:
     prefilled on the prefill worker and handed over."""
     tag = uuid.uuid4().hex
     return f"{tag} " + " ".join(f"item {i} of the list {tag}, then" for i in range(30))
-
-
-@pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
-def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
-    with TandemClient(cluster.router_address, timeout_s=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,6 @@ MAX_TOKENS = 2000  # with the prompt, up to the tiny model's context of 2048
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
 def base_url(cluster: Cluster) -> str:
     return f"http://{cluster.http_address}/v1"
 

@@ -10,7 +10,6 @@ import time
 import urllib.request
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 
 import openai
 import pytest
@@ -33,24 +32,6 @@ def long_prompt() -> str:
     worker and handed over."""
     tag = uuid.uuid4().hex
     return f"{tag} " + " ".join(f"item {i} of the list {tag}, then" for i in range(30))
-
-
-@pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    base_url = f"http://{cluster.http_address}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
-    with TandemClient(cluster.router_address, timeout_s=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 
 import jsonschema
 import openai
@@ -30,24 +29,6 @@ def long_question() -> str:
     """Over the router's 64 uncached tokens and new each time: disaggregated."""
     tag = uuid.uuid4().hex
     return f"{tag} " + " ".join(f"item {i} of the list {tag}, then" for i in range(30))
-
-
-@pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    base_url = f"http://{cluster.http_address}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
-    with TandemClient(cluster.router_address, timeout_s=60) as c:
-        yield c
 
 
 @pytest.mark.parametrize("question", [QUESTION, "long"], ids=["colocated", "disaggregated"])

@@ -99,11 +99,6 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
 def prometheus(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     if not Path(PROMETHEUS).exists():
         pytest.skip(

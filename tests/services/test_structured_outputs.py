@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -88,24 +87,6 @@ def short_prompt() -> str:
 
 
 PROMPTS = {"colocated": short_prompt, "disaggregated": long_prompt}
-
-
-@pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    base_url = f"http://{cluster.http_address}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
-    with TandemClient(cluster.router_address, timeout_s=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

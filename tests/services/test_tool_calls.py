@@ -51,18 +51,6 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_cluster: Cluster) -> Cluster:
-    return shared_cluster
-
-
-@pytest.fixture(scope="module")
-def client(cluster: Cluster) -> Iterator[openai.OpenAI]:
-    base_url = f"http://{cluster.http_address}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def grpc_client(cluster: Cluster) -> Iterator[TandemClient]:
     with TandemClient(cluster.router_address, timeout_s=120) as c:
         yield c
