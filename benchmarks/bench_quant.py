@@ -138,7 +138,7 @@ def without_gguf(model_dir: Path) -> Path:
     return out
 
 
-def engine_for(model_dir: Path, scheme: str, dtype: str = "bfloat16") -> Any:
+def engine_for(model_dir: Path, scheme: str, dtype: str = "bfloat16", group: int = 64) -> Any:
     from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
     from tandem.engine.engine import LLMEngine
 
@@ -149,7 +149,7 @@ def engine_for(model_dir: Path, scheme: str, dtype: str = "bfloat16") -> Any:
                          "fetch the model again into another --model-dir")  # fmt: skip
 
     quantization = "int4" if scheme == "gguf-int4" else scheme
-    group = 32 if scheme == "gguf-int4" else 64
+    group = 32 if scheme == "gguf-int4" else group
     return LLMEngine(
         EngineConfig(
             model_dir=str(model_dir),
@@ -223,6 +223,8 @@ def main() -> int:
     ap.add_argument("--parts", default="matmuls,accuracy,speed")
     ap.add_argument("--schemes", default="none,int8,int4,fp8,gguf-int4")
     ap.add_argument("--ppl-tokens", type=int, default=51200)
+    ap.add_argument("--int4-group", type=int, default=64, help="online int4's group size")
+    ap.add_argument("--out", default="quant", help="results/<out>.json")
     args = ap.parse_args()  # fmt: skip
     torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
@@ -245,7 +247,7 @@ def main() -> int:
         ref_tokens: list[list[int]] | None = None
         for scheme in schemes:
             t0 = time.perf_counter()
-            engine = engine_for(args.model_dir, scheme)
+            engine = engine_for(args.model_dir, scheme, group=args.int4_group)
             row: dict[str, Any] = {"weight_bytes": engine.weight_bytes}
             if "accuracy" in parts:
                 row["perplexity"] = perplexity(engine, ppl_ids)
@@ -276,7 +278,8 @@ def main() -> int:
                 rows["none (float32)"]["greedy_identical"] = sum(same) / len(same)
             print(f"none (float32): {rows['none (float32)']}", flush=True)
         report["schemes"] = rows
-    write_json(result_path(RESULTS_DIR, "quant"), report, indent=2)
+    report["int4_group"] = args.int4_group
+    write_json(result_path(RESULTS_DIR, args.out), report, indent=2)
     return 0
 
 
