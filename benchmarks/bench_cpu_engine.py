@@ -9,11 +9,12 @@
    with the weights prepacked (`tandem.model.linear`). Median of 15 steps.
 2. engine: `LLMEngine` decode steps (median of 30) at batch 1, 4 and 16 with 256-token
    prompts, and the prefill of those prompts, per dtype (float32, bfloat16) and thread count.
-3. attention: bfloat16 decode steps at batch 1, 4 and 16 with the CPU decode attention's
-   three paths: the native paged kernel (tandem.model.cpu_kernels), torch ops with
-   block-diagonal products, torch ops with per-head products (`BLOCK_DIAGONAL_MAX_KV_HEADS`
-   0); alternated every 5 steps in one engine (median of 30 each); the process's CPU time per
-   step (at 1 thread, the step's time without what other jobs on a shared box take).
+3. attention: bfloat16 decode steps at batch 1, 4 and 16 with the CPU paths: the native
+   paged decode kernel with the fused residual-add+RMSNorm and RoPE calls (the default), the
+   native kernel alone, torch ops with block-diagonal products, torch ops with per-head
+   products (`BLOCK_DIAGONAL_MAX_KV_HEADS` 0, the previous session's path); alternated every
+   5 steps in one engine (median of 30 each); the process's CPU time per step (at 1 thread,
+   the step's time without what other jobs on a shared box take).
 
 Same process, same inputs, alternating nothing but the variant: ratios are what to read
 (the machine is shared). Writes <results-dir>/cpu_engine.json.
@@ -129,8 +130,14 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
     )
     backend = engine.model.attention
     native = backend.decode_kernel
-    variants = [("native", native, default), ("block_diagonal", None, default)]
-    variants.append(("per_head", None, 0))
+    fused = engine.model.native_norm  # the residual add + RMSNorm and RoPE calls
+    # (name, decode kernel, block-diagonal limit, fused norm/RoPE library)
+    variants = [
+        ("native", native, default, fused),
+        ("native_unfused", native, default, None),
+        ("block_diagonal", None, default, None),
+        ("per_head", None, 0, None),
+    ]
     engine.warm_up()
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {"threads": threads}
@@ -140,12 +147,13 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
             engine.add_request(engine.spec(rid, list(range(100 + i, 356 + i)), params))
         for _ in range(3):  # the prefill, then a few decode steps
             engine.step()
-        times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+        times: dict[str, list[float]] = {name: [] for name, *_ in variants}
         for _ in range(6):
-            for name, kernel, limit in variants:
-                if name == "native" and kernel is None:
+            for name, kernel, limit, norm in variants:
+                if name.startswith("native") and kernel is None:
                     continue  # no C compiler here
                 backend.decode_kernel = kernel
+                engine.model.native_norm = norm
                 attention.BLOCK_DIAGONAL_MAX_KV_HEADS = limit
                 for _ in range(5):
                     t0 = time.process_time()  # CPU time: robust to the box's other jobs
@@ -153,6 +161,7 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
                     times[name].append(time.process_time() - t0)
         attention.BLOCK_DIAGONAL_MAX_KV_HEADS = default
         backend.decode_kernel = native
+        engine.model.native_norm = fused
         for name, ts in times.items():
             if ts:
                 out[f"decode_step_bs{bs}_{name}_cpu_ms"] = sorted(ts)[len(ts) // 2] * 1e3
