@@ -170,7 +170,9 @@ class WeightBuilder:
         ([out, in], tandem.model.quant_load) when the builder quantizes."""
         if self.quantization is WeightScheme.NONE:
             return self.fused(names, transpose=True)
-        return quantized_matrix(self.reader, names, self.quantization, self.group_size, self.device)
+        return quantized_matrix(
+            self.reader, names, self.quantization, self.group_size, self.device, self.dtype
+        )
 
     def layer(self, config: ModelConfig, i: int) -> LayerWeights:
         p = f"model.layers.{i}."

@@ -42,10 +42,14 @@ def quantized_matrix(
     scheme: WeightScheme,
     group_size: int,
     device: torch.device,
-) -> QuantizedWeight:
+    dtype: torch.dtype = torch.float32,
+) -> QuantizedWeight | torch.Tensor:
     """The rows of `names`' matrices ([out_i, in] each) concatenated, as one QuantizedWeight
     [sum(out_i), in] on `device`: kept as stored where `source` holds one in `scheme`
     (`source.read_quantized(name)`, for the names in `source.layers`), else quantized here.
+    Stored int4 parts whose groups differ (GPTQ act-order with a g_idx per projection) cannot
+    share one matrix: they come back dequantized, dense [in, out] in `dtype` (logged),
+    rather than rounded a second time.
 
     Raises:
         ValueError: int4 with a group size that does not divide the input features.
@@ -66,7 +70,11 @@ def quantized_matrix(
         dense = source.read(name).to(device=device, dtype=torch.float32)
         parts.append(quantize(dense, scheme, group_size))
         del dense
-    return cat_rows(parts, group_size)
+    fused = cat_rows(parts)
+    if fused is None:
+        logger.warning("%s: int4 parts with different groups are kept dense", ", ".join(names))
+        return torch.cat([p.dequantize(torch.float32) for p in parts]).t().contiguous().to(dtype)
+    return fused
 
 
 def to_device(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
@@ -86,12 +94,12 @@ def to_device(qw: QuantizedWeight, device: torch.device) -> QuantizedWeight:
     )
 
 
-def cat_rows(parts: Sequence[QuantizedWeight], group_size: int = 128) -> QuantizedWeight:
-    """Matrices with the same input features stacked by rows, in one scheme.
+def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight | None:
+    """Matrices with the same input features stacked by rows, in one scheme; None for int4
+    parts whose groups differ (group size, g_idx): one matrix cannot hold them.
 
     fp8 per-tensor scales become per-row ones (a part's scale repeated over its rows); int4
-    parts with no zero points get 8; parts whose groups differ (group size, g_idx) are
-    dequantized and quantized again with `group_size` (logged).
+    parts with no zero points get 8.
     """
     if len(parts) == 1:
         return parts[0]
@@ -114,10 +122,7 @@ def cat_rows(parts: Sequence[QuantizedWeight], group_size: int = 128) -> Quantiz
         for p in parts
     )
     if not same_groups:
-        logger.warning("int4 parts with different groups: quantized again with group %d",
-                       group_size)  # fmt: skip
-        dense = torch.cat([p.dequantize(torch.float32) for p in parts])
-        return quantize(dense, WeightScheme.INT4, group_size)
+        return None
     zeros: Any = None
     if any(p.zeros is not None for p in parts):
         floats = any(p.zeros is not None and p.zeros.dtype == torch.float32 for p in parts)

@@ -186,3 +186,57 @@ def test_worker_metrics_report_the_weight_bytes() -> None:
     )
     assert got == 179_671_680
 
+
+
+@pytest.mark.parametrize(
+    ("fmt", "scheme"),
+    [("awq-g32", "int4"), ("gptq-g32-act-order", "int4"), ("gptq-8bit", "int8"),
+     ("fp8-per-tensor", "fp8")],
+)  # fmt: skip
+def test_a_quantized_checkpoint_is_kept_as_stored(
+    hf_model: Any, tmp_path: Path, fmt: str, scheme: str
+) -> None:
+    """--quantization of the checkpoint's scheme: each layer matrix stays the checkpoint's
+    integers (its dequantization equals the dense weights the checkpoint stands for, exactly;
+    q/k/v and gate/up concatenated by rows; fp8 per-tensor scales repeated per row)."""
+    from tandem.model.loader import load_model
+    from tests.unit.test_quant_checkpoints import LINEAR_SUFFIXES, QUANT_CONFIGS
+
+    qconfig, make_layer = QUANT_CONFIGS[fmt]
+    src, _ = hf_model("llama")
+    dst = tmp_path / "model"
+    dst.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = qconfig
+    (dst / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(len(fmt))
+    tensors: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, value in load_file(src / "model.safetensors").items():
+        prefix = name.removesuffix(".weight")
+        if name.endswith(".weight") and prefix.endswith(LINEAR_SUFFIXES):
+            layer, dense[name] = make_layer(gen, prefix, *value.shape)
+            tensors.update(layer)
+        else:
+            tensors[name] = value
+    save_file(tensors, dst / "model.safetensors")
+
+    model = load_model(dst, quantization=scheme, quantization_group_size=32)
+    for i, lw in enumerate(model.weights.layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        want = (
+            torch.cat([dense[attn + f"{x}_proj.weight"] for x in "qkv"]),
+            dense[attn + "o_proj.weight"],
+            torch.cat([dense[mlp + f"{x}_proj.weight"] for x in ("gate", "up")]),
+            dense[mlp + "down_proj.weight"],
+        )
+        for j, (w, ref) in enumerate(zip(lw.matrices(), want, strict=True)):
+            if fmt == "gptq-g32-act-order" and j in (0, 2):
+                # q/k/v and gate/up: a g_idx per projection, which one matrix cannot hold:
+                # kept dense (dequantized, [in, out]) rather than rounded twice
+                assert isinstance(w, torch.Tensor)
+                torch.testing.assert_close(w, ref.t(), atol=0, rtol=0)
+                continue
+            assert isinstance(w, QuantLinear) and w.weight is not None
+            assert w.weight.scheme is WeightScheme(scheme)
+            torch.testing.assert_close(w.weight.dequantize(), ref, atol=0, rtol=0)
