@@ -240,3 +240,17 @@ def test_a_quantized_checkpoint_is_kept_as_stored(
             assert isinstance(w, QuantLinear) and w.weight is not None
             assert w.weight.scheme is WeightScheme(scheme)
             torch.testing.assert_close(w.weight.dequantize(), ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "fp8"])
+def test_the_triton_path_matches_the_reference_under_the_interpreter(scheme: str) -> None:
+    """CUDA's path (kernels.quant_matmul.quantized_linear) dispatched by quant_matmul, run by
+    Triton's interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1)."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(3)
+    qw = quantize(torch.randn(64, 64, generator=g) * 0.05, WeightScheme(scheme), GROUP)
+    ql = pack_quantized(qw, torch.float32, Workspace(), QuantPath.TRITON)
+    x = torch.randn(3, 64, generator=g)
+    bias = torch.randn(64, generator=g)
+    ref = x @ qw.dequantize().t() + bias
+    torch.testing.assert_close(quant_matmul(x, ql, bias), ref, atol=1e-4, rtol=1e-4)
