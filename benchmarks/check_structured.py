@@ -1,0 +1,219 @@
+"""Structured outputs on the default model (issue 27's acceptance check), end to end:
+
+    python benchmarks/check_structured.py [--model DIR] [--max-tokens N]
+
+Starts `tandem up` (SmolLM2-135M-Instruct by default: 1 prefill + 1 decode worker) and, with
+the real `openai` client, asks for 20 varied JSON schemas (nested objects, arrays with
+bounds, enums, bounded numbers, required fields, booleans, nullable fields), each
+colocated (a short prompt: the decode worker computes it) and disaggregated (a prompt over
+the router's 64 uncached tokens: prefilled on the prefill worker, token 1 sampled there
+under the grammar, the rest on the decode worker), streamed and not: 80 answers, each
+parsed with json.loads and validated with `jsonschema`. Then regex and choice constraints
+through `guided_regex` / `guided_choice`, both placements. Prints one line per answer that
+fails and a summary; writes benchmarks/results/structured_default_model.json. Exit 1 when
+any answer fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import REPO_ROOT, RESULTS_DIR, machine_info, write_json
+
+S = {"type": "string", "maxLength": 24}
+I = {"type": "integer", "minimum": 0, "maximum": 1000}  # noqa: E741
+
+SCHEMAS: list[tuple[str, dict[str, Any]]] = [
+    ("a person", {"type": "object", "properties": {"name": S, "age": I},
+                  "required": ["name", "age"], "additionalProperties": False}),
+    ("a city", {"type": "object", "properties": {"city": S, "country": S, "population": I},
+                "required": ["city", "country"], "additionalProperties": False}),
+    ("a colour choice", {"type": "object", "properties": {
+        "colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+        "additionalProperties": False}),
+    ("a temperature reading", {"type": "object", "properties": {
+        "celsius": {"type": "number", "minimum": -50, "maximum": 60}, "station": S},
+        "required": ["celsius", "station"], "additionalProperties": False}),
+    ("a shopping list", {"type": "object", "properties": {
+        "items": {"type": "array", "items": S, "minItems": 1, "maxItems": 4}},
+        "required": ["items"], "additionalProperties": False}),
+    ("a yes/no answer", {"type": "object", "properties": {"answer": {"type": "boolean"},
+                         "reason": S}, "required": ["answer"], "additionalProperties": False}),
+    ("a book", {"type": "object", "properties": {"title": S, "author": {
+        "type": "object", "properties": {"first": S, "last": S}, "required": ["first", "last"],
+        "additionalProperties": False}, "year": {"type": "integer", "minimum": 1450,
+        "maximum": 2026}}, "required": ["title", "author", "year"],
+        "additionalProperties": False}),
+    ("a rating", {"type": "object", "properties": {
+        "stars": {"type": "integer", "minimum": 1, "maximum": 5}, "comment": S},
+        "required": ["stars"], "additionalProperties": False}),
+    ("an order", {"type": "object", "properties": {"id": I, "lines": {
+        "type": "array", "maxItems": 3, "items": {"type": "object", "properties": {
+            "sku": S, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"], "additionalProperties": False}}},
+        "required": ["id", "lines"], "additionalProperties": False}),
+    ("a weekday", {"type": "object", "properties": {"day": {"enum": [
+        "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]}},
+        "required": ["day"], "additionalProperties": False}),
+    ("a point", {"type": "object", "properties": {"x": {"type": "integer", "minimum": -100,
+                 "maximum": 100}, "y": {"type": "integer", "minimum": -100, "maximum": 100}},
+                 "required": ["x", "y"], "additionalProperties": False}),
+    ("a list of numbers", {"type": "array", "items": {"type": "integer", "minimum": 0,
+                           "maximum": 99}, "minItems": 2, "maxItems": 5}),
+    ("a contact", {"type": "object", "properties": {"email": S, "phone": {
+        "anyOf": [S, {"type": "null"}]}}, "required": ["email", "phone"],
+        "additionalProperties": False}),
+    ("a task", {"type": "object", "properties": {"title": S, "done": {"type": "boolean"},
+                "priority": {"enum": ["low", "medium", "high"]}},
+                "required": ["title", "done", "priority"], "additionalProperties": False}),
+    ("a recipe", {"type": "object", "properties": {"name": S, "steps": {
+        "type": "array", "items": S, "minItems": 1, "maxItems": 3},
+        "minutes": {"type": "integer", "minimum": 1, "maximum": 240}},
+        "required": ["name", "steps", "minutes"], "additionalProperties": False}),
+    ("a flight", {"type": "object", "properties": {"from": S, "to": S, "stops": {
+        "type": "integer", "minimum": 0, "maximum": 3}}, "required": ["from", "to", "stops"],
+        "additionalProperties": False}),
+    ("a planet", {"type": "object", "properties": {"name": S, "moons": I, "rocky": {
+        "type": "boolean"}}, "required": ["name", "moons", "rocky"],
+        "additionalProperties": False}),
+    ("a tag set", {"type": "object", "properties": {"tags": {"type": "array", "items": {
+        "enum": ["news", "sport", "tech", "art"]}, "maxItems": 3}}, "required": ["tags"],
+        "additionalProperties": False}),
+    ("a score board", {"type": "object", "properties": {"home": I, "away": I, "final": {
+        "type": "boolean"}}, "required": ["home", "away", "final"],
+        "additionalProperties": False}),
+    ("a nested config", {"type": "object", "properties": {"server": {
+        "type": "object", "properties": {"host": S, "port": {"type": "integer", "minimum": 1,
+        "maximum": 65535}}, "required": ["host", "port"], "additionalProperties": False},
+        "debug": {"type": "boolean"}}, "required": ["server", "debug"],
+        "additionalProperties": False}),
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def prompt(what: str, disaggregated: bool) -> str:
+    """Short: under the router's 64 uncached tokens (colocated). Long: a unique preamble
+    puts it over them (prefilled on the prefill worker)."""
+    ask = f"Reply with JSON describing {what}."
+    if not disaggregated:
+        return ask
+    tag = uuid.uuid4().hex
+    context = " ".join(f"note {i} of {tag[:8]} is background only;" for i in range(16))
+    return f"{context} {ask}"
+
+
+def answer(client: openai.OpenAI, model: str, messages: list[dict[str, str]],
+           stream: bool, max_tokens: int, **extra: Any) -> tuple[str, str | None]:  # fmt: skip
+    """The text and finish reason, streamed or whole."""
+    args: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens}
+    args["temperature"] = 0.7
+    args["seed"] = 7
+    if stream:
+        text, reason = [], None
+        for chunk in client.chat.completions.create(stream=True, **args, **extra):
+            if chunk.choices:
+                text.append(chunk.choices[0].delta.content or "")
+                reason = chunk.choices[0].finish_reason or reason
+        return "".join(text), reason
+    done = client.chat.completions.create(**args, **extra)
+    return done.choices[0].message.content or "", done.choices[0].finish_reason
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model directory (default: tandem up's)")
+    ap.add_argument("--max-tokens", type=int, default=200)
+    args = ap.parse_args()
+    http = free_port()
+    cmd = [str(REPO_ROOT / ".venv" / "bin" / "tandem"), "up", "--port", str(free_port())]
+    cmd += ["--http-port", str(http), "--redis-port", "0"]
+    if args.model:
+        cmd += ["--model", args.model]
+    log = tempfile.NamedTemporaryFile("w", prefix="check-structured-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    results: list[dict[str, Any]] = []
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"tandem up did not start (log {log.name})") from None
+                time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x", timeout=300)
+        model = client.models.list().data[0].id
+        for what, schema in SCHEMAS:
+            fmt = {"type": "json_schema",
+                   "json_schema": {"name": "answer", "schema": schema, "strict": True}}  # fmt: skip
+            for disaggregated in (False, True):
+                for stream in (False, True):
+                    msgs = [{"role": "user", "content": prompt(what, disaggregated)}]
+                    text, reason = answer(client, model, msgs, stream, args.max_tokens,
+                                          response_format=fmt)  # fmt: skip
+                    problem = ""
+                    try:
+                        jsonschema.validate(json.loads(text), schema)
+                    except (ValueError, jsonschema.ValidationError) as exc:
+                        problem = f"{type(exc).__name__}: {str(exc)[:120]}"
+                    results.append({"kind": "json_schema", "what": what,
+                                    "disaggregated": disaggregated, "stream": stream,
+                                    "finish_reason": reason, "text": text, "ok": not problem,
+                                    "problem": problem})  # fmt: skip
+                    mark = "ok  " if not problem else "FAIL"
+                    print(f"{mark} {what:22s} disagg={disaggregated!s:5} stream={stream!s:5} "
+                          f"{reason}: {text[:70]!r} {problem}", flush=True)  # fmt: skip
+        checks = [
+            ("regex", {"guided_regex": r"[A-Z][a-z]{2,8} [0-9]{1,3}"},
+             lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}", t) is not None),
+            ("choice", {"guided_choice": ["alpha", "beta", "gamma"]},
+             lambda t: t in ("alpha", "beta", "gamma")),
+        ]  # fmt: skip
+        for kind, extra, valid in checks:
+            for disaggregated in (False, True):
+                msgs = [{"role": "user", "content": prompt(f"a {kind}", disaggregated)}]
+                text, reason = answer(client, model, msgs, False, 32, extra_body=extra)
+                ok = bool(valid(text))
+                results.append({"kind": kind, "disaggregated": disaggregated, "stream": False,
+                                "finish_reason": reason, "text": text, "ok": ok})  # fmt: skip
+                print(f"{'ok  ' if ok else 'FAIL'} {kind:22s} disagg={disaggregated!s:5} "
+                      f"{reason}: {text!r}", flush=True)  # fmt: skip
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    passed = sum(r["ok"] for r in results)
+    print(f"{passed}/{len(results)} answers conform ({len(SCHEMAS)} schemas x colocated/"
+          f"disaggregated x streamed/whole, plus regex and choice)")
+    write_json(RESULTS_DIR / "structured_default_model.json", {
+        "command": "python benchmarks/check_structured.py " + " ".join(sys.argv[1:]),
+        "machine": machine_info(), "passed": passed, "total": len(results), "results": results,
+    }, indent=1)  # fmt: skip
+    return 0 if passed == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
