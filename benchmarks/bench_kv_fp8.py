@@ -21,6 +21,7 @@ Writes benchmarks/results/kv_fp8.json; prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -39,7 +40,7 @@ from tandem.engine.kv_cache import block_bytes
 from tandem.engine.sampling import SamplingParams
 from tandem.model.attention import AttentionMetadata, PrefillSpan
 from tandem.model.config import ModelConfig
-from tandem.model.kv_quant import FP8_DTYPE
+from tandem.model.kv_quant import FP8_DTYPE, KVScales
 
 RESULT_JSON = result_path(RESULTS_DIR, "kv_fp8")
 DEFAULT_MODEL = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
@@ -105,6 +106,11 @@ def kv_amax(engine: LLMEngine, num_tokens: int) -> tuple[list[float], list[float
     return amax[:, 0].tolist(), amax[:, 1].tolist()
 
 
+def pow2_scale(amax: float) -> float:
+    """The least power of two s with amax / s <= 448 (e4m3's largest finite value)."""
+    return 2.0 ** math.ceil(math.log2(max(amax, 1e-6) / 448.0))
+
+
 def tokens_per_gib(model: ModelConfig, dtype: torch.dtype) -> int:
     return (1 << 30) // block_bytes(model, BLOCK_SIZE, dtype) * BLOCK_SIZE
 
@@ -118,6 +124,12 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    ap.add_argument(
+        "--pow2-scales",
+        action="store_true",
+        help="also an fp8 cache with per-layer power-of-two scales >= amax / 448 from the "
+        "bfloat16 pass (what a calibrated checkpoint's k_scale/v_scale would give)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -132,7 +144,14 @@ def main() -> int:
     nll: dict[str, list[float]] = {}
     seconds: dict[str, float] = {}
     amax: tuple[list[float], list[float]] = ([], [])
-    for kv, engine in engines.items():
+    kinds = ["auto", "fp8"] + (["fp8-pow2"] if args.pow2_scales else [])
+    for kv in kinds:
+        if kv == "fp8-pow2":
+            engines[kv] = make_engine(args.model_dir, args.dtype, "fp8", args.window)
+            scales = KVScales(*(tuple(pow2_scale(a) for a in m) for m in amax), "calibrated")
+            engines[kv].kv_scales = scales
+            engines[kv].model.attention.use_fp8_kv(scales, getattr(torch, model_dtype))
+        engine = engines[kv]
         t0 = time.perf_counter()
         nll[kv] = []
         for start in range(0, n, args.window):
@@ -152,11 +171,14 @@ def main() -> int:
     prompts = prompts[: args.prompts]
     greedy = SamplingParams(max_tokens=CONTINUATION, temperature=0.0, ignore_eos=True)
     outs = {kv: [c.token_ids for c in e.generate(prompts, greedy)] for kv, e in engines.items()}
-    diverged = []
-    for a, b in zip(outs["auto"], outs["fp8"], strict=True):
-        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
-        if first is not None:
-            diverged.append(first)
+    divergence: dict[str, list[int]] = {}
+    for kv in kinds[1:]:
+        divergence[kv] = []
+        for a, b in zip(outs["auto"], outs[kv], strict=True):
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+            if first is not None:
+                divergence[kv].append(first)
+    diverged = divergence["fp8"]
     identical = 1 - len(diverged) / len(prompts)
     smol = engines["auto"].model.config
     llama = ModelConfig.from_hf(LLAMA3_8B)
@@ -190,6 +212,18 @@ def main() -> int:
         "kv_tokens_per_gib": memory,
         "kv_scales": engines["fp8"].kv_scales.source if engines["fp8"].kv_scales else None,
     }
+    if args.pow2_scales:
+        pow2 = engines["fp8-pow2"].kv_scales
+        assert pow2 is not None
+        result["pow2"] = {
+            "ppl": ppl["fp8-pow2"],
+            "ppl_delta_pct": 100 * (ppl["fp8-pow2"] / ppl["auto"] - 1),
+            "identical_fraction": 1 - len(divergence["fp8-pow2"]) / len(prompts),
+            "first_divergence": sorted(divergence["fp8-pow2"]),
+            "k_scales": pow2.k,
+            "v_scales": pow2.v,
+        }
+        print(json.dumps(result["pow2"]))
     write_json(RESULT_JSON, result, indent=1)
     print()
     print(f"| KV cache | perplexity ({len(nll['auto'])} tokens) | vs {model_dtype} cache |")
