@@ -9,9 +9,12 @@ colocated (a short prompt: the decode worker computes it) and disaggregated (a p
 the router's 64 uncached tokens: prefilled on the prefill worker, token 1 sampled there
 under the grammar, the rest on the decode worker), streamed and not: 80 answers, each
 parsed with json.loads and validated with `jsonschema`. Then regex and choice constraints
-through `guided_regex` / `guided_choice`, both placements. Prints one line per answer that
-fails and a summary; writes benchmarks/results/structured_default_model.json. Exit 1 when
-any answer fails.
+through `guided_regex` / `guided_choice`, both placements. Then tools: `tool_choice`
+required and a named function (both placements, streamed deltas reassembled and compared
+with the whole answer), `auto` (text or calls), a second turn with the tool's result; and
+the Responses API (`responses.create`): the README's question, a forced tool call and a
+JSON-schema answer, streamed and not. Prints one line per answer and a summary; writes
+benchmarks/results/structured_default_model.json. Exit 1 when any answer fails.
 """
 
 from __future__ import annotations
@@ -139,6 +142,163 @@ def answer(client: openai.OpenAI, model: str, messages: list[dict[str, str]],
     return done.choices[0].message.content or "", done.choices[0].finish_reason
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": S, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {"type": "object", "properties": {"city": S}, "required": ["city"],
+                       "additionalProperties": False},
+    },
+}  # fmt: skip
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def record(results: list[dict[str, Any]], kind: str, ok: bool, detail: str) -> None:
+    results.append({"kind": kind, "ok": ok, "detail": detail})
+    print(f"{'ok  ' if ok else 'FAIL'} {kind:34s} {detail[:110]}", flush=True)
+
+
+def calls_valid(calls: list[Any], names: set[str]) -> bool:
+    """Every call names one of `names`, has an id, and its arguments validate."""
+    try:
+        for call in calls:
+            assert call.id and call.function.name in names
+            jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    except (AssertionError, ValueError, jsonschema.ValidationError):
+        return False
+    return bool(calls)
+
+
+def streamed_calls(client: openai.OpenAI, **args: Any) -> list[tuple[str, str]]:
+    """Tool-call deltas joined by index: [(name, arguments)]."""
+    joined: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name, text = joined.setdefault(delta.index, ["", ""])
+            if delta.function and delta.function.name:
+                joined[delta.index][0] = name + delta.function.name
+            if delta.function and delta.function.arguments:
+                joined[delta.index][1] = text + delta.function.arguments
+    return [(n, a) for _, (n, a) in sorted(joined.items())]
+
+
+def check_tools(client: openai.OpenAI, model: str) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    tools = [WEATHER, TIME]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in (("required", {"get_weather", "get_time"}), (named, {"get_time"})):
+        label = choice if isinstance(choice, str) else "named"
+        for disaggregated in (False, True):
+            msgs = [{"role": "user", "content": prompt("the weather in Paris", disaggregated)}]
+            # One call each: with parallel calls on, SmolLM2 goes on calling until max_tokens
+            # cuts it (finish_reason length, the cut answer's calls left as content).
+            args: dict[str, Any] = {"model": model, "messages": msgs, "tools": tools,
+                                    "tool_choice": choice, "max_tokens": 300, "seed": 3,
+                                    "parallel_tool_calls": False}
+            whole = client.chat.completions.create(**args)
+            calls = whole.choices[0].message.tool_calls or []
+            reason = whole.choices[0].finish_reason
+            ok = calls_valid(calls, names) and reason == "tool_calls"
+            record(results, f"tools {label} disagg={disaggregated}", ok,
+                   f"{reason} " + str([(c.function.name, c.function.arguments) for c in calls])
+                   + ("" if calls else f" content={whole.choices[0].message.content!r}"))
+            streamed = streamed_calls(client, **args)
+            same = streamed == [(c.function.name, c.function.arguments) for c in calls]
+            record(results, f"tools {label} streamed disagg={disaggregated}", same,
+                   str(streamed))  # fmt: skip
+    msgs = [{"role": "user", "content": "What is the weather in Rome, in celsius?"}]
+    auto = client.chat.completions.create(model=model, messages=msgs, tools=tools,
+                                          tool_choice="auto", max_tokens=80, seed=3)
+    message = auto.choices[0].message
+    ok = calls_valid(message.tool_calls or [], set(PARAMS)) if message.tool_calls else bool(
+        message.content
+    )
+    record(results, "tools auto (text or calls)", ok,
+           str(message.tool_calls or message.content))  # fmt: skip
+    first = client.chat.completions.create(model=model, messages=msgs, tools=tools,
+                                           tool_choice="required", max_tokens=300, seed=3,
+                                           parallel_tool_calls=False)
+    call = (first.choices[0].message.tool_calls or [None])[0]
+    if call is None:
+        record(results, "tools second turn", False, "no call in the first turn")
+        return results
+    history = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 21, "sky": "clear"}'},
+    ]  # fmt: skip
+    second = client.chat.completions.create(model=model, messages=history, tools=tools,
+                                            max_tokens=60, temperature=0)  # fmt: skip
+    reply = second.choices[0].message
+    record(results, "tools second turn (after the result)", bool(reply.content or
+           reply.tool_calls), str(reply.content or reply.tool_calls))  # fmt: skip
+    return results
+
+
+def check_responses(client: openai.OpenAI, model: str) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    question = "What is the capital of France?"
+    tool = {"type": "function", **WEATHER["function"]}  # the Responses API's flat shape
+    fmt = {"type": "json_schema", "name": "city", "schema": SCHEMAS[1][1], "strict": True}
+    for stream in (False, True):
+        def ask(stream: bool = stream, **args: Any) -> tuple[str, list[Any]]:
+            """The output text and function calls, streamed or whole."""
+            if not stream:
+                r = client.responses.create(model=model, max_output_tokens=120, **args)
+                calls = [o for o in r.output if o.type == "function_call"]
+                return r.output_text, calls
+            text, calls = [], []
+            for event in client.responses.create(model=model, max_output_tokens=120,
+                                                 stream=True, **args):  # fmt: skip
+                if event.type == "response.output_text.delta":
+                    text.append(event.delta)
+                elif event.type == "response.output_item.done" and (
+                    event.item.type == "function_call"
+                ):
+                    calls.append(event.item)
+            return "".join(text), calls
+
+        text, _ = ask(input=question, temperature=0)
+        record(results, f"responses README question stream={stream}", "Paris" in text, text)
+        _, calls = ask(input="The weather in Oslo?", tools=[tool], tool_choice="required")
+        ok = bool(calls) and all(
+            c.name == "get_weather" and _valid(json.loads(c.arguments), PARAMS["get_weather"])
+            for c in calls
+        )
+        record(results, f"responses tool call stream={stream}", ok,
+               str([(c.name, c.arguments) for c in calls]))  # fmt: skip
+        text, _ = ask(input="Describe a city as JSON.", text={"format": fmt}, temperature=0.7)
+        try:
+            ok = _valid(json.loads(text), SCHEMAS[1][1])
+        except ValueError:
+            ok = False
+        record(results, f"responses json_schema stream={stream}", ok, text)
+    return results
+
+
+def _valid(value: Any, schema: dict[str, Any]) -> bool:
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="model directory (default: tandem up's)")
@@ -199,6 +359,8 @@ def main() -> int:
                                 "finish_reason": reason, "text": text, "ok": ok})  # fmt: skip
                 print(f"{'ok  ' if ok else 'FAIL'} {kind:22s} disagg={disaggregated!s:5} "
                       f"{reason}: {text!r}", flush=True)  # fmt: skip
+        results += check_tools(client, model)
+        results += check_responses(client, model)
     finally:
         proc.terminate()
         try:
@@ -207,7 +369,7 @@ def main() -> int:
             proc.kill()
     passed = sum(r["ok"] for r in results)
     print(f"{passed}/{len(results)} answers conform ({len(SCHEMAS)} schemas x colocated/"
-          f"disaggregated x streamed/whole, plus regex and choice)")
+          f"disaggregated x streamed/whole, regex and choice, tools, Responses)")
     write_json(RESULTS_DIR / "structured_default_model.json", {
         "command": "python benchmarks/check_structured.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(), "passed": passed, "total": len(results), "results": results,
