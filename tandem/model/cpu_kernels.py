@@ -22,6 +22,7 @@ Layout it reads (TorchAttention's cache layer, any strides):
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -29,7 +30,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # Per row, token by token: the token's keys of all KV heads read as one contiguous run, each
 # converted to float once and dotted with the query heads that share it; one softmax per
-# query head; the values likewise; the output rounded once. Two entry points, one per cache
+# query head; the values likewise; the output rounded once. One entry point for either cache
 # dtype.
 _SOURCE = r"""
 #include <math.h>
@@ -150,8 +150,9 @@ static void decode_row(const void *q, int64_t sq_head, const char *k, const char
 /* q [rows][num_q_heads][dim] (strides sq_row, sq_head; dim contiguous), caches with strides
    s_block, s_tok, s_head (dim contiguous), tables [rows][s_table] int64, context_lens [rows];
    out [rows][num_q_heads][dim] contiguous; scratch float32 of
-   num_q_heads * (2 * dim + max context). Returns 0, or -1 for a head_dim past MAX_DIM. */
-static int decode(const void *q, int64_t sq_row, int64_t sq_head, const void *k,
+   num_q_heads * (2 * dim + max context); is_bf16: the caches' (and q's, out's) element
+   type, bfloat16, else float32. Returns 0, or -1 for a head_dim past MAX_DIM. */
+int tandem_decode_attention(const void *q, int64_t sq_row, int64_t sq_head, const void *k,
                   const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
                   const int64_t *tables, int64_t s_table, const int64_t *context_lens,
                   int64_t rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t dim,
@@ -220,26 +221,6 @@ void tandem_rope_bf16(const uint16_t *x, int64_t sx_row, int64_t sx_head, const 
         }
     }
 }
-
-int tandem_decode_attention_bf16(const void *q, int64_t sq_row, int64_t sq_head,
-        const void *k, const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
-        const int64_t *tables, int64_t s_table, const int64_t *context_lens, int64_t rows,
-        int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, int64_t block_size,
-        float scale, void *out, float *scratch) {
-    return decode(q, sq_row, sq_head, k, v, s_block, s_tok, s_head, tables, s_table,
-                  context_lens, rows, num_q_heads, num_kv_heads, dim, block_size, scale, out, 1,
-                  scratch);
-}
-
-int tandem_decode_attention_f32(const void *q, int64_t sq_row, int64_t sq_head,
-        const void *k, const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
-        const int64_t *tables, int64_t s_table, const int64_t *context_lens, int64_t rows,
-        int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, int64_t block_size,
-        float scale, void *out, float *scratch) {
-    return decode(q, sq_row, sq_head, k, v, s_block, s_tok, s_head, tables, s_table,
-                  context_lens, rows, num_q_heads, num_kv_heads, dim, block_size, scale, out, 0,
-                  scratch);
-}
 """
 
 # -O3 with -ffast-math lets the compiler vectorize the dot products and sums (reassociated,
@@ -249,8 +230,6 @@ _FLAGS = (
     "-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only",
     "-shared", "-fPIC",
 )  # fmt: skip
-_lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def _cache_dir() -> Path:
@@ -285,60 +264,57 @@ def _cpu_identity() -> str:
     )
 
 
+@functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernels (built on first use), or None when no C compiler is here or the
-    build failed (logged once; the caller keeps its torch path)."""
-    with _lock:
-        if "lib" in _loaded:
-            return _loaded["lib"]
-        lib: ctypes.CDLL | None = None
-        compiler = shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            log.info("CPU decode attention: torch ops (no C compiler found)")
-        else:
-            # -march=native: a library built on another CPU (a shared home) must not load.
-            key = hashlib.sha256(
-                (_SOURCE + " ".join(_FLAGS) + compiler + _cpu_identity()).encode()
-            ).hexdigest()
-            path = _cache_dir() / f"decode_attention-{key[:16]}.so"
-            try:
-                if not path.exists():
-                    _compile(compiler, path)
-                lib = ctypes.CDLL(str(path))
-                for name in ("tandem_decode_attention_bf16", "tandem_decode_attention_f32"):
-                    fn = getattr(lib, name)
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = [
-                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                        ctypes.c_void_p, ctypes.c_void_p,
-                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                        ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
-                    ]  # fmt: skip
-                norm = lib.tandem_add_rms_norm_bf16
-                norm.restype = None
-                norm.argtypes = [ctypes.c_void_p] * 4 + [
-                    ctypes.c_int64, ctypes.c_int64, ctypes.c_float
-                ]
-                rope = lib.tandem_rope_bf16
-                rope.restype = None
-                rope.argtypes = [
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                ]  # fmt: skip
-                log.info("CPU decode attention: native paged kernel (%s)", path)
-            except (OSError, subprocess.SubprocessError) as exc:
-                detail = getattr(exc, "stderr", b"") or b""
-                log.warning(
-                    "CPU decode attention: torch ops (building the native kernel failed: %s %s)",
-                    exc, detail.decode(errors="replace")[:500],
-                )  # fmt: skip
-                lib = None
-        _loaded["lib"] = lib
-        return lib
-
+    """The compiled kernels (built on first use, once per process), or None when no C
+    compiler is here or the build failed (logged; the caller keeps its torch path). Two
+    processes building at once are safe: the library lands by an atomic rename."""
+    lib: ctypes.CDLL | None = None
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("CPU decode attention: torch ops (no C compiler found)")
+    else:
+        # -march=native: a library built on another CPU (a shared home) must not load.
+        key = hashlib.sha256(
+            (_SOURCE + " ".join(_FLAGS) + compiler + _cpu_identity()).encode()
+        ).hexdigest()
+        path = _cache_dir() / f"decode_attention-{key[:16]}.so"
+        try:
+            if not path.exists():
+                _compile(compiler, path)
+            lib = ctypes.CDLL(str(path))
+            fn = lib.tandem_decode_attention
+            fn.restype = ctypes.c_int
+            fn.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                ctypes.c_void_p,
+            ]  # fmt: skip
+            norm = lib.tandem_add_rms_norm_bf16
+            norm.restype = None
+            norm.argtypes = [ctypes.c_void_p] * 4 + [
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_float
+            ]
+            rope = lib.tandem_rope_bf16
+            rope.restype = None
+            rope.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ]  # fmt: skip
+            log.info("CPU decode attention: native paged kernel (%s)", path)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            log.warning(
+                "CPU decode attention: torch ops (building the native kernel failed: %s %s)",
+                exc, detail.decode(errors="replace")[:500],
+            )  # fmt: skip
+            lib = None
+    return lib
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -391,18 +367,13 @@ def decode_attention(
     out = torch.empty((rows, num_q_heads, head_dim), dtype=k_cache.dtype, device="cpu")
     # one row at a time: its scaled queries, accumulators and scores
     scratch = torch.empty(num_q_heads * (2 * head_dim + max_ctx), dtype=torch.float32, device="cpu")
-    fn = (
-        lib.tandem_decode_attention_bf16
-        if k_cache.dtype == torch.bfloat16
-        else lib.tandem_decode_attention_f32
-    )
-    status = fn(
+    status = lib.tandem_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), scratch.data_ptr(),
+        out.data_ptr(), int(k_cache.dtype == torch.bfloat16), scratch.data_ptr(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"native decode attention refused head_dim {head_dim}")
