@@ -186,11 +186,11 @@ QUANT_CONFIGS: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {
 }
 
 
-@pytest.mark.parametrize("fmt", QUANT_CONFIGS, ids=list(QUANT_CONFIGS))
-def test_checkpoint_loads_its_dequantized_weights(hf_model, tmp_path: Path, fmt: str) -> None:
+def write_quantized_checkpoint(src: Path, dst: Path, fmt: str) -> tuple[Tensors, Tensors]:
+    """The model directory `src` rewritten into `dst` in checkpoint format `fmt`: every layer
+    matrix replaced by random integers in that format's on-disk layout. Returns (the tensors
+    written, the dense weight each quantized matrix stands for)."""
     qconfig, make_layer = QUANT_CONFIGS[fmt]
-    src, _ = hf_model("llama")
-    dst = tmp_path / "model"
     dst.mkdir()
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = qconfig
@@ -207,6 +207,14 @@ def test_checkpoint_loads_its_dequantized_weights(hf_model, tmp_path: Path, fmt:
         else:
             tensors[name] = value  # lm_head, embeddings and norms stay dense
     save_file(tensors, dst / "model.safetensors")
+    return tensors, dense
+
+
+@pytest.mark.parametrize("fmt", QUANT_CONFIGS, ids=list(QUANT_CONFIGS))
+def test_checkpoint_loads_its_dequantized_weights(hf_model, tmp_path: Path, fmt: str) -> None:
+    src, _ = hf_model("llama")
+    dst = tmp_path / "model"
+    tensors, dense = write_quantized_checkpoint(src, dst, fmt)
 
     model = load_model(dst)
     for i, lw in enumerate(model.weights.layers):

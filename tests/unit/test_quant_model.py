@@ -200,26 +200,11 @@ def test_a_quantized_checkpoint_is_kept_as_stored(
     integers (its dequantization equals the dense weights the checkpoint stands for, exactly;
     q/k/v and gate/up concatenated by rows; fp8 per-tensor scales repeated per row)."""
     from tandem.model.loader import load_model
-    from tests.unit.test_quant_checkpoints import LINEAR_SUFFIXES, QUANT_CONFIGS
+    from tests.unit.test_quant_checkpoints import write_quantized_checkpoint
 
-    qconfig, make_layer = QUANT_CONFIGS[fmt]
     src, _ = hf_model("llama")
     dst = tmp_path / "model"
-    dst.mkdir()
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = qconfig
-    (dst / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(len(fmt))
-    tensors: dict[str, torch.Tensor] = {}
-    dense: dict[str, torch.Tensor] = {}
-    for name, value in load_file(src / "model.safetensors").items():
-        prefix = name.removesuffix(".weight")
-        if name.endswith(".weight") and prefix.endswith(LINEAR_SUFFIXES):
-            layer, dense[name] = make_layer(gen, prefix, *value.shape)
-            tensors.update(layer)
-        else:
-            tensors[name] = value
-    save_file(tensors, dst / "model.safetensors")
+    _, dense = write_quantized_checkpoint(src, dst, fmt)
 
     model = load_model(dst, quantization=scheme, quantization_group_size=32)
     for i, lw in enumerate(model.weights.layers):
