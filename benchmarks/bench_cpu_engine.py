@@ -130,7 +130,7 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
     )
     backend = engine.model.attention
     native = backend.decode_kernel
-    fused = engine.model.native_norm  # the residual add + RMSNorm and RoPE calls
+    fused = engine.model.fused_ops  # the residual add + RMSNorm and RoPE calls
     # (name, decode kernel, block-diagonal limit, fused norm/RoPE library)
     variants = [
         ("native", native, default, fused),
@@ -153,7 +153,7 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
                 if name.startswith("native") and kernel is None:
                     continue  # no C compiler here
                 backend.decode_kernel = kernel
-                engine.model.native_norm = norm
+                engine.model.fused_ops = norm
                 attention.BLOCK_DIAGONAL_MAX_KV_HEADS = limit
                 for _ in range(5):
                     t0 = time.process_time()  # CPU time: robust to the box's other jobs
@@ -161,7 +161,7 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
                     times[name].append(time.process_time() - t0)
         attention.BLOCK_DIAGONAL_MAX_KV_HEADS = default
         backend.decode_kernel = native
-        engine.model.native_norm = fused
+        engine.model.fused_ops = fused
         for name, ts in times.items():
             if ts:
                 out[f"decode_step_bs{bs}_{name}_cpu_ms"] = sorted(ts)[len(ts) // 2] * 1e3

@@ -112,7 +112,7 @@ class LlamaModel:
         # residual add and RMSNorm as one call, RoPE as one call, bitwise what the torch ops
         # give (tests/unit/test_cpu_kernels.py).
         native = getattr(attention, "decode_kernel", None)
-        self.native_norm = native if dtype == torch.bfloat16 else None
+        self.fused_ops = native if dtype == torch.bfloat16 else None
         self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
@@ -160,8 +160,8 @@ class LlamaModel:
                 q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
                 qk = torch.cat((rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)), 1)
             # Query and key heads rotated together: one set of element-wise ops, not two.
-            if self.native_norm is not None:  # bfloat16: the same roundings in one call
-                qk = cpu_kernels.rope(self.native_norm, qk, cos, sin)
+            if self.fused_ops is not None:  # bfloat16: the same roundings in one call
+                qk = cpu_kernels.rope(self.fused_ops, qk, cos, sin)
             else:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
@@ -177,8 +177,8 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + y, rms_norm(h + y)); y None: (h, rms_norm(h)). The native path adds in place
         (h is the forward's own residual stream)."""
-        if self.native_norm is not None and h.is_contiguous():
-            return h, cpu_kernels.add_rms_norm(self.native_norm, h, y, weight, eps)
+        if self.fused_ops is not None and h.is_contiguous():
+            return h, cpu_kernels.add_rms_norm(self.fused_ops, h, y, weight, eps)
         if y is not None:
             h = h + y
         return h, rms_norm(h, weight, eps)
