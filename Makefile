@@ -8,11 +8,12 @@ STAMP := $(VENV)/.installed
 .PHONY: install up test lint unit bench clean deploy-tools image
 
 # torch==2.13.0 (CPU) is pinned in pyproject.toml and installed in the same pip command as
-# transformers, so pip never pulls the multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# transformers, so pip never pulls the multi-GB CUDA build. constraints.txt holds every other
+# dependency at the version the suite last passed with.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)
