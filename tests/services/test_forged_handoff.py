@@ -16,6 +16,7 @@ import random
 import secrets
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -191,8 +192,16 @@ def assert_refused_unread(
 
 
 def release(c: SimpleNamespace, rid: str, stub: wgrpc.PrefillWorkerStub | None = None) -> None:
-    """Free a refused handle's blocks on its owner (as the router's abort would)."""
-    (stub or c.prefill).Abort(rpb.AbortRequest(request_id=rid), metadata=c.metadata)
+    """Free a refused handle's blocks on its owner (as the router's abort would), and wait
+    until the owner has applied it (an abort is queued for the worker's next step), so the
+    next test's pin counts start from a settled worker."""
+    stub = stub or c.prefill
+    before = stats(c, stub).num_pinned_requests
+    assert stub.Abort(rpb.AbortRequest(request_id=rid), metadata=c.metadata).found
+    deadline = time.monotonic() + 30
+    while stats(c, stub).num_pinned_requests >= before:
+        assert time.monotonic() < deadline, f"abort of {rid} never applied"
+        time.sleep(0.02)
 
 
 # -- genuine hand-offs ---------------------------------------------------------------------
@@ -256,15 +265,18 @@ def test_handle_replayed_under_another_request_id_or_salt_is_refused(cluster) ->
         pytest.param(lambda kv: kv.ClearField("signature"), id="signature_missing"),
     ],
 )
-def test_altered_handle_is_refused_before_any_read(cluster, alter) -> None:
+def test_altered_handle_is_refused_before_any_read(cluster, alter, request) -> None:
+    # One request id per case: an abort is applied on the worker's next step, so a case
+    # reusing the previous case's id could meet it still registered.
+    rid = f"alt-{request.node.callspec.id}"
     p, _ = prompts(4)
-    first = prefill(cluster, "alt", p)
+    first = prefill(cluster, rid, p)
     kv = wpb.KvHandle()
     kv.CopyFrom(first.kv)
     alter(kv)
-    message = assert_refused_unread(cluster, "alt", p, first, kv)
+    message = assert_refused_unread(cluster, rid, p, first, kv)
     assert message.startswith("KV hand-off signature invalid")
-    release(cluster, "alt")
+    release(cluster, rid)
 
 
 def test_handle_naming_another_address_is_refused_without_dialling_it(cluster) -> None:
