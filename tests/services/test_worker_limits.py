@@ -55,8 +55,7 @@ def test_queue_limit_refuses_with_a_retry_hint_and_serves_the_admitted(decode_wo
             holder = stub.Decode(decode_request("hold", 1500), timeout=120)
             await holder.read()  # it runs
             calls = [
-                asyncio.ensure_future(_collect(stub, decode_request(f"q{i}", 16)))
-                for i in range(5)
+                asyncio.ensure_future(_collect(stub, decode_request(f"q{i}", 16))) for i in range(5)
             ]
             refused = []
             pending = set(calls)
