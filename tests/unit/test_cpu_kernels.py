@@ -4,6 +4,7 @@ path it replaces and the kernels' reference: ragged contexts read from blocks in
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,15 +39,26 @@ def _case(rng: random.Random, lens: list[int], block_size: int, q_heads: int, kv
     return cache, torch.tensor(tables), torch.tensor(lens), q
 
 
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize(("q_heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
-def test_native_decode_matches_the_reference(lib, dtype, block_size, q_heads, kv_heads, dim):
+@pytest.mark.parametrize("block_size", [1, 16, 24])
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128), (12, 2, 96)]
+)
+def test_native_decode_matches_the_reference(
+    lib, vector, dtype, block_size, q_heads, kv_heads, dim
+):  # type: ignore[no-untyped-def]
+    """Both paths (the AVX512-BF16 products where built, and the plain loops): groups of 1,
+    3, 6 and 8 query heads per KV head (the vector path takes them 4 at a time), head dims
+    32-128 (64 columns at a time), blocks of 1, 16 and 24 tokens (16-key tiles that end at a
+    block's end)."""
     rng = random.Random(block_size * 1000 + q_heads * 10 + kv_heads)
     lens = [1, 7, 33, block_size * 3, 300]  # one key, non-multiples, a full last block
     cache, tables, ctx, q = _case(rng, lens, block_size, q_heads, kv_heads, dim, dtype)
     layer = cache[:, 1]
-    out = cpu_kernels.decode_attention(lib, q, layer[:, 0], layer[:, 1], tables, ctx, 0.125)
+    out = cpu_kernels.decode_attention(
+        lib, q, layer[:, 0], layer[:, 1], tables, ctx, 0.125, vector=vector
+    )
     assert out.dtype == dtype and tuple(out.shape) == (len(lens), q_heads, dim)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for i, n in enumerate(lens):
@@ -79,6 +91,25 @@ def test_native_and_torch_decode_agree_and_rows_are_batch_independent(lib):
             lib, q[i : i + 1], k_cache, v_cache, tables[i : i + 1], ctx[i : i + 1], 0.125
         )
         assert torch.equal(alone[0], native[i])
+
+
+def test_the_bf16_products_are_built_where_the_cpu_has_them(lib):
+    """-march=native on a CPU with AVX512-BF16 must compile the vector path in (a build
+    that silently drops it is correct but slow)."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    wanted = {"avx512f", "avx512_bf16"} <= set(flags)
+    assert cpu_kernels.has_bf16_dot(lib) == wanted
+
+
+def test_the_vector_and_plain_paths_agree(lib):
+    """bfloat16, the engine's shape: the two paths differ only in summation order."""
+    rng = random.Random(11)
+    lens = [5, 16, 17, 250]
+    cache, tables, ctx, q = _case(rng, lens, 16, 9, 3, 64, torch.bfloat16)
+    k_cache, v_cache = cache[:, 0, 0], cache[:, 0, 1]
+    fast = cpu_kernels.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125)
+    plain = cpu_kernels.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125, vector=False)
+    torch.testing.assert_close(fast.float(), plain.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_unsupported_inputs_keep_the_torch_path(lib):
