@@ -27,6 +27,7 @@ from tandem.engine.sampling import (
     SamplingParams,
     advance_generator,
     apply_penalties,
+    greedy_tokens,
     warp_logits,
 )
 
@@ -210,6 +211,22 @@ def test_greedy_bf16_logits() -> None:
     logits = _random_logits(4).to(torch.bfloat16)
     tokens = _tokens(Sampler()(logits, [_row(SamplingParams(temperature=0.0))] * 4))
     assert tokens == logits.float().argmax(dim=-1).tolist()
+
+
+def test_greedy_ties_take_the_first_token_as_argmax_does() -> None:
+    """bfloat16 logits tie often (8 mantissa bits): the first maximal token, every time,
+    and a NaN row picks its NaN, exactly as argmax."""
+    logits = torch.zeros(4, 49152, dtype=torch.bfloat16)
+    logits[0, [40000, 100, 5]] = 3.0
+    logits[1, [49151, 0]] = 2.0
+    logits[2, 9], logits[2, 7] = 5.0, float("nan")
+    logits[3, [2000, 1000]] = float("inf")
+    assert greedy_tokens(logits).tolist() == [5, 0, 7, 1000] == logits.argmax(-1).tolist()
+    gen = torch.Generator().manual_seed(0)
+    many = torch.randint(0, 4, (64, 1000), generator=gen).float()  # ties in every row
+    assert torch.equal(greedy_tokens(many), many.argmax(-1))
+    rows = [_row(SamplingParams(temperature=0.0))] * 4
+    assert _tokens(Sampler()(logits, rows)) == [5, 0, 7, 1000]
 
 
 def test_sampling_bf16_logits_returns_valid_tokens() -> None:
