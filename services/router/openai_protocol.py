@@ -472,10 +472,10 @@ class Answer:
             message: JSON = {"role": "assistant", "content": text}
             if self.tools is not None:
                 parsed, calls = self.tools.whole(text)
-                if calls and reason == "stop":
+                if calls:  # cut by max_tokens: the whole calls, finish_reason length
                     message = {"role": "assistant", "content": parsed.content or None}
                     message["tool_calls"] = calls
-                    reason = "tool_calls"
+                    reason = "tool_calls" if reason == "stop" else reason
             choice = {"index": self.index, "message": message, "logprobs": logprobs}
         else:
             choice = {"index": self.index, "text": self.echo + text, "logprobs": logprobs}

@@ -5,12 +5,14 @@ and, streamed, OpenAI's events for them:
 
     response.output_item.added             {"type": "function_call", "id": "fc_...",
                                             "call_id": "call_...", "name", "arguments": ""}
-    response.function_call_arguments.delta {"item_id", "output_index", "delta"}   (fragments)
+    response.function_call_arguments.delta {"item_id", "output_index", "delta"}
     response.function_call_arguments.done  {"item_id", "output_index", "name", "arguments"}
     response.output_item.done              the item, arguments whole, status completed
 
 A message item is opened only when text comes (tandem.tools.stream holds back text that may
-open a call); an answer with neither text nor calls still has its (empty) message.
+open a call); an answer with neither text nor calls still has its (empty) message. A call is
+added once its object closes, its arguments in one delta: a call cut short by
+max_output_tokens is in neither the stream nor the whole response (status incomplete).
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ class ToolReply(responses.Reply):
         assert self.format is not None
         status, _ = responses._status(complete.finish_reason)
         parsed = self.format.parse(text, self.parsed.tool_names)
-        if parsed.calls and status == "completed":
-            if parsed.content:
-                self.items.append(self._message(status, parsed.content))
+        if parsed.calls:  # cut by max_output_tokens: the whole calls, status incomplete
+            if parsed.content:  # closed by the first call, as streamed
+                self.items.append(self._message("completed", parsed.content))
             for call in parsed.calls:
                 self.items.append(_call_item(call.name, call.arguments, "completed"))
         else:

@@ -2,14 +2,18 @@
 `parallel_tool_calls` in a chat body -> the gRPC chat's tool fields, and the model's answer ->
 OpenAI's `tool_calls` (whole, or streamed as OpenAI streams them).
 
-Streamed, a call is one chunk announcing it, then its arguments in fragments:
+Streamed, a call is one chunk announcing it, then its arguments:
 
     {"tool_calls": [{"index": 0, "id": "call_...", "type": "function",
                      "function": {"name": "get_weather", "arguments": ""}}]}
-    {"tool_calls": [{"index": 0, "function": {"arguments": "{\\"city\\""}}]}
+    {"tool_calls": [{"index": 0, "function": {"arguments": "{\\"city\\": \\"Oslo\\"}"}}]}
     ...                                               finish_reason "tool_calls"
 
-Content is withheld while the text may be opening a call (tandem.tools.stream).
+A call is announced when its object closes, and its arguments follow in one fragment: a call
+cut short by max_tokens is never sent, as the whole answer drops it (tandem.tools.stream), so
+the streamed calls are the whole answer's however it ends (finish_reason "tool_calls", or
+"length" with the calls written whole). Content is withheld while the text may be opening a
+call.
 """
 
 from __future__ import annotations

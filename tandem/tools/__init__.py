@@ -5,6 +5,7 @@ and the grammars that force them (formats), reading calls from a whole or stream
 from tandem.tools.formats import (
     DEFAULT_FORMAT,
     FORMATS,
+    MAX_FORCED_CALLS,
     Parsed,
     ParsedCall,
     ToolFormat,
@@ -27,6 +28,7 @@ from tandem.tools.stream import Arguments, CallStart, Content, Event, ToolCallSt
 __all__ = [
     "DEFAULT_FORMAT",
     "FORMATS",
+    "MAX_FORCED_CALLS",
     "Arguments",
     "CallStart",
     "ChoiceMode",

@@ -9,9 +9,16 @@ not render tools itself.
     mistral      Mistral:        [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...];
                  text before is content
 
-Output that is not exactly calls in the format (a JSON error, a call to a function that is not
-a tool, arguments that are not an object, text after the calls) is content, all of it: the
-caller answers it as text with finish_reason "stop".
+Output that is not calls in the format (a JSON error, a call to a function that is not a
+tool, arguments that are not an object, text after the calls) is content, all of it: the
+caller answers it as text with finish_reason "stop". Calls cut short (max_tokens, a stop
+string) keep the calls written whole: the call being written when the text ended is dropped,
+and with none whole the text is content. A stream reads the same calls (tandem.tools.stream
+sends each call once its object closes), so the two always agree.
+
+The grammar that forces calls (a required or named tool choice) lets the answer end after
+each whole call, and writes at most MAX_FORCED_CALLS of them: a model that would go on
+calling (a small one repeats itself) ends there instead of at max_tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +35,11 @@ import jinja2.meta
 from tandem.tools.scan import WHITESPACE, CallScan, Malformed, scan_call, skip_ws
 from tandem.tools.spec import ChoiceMode, Tool, ToolChoice
 
+# Calls one forced answer may make with parallel_tool_calls (OpenAI sets no number; a model
+# looping on calls otherwise runs to max_tokens, by default the whole context).
+MAX_FORCED_CALLS = 16
 # The forced JSON is written as json.dumps writes it (tandem.engine.grammar's defaults).
+_MORE = f"{{0,{MAX_FORCED_CALLS - 1}}}"  # Lark: the calls after the first
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -74,29 +85,30 @@ class ToolFormat:
             held -= 1
         return held
 
-    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
-        """The calls from `start` as far as the text goes, and whether the text so far ends
-        at a place where the calls may be complete. Raises Malformed."""
+    def scan(self, text: str, start: int) -> list[CallScan]:
+        """The call objects from `start` as far as the text goes (only the last may be
+        open: `end` None). Raises Malformed: the text is not calls in this format."""
         raise NotImplementedError
 
     def parse(self, text: str, names: Collection[str]) -> Parsed:
-        """A whole answer: its calls to functions in `names`, or all of it as content."""
+        """A whole answer: its calls to functions in `names` (those written whole: a last
+        call cut short is dropped), or all of it as content (module docstring)."""
         start = self.start(text)
         if start is None:
             return Parsed(text)
         try:
-            scans, complete = self.scan(text, start)
+            scans = self.scan(text, start)
         except Malformed:
             return Parsed(text)
         calls = []
         for scan in scans:
-            arguments = scan.arguments if scan.arguments_done else ""
-            if scan.end is None or scan.name is None or scan.name not in names:
+            if scan.end is None:
+                break  # cut short: the last
+            call = read_call(scan, names)
+            if call is None:
                 return Parsed(text)
-            if not _is_object(arguments or "{}"):
-                return Parsed(text)
-            calls.append(ParsedCall(scan.name, arguments or "{}"))
-        if not complete or not calls:
+            calls.append(call)
+        if not calls:
             return Parsed(text)
         return Parsed(text[:start].rstrip(), tuple(calls))
 
@@ -104,8 +116,9 @@ class ToolFormat:
 
     def grammar(self, tools: Sequence[Tool], choice: ToolChoice, parallel: bool) -> str:
         """A Lark grammar (llguidance's, with %json) whose every sentence is calls in this
-        format to `tools` (the named one only, once, for a FUNCTION choice) with arguments
-        that match each tool's parameters schema."""
+        format to `tools` (the named one only, once, for a FUNCTION choice; with `parallel`,
+        1 to MAX_FORCED_CALLS, the answer may end after each) with arguments that match each
+        tool's parameters schema."""
         assert choice.forced
         if choice.mode == ChoiceMode.FUNCTION:
             tools = [t for t in tools if t.name == choice.name]
@@ -151,6 +164,16 @@ class ToolFormat:
         raise NotImplementedError
 
 
+def read_call(scan: CallScan, names: Collection[str]) -> ParsedCall | None:
+    """A closed call object as a call, or None when it is not one: no name, a function not
+    in `names`, arguments that are not a JSON object (absent arguments are {})."""
+    assert scan.end is not None
+    arguments = scan.arguments or "{}"
+    if scan.name is None or scan.name not in names or not _is_object(arguments):
+        return None
+    return ParsedCall(scan.name, arguments)
+
+
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
@@ -167,31 +190,31 @@ class Hermes(ToolFormat):
     marker = "<tool_call>"
     close = "</tool_call>"
 
-    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
+    def scan(self, text: str, start: int) -> list[CallScan]:
         calls: list[CallScan] = []
         pos = start
         while True:
             pos = skip_ws(text, pos + len(self.marker))
             if pos >= len(text):
-                return calls, False
+                return calls
             call = scan_call(text, pos, self.argument_keys)
             calls.append(call)
             if call.end is None:
-                return calls, False
+                return calls
             pos = skip_ws(text, call.end)
             if pos >= len(text):
-                return calls, True  # a last block the model did not close
+                return calls  # a last block the model did not close
             if text.startswith(self.close, pos):
                 pos = skip_ws(text, pos + len(self.close))
             elif self.close.startswith(text[pos:]):
-                return calls, False
+                return calls
             else:
                 raise Malformed(f"expected {self.close} at {pos}")
             if pos >= len(text):
-                return calls, True
+                return calls
             if not text.startswith(self.marker, pos):
                 if self.marker.startswith(text[pos:]):
-                    return calls, False
+                    return calls
                 raise Malformed(f"text after the calls at {pos}")
 
     def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
@@ -201,7 +224,11 @@ class Hermes(ToolFormat):
 
     def _start_rule(self, parallel: bool) -> str:
         block = f"{json.dumps(self.marker + chr(10))} call {json.dumps(chr(10) + self.close)}"
-        return f'start: block ("\\n" block)*\nblock: {block}' if parallel else f"start: {block}"
+        if not parallel:
+            return f"start: {block}"
+        # The newline after a block opens no further call by itself: the answer may end there
+        # too (a model that writes it would otherwise be forced into one more call).
+        return f'start: block ("\\n" block){_MORE} "\\n"?\nblock: {block}'
 
     def preamble(self, tools: Sequence[Tool]) -> str:
         return (
@@ -227,22 +254,22 @@ class Llama3Json(ToolFormat):
         # Only an answer that opens with "{" is a call: hold nothing once it cannot be.
         return 0 if not text.strip() else len(text)
 
-    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
+    def scan(self, text: str, start: int) -> list[CallScan]:
         calls: list[CallScan] = []
         pos = start
         while True:
             call = scan_call(text, pos, self.argument_keys)
             calls.append(call)
             if call.end is None:
-                return calls, False
+                return calls
             pos = skip_ws(text, call.end)
             if pos >= len(text):
-                return calls, True
+                return calls
             if text[pos] != ";":
                 raise Malformed(f"text after the call at {pos}")
             pos = skip_ws(text, pos + 1)
             if pos >= len(text):
-                return calls, False
+                return calls
             if text[pos] != "{":
                 raise Malformed(f"expected a call after ';' at {pos}")
 
@@ -250,7 +277,7 @@ class Llama3Json(ToolFormat):
         return "; ".join(self._object(name, args) for name, args in calls)
 
     def _start_rule(self, parallel: bool) -> str:
-        return 'start: call ("; " call)*' if parallel else "start: call"
+        return f'start: call ("; " call){_MORE}' if parallel else "start: call"
 
     def preamble(self, tools: Sequence[Tool]) -> str:
         return (
@@ -280,27 +307,27 @@ class Mistral(ToolFormat):
     def hold(self, text: str) -> int:
         return 0 if self._BARE_PREFIX.fullmatch(text) else ToolFormat.hold(self, text)
 
-    def scan(self, text: str, start: int) -> tuple[list[CallScan], bool]:
+    def scan(self, text: str, start: int) -> list[CallScan]:
         calls: list[CallScan] = []
         if text.startswith(self.marker, start):
             start += len(self.marker)
         pos = skip_ws(text, start)
         if pos >= len(text):
-            return calls, False
+            return calls
         if text[pos] != "[":
             raise Malformed(f"expected '[' after {self.marker}")
         pos += 1
         while True:
             pos = skip_ws(text, pos)
             if pos >= len(text):
-                return calls, False
+                return calls
             call = scan_call(text, pos, self.argument_keys)
             calls.append(call)
             if call.end is None:
-                return calls, False
+                return calls
             pos = skip_ws(text, call.end)
             if pos >= len(text):
-                return calls, False
+                return calls
             if text[pos] == ",":
                 pos += 1
                 continue
@@ -308,13 +335,13 @@ class Mistral(ToolFormat):
                 raise Malformed(f"expected ',' or ']' at {pos}")
             if skip_ws(text, pos + 1) < len(text):
                 raise Malformed("text after the calls")
-            return calls, True
+            return calls
 
     def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
         return f"{self.marker}[{', '.join(self._object(n, a) for n, a in calls)}]"
 
     def _start_rule(self, parallel: bool) -> str:
-        calls = 'call (", " call)*' if parallel else "call"
+        calls = f'call (", " call){_MORE}' if parallel else "call"
         return f'start: "{self.marker}[" {calls} "]"'
 
     def preamble(self, tools: Sequence[Tool]) -> str:

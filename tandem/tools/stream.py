@@ -2,22 +2,24 @@
 
     feed("Sure.\\n<tool_")      -> [Content("Sure.")]         "\\n<tool_" may open a call: held
     feed('call>\\n{"name": "f", "arguments": {"a"')
-                                -> [CallStart(0, "f"), Arguments(0, '{"a"')]
-    feed(': 1}}\\n</tool_call>') -> [Arguments(0, ": 1}")]
+                                -> []                          the call is not whole yet
+    feed(': 1}}\\n</tool_call>') -> [CallStart(0, "f"), Arguments(0, '{"a": 1}')]
     finish()                    -> []                          has_calls: True
 
-The events join to `ToolFormat.parse` of the whole text: the same content, the same calls
-(names, and arguments to the character). Text that turns out not to be calls is released as
-content at `finish`, as long as no call has been announced; a call announced and then broken
-(only possible when the grammar does not force the calls) keeps what was sent.
+A call is sent once its object closes, whole: a call cut short (max_tokens, a stop string)
+is never sent, as `ToolFormat.parse` drops it, so the events join to the whole text's parse
+however the answer ends: the same content, the same calls (names, and arguments to the
+character). Text that turns out not to be calls is released as content at `finish`, as long
+as no call has been sent; a call sent and then followed by text that is not calls (only
+possible when the grammar does not force the calls) keeps what was sent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tandem.tools.formats import ToolFormat
+from tandem.tools.formats import ParsedCall, ToolFormat, read_call
 from tandem.tools.scan import Malformed
 
 
@@ -49,12 +51,12 @@ class ToolCallStream:
     names: Collection[str]
     text: str = ""
     num_content_chars: int = 0  # content sent: text[:num_content_chars]
-    num_argument_chars: list[int] = field(default_factory=list)  # per announced call
+    num_calls: int = 0  # calls sent (each whole)
     broken: bool = False  # the calls cannot parse: nothing more until finish
 
     @property
     def has_calls(self) -> bool:
-        return bool(self.num_argument_chars)
+        return self.num_calls > 0
 
     def feed(self, delta: str) -> list[Event]:
         self.text += delta
@@ -66,35 +68,28 @@ class ToolCallStream:
             return self._content(self.format.hold(text))
         events = self._content(len(text[:start].rstrip()))
         try:
-            scans, _ = self.format.scan(text, start)
+            scans = self.format.scan(text, start)
         except Malformed:
             self.broken = True
             return events
-        for index, scan in enumerate(scans):
-            if scan.name is None:
-                break
-            if scan.name not in self.names:
+        for scan in scans[self.num_calls :]:
+            if scan.end is None:
+                break  # not whole yet
+            call = read_call(scan, self.names)
+            if call is None:
                 self.broken = True
                 break
-            if index == len(self.num_argument_chars):
-                events.append(CallStart(index, scan.name))
-                self.num_argument_chars.append(0)
-            events += self._arguments(index, scan.arguments)
+            events += self._call(call)
         return events
 
     def finish(self) -> list[Event]:
-        """The rest, once the answer is complete."""
+        """The rest, once the answer is complete (however it ended)."""
         parsed = self.format.parse(self.text, self.names)
         if not parsed.calls:
-            if self.has_calls:
-                return []
-            return self._content(len(self.text))
+            return [] if self.has_calls else self._content(len(self.text))
         events: list[Event] = []
-        for index, call in enumerate(parsed.calls):
-            if index == len(self.num_argument_chars):
-                events.append(CallStart(index, call.name))
-                self.num_argument_chars.append(0)
-            events += self._arguments(index, call.arguments)
+        for call in parsed.calls[self.num_calls :]:
+            events += self._call(call)
         return events
 
     def _content(self, end: int) -> list[Event]:
@@ -104,9 +99,7 @@ class ToolCallStream:
         self.num_content_chars = end
         return [Content(text)]
 
-    def _arguments(self, index: int, arguments: str) -> list[Event]:
-        sent = self.num_argument_chars[index]
-        if len(arguments) <= sent:
-            return []
-        self.num_argument_chars[index] = len(arguments)
-        return [Arguments(index, arguments[sent:])]
+    def _call(self, call: ParsedCall) -> list[Event]:
+        index = self.num_calls
+        self.num_calls += 1
+        return [CallStart(index, call.name), Arguments(index, call.arguments)]

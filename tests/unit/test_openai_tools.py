@@ -79,12 +79,13 @@ def test_streamed_chunks_of_a_call_are_openai_s() -> None:
     got = [d for piece in pieces for d in deltas(a.chunks(rpb.Chunk(text=piece)))]
     call_id = got[1]["tool_calls"][0]["id"]
     assert call_id.startswith("call_")
+    # The call goes out once whole (its object closed, in the last piece): never a part of one
+    # that max_tokens may yet cut.
     assert got == [
         {"content": "Let me look."},
         {"tool_calls": [{"index": 0, "id": call_id, "type": "function",
                          "function": {"name": "get_weather", "arguments": ""}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]},
-        {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]},
     ]  # fmt: skip
     assert a.finish_chunks() == []
     last = a.last(complete())["choices"][0]
@@ -101,10 +102,12 @@ def test_text_that_is_not_a_call_is_released_and_finishes_with_stop() -> None:
 
 def test_the_several_choices_stream_merges_a_chunk_s_deltas_and_the_rest_at_the_end() -> None:
     a = answer(stream=True)
-    merged = a.chunk(rpb.Chunk(text=CALL[:40]))["choices"][0]["delta"]
-    assert merged["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert a.chunk(rpb.Chunk(text=CALL[:40]))["choices"][0]["delta"] == {"content": ""}
+    merged = a.chunk(rpb.Chunk(text=CALL[40:]))["choices"][0]["delta"]
+    announced, arguments = merged["tool_calls"]
+    assert announced["function"] == {"name": "get_weather", "arguments": ""}
+    assert arguments == {"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}
     assert "content" not in merged
-    a.chunk(rpb.Chunk(text=CALL[40:]))
     b = answer(stream=True)
     assert b.chunk(rpb.Chunk(text="Hmm <tool"))["choices"][0]["delta"] == {"content": "Hmm"}
     closing = b.last(complete())["choices"][0]  # no finish_chunks on that path
@@ -128,6 +131,42 @@ def test_whole_answers() -> None:
     assert choice["message"] == {"role": "assistant", "content": CALL[:50]}
 
 
+SECOND = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bergen"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", [len(CALL) - 4, len(CALL) + 1, len(CALL) + 30])
+def test_an_answer_cut_by_max_tokens_keeps_its_whole_calls_streamed_and_whole(cut: int) -> None:
+    """max_tokens cuts the second call (or the first's closing tag): both shapes answer the
+    whole calls and finish_reason length, and the stream reassembles to the whole answer."""
+    text = (CALL + "\n" + SECOND)[:cut]
+    whole = answer()
+    whole.chunk(rpb.Chunk(text=text))
+    choice = whole.whole(complete(rpb.FINISH_REASON_LENGTH))["choices"][0]
+    assert choice["finish_reason"] == "length"
+    message = choice["message"]
+    assert message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    ]
+    streamed = answer(stream=True)
+    got = [
+        d
+        for i in range(0, len(text), 7)
+        for d in deltas(streamed.chunks(rpb.Chunk(text=text[i : i + 7])))
+    ]
+    got += deltas(streamed.finish_chunks())
+    last = streamed.last(complete(rpb.FINISH_REASON_LENGTH))["choices"][0]
+    assert (last["delta"], last["finish_reason"]) == ({}, "length")
+    joined: dict[int, dict[str, str]] = {}
+    for delta in got:
+        assert "content" not in delta
+        for call in delta["tool_calls"]:
+            entry = joined.setdefault(call["index"], {"name": "", "arguments": ""})
+            entry["name"] += call["function"].get("name", "")
+            entry["arguments"] += call["function"]["arguments"]
+    assert list(joined.values()) == [c["function"] for c in message["tool_calls"]]
+
+
 @pytest.mark.parametrize(
     "choice",
     [ToolChoice(mode) for mode in (ChoiceMode.NONE, ChoiceMode.AUTO, ChoiceMode.REQUIRED)]
@@ -149,13 +188,18 @@ def test_tools_round_trip_the_wire(choice: ToolChoice, parallel: bool) -> None:
 # -- the Responses API --------------------------------------------------------------------------
 
 
-def reply(text: list[str]) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
+def tool_reply() -> ToolReply:
     body = {"input": "weather?", "tools": [{"type": "function", "name": "get_weather",
                                            "parameters": SCHEMA}], "stream": True}  # fmt: skip
-    parsed = openai_responses.parse(body, "m", 64)
-    r = ToolReply(parsed, "m", format=FORMATS["hermes"])
+    return ToolReply(openai_responses.parse(body, "m", 64), "m", format=FORMATS["hermes"])
+
+
+def reply(
+    text: list[str], reason: rpb.FinishReason = rpb.FINISH_REASON_STOP
+) -> tuple[list[str], list[dict[str, Any]], dict[str, Any]]:
+    r = tool_reply()
     events = r.opening() + [e for t in text for e in r.deltas(rpb.Chunk(text=t))]
-    events += r.closing(complete())
+    events += r.closing(complete(reason))
     return [e["type"] for e in events], events, events[-1]["response"]
 
 
@@ -191,3 +235,19 @@ def test_responses_stream_text_then_a_call() -> None:
     added = events[8]
     assert (added["output_index"], added["item"]["arguments"]) == (1, "")
     assert response["tools"][0]["name"] == "get_weather" and response["tool_choice"] == "auto"
+
+
+def test_responses_cut_by_max_output_tokens_keep_their_whole_calls() -> None:
+    text = CALL + "\n" + SECOND[:40]
+    kinds, events, streamed = reply([text[:30], text[30:]], rpb.FINISH_REASON_LENGTH)
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.incomplete",
+    ]  # fmt: skip
+    whole = tool_reply().whole([rpb.Chunk(text=text)], complete(rpb.FINISH_REASON_LENGTH))
+    for response in (streamed, whole):
+        assert response["status"] == "incomplete"
+        assert [(o["type"], o["name"], o["arguments"]) for o in response["output"]] == [
+            ("function_call", "get_weather", '{"city": "Oslo"}')
+        ]

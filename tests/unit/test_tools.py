@@ -19,6 +19,7 @@ from tandem.model.tiny import EOT_ID
 from tandem.model.tokenizer import Tokenizer
 from tandem.tools import (
     FORMATS,
+    MAX_FORCED_CALLS,
     Arguments,
     CallStart,
     ChoiceMode,
@@ -194,7 +195,6 @@ def test_parsers_read_calls(format: str, text: str, expected: Parsed) -> None:
         ("llama3_json", '{"name": "ping", "parameters": {}} done'),
         ("llama3_json", '{"temperature": 20}'),  # JSON, not a call
         ("mistral", '[TOOL_CALLS]{"name": "ping", "arguments": {}}'),  # not a list
-        ("mistral", '[TOOL_CALLS][{"name": "ping", "arguments": {}}'),  # unclosed
         ("mistral", "[TOOL_CALLS][]"),
         ("mistral", "[1, 2]"),
         ("mistral", f"Sure: [{MP}]"),  # a bare list only as the whole answer
@@ -202,6 +202,27 @@ def test_parsers_read_calls(format: str, text: str, expected: Parsed) -> None:
 )
 def test_malformed_output_is_all_content(format: str, text: str) -> None:
     assert get_format(format).parse(text, NAMES) == Parsed(text)
+
+
+@pytest.mark.parametrize(
+    ("format", "text", "expected"),
+    [
+        # Cut short (max_tokens, a stop string) inside the last call: it is dropped.
+        ("hermes", f'Hm.\n{HW}\n<tool_call>\n{{"name": "ping", "argu',
+         Parsed("Hm.", (ParsedCall("get_weather", W),))),
+        ("hermes", f"{HP}\n{HW[:-20]}", Parsed("", (ParsedCall("ping", "{}"),))),
+        # ... after a call, before or inside what follows it: the calls are whole.
+        ("hermes", HW[:-5], Parsed("", (ParsedCall("get_weather", W),))),
+        ("hermes", f"{HW}\n<tool_ca", Parsed("", (ParsedCall("get_weather", W),))),
+        ("llama3_json", f'{LW}; {{"name": "pi', Parsed("", (ParsedCall("get_weather", W),))),
+        ("llama3_json", f"{LP};", Parsed("", (ParsedCall("ping", "{}"),))),
+        ("mistral", f"[TOOL_CALLS][{MP}", Parsed("", (ParsedCall("ping", "{}"),))),
+        ("mistral", f'[TOOL_CALLS][{MP}, {MW[:30]}', Parsed("", (ParsedCall("ping", "{}"),))),
+        ("mistral", f"[{MW}, ", Parsed("", (ParsedCall("get_weather", W),))),
+    ],
+)  # fmt: skip
+def test_calls_cut_short_keep_the_whole_ones(format: str, text: str, expected: Parsed) -> None:
+    assert get_format(format).parse(text, NAMES) == expected
 
 
 def test_unknown_parser_is_refused_naming_the_choices() -> None:
@@ -231,14 +252,15 @@ def test_stream_events_of_a_hermes_call_as_openai_sends_them() -> None:
         'call>\n{"name": "get_weather", "arguments": {"city"',
         ': "Oslo", "unit": "f"}}\n</tool_call>',
     ]
-    _, _, has_calls, events = _stream("hermes", pieces)
-    assert events == [
-        Content("Sure."),
+    stream = ToolCallStream(HERMES, NAMES)
+    assert stream.feed(pieces[0]) == [Content("Sure.")]
+    assert stream.feed(pieces[1]) == []  # the call is not whole: nothing of it yet
+    assert stream.feed(pieces[2]) == [
         CallStart(0, "get_weather"),
-        Arguments(0, '{"city"'),
-        Arguments(0, ': "Oslo", "unit": "f"}'),
+        Arguments(0, '{"city": "Oslo", "unit": "f"}'),
     ]
-    assert has_calls
+    assert stream.finish() == []
+    assert stream.has_calls
 
 
 TEXTS = [
@@ -252,6 +274,11 @@ TEXTS = [
     ("mistral", "[TOOL_CALL] is not the marker"),
     ("mistral", f"[{MW}, {MP}]"),
     ("mistral", "[1, [2]]"),
+    # Cut short: the whole calls, as streamed, and nothing of the cut one.
+    ("hermes", f'Hm.\n{HW}\n<tool_call>\n{{"name": "ping", "argu'),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
+    ("llama3_json", f'{LW}; {{"name": "pi'),
+    ("mistral", f'[TOOL_CALLS][{MP}, {MW[:30]}'),
 ]  # fmt: skip
 
 
@@ -262,6 +289,28 @@ def test_stream_joins_to_the_whole_parse_at_every_split(format: str, text: str) 
         pieces = [text[i : i + size] for i in range(0, len(text), size)]
         content, calls, has_calls, _ = _stream(format, pieces)
         assert (content, tuple(calls), has_calls) == (whole.content, whole.calls, bool(whole.calls))
+
+
+@pytest.mark.parametrize(
+    ("format", "text"),
+    [("hermes", f"Hm.\n{HW}\n{HP}\n{HW}"), ("llama3_json", f"{LW}; {LP}; {LW}"),
+     ("mistral", f"[TOOL_CALLS][{MW}, {MP}, {MW}]")],
+)  # fmt: skip
+def test_a_stream_cut_anywhere_has_sent_the_calls_of_the_cut_text(format: str, text: str) -> None:
+    """However the answer ends, what was streamed is the whole answer's calls: a call goes
+    out whole, once its object closes, never a part of one that may yet be cut."""
+    fmt = get_format(format)
+    stream = ToolCallStream(fmt, NAMES)
+    sent: list[ParsedCall] = []
+    for end in range(1, len(text) + 1):
+        for event in stream.feed(text[end - 1]):
+            if isinstance(event, CallStart):
+                sent.append(ParsedCall(event.name, ""))
+            elif isinstance(event, Arguments):
+                assert event.index == len(sent) - 1 and sent[-1].arguments == ""
+                sent[-1] = ParsedCall(sent[-1].name, event.text)
+        assert tuple(sent) == fmt.parse(text[:end], NAMES).calls, text[:end]
+    assert len(sent) == 3
 
 
 def test_stream_withholds_text_that_may_open_a_call() -> None:
@@ -395,6 +444,36 @@ def test_forced_calls_always_parse_and_validate(
         for call in parsed.calls:
             schema = WEATHER if call.name == "get_weather" else {"type": "object"}
             jsonschema.validate(json.loads(call.arguments), schema)
+
+
+def _matched(compiler: GrammarCompiler, tokenizer: Tokenizer, grammar: object, text: str) -> bool:
+    """The grammar takes `text` and may end after it."""
+    matcher = compiler.matcher(grammar)  # type: ignore[arg-type]
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not matcher.accept(token):
+            return False
+    return matcher.can_end
+
+
+@pytest.mark.parametrize("format", ["hermes", "llama3_json", "mistral"])
+def test_forced_parallel_calls_may_end_after_each_call_and_stop_at_the_bound(
+    vocab: tuple[GrammarCompiler, Tokenizer], format: str
+) -> None:
+    """With parallel calls the grammar never forces one more call (EOS after each), and
+    ends them at MAX_FORCED_CALLS (a model looping on calls stops there, not at max_tokens)."""
+    compiler, tokenizer = vocab
+    fmt = get_format(format)
+    grammar = forced_constraint(TOOLS, ToolChoice(ChoiceMode.REQUIRED), True, fmt)
+    calls = [("ping", ""), ("get_weather", W)] * MAX_FORCED_CALLS
+    for k in range(1, MAX_FORCED_CALLS + 1):
+        assert _matched(compiler, tokenizer, grammar, fmt.write_calls(calls[:k])), k
+    assert not _matched(compiler, tokenizer, grammar, fmt.write_calls(calls[:1])[:-1])
+    assert not _matched(
+        compiler, tokenizer, grammar, fmt.write_calls(calls[: MAX_FORCED_CALLS + 1])
+    )
+    if format == "hermes":  # the newline after a block commits to no further call
+        assert _matched(compiler, tokenizer, grammar, fmt.write_calls(calls[:1]) + "\n")
+        assert _matched(compiler, tokenizer, grammar, fmt.write_calls(calls[:3]) + "\n")
 
 
 def test_a_named_choice_forces_that_one_call(vocab: tuple[GrammarCompiler, Tokenizer]) -> None:
