@@ -237,9 +237,12 @@ class TorchAttention:
             v_cache[meta.slot_block_ids, meta.slot_offsets] = v
         out = torch.empty_like(q)
         for group in meta.decode_groups:
-            out[group.start : group.end] = self._decode(
-                q[group.start : group.end], k_cache, v_cache, group, scale, kv_scales
+            rows = out[group.start : group.end]
+            result = self._decode(
+                q[group.start : group.end], k_cache, v_cache, group, scale, kv_scales, out=rows
             )
+            if result is not rows:  # the torch ops made their own tensor
+                rows.copy_(result)
         for span in meta.prefills:
             end = span.token_start + span.num_new_tokens
             out[span.token_start : end] = self._prefill(
@@ -262,7 +265,10 @@ class TorchAttention:
         group: DecodeGroup,
         scale: float,
         kv_scales: tuple[float, float] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The group's attention output; the native kernel writes it into `out` (the
+        layer's output rows) when given, the torch ops return their own tensor."""
         lib = self.decode_kernel
         if (
             lib is not None
@@ -270,7 +276,7 @@ class TorchAttention:
             and cpu_kernels.supports(q, k_cache)
         ):
             return cpu_kernels.decode_attention(
-                lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale
+                lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale, out=out
             )
         tables = group.block_tables
         num_rows, max_blocks = tables.shape

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_DIM 256
@@ -305,18 +306,27 @@ int tandem_has_bf16_dot(void) {
 }
 
 /* q [rows][num_q_heads][dim] (strides sq_row, sq_head; dim contiguous), caches with strides
-   s_block, s_tok, s_head (dim contiguous), tables [rows][s_table] int64, context_lens [rows];
-   out [rows][num_q_heads][dim] contiguous; scratch float32 of
-   num_q_heads * (2 * dim + max context); is_bf16: the caches' (and q's, out's) element
-   type, bfloat16, else float32. Returns 0, or -1 for a head_dim past MAX_DIM. */
+   s_block, s_tok, s_head (dim contiguous), tables [rows][s_table] int64 of which the first
+   table_width entries are valid, context_lens [rows]; out [rows][num_q_heads][dim]
+   contiguous; is_bf16: the caches' (and q's, out's) element type, bfloat16, else float32.
+   Returns 0; -1 for a head_dim past MAX_DIM, -2 for a context length outside
+   [1, table_width * block_size] (nothing is read), -3 when scratch cannot be allocated. */
 int tandem_decode_attention(const void *q, int64_t sq_row, int64_t sq_head, const void *k,
                   const void *v, int64_t s_block, int64_t s_tok, int64_t s_head,
-                  const int64_t *tables, int64_t s_table, const int64_t *context_lens,
-                  int64_t rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t dim,
-                  int64_t block_size, float scale, void *out, int is_bf16, int vector,
-                  float *scratch) {
-    int64_t elem = is_bf16 ? 2 : 4;
+                  const int64_t *tables, int64_t s_table, int64_t table_width,
+                  const int64_t *context_lens, int64_t rows, int64_t num_q_heads,
+                  int64_t num_kv_heads, int64_t dim, int64_t block_size, float scale,
+                  void *out, int is_bf16, int vector) {
+    int64_t elem = is_bf16 ? 2 : 4, max_ctx = 0;
     if (dim > MAX_DIM) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        if (context_lens[r] < 1 || context_lens[r] > table_width * block_size) return -2;
+        if (context_lens[r] > max_ctx) max_ctx = context_lens[r];
+    }
+    /* one row at a time: its scaled queries, accumulators and scores */
+    size_t scratch_floats = (size_t)(num_q_heads * (2 * dim + max_ctx));
+    float *scratch = (float *)malloc(sizeof(float) * scratch_floats);
+    if (scratch == NULL) return -3;
     float *qf = scratch, *acc = scratch + num_q_heads * dim, *scores = acc + num_q_heads * dim;
     for (int64_t r = 0; r < rows; r++) {
         const char *qr = (const char *)q + r * sq_row * elem;
@@ -325,6 +335,7 @@ int tandem_decode_attention(const void *q, int64_t sq_row, int64_t sq_head, cons
                    s_tok, s_head, tables + r * s_table, context_lens[r], block_size,
                    num_q_heads, num_kv_heads, dim, scale, vector, qf, acc, scores, outr);
     }
+    free(scratch);
     return 0;
 }
 
@@ -447,10 +458,10 @@ def load() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                 ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                 ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
-                ctypes.c_int, ctypes.c_void_p,
+                ctypes.c_int,
             ]  # fmt: skip
             lib.tandem_has_bf16_dot.restype = ctypes.c_int
             lib.tandem_has_bf16_dot.argtypes = []
@@ -509,6 +520,7 @@ def decode_attention(
     scale: float,
     *,
     vector: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row over its paged context. `vector=False` keeps the plain loops even
     where the library has the AVX512-BF16 products (`has_bf16_dot`): tests compare the two.
@@ -516,10 +528,13 @@ def decode_attention(
     Args:
         q: [rows, num_q_heads, head_dim]
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same strides.
-        block_tables: [rows, max_blocks] int64; context_lens: [rows] int64 (>= 1 each).
+        block_tables: [rows, max_blocks] int64; context_lens: [rows] int64, each in
+            [1, max_blocks * block_size].
+        out: where to write the result (contiguous, q's shape, the cache's dtype), e.g. the
+            layer's output rows, saving a copy; a new tensor when None.
 
     Returns:
-        [rows, num_q_heads, head_dim] in the cache's dtype.
+        [rows, num_q_heads, head_dim] in the cache's dtype (`out` when given).
     """
     rows, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -529,22 +544,27 @@ def decode_attention(
     lens = context_lens.contiguous()
     if tables.dtype != torch.int64 or lens.dtype != torch.int64:
         raise ValueError("block_tables and context_lens must be int64")
-    max_ctx = int(lens.max()) if rows else 0
-    if max_ctx > tables.shape[1] * block_size:
-        raise ValueError(f"a context of {max_ctx} tokens needs more than {tables.shape[1]} blocks")
-    out = torch.empty((rows, num_q_heads, head_dim), dtype=k_cache.dtype, device="cpu")
-    # one row at a time: its scaled queries, accumulators and scores
-    scratch = torch.empty(num_q_heads * (2 * head_dim + max_ctx), dtype=torch.float32, device="cpu")
+    if out is None:
+        out = torch.empty((rows, num_q_heads, head_dim), dtype=k_cache.dtype, device="cpu")
+    elif out.shape != q.shape or out.dtype != k_cache.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {tuple(q.shape)} {k_cache.dtype}")
     status = lib.tandem_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
         k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
         rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), int(k_cache.dtype == torch.bfloat16), int(vector), scratch.data_ptr(),
+        out.data_ptr(), int(k_cache.dtype == torch.bfloat16), int(vector),
     )  # fmt: skip
-    if status != 0:
+    if status == -1:
         raise ValueError(f"native decode attention refused head_dim {head_dim}")
+    if status == -2:
+        raise ValueError(
+            f"context lengths {lens.tolist()} must lie in [1, {tables.shape[1]} blocks of "
+            f"{block_size}]"
+        )
+    if status != 0:
+        raise MemoryError("native decode attention could not allocate its scratch")
     return out
 
 

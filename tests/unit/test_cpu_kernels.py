@@ -158,3 +158,28 @@ def test_native_rope_is_bitwise_apply_rotary(lib):
     assert torch.equal(cpu_kernels.rope(lib, qk, cos, sin), apply_rotary(qk, cos, sin))
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_kernels.rope(lib, qk.float(), cos, sin)
+
+
+def test_writes_into_the_given_rows_and_refuses_contexts_past_the_table(lib):
+    rng = random.Random(5)
+    lens = [9, 30]
+    cache, tables, ctx, q = _case(rng, lens, 16, 9, 3, 64, torch.bfloat16)
+    k_cache, v_cache = cache[:, 0, 0], cache[:, 0, 1]
+    want = cpu_kernels.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125)
+    layer_out = torch.zeros(5, 9, 64, dtype=torch.bfloat16)  # the rows land at 1 and 2
+    got = cpu_kernels.decode_attention(
+        lib, q, k_cache, v_cache, tables, ctx, 0.125, out=layer_out[1:3]
+    )
+    assert got.data_ptr() == layer_out[1].data_ptr()
+    assert torch.equal(layer_out[1:3], want)
+    assert not layer_out[0].any() and not layer_out[3:].any()
+    with pytest.raises(ValueError, match="must be contiguous"):
+        cpu_kernels.decode_attention(
+            lib, q, k_cache, v_cache, tables, ctx, 0.125, out=layer_out[:, :, :64:2]
+        )
+    # 2 blocks of 16 hold 32 keys: 33 (or 0) would read past the row's table
+    for bad in (33, 0):
+        with pytest.raises(ValueError, match=r"must lie in \[1, 2 blocks of 16\]"):
+            cpu_kernels.decode_attention(
+                lib, q, k_cache, v_cache, tables, torch.tensor([9, bad]), 0.125
+            )
