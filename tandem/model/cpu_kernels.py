@@ -9,8 +9,10 @@ two cores. This kernel is plain C, compiled once per machine with the system's C
 ctypes with the tensors' data pointers. Without a compiler (a slim image) the caller keeps
 the torch path: `load()` returns None and says why once. On a CPU with AVX512-BF16 a bfloat16
 cache takes VDPBF16PS products for the scores (16 keys per tile) and register-held value
-accumulators: 1.3-1.7x the plain loops' speed, after which a batch-16 call at SmolLM2's
-size reads K/V at about the core's memory bandwidth (benchmarks: BENCHMARKS.md issue 24).
+accumulators, block by block with the K and V of the blocks ahead prefetched (a row's blocks
+lie anywhere in a cache far bigger than L3). Over an engine-shaped cache, 30 layers of 16
+rows x ~300 keys: 19 ms against the plain loops' 25 ms (1 row: 1.2 vs 1.75 ms), the
+core's read bandwidth at the time (BENCHMARKS.md, issue 24).
 
 Layout it reads (TorchAttention's cache layer, any strides):
   k, v   [num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
@@ -139,26 +141,47 @@ static inline __attribute__((always_inline)) __m512 dot16(const __m512bh *qv, in
     return sum16(acc);
 }
 
-static void scores_bf16(const uint16_t *q, int64_t sq_head, const uint16_t *k, int64_t s_block,
-                        int64_t s_tok, int64_t s_head, const int64_t *table, int64_t ctx,
-                        int64_t block_size, int64_t num_q_heads, int64_t group, int64_t dim,
-                        float scale, float *scores) {
+/* Ask for the block's K and V (block_size token rows from each base) to come to L2: the
+   blocks of a row lie anywhere in a cache far bigger than L3, so without the hint every
+   block starts with a stall the hardware prefetcher cannot see coming. */
+static inline void prefetch_block(const uint16_t *kb, const uint16_t *vb, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) {
+        _mm_prefetch((const char *)kb + off, _MM_HINT_T1);
+        _mm_prefetch((const char *)vb + off, _MM_HINT_T1);
+    }
+}
+
+/* Block by block (its keys of every head stay in L1 while each query head takes them),
+   prefetching the K and V of the block PREFETCH_BLOCKS ahead. */
+#define PREFETCH_BLOCKS 4
+static void scores_bf16(const uint16_t *q, int64_t sq_head, const uint16_t *k,
+                        const uint16_t *v, int64_t s_block, int64_t s_tok, int64_t s_head,
+                        const int64_t *table, int64_t ctx, int64_t block_size,
+                        int64_t num_q_heads, int64_t group, int64_t dim, float scale,
+                        float *scores) {
     int nq = (int)(dim / 32);
+    int64_t num_blocks = (ctx + block_size - 1) / block_size, bytes = block_size * s_tok * 2;
     __m512 sv = _mm512_set1_ps(scale);
-    for (int64_t h = 0; h < num_q_heads; h++) {
-        __m512bh qv[MAX_DIM / 32];
-        for (int c = 0; c < nq; c++)
-            qv[c] = (__m512bh)_mm512_loadu_si512(q + h * sq_head + 32 * c);
-        const uint16_t *kh = k + (h / group) * s_head;
-        float *sh = scores + h * ctx;
-        for (int64_t t0 = 0; t0 < ctx;) {
-            int64_t in_block = t0 % block_size, n = block_size - in_block;
-            if (n > 16) n = 16;
-            if (n > ctx - t0) n = ctx - t0;
-            const uint16_t *kt = kh + table[t0 / block_size] * s_block + in_block * s_tok;
-            __m512 s = _mm512_mul_ps(dot16(qv, nq, kt, s_tok, (int)n), sv);
-            _mm512_mask_storeu_ps(sh + t0, (__mmask16)((1u << n) - 1u), s);
-            t0 += n;
+    for (int64_t b = 0; b < num_blocks && b < PREFETCH_BLOCKS; b++)
+        prefetch_block(k + table[b] * s_block, v + table[b] * s_block, bytes);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + PREFETCH_BLOCKS < num_blocks) {
+            int64_t ahead = table[b + PREFETCH_BLOCKS] * s_block;
+            prefetch_block(k + ahead, v + ahead, bytes);
+        }
+        const uint16_t *kb = k + table[b] * s_block;
+        int64_t end = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
+        for (int64_t t0 = b * block_size; t0 < end; t0 += 16) {
+            int n = (int)(end - t0 < 16 ? end - t0 : 16);
+            const uint16_t *kt = kb + (t0 - b * block_size) * s_tok;
+            for (int64_t h = 0; h < num_q_heads; h++) {
+                __m512bh qv[MAX_DIM / 32];
+                for (int c = 0; c < nq; c++)
+                    qv[c] = (__m512bh)_mm512_loadu_si512(q + h * sq_head + 32 * c);
+                __m512 s = dot16(qv, nq, kt + (h / group) * s_head, s_tok, n);
+                _mm512_mask_storeu_ps(scores + h * ctx + t0, (__mmask16)((1u << n) - 1u),
+                                      _mm512_mul_ps(s, sv));
+            }
         }
     }
 }
@@ -168,20 +191,20 @@ static inline __attribute__((always_inline)) __m512 bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-/* acc[h][d0 : d0 + 16 * NV] += sum_t p[h][t] v[t] for G query heads sharing one KV head. */
+/* acc[g][0 : 16 * NV] += sum over the n tokens at vt (stride s_tok) of p[g][t] v[t], for G
+   query heads sharing one KV head; the accumulators held in registers across the tokens. */
 static inline __attribute__((always_inline)) void values_tile(
-        const uint16_t *vh, int64_t s_block, int64_t s_tok, const int64_t *table, int64_t ctx,
-        int64_t block_size, const float *p, int64_t ctx_stride, int G, int NV, float *acc,
-        int64_t dim) {
+        const uint16_t *vt, int64_t s_tok, int64_t n, const float *p, int64_t ctx, int G,
+        int NV, float *acc, int64_t dim) {
     __m512 o[4][4];
     for (int g = 0; g < G; g++)
-        for (int j = 0; j < NV; j++) o[g][j] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < ctx; t++) {
-        const uint16_t *row = vh + table[t / block_size] * s_block + (t % block_size) * s_tok;
+        for (int j = 0; j < NV; j++) o[g][j] = _mm512_loadu_ps(acc + g * dim + 16 * j);
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *row = vt + t * s_tok;
         __m512 vf[4];
         for (int j = 0; j < NV; j++) vf[j] = bf16x16(row + 16 * j);
         for (int g = 0; g < G; g++) {
-            __m512 pg = _mm512_set1_ps(p[g * ctx_stride + t]);
+            __m512 pg = _mm512_set1_ps(p[g * ctx + t]);
             for (int j = 0; j < NV; j++) o[g][j] = _mm512_fmadd_ps(pg, vf[j], o[g][j]);
         }
     }
@@ -189,34 +212,40 @@ static inline __attribute__((always_inline)) void values_tile(
         for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + g * dim + 16 * j, o[g][j]);
 }
 
+/* Block by block (the scores pass prefetched them), every query head's accumulators
+   updated from the block's values: up to 4 heads and 64 columns at a time. acc is zero. */
 static void values_bf16(const uint16_t *v, int64_t s_block, int64_t s_tok, int64_t s_head,
                         const int64_t *table, int64_t ctx, int64_t block_size,
                         int64_t num_q_heads, int64_t group, int64_t dim, const float *scores,
                         float *acc) {
-    for (int64_t h0 = 0; h0 < num_q_heads;) {
-        int64_t kv = h0 / group, left = (kv + 1) * group - h0;  /* this KV head's rest */
-        int G = (int)(left < 4 ? left : 4);
-        const uint16_t *vh = v + kv * s_head;
-        for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-            int NV = dim - d0 >= 64 ? 4 : 2;  /* dim is a multiple of 32 */
-            const float *p = scores + h0 * ctx;
-            float *a = acc + h0 * dim + d0;
-            /* constant G and NV: the accumulators stay in registers */
-#define TILE(g, nv) \
-    values_tile(vh + d0, s_block, s_tok, table, ctx, block_size, p, ctx, g, nv, a, dim)
-            switch (G * 8 + NV) {
-            case 12: TILE(1, 4); break;
-            case 20: TILE(2, 4); break;
-            case 28: TILE(3, 4); break;
-            case 36: TILE(4, 4); break;
-            case 10: TILE(1, 2); break;
-            case 18: TILE(2, 2); break;
-            case 26: TILE(3, 2); break;
-            default: TILE(4, 2); break;
-            }
+    int64_t num_blocks = (ctx + block_size - 1) / block_size;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint16_t *vb = v + table[b] * s_block;
+        int64_t t0 = b * block_size, n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t h0 = 0; h0 < num_q_heads;) {
+            int64_t kv = h0 / group, left = (kv + 1) * group - h0;  /* this KV head's rest */
+            int G = (int)(left < 4 ? left : 4);
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+                int NV = dim - d0 >= 64 ? 4 : 2;  /* dim is a multiple of 32 */
+                const uint16_t *vt = vb + kv * s_head + d0;
+                const float *p = scores + h0 * ctx + t0;
+                float *a = acc + h0 * dim + d0;
+                /* constant G and NV: the accumulators stay in registers */
+#define TILE(g, nv) values_tile(vt, s_tok, n, p, ctx, g, nv, a, dim)
+                switch (G * 8 + NV) {
+                case 12: TILE(1, 4); break;
+                case 20: TILE(2, 4); break;
+                case 28: TILE(3, 4); break;
+                case 36: TILE(4, 4); break;
+                case 10: TILE(1, 2); break;
+                case 18: TILE(2, 2); break;
+                case 26: TILE(3, 2); break;
+                default: TILE(4, 2); break;
+                }
 #undef TILE
+            }
+            h0 += G;
         }
-        h0 += G;
     }
 }
 #endif
@@ -237,8 +266,9 @@ static void decode_row(const void *q, int64_t sq_head, const char *k, const char
 #ifdef TANDEM_BF16_DOT
     vector = vector && is_bf16 && dim % 32 == 0;
     if (vector)
-        scores_bf16((const uint16_t *)q, sq_head, (const uint16_t *)k, s_block, s_tok, s_head,
-                    table, ctx, block_size, num_q_heads, group, dim, scale, scores);
+        scores_bf16((const uint16_t *)q, sq_head, (const uint16_t *)k, (const uint16_t *)v,
+                    s_block, s_tok, s_head, table, ctx, block_size, num_q_heads, group, dim,
+                    scale, scores);
 #else
     vector = 0;
 #endif
