@@ -13,6 +13,7 @@ import pytest
 from services.common.rpc.convert_tools import ChatTools, tools_from_proto, tools_to_proto
 from services.router import openai_protocol as oai
 from services.router import openai_responses
+from services.router.grpc_tools import CompleteCalls
 from services.router.openai_responses_tools import ToolReply
 from tandem.tools import FORMATS, ChoiceMode, Tool, ToolChoice
 from tandem.v1 import router_pb2 as rpb
@@ -183,6 +184,17 @@ def test_tools_round_trip_the_wire(choice: ToolChoice, parallel: bool) -> None:
     assert tools_from_proto(rpb.ChatMessages()) == ChatTools((), ToolChoice(ChoiceMode.NONE))
     bare = rpb.ChatMessages(tools=[rpb.Tool(function=rpb.FunctionDefinition(name="ping"))])
     assert tools_from_proto(bare) == ChatTools((Tool("ping"),), ToolChoice(ChoiceMode.AUTO))
+
+
+def test_grpc_completes_carry_the_whole_calls_of_a_cut_answer() -> None:
+    calls = CompleteCalls(FORMATS["hermes"], frozenset({"get_weather"}))
+    text = CALL + "\n" + SECOND[:40]
+    for i in range(0, len(text), 9):
+        calls.see(rpb.GenerateResponse(chunk=rpb.Chunk(text=text[i : i + 9])))
+    done = rpb.GenerateResponse(complete=complete(rpb.FINISH_REASON_LENGTH))
+    calls.see(done)
+    [call] = done.complete.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Oslo"}')
 
 
 # -- the Responses API --------------------------------------------------------------------------
