@@ -123,7 +123,11 @@ class EngineConfig:
             graphs during warm-up and replay them (see tandem.engine.cuda_graphs).
         seed: seed of the sampler's default generator (requests without their own seed).
         model_id: name that partitions the prefix cache; defaults to the directory name.
-        num_threads: torch intra-op threads; None = torch's default.
+        num_threads: torch intra-op threads; None = torch's default (with tensor
+            parallelism on a CPU, shared out among the ranks).
+        tensor_parallel_size: ranks the model is split over (tandem.model.sharding): this
+            engine is rank 0 and spawns the others (tandem.engine.ranks); on CUDA rank r
+            runs on the r-th device from `device`, on a CPU all share the host (gloo).
     """
 
     model_dir: str
@@ -138,6 +142,7 @@ class EngineConfig:
     seed: int = 0
     model_id: str | None = None
     num_threads: int | None = None
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -153,8 +158,7 @@ class EngineConfig:
             )
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                f"got {self.quantization!r}"
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(
@@ -164,6 +168,10 @@ class EngineConfig:
             object.__setattr__(self, "role", EngineRole(self.role))
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        if self.tensor_parallel_size <= 0:
+            raise ValueError(
+                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
+            )
         if self.attention_backend not in ("auto", "torch", "native", "triton"):
             raise ValueError(
                 "attention_backend must be auto, torch, native or triton, "

@@ -24,19 +24,21 @@ from tandem.config import EngineConfig, EngineRole
 from tandem.engine.block_pool import KVEvent
 from tandem.engine.device import use_device
 from tandem.engine.grammar import GrammarCompiler
-from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
-from tandem.engine.kv_manager import KVCacheManager, cdiv
-from tandem.engine.memory import fit_context
-from tandem.engine.profile import size_kv_cache
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.loading import load_model_and_cache, wants_decode_graphs
+from tandem.engine.ranks import Followers, exit_on_rank_death, free_address, threads_per_rank
 from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.model.detokenize import TextStream
-from tandem.model.kv_quant import FP8_DTYPE, KVScales, kv_format, load_kv_scales
-from tandem.model.loader import DTYPES, ProgressFn, load_model
+from tandem.model.kv_quant import KVScales
+from tandem.model.loader import ProgressFn
+from tandem.model.parallel import TPGroup
+from tandem.model.sharding import Shard
 from tandem.model.tokenizer import Tokenizer
-from tandem.model.triton_attention import make_attention
+
+__all__ = ["LLMEngine", "wants_decode_graphs"]  # the latter for tests: tandem.engine.loading
 
 log = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "__tandem_warmup__"
@@ -84,47 +86,36 @@ class Completion:
     logprobs: list[LogprobEntry]
 
 
-def wants_decode_graphs(config: EngineConfig, paged_backend: bool) -> bool:
-    """Whether warm-up captures CUDA graphs of decode steps: on CUDA, with a backend whose
-    launch grids depend only on shapes (`paged_backend`), unless the role never decodes (a
-    prefill worker hands each request off after its first token)."""
-    return (
-        config.cuda_graphs
-        and paged_backend
-        and torch.device(config.device).type == "cuda"
-        and config.role != EngineRole.PREFILL
-    )
-
-
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         progress: ProgressFn | None = None,
+        on_rank_exit: Callable[[int, int | None], None] = exit_on_rank_death,
     ) -> None:
+        """`on_rank_exit(rank, status)`: a tensor-parallel rank's process ended (from a
+        watcher thread); the default ends this process too (tandem.engine.ranks)."""
         self.config = config
         self.clock = clock
         use_device(config.device)  # before the first CUDA allocation or kernel
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        if config.num_threads is not None or config.tensor_parallel_size > 1:
+            torch.set_num_threads(threads_per_rank(config))
         model_dir = Path(config.model_dir)
         self.model_id = config.model_id or model_dir.name
         sched_cfg = config.scheduler
-        self.model = load_model(
-            model_dir,
-            config.resolved_dtype,
-            config.device,
-            attention=make_attention(config.attention_backend, config.device),
-            progress=progress,
-            quantization=config.quantization,
-            quantization_group_size=config.quantization_group_size,
-        )
+        # Tensor parallelism: ranks 1..N-1 are processes of our own (tandem.engine.ranks),
+        # started first so that they load their shards while this rank loads its own.
+        self.followers: Followers | None = None
+        self.tp: TPGroup | None = None
+        if config.tensor_parallel_size > 1:
+            address = free_address()
+            self.followers = Followers(config, address, on_rank_exit)
+            self.tp = TPGroup.init(Shard(0, config.tensor_parallel_size), address, config.device)
+        loaded = load_model_and_cache(config, self.tp, progress)
+        self.model = loaded.model  # this rank's shard: its config holds its heads
         self.weight_bytes = self.model.weights.num_bytes()  # quantized matrices as stored
         mcfg = self.model.config
-        max_model_len = min(
-            sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
         self.tokenizer: Tokenizer | None = (
             Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         )
@@ -138,48 +129,15 @@ class LLMEngine:
             self.grammars = GrammarCompiler(
                 (model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self.eos_token_ids
             )
-        dtype = DTYPES[config.resolved_dtype]
-        # FP8 KV (tandem.model.kv_quant): the backend quantizes on write with these scales.
-        self.kv_scales: KVScales | None = None
-        if config.kv_cache_dtype == "fp8":
-            self.kv_scales = load_kv_scales(model_dir, mcfg.num_layers)
-            self.model.attention.use_fp8_kv(self.kv_scales, dtype)
-            log.info("FP8 KV cache, scales from the %s", self.kv_scales.source)
-        kv_dtype = FP8_DTYPE if self.kv_scales is not None else dtype
+        self.kv_scales: KVScales | None = loaded.kv_scales
         # What the registry advertises and, for a scaled cache, what the prefix hashes add.
-        self.kv_format = kv_format(str(kv_dtype).removeprefix("torch."), self.kv_scales)
+        self.kv_format = loaded.kv_format
         self.kv_hash_format = self.kv_format if self.kv_scales is not None else ""
         block_size = config.cache.block_size
-        device = torch.device(config.device)
-        sizing = size_kv_cache(
-            self.model, config.cache, sched_cfg, kv_dtype, max_model_len, device
-        )
-        self.num_blocks = sizing.num_blocks
-        per_block = block_bytes(mcfg, block_size, kv_dtype)
-        explicit = sched_cfg.max_model_len is not None
-        self.max_model_len = fit_context(
-            max_model_len, explicit, self.num_blocks, block_size, per_block
-        )
-        log.info(
-            "KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB %s on %s; context %d",
-            sizing.source, sizing.num_blocks, block_size, sizing.num_tokens,
-            sizing.num_bytes / 2**20, self.kv_format, config.device, self.max_model_len,
-        )  # fmt: skip
-        if self.max_model_len < max_model_len:
-            log.warning(
-                "the model's context of %d tokens does not fit the KV cache: serving at most "
-                "%d tokens per request (give the cache %d bytes for the full context)",
-                max_model_len, self.max_model_len, cdiv(max_model_len, block_size) * per_block,
-            )  # fmt: skip
-        # A CUDA graph's padding rows write one scratch block outside the pool's range.
-        self._graphs_wanted = wants_decode_graphs(config, self.model.attention.needs_paged_batch)
-        self.kv_cache = allocate_kv_cache(
-            mcfg,
-            self.num_blocks + int(self._graphs_wanted),
-            block_size,
-            kv_dtype,
-            device,
-        )
+        self.num_blocks = loaded.num_blocks
+        self.max_model_len = loaded.max_model_len
+        self._graphs_wanted = loaded.graphs_wanted
+        self.kv_cache = loaded.kv_cache
         self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
@@ -187,7 +145,7 @@ class LLMEngine:
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
         self.runner = ModelRunner(
-            self.model, self.kv_cache, block_size, sampler, self.max_model_len
+            self.model, self.kv_cache, block_size, sampler, self.max_model_len, self.followers
         )
         self._requests: dict[str, Request] = {}
         self._text: dict[str, TextStream] = {}
@@ -469,6 +427,16 @@ class LLMEngine:
             )
             for r in requests
         ]
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing at one rank). The engine
+        runs no step afterwards."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
+        if self.tp is not None:
+            self.tp.close()
+            self.tp = None
 
     # -- introspection ---------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -19,15 +19,58 @@ MIN_DECODE_GROUP_ROWS = 8
 MAX_DECODE_GROUPS = 8
 
 
+class StepRow(NamedTuple):
+    """One request's share of a step as every rank of a worker needs it: what the runner
+    reads of a `ScheduledRequest`, with the tokens it computes (tandem.engine.ranks sends
+    these to the other ranks)."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    token_ids: list[int]  # positions [start, start + num_new_tokens)
+
+    @classmethod
+    def of(cls, s: ScheduledRequest) -> StepRow:
+        ids = s.request.token_ids_slice(s.start, s.start + s.num_new_tokens)
+        return cls(s.request.request_id, s.start, s.num_new_tokens, s.block_ids, s.sample, ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.start > 0
+
+
+class StepPlan(NamedTuple):
+    """A step for the other ranks: its rows in the order the runner runs them, and the
+    requests released since the last step (their block table rows are freed first)."""
+
+    rows: list[StepRow]
+    released: list[str]
+
+
+class StepFollowers(Protocol):
+    """The other ranks of a tensor-parallel worker (tandem.engine.ranks.Followers)."""
+
+    def send(self, plan: StepPlan) -> None: ...
+
+
 class StepInputs(NamedTuple):
     """One step's model inputs, built by `ModelRunner.prepare`."""
 
-    rows: list[ScheduledRequest]  # decode rows first (longest context first), then prefills
+    rows: list[StepRow]  # decode rows first (longest context first), then prefills
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     meta: AttentionMetadata
     last_idx: torch.Tensor  # [num_sampled] int64: each sampling row's last token
     num_decode: int
+
+
+def order_rows(out: SchedulerOutput) -> list[ScheduledRequest]:
+    """Decode rows first, longest context first (so each decode group is a contiguous run
+    of rows), then prefills."""
+    decodes = sorted((s for s in out.scheduled if s.is_decode), key=lambda s: -s.start)
+    return decodes + [s for s in out.scheduled if not s.is_decode]
 
 
 class ModelRunner:
@@ -48,8 +91,11 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         max_model_len: int,
+        followers: StepFollowers | None = None,
     ) -> None:
         self.model = model
+        self.followers = followers  # tensor parallelism: the ranks that follow this one
+        self._released: list[str] = []  # since the last step, for the followers' tables
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
@@ -63,23 +109,28 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured by capture_decode_graphs (CUDA)
 
     def release(self, request_id: str) -> None:
-        """The request is gone (finished, aborted, released): free its block table row."""
+        """The request is gone (finished, aborted, released): free its block table row
+        (the other ranks' with the next step)."""
         if self.block_tables is not None:
             self.block_tables.release(request_id)
+            if self.followers is not None:
+                self._released.append(request_id)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Order rows (decode first) and build input ids, positions and attention metadata."""
-        # Longest context first, so each decode group is a contiguous run of rows.
-        decodes = sorted((s for s in out.scheduled if s.is_decode), key=lambda s: -s.start)
-        prefills = [s for s in out.scheduled if not s.is_decode]
-        rows = decodes + prefills
+        return self.prepare_rows([StepRow.of(s) for s in order_rows(out)])
+
+    def prepare_rows(self, rows: list[StepRow]) -> StepInputs:
+        """A step's inputs from its rows, ordered as `order_rows` orders them."""
+        num_decode = sum(1 for s in rows if s.is_decode)
+        decodes, prefills = rows[:num_decode], rows[num_decode:]
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slot_blocks: list[int] = []
         last_idx: list[int] = []
         for s in rows:
-            ids += s.request.token_ids_slice(s.start, s.start + s.num_new_tokens)
+            ids += s.token_ids
             for pos in range(s.start, s.start + s.num_new_tokens):
                 positions.append(pos)
                 slot_blocks.append(s.block_ids[pos // bs])
@@ -95,15 +146,13 @@ class ModelRunner:
             meta.paged = self._paged_batch(decodes, prefills, staged[4:])
         else:
             self._torch_groups(meta, decodes, prefills)
-        return StepInputs(rows, ids_t, pos_t, meta, last_t, len(decodes))
+        return StepInputs(rows, ids_t, pos_t, meta, last_t, num_decode)
 
-    def _paged_arrays(
-        self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest]
-    ) -> list[list[int]]:
+    def _paged_arrays(self, decodes: list[StepRow], prefills: list[StepRow]) -> list[list[int]]:
         """Host arrays of the paged batch: table rows, lengths, query starts, table writes."""
         tables = self.block_tables
         assert tables is not None
-        table_rows = [tables.row(s.request.request_id, s.block_ids) for s in decodes + prefills]
+        table_rows = [tables.row(s.request_id, s.block_ids) for s in decodes + prefills]
         starts = [0]
         for s in prefills:
             starts.append(starts[-1] + s.num_new_tokens)
@@ -117,8 +166,8 @@ class ModelRunner:
 
     def _paged_batch(
         self,
-        decodes: list[ScheduledRequest],
-        prefills: list[ScheduledRequest],
+        decodes: list[StepRow],
+        prefills: list[StepRow],
         staged: list[torch.Tensor],
     ) -> PagedBatch:
         """The step as paged-attention kernels take it, from the staged arrays."""
@@ -142,8 +191,8 @@ class ModelRunner:
     def _torch_groups(
         self,
         meta: AttentionMetadata,
-        decodes: list[ScheduledRequest],
-        prefills: list[ScheduledRequest],
+        decodes: list[StepRow],
+        prefills: list[StepRow],
     ) -> None:
         """TorchAttention's decode groups (padded, masked) and prefill spans."""
         bs, dev = self.block_size, self.device
@@ -159,7 +208,7 @@ class ModelRunner:
             meta.prefills.append(PrefillSpan(token_start, s.num_new_tokens, ctx, blocks))
             token_start += s.num_new_tokens
 
-    def _decode_group(self, start: int, rows: list[ScheduledRequest]) -> DecodeGroup:
+    def _decode_group(self, start: int, rows: list[StepRow]) -> DecodeGroup:
         bs, dev = self.block_size, self.device
         ctx_lens = [s.start + 1 for s in rows]
         max_blocks = -(-max(ctx_lens) // bs)
@@ -177,35 +226,15 @@ class ModelRunner:
         """Run one step. Returns the sampled token of every row that samples."""
         if out.is_empty:
             return {}
-        step = self.prepare(out)
-        rows, meta = step.rows, step.meta
-        num_sampled = step.last_idx.shape[0]
-        graphs, paged = self.graphs, meta.paged
-        if (
-            graphs is not None
-            and paged is not None
-            and step.num_decode == len(rows)
-            and graphs.can_serve(len(rows))
-        ):
-            logits = graphs.replay(
-                len(rows),
-                step.input_ids,
-                step.positions,
-                meta.slot_block_ids,
-                meta.slot_offsets,
-                paged.decode_block_tables,
-                paged.decode_context_lens,
-            )  # [rows, vocab], every row's last token
-            if num_sampled < len(rows):
-                logits = logits[step.last_idx]
-        else:
-            hidden = self.model.forward(step.input_ids, step.positions, meta, self.kv_cache)
-            if not num_sampled:
-                return {}
-            logits = self.model.compute_logits(hidden[step.last_idx])
-        sampled_rows = [s for s in rows if s.sample]
-        if not sampled_rows:
+        rows = order_rows(out)
+        plan = StepPlan([StepRow.of(s) for s in rows], self._released)
+        if self.followers is not None:  # the other ranks run the same step on their shards
+            self.followers.send(plan)
+            self._released = []
+        logits = self._logits(self.prepare_rows(plan.rows))
+        if logits is None:
             return {}
+        sampled_rows = [s for s in rows if s.sample]
         sample_rows = [
             SampleRow(
                 s.request.sampling_params,
@@ -218,6 +247,43 @@ class ModelRunner:
         ]
         results = self.sampler(logits, sample_rows)
         return {s.request.request_id: res for s, res in zip(sampled_rows, results, strict=True)}
+
+    def follow(self, plan: StepPlan) -> None:
+        """Another rank's step (tandem.engine.ranks): the same forward on this shard, its
+        collectives matching the sending rank's; the logits are that rank's to sample."""
+        for request_id in plan.released:
+            self.release(request_id)
+        if plan.rows:
+            self._logits(self.prepare_rows(plan.rows))
+
+    def _logits(self, step: StepInputs) -> torch.Tensor | None:
+        """Run the model over a step; the logits of its sampling rows (None: no row
+        samples)."""
+        meta = step.meta
+        num_rows, num_sampled = len(step.rows), step.last_idx.shape[0]
+        graphs, paged = self.graphs, meta.paged
+        if (
+            graphs is not None
+            and paged is not None
+            and step.num_decode == num_rows
+            and graphs.can_serve(num_rows)
+        ):
+            logits = graphs.replay(
+                num_rows,
+                step.input_ids,
+                step.positions,
+                meta.slot_block_ids,
+                meta.slot_offsets,
+                paged.decode_block_tables,
+                paged.decode_context_lens,
+            )  # [rows, vocab], every row's last token
+            if num_sampled < num_rows:
+                logits = logits[step.last_idx]
+            return logits if num_sampled else None
+        hidden = self.model.forward(step.input_ids, step.positions, meta, self.kv_cache)
+        if not num_sampled:
+            return None
+        return self.model.compute_logits(hidden[step.last_idx])
 
     # -- CUDA graphs for decode-only steps (see tandem.engine.cuda_graphs) -----------------
 

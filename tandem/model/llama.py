@@ -14,6 +14,7 @@ the model's dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from tandem.model.linear import MatmulKind, matmul, pack
 from tandem.model.quant import QuantizedWeight
 from tandem.model.quant_linear import QuantLinear, Workspace, pack_quantized
 from tandem.model.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from tandem.model.parallel import TPGroup
 
 # A layer matrix: dense [in, out] (as loaded, or packed for oneDNN), quantized [out, in] as
 # loaded, or quantized and packed for its path (LlamaModel does that).
@@ -85,7 +89,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LlamaModel:
-    """The decoder. Stateless apart from weights and RoPE tables; KV lives in the cache."""
+    """The decoder. Stateless apart from weights and RoPE tables; KV lives in the cache.
+
+    With `tp` (a rank of a tensor-parallel group, tandem.model.sharding) `config` is this
+    rank's share (its query and KV heads, its part of the MLP; the vocabulary and layers
+    the model's) and `weights` its shard; the forward adds one all-reduce after o, one
+    after down, one after the vocabulary-parallel embedding, and an all-gather of the
+    logits. Without it no collective runs.
+    """
 
     def __init__(
         self,
@@ -94,10 +105,12 @@ class LlamaModel:
         attention: AttentionBackend,
         max_positions: int,
         matmul: MatmulKind = MatmulKind.PLAIN,
+        tp: TPGroup | None = None,
     ) -> None:
         """`matmul`: how the weight matrices are applied; other than PLAIN, they are packed
         here, in place (`weights` then holds the packed forms, readable only by `matmul`)."""
         self.config = config
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.matmul = matmul
         self.workspace = Workspace()  # what per-call dequantizations reuse
         dtype = weights.embed.dtype
@@ -146,7 +159,7 @@ class LlamaModel:
         """
         cfg, w, mm = self.config, self.weights, self.matmul
         eps = cfg.rms_norm_eps
-        h = F.embedding(input_ids, w.embed)  # [num_tokens, hidden]
+        h = self._embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, h.dtype)
         n = input_ids.shape[0]
         pending: torch.Tensor | None = None  # the last layer's MLP output, not yet added to h
@@ -166,11 +179,29 @@ class LlamaModel:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
-            h, x = self._add_norm(h, matmul(attn.reshape(n, self._q_size), lw.o, mm),
-                                  lw.post_norm, eps)  # fmt: skip
+            o = matmul(attn.reshape(n, self._q_size), lw.o, mm)
+            if self.tp is not None:  # row-parallel: each rank's heads' share of the sum
+                o = self.tp.all_reduce(o)
+            h, x = self._add_norm(h, o, lw.post_norm, eps)
             gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
             pending = matmul(F.silu(gate) * up, lw.down, mm)
+            if self.tp is not None:
+                pending = self.tp.all_reduce(pending)
         return self._add_norm(h, pending, w.final_norm, eps)[1]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden]. Vocabulary-parallel: each rank looks up
+        the ids in its rows and adds zeros for the rest; the all-reduce sums one real row
+        and zeros per token, exactly."""
+        embed = self.weights.embed
+        if self.tp is None:
+            return F.embedding(input_ids, embed)
+        start = self.tp.rank * embed.shape[0]
+        local = input_ids - start
+        outside = (local < 0) | (local >= embed.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), embed)
+        h.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(h)
 
     def _add_norm(
         self, h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -185,5 +216,9 @@ class LlamaModel:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden] -> logits [num_rows, vocab] in float32."""
-        return matmul(hidden, self.weights.lm_head, self.matmul).float()
+        """hidden: [num_rows, hidden] -> logits [num_rows, vocab] in float32 (on every rank
+        of a tensor-parallel group)."""
+        logits = matmul(hidden, self.weights.lm_head, self.matmul)
+        if self.tp is not None:  # [rows, vocab / tp] per rank, the padding dropped
+            logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        return logits.float()

@@ -25,6 +25,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.gguf_quant import GGUF_FILE, GGUFMatrices, gguf_matrices
 from tandem.model.linear import choose_matmul, onednn_bf16_available
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights, Weight
+from tandem.model.parallel import TPGroup
 from tandem.model.quant import WeightScheme
 from tandem.model.quant_checkpoints import QuantizedReader, read_checkpoint_quant, stored_shapes
 from tandem.model.quant_linear import QuantLinear
@@ -35,6 +36,14 @@ from tandem.model.safetensors_io import (
     TensorReader,
     read_header,
     safetensors_files,
+)
+from tandem.model.sharding import (
+    Shard,
+    check_shardable,
+    local_config,
+    sliced_shapes,
+    tensor_slices,
+    vocab_per_rank,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,6 +183,24 @@ class WeightBuilder:
             self.reader, names, self.quantization, self.group_size, self.device, self.dtype
         )
 
+    def vocab(self, name: str, rows: int | None) -> torch.Tensor:
+        """The embedding ([vocab, hid]) or lm_head ([hid, vocab], transposed like every
+        matrix), zero-padded to `rows` vocabulary rows when given (a vocabulary-parallel
+        rank's share: the padding's logits are dropped after the all-gather)."""
+        lm_head = name == "lm_head.weight"
+        if rows is None:
+            return self.fused([name], transpose=lm_head)
+        n, hid = self.shapes[name]
+        shape = (hid, rows) if lm_head else (rows, hid)
+        dst = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        src = self.reader.read(name)  # [n, hid]
+        if lm_head:
+            self.copy_transposed(dst[:, :n], src)
+        else:
+            dst[:n].copy_(src)
+        del src
+        return dst
+
     def layer(self, config: ModelConfig, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
@@ -193,13 +220,15 @@ class WeightBuilder:
             down=self.matrix([p + "mlp.down_proj.weight"]),  # [inter, hid]
         )
 
-    def model(self, config: ModelConfig) -> ModelWeights:
+    def model(self, config: ModelConfig, vocab_rows: int | None = None) -> ModelWeights:
+        """`vocab_rows`: a vocabulary-parallel rank's rows per rank; its embedding and
+        lm_head are padded with zero rows to that many (tandem.model.sharding)."""
         layers = [self.layer(config, i) for i in range(config.num_layers)]
-        embed = self.fused(["model.embed_tokens.weight"])
+        embed = self.vocab("model.embed_tokens.weight", vocab_rows)
         if config.tie_word_embeddings:
             lm_head = embed.t()  # shares storage with the embedding
         else:
-            lm_head = self.fused(["lm_head.weight"], transpose=True)  # [hid, vocab]
+            lm_head = self.vocab("lm_head.weight", vocab_rows)  # [hid, vocab]
         return ModelWeights(
             embed=embed,
             layers=layers,
@@ -216,11 +245,13 @@ def load_weights(
     progress: ProgressFn | None = None,
     quantization: WeightScheme = WeightScheme.NONE,
     group_size: int = 64,
+    shard: Shard | None = None,
 ) -> ModelWeights:
     """Check, then stream the weights of `model_dir` into our layout (see the module doc).
     `quantization`: the layer matrices' scheme (quantized as they load, or kept as a
     quantized checkpoint or kept GGUF stores them: tandem.model.quant_load); `group_size`:
-    int4's.
+    int4's. `shard`: a tensor-parallel rank's part only (tandem.model.sharding), read as
+    slices of the stored tensors: no rank ever holds the whole model.
 
     Raises:
         FileNotFoundError: a weight file is missing.
@@ -241,6 +272,16 @@ def load_weights(
     if kept is not None:
         stored = {n: s for n, s in stored.items() if n not in kept.layers}
     check_entries(entries, stored)
+    slices, vocab_rows = {}, None
+    if shard is not None and shard.size > 1:
+        if quant or kept is not None or quantization is not WeightScheme.NONE:
+            raise ValueError(
+                "tensor_parallel_size > 1 serves unquantized weights only (quantization none, "
+                "no quantized checkpoint) for now"
+            )
+        check_shardable(config, shard.size)
+        slices = tensor_slices(config, shard)
+        vocab_rows = vocab_per_rank(config, shard.size)
     file_bytes = sum(entries[n].num_bytes for n in stored)
     logger.info(
         "loading %s: %d tensors, %.1f MiB in %d file(s), as %s on %s%s",
@@ -252,14 +293,15 @@ def load_weights(
         device,
         f" ({quant.format} checkpoint, {len(quantized)} layers dequantized)" if quant else "",
     )
-    with TensorReader(entries, list(stored), progress) as reader:
+    with TensorReader(entries, list(stored), progress, slices) as reader:
         source: TensorReader | QuantizedReader | GGUFMatrices
         source = QuantizedReader(reader, quant, quantized) if quant else reader
         if kept is not None:
             kept.dense, source = reader, kept
-        weights = WeightBuilder(source, shapes, dtype, device, quantization, group_size).model(
-            config
+        builder = WeightBuilder(
+            source, sliced_shapes(shapes, slices), dtype, device, quantization, group_size
         )
+        weights = builder.model(config, vocab_rows)
     assert reader.num_read == len(stored), f"read {reader.num_read} of {len(stored)} tensors"
     logger.info(
         "loaded %s: %d tensors, %.1f MiB of weights as %s%s on %s in %.2f s",
@@ -286,9 +328,11 @@ def load_model(
     progress: ProgressFn | None = None,
     quantization: str = "none",
     quantization_group_size: int = 64,
+    tp: TPGroup | None = None,
 ) -> LlamaModel:
     """Load config and weights from a HuggingFace directory; `quantization` (none, int8,
-    int4, fp8) quantizes the layer matrices (tandem.model.quant_load).
+    int4, fp8) quantizes the layer matrices (tandem.model.quant_load). `tp`: this process
+    is one rank of a tensor-parallel group: it loads and runs its shard only.
 
     Raises:
         FileNotFoundError: config.json or a weight file is missing.
@@ -302,17 +346,19 @@ def load_model(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     dev = torch.device(device)
     scheme = WeightScheme(quantization)
+    shard = tp.shard if tp is not None else None
     weights = load_weights(
-        path, config, DTYPES[dtype], dev, progress, scheme, quantization_group_size
+        path, config, DTYPES[dtype], dev, progress, scheme, quantization_group_size, shard
     )
     mm = choose_matmul(dev, DTYPES[dtype], onednn_bf16_available())
     logger.info("matmuls: %s (%s on %s)", mm.value, dtype, dev)
     model = LlamaModel(
-        config,
+        config if shard is None else local_config(config, shard),
         weights,
         attention or TorchAttention(),
         max_positions or config.max_position_embeddings,
         matmul=mm,
+        tp=tp,
     )
     if scheme is not WeightScheme.NONE:
         paths = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -20,8 +20,13 @@ from typing import NamedTuple
 
 import torch
 
+from tandem.model.sharding import TensorSlice
+
 # Called as progress(tensors_loaded, tensors_total).
 ProgressFn = Callable[[int, int], None]
+
+# A column slice is read a run of whole rows at a time, through a chunk of about this size.
+COLUMN_CHUNK_BYTES = 1 << 20
 
 # safetensors dtype names -> torch dtypes.
 FILE_DTYPES = {
@@ -122,18 +127,45 @@ class TensorReader:
     `read` returns a view of that buffer: it is valid until the next `read`, so callers copy
     it into place at once and keep no reference. A context manager: leaving it closes the
     files.
+
+    `slices` (tensor parallelism, tandem.model.sharding): those tensors are read only in
+    part, and the buffer is sized for the parts. Rows are one contiguous read; columns
+    (a 2-D tensor's) are read in runs of whole rows through a small chunk and copied out:
+
+        file:   row 0 [ .. | cols | .. ]     buffer: [ slice rows x cols | chunk ]
+                row 1 [ .. | cols | .. ]
     """
 
     def __init__(
-        self, entries: dict[str, TensorEntry], names: Sequence[str], progress: ProgressFn | None
+        self,
+        entries: dict[str, TensorEntry],
+        names: Sequence[str],
+        progress: ProgressFn | None,
+        slices: Mapping[str, TensorSlice] | None = None,
     ) -> None:
         self._entries = entries
         self._files = ExitStack()
         self._handles: dict[Path, io.FileIO] = {}
-        self._buffer = bytearray(max((entries[n].num_bytes for n in names), default=0))
+        self._slices = dict(slices or {})
+        self._buffer = bytearray(max((self._buffer_bytes(n) for n in names), default=0))
         self._progress = progress
         self.num_read = 0
         self.num_total = len(names)
+
+    def _buffer_bytes(self, name: str) -> int:
+        e = self._entries[name]
+        sl = self._slices.get(name)
+        if sl is None:
+            return e.num_bytes
+        row_bytes = e.num_bytes // max(e.shape[0], 1)
+        if sl.dim == 0:
+            return (sl.stop - sl.start) * row_bytes
+        return e.num_bytes // e.shape[1] * (sl.stop - sl.start) + self._chunk_rows(e) * row_bytes
+
+    @staticmethod
+    def _chunk_rows(e: TensorEntry) -> int:
+        row_bytes = max(e.num_bytes // max(e.shape[0], 1), 1)
+        return max(1, min(e.shape[0], COLUMN_CHUNK_BYTES // row_bytes))
 
     def __enter__(self) -> TensorReader:
         return self
@@ -147,26 +179,62 @@ class TensorReader:
         self._files.close()
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor as stored (file dtype, on the host), as a view of the shared buffer."""
+        """The tensor as stored (file dtype, on the host), as a view of the shared buffer;
+        only its slice when the reader was given one for it."""
         e = self._entries[name]
         f = self._handles.get(e.file)
         if f is None:
             f = self._handles[e.file] = self._files.enter_context(e.file.open("rb", buffering=0))
-        f.seek(e.offset)
-        view = memoryview(self._buffer)[: e.num_bytes]
-        done = 0
-        while done < e.num_bytes:
-            n = f.readinto(view[done:])
-            if not n:
-                raise ValueError(
-                    f"{e.file}: cannot read tensor {name!r}: the file ends after {done} of "
-                    f"its {e.num_bytes} bytes"
-                )
-            done += n
+        sl = self._slices.get(name)
+        if sl is None:
+            self._read_into(f, e.offset, memoryview(self._buffer)[: e.num_bytes], name, e)
+            shape, num_bytes = e.shape, e.num_bytes
+        elif sl.dim == 0:
+            row_bytes = e.num_bytes // e.shape[0]
+            num_bytes = (sl.stop - sl.start) * row_bytes
+            view = memoryview(self._buffer)[:num_bytes]
+            self._read_into(f, e.offset + sl.start * row_bytes, view, name, e)
+            shape = (sl.stop - sl.start, *e.shape[1:])
+        else:
+            shape, num_bytes = self._read_columns(f, e, sl, name)
         self.num_read += 1
         if self._progress is not None:
             self._progress(self.num_read, self.num_total)
-        if e.num_bytes == 0:
-            return torch.empty(e.shape, dtype=e.dtype, device="cpu")  # host staging
-        numel = e.num_bytes // e.dtype.itemsize
-        return torch.frombuffer(self._buffer, dtype=e.dtype, count=numel).view(e.shape)
+        if num_bytes == 0:
+            return torch.empty(shape, dtype=e.dtype, device="cpu")  # host staging
+        numel = num_bytes // e.dtype.itemsize
+        return torch.frombuffer(self._buffer, dtype=e.dtype, count=numel).view(shape)
+
+    def _read_columns(
+        self, f: io.FileIO, e: TensorEntry, sl: TensorSlice, name: str
+    ) -> tuple[tuple[int, ...], int]:
+        """Columns [sl.start, sl.stop) of a 2-D tensor into the front of the buffer."""
+        if len(e.shape) != 2:
+            raise ValueError(f"tensor {name!r} {e.shape}: only 2-D tensors split by columns")
+        rows, cols = e.shape
+        item = e.dtype.itemsize
+        width = sl.stop - sl.start
+        num_bytes = rows * width * item
+        out = torch.frombuffer(self._buffer, dtype=torch.uint8, count=num_bytes)
+        out = out.view(rows, width * item)
+        chunk_rows = self._chunk_rows(e)
+        chunk = memoryview(self._buffer)[num_bytes : num_bytes + chunk_rows * cols * item]
+        chunk_t = torch.frombuffer(chunk, dtype=torch.uint8).view(chunk_rows, cols * item)
+        for r in range(0, rows, chunk_rows):
+            n = min(chunk_rows, rows - r)
+            self._read_into(f, e.offset + r * cols * item, chunk[: n * cols * item], name, e)
+            out[r : r + n] = chunk_t[:n, sl.start * item : sl.stop * item]
+        return (rows, width), num_bytes
+
+    @staticmethod
+    def _read_into(f: io.FileIO, offset: int, view: memoryview, name: str, e: TensorEntry) -> None:
+        f.seek(offset)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise ValueError(
+                    f"{e.file}: cannot read tensor {name!r}: the file ends after "
+                    f"{offset - e.offset + done} of its {e.num_bytes} bytes"
+                )
+            done += n

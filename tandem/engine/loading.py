@@ -1,0 +1,111 @@
+"""What every rank of an engine builds the same way: its model (or its shard of it) and its
+KV cache, sized (on a GPU, after the profile steps) and allocated. Rank 0 (`LLMEngine`) and
+the other ranks of a tensor-parallel worker (`tandem.engine.ranks`) both call
+`load_model_and_cache`, so their collectives happen in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from tandem.config import EngineConfig, EngineRole
+from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
+from tandem.engine.kv_manager import cdiv
+from tandem.engine.memory import fit_context
+from tandem.engine.profile import size_kv_cache
+from tandem.model.kv_quant import FP8_DTYPE, KVScales, kv_format, load_kv_scales
+from tandem.model.llama import LlamaModel
+from tandem.model.loader import DTYPES, ProgressFn, load_model
+from tandem.model.parallel import TPGroup
+from tandem.model.triton_attention import make_attention
+
+log = logging.getLogger(__name__)
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaModel  # this rank's shard (its config: its heads; tandem.model.sharding)
+    kv_cache: torch.Tensor  # [num_blocks (+1 with graphs), layers, 2, block, kv_heads, dim]
+    kv_scales: KVScales | None  # an FP8 cache's scales
+    kv_format: str  # what the registry advertises (dtype, scaled or not)
+    num_blocks: int  # the pool's blocks (a graph's scratch block is not one)
+    max_model_len: int  # the context the cache can honour
+    graphs_wanted: bool  # warm-up captures decode CUDA graphs
+
+
+def wants_decode_graphs(config: EngineConfig, paged_backend: bool) -> bool:
+    """Whether warm-up captures CUDA graphs of decode steps: on CUDA, with a backend whose
+    launch grids depend only on shapes (`paged_backend`), unless the role never decodes (a
+    prefill worker hands each request off after its first token). Not with tensor
+    parallelism yet (the collectives are not captured)."""
+    return (
+        config.cuda_graphs
+        and paged_backend
+        and torch.device(config.device).type == "cuda"
+        and config.role != EngineRole.PREFILL
+        and config.tensor_parallel_size == 1
+    )
+
+
+def load_model_and_cache(
+    config: EngineConfig, tp: TPGroup | None = None, progress: ProgressFn | None = None
+) -> LoadedModel:
+    """Load the model (this rank's shard with `tp`), then size and allocate its KV cache.
+    With `tp` every rank holds the same number of blocks: the fewest any rank can afford
+    (each sizes against its own device).
+
+    Raises:
+        ValueError: see `load_model`, `size_kv_cache` and `fit_context`.
+    """
+    model_dir = Path(config.model_dir)
+    sched_cfg = config.scheduler
+    model = load_model(
+        model_dir,
+        config.resolved_dtype,
+        config.device,
+        attention=make_attention(config.attention_backend, config.device),
+        progress=progress,
+        quantization=config.quantization,
+        quantization_group_size=config.quantization_group_size,
+        tp=tp,
+    )
+    mcfg = model.config
+    max_model_len = min(
+        sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+    )
+    dtype = DTYPES[config.resolved_dtype]
+    # FP8 KV (tandem.model.kv_quant): the backend quantizes on write with these scales.
+    kv_scales: KVScales | None = None
+    if config.kv_cache_dtype == "fp8":
+        kv_scales = load_kv_scales(model_dir, mcfg.num_layers)
+        model.attention.use_fp8_kv(kv_scales, dtype)
+        log.info("FP8 KV cache, scales from the %s", kv_scales.source)
+    kv_dtype = FP8_DTYPE if kv_scales is not None else dtype
+    fmt = kv_format(str(kv_dtype).removeprefix("torch."), kv_scales)
+    block_size = config.cache.block_size
+    device = torch.device(config.device)
+    sizing = size_kv_cache(model, config.cache, sched_cfg, kv_dtype, max_model_len, device)
+    num_blocks = sizing.num_blocks
+    if tp is not None and tp.size > 1:
+        num_blocks = tp.min_int(num_blocks, "cpu" if device.type == "cpu" else config.device)
+    per_block = block_bytes(mcfg, block_size, kv_dtype)
+    explicit = sched_cfg.max_model_len is not None
+    context = fit_context(max_model_len, explicit, num_blocks, block_size, per_block)
+    log.info(
+        "KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB %s on %s; context %d",
+        sizing.source, num_blocks, block_size, num_blocks * block_size,
+        num_blocks * per_block / 2**20, fmt, config.device, context,
+    )  # fmt: skip
+    if context < max_model_len:
+        log.warning(
+            "the model's context of %d tokens does not fit the KV cache: serving at most "
+            "%d tokens per request (give the cache %d bytes for the full context)",
+            max_model_len, context, cdiv(max_model_len, block_size) * per_block,
+        )  # fmt: skip
+    # A CUDA graph's padding rows write one scratch block outside the pool's range.
+    graphs = wants_decode_graphs(config, model.attention.needs_paged_batch)
+    kv_cache = allocate_kv_cache(mcfg, num_blocks + int(graphs), block_size, kv_dtype, device)
+    return LoadedModel(model, kv_cache, kv_scales, fmt, num_blocks, context, graphs)

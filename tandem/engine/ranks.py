@@ -1,0 +1,180 @@
+"""The ranks of a tensor-parallel worker: rank 0 is the engine (scheduler, sampler, the
+worker's process); ranks 1..N-1 are processes it spawns that run the same forward on their
+shards (tandem.model.sharding) and nothing else.
+
+    rank 0 (engine)                         rank r (follower)
+      schedule -> StepPlan ---- pipe ---->    recv StepPlan
+      forward on shard 0   <- all-reduce ->   forward on shard r
+      logits (all-gather), sample             (logits dropped)
+
+Each step's plan (rows, their tokens and block tables, released requests: a few hundred
+bytes for a decode step) goes to every follower through its own pipe, so an idle follower
+waits in `recv`, never in a collective that could time out. Supervision both ways: rank 0
+watches its followers' process sentinels and calls `on_rank_exit` when one dies (the
+default ends rank 0's process, so the worker's requests migrate and it restarts); a
+follower whose pipe closes (rank 0 died) exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.device import use_device
+from tandem.engine.loading import load_model_and_cache
+from tandem.engine.runner import ModelRunner, StepPlan
+from tandem.engine.sampling import Sampler
+from tandem.model.parallel import TPGroup
+from tandem.model.sharding import Shard
+
+log = logging.getLogger(__name__)
+
+# Exit status of a worker whose rank died.
+RANK_DIED_EXIT = 70
+JOIN_TIMEOUT_S = 10.0
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: the r-th device after the engine's on CUDA, the host on a CPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return device
+    return f"cuda:{(dev.index or 0) + rank}"
+
+
+def free_address() -> str:
+    """A loopback host:port nothing listens on now: rank 0's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def exit_on_rank_death(rank: int, exitcode: int | None) -> None:
+    log.critical("rank %d of this worker exited (status %s): the worker exits", rank, exitcode)
+    logging.shutdown()
+    os._exit(RANK_DIED_EXIT)
+
+
+class Followers:
+    """Ranks 1..N-1 as spawned processes, each reading its steps from a pipe.
+
+    Args:
+        config: the engine's config (each follower builds its shard from it).
+        address: rank 0's rendezvous (host:port).
+        on_rank_exit: called (rank, exit status) from a watcher thread when a follower
+            exits while this group is open; the default ends this process.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        on_rank_exit: Callable[[int, int | None], None] = exit_on_rank_death,
+    ) -> None:
+        self.size = config.tensor_parallel_size
+        self._on_rank_exit = on_rank_exit
+        self._closing = False
+        # Ahead of multiprocessing's own exit handler (atexit runs last-in first-out), which
+        # terminates daemonic children: that is an exit, not a rank dying.
+        atexit.register(self._mark_closing)
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or locks
+        self.processes: list[BaseProcess] = []
+        self._pipes: list[Connection] = []
+        for rank in range(1, self.size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=follow,
+                args=(config, rank, address, reader),
+                name=f"tandem-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            reader.close()  # the follower's end: its EOF then means this process is gone
+            self.processes.append(proc)
+            self._pipes.append(writer)
+        self._watcher = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
+        self._watcher.start()
+
+    def send(self, plan: StepPlan) -> None:
+        for pipe in self._pipes:
+            pipe.send(plan)
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
+        ready = wait(list(sentinels))
+        if self._closing:
+            return
+        rank = sentinels[ready[0]]  # type: ignore[index]
+        proc = self.processes[rank - 1]
+        proc.join(JOIN_TIMEOUT_S)  # reaped: its exit status is known
+        self._on_rank_exit(rank, proc.exitcode)
+
+    def _mark_closing(self) -> None:
+        self._closing = True
+
+    def close(self) -> None:
+        """Stop the followers: each leaves its loop at the end-of-steps message."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self._mark_closing)
+        for pipe in self._pipes:
+            try:
+                pipe.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            pipe.close()
+        for proc in self.processes:
+            proc.join(JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def follow(config: EngineConfig, rank: int, address: str, steps: Connection) -> None:
+    """A follower's life: join the group, build its shard of the model and KV cache exactly
+    as rank 0 builds its own (the same collectives in the same order), then run every step
+    rank 0 sends until the end-of-steps message or rank 0's end."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(message)s")
+    config = dataclasses.replace(config, device=rank_device(config.device, rank))
+    use_device(config.device)
+    torch.set_num_threads(threads_per_rank(config))
+    group = TPGroup.init(Shard(rank, config.tensor_parallel_size), address, config.device)
+    loaded = load_model_and_cache(config, group)
+    sampler = Sampler(torch.Generator(device=config.device))  # never samples: rank 0 does
+    runner = ModelRunner(
+        loaded.model, loaded.kv_cache, config.cache.block_size, sampler, loaded.max_model_len
+    )
+    try:
+        while True:
+            try:
+                plan = steps.recv()
+            except (EOFError, OSError):
+                log.error("rank 0 is gone: rank %d exits", rank)
+                os._exit(RANK_DIED_EXIT)
+            if plan is None:
+                break
+            runner.follow(plan)
+    finally:
+        group.close()
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    """Each rank's torch threads: `num_threads`, else the host's threads shared out (on a
+    CPU the ranks share the cores; oversubscribing them costs more than it gives)."""
+    if config.num_threads is not None:
+        return config.num_threads
+    if torch.device(config.device).type == "cuda":
+        return torch.get_num_threads()
+    return max(1, torch.get_num_threads() // config.tensor_parallel_size)

@@ -1,0 +1,149 @@
+"""Tensor parallelism's split of a model (Megatron-style): which part of every weight a rank
+holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
+(those are `tandem.model.parallel`).
+
+    q/k/v   column-parallel by heads: rank r holds q heads [r*Q/T, (r+1)*Q/T) and the KV
+            heads they read (KV heads are replicated when T exceeds their count K: rank r
+            then holds KV head r*K//T, shared with its neighbours)
+    o       row-parallel: the input rows of rank r's q heads; one all-reduce after it
+    gate/up column-parallel: intermediate columns [r*I/T, (r+1)*I/T)
+    down    row-parallel: the same intermediate rows; one all-reduce after it
+    embed,  vocab-parallel: vocabulary rows [r*V', (r+1)*V'), V' = ceil(V/T), the last rank's
+    lm_head padded with zero rows; an all-reduce after the embedding (each token's row lives
+            on one rank, the others add zeros) and an all-gather of the logits
+    norms   replicated
+
+In HuggingFace's [out, in] layout column-parallel is a slice of rows (contiguous in the
+file) and row-parallel a slice of columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from tandem.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One rank of a tensor-parallel group of `size` ranks."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size <= 0 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}), got {self.rank}")
+
+
+class TensorSlice(NamedTuple):
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a stored tensor."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+def check_shardable(config: ModelConfig, size: int) -> None:
+    """Raise ValueError unless `config` splits evenly over `size` ranks."""
+    if size <= 0:
+        raise ValueError(f"tensor_parallel_size must be positive, got {size}")
+    q, k, inter = config.num_q_heads, config.num_kv_heads, config.intermediate_size
+    if q % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide num_attention_heads ({q})")
+    if (k % size) if size <= k else (size % k):
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide num_key_value_heads ({k}) or be a "
+            f"multiple of it (KV heads are then replicated)"
+        )
+    if inter % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({inter})")
+
+
+def q_heads(config: ModelConfig, shard: Shard) -> range:
+    """The query heads rank `shard.rank` computes."""
+    n = config.num_q_heads // shard.size
+    return range(shard.rank * n, (shard.rank + 1) * n)
+
+
+def kv_heads(config: ModelConfig, shard: Shard) -> range:
+    """The KV heads rank `shard.rank` holds: its query heads' groups. With more ranks than
+    KV heads, one head each, replicated on size / num_kv_heads neighbouring ranks."""
+    k = config.num_kv_heads
+    if shard.size <= k:
+        n = k // shard.size
+        return range(shard.rank * n, (shard.rank + 1) * n)
+    head = shard.rank * k // shard.size
+    return range(head, head + 1)
+
+
+def vocab_rows(config: ModelConfig, shard: Shard) -> range:
+    """The vocabulary rows rank `shard.rank` holds (`vocab_per_rank` of them, fewer on the
+    last rank when the vocabulary does not divide; the rest is zero padding)."""
+    per = vocab_per_rank(config, shard.size)
+    start = min(shard.rank * per, config.vocab_size)
+    return range(start, min(start + per, config.vocab_size))
+
+
+def vocab_per_rank(config: ModelConfig, size: int) -> int:
+    return -(-config.vocab_size // size)
+
+
+def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
+    """The model one rank runs: its heads and its part of the MLP (vocabulary, layers and
+    everything else as the model's). At size 1, `config` itself."""
+    if shard.size == 1:
+        return config
+    check_shardable(config, shard.size)
+    return dataclasses.replace(
+        config,
+        num_q_heads=len(q_heads(config, shard)),
+        num_kv_heads=len(kv_heads(config, shard)),
+        intermediate_size=config.intermediate_size // shard.size,
+    )
+
+
+def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
+    """HF tensor name -> the part rank `shard.rank` reads; tensors not named are read
+    whole (norms). Empty at size 1."""
+    if shard.size == 1:
+        return {}
+    check_shardable(config, shard.size)
+    d = config.head_dim
+    q, kv = q_heads(config, shard), kv_heads(config, shard)
+    qs, kvs = (q.start * d, q.stop * d), (kv.start * d, kv.stop * d)
+    per = config.intermediate_size // shard.size
+    inter = (shard.rank * per, (shard.rank + 1) * per)
+    vocab = vocab_rows(config, shard)
+    slices: dict[str, TensorSlice] = {}
+    for i in range(config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        slices[attn + "q_proj.weight"] = TensorSlice(0, *qs)
+        slices[attn + "k_proj.weight"] = TensorSlice(0, *kvs)
+        slices[attn + "v_proj.weight"] = TensorSlice(0, *kvs)
+        if config.qkv_bias:
+            slices[attn + "q_proj.bias"] = TensorSlice(0, *qs)
+            slices[attn + "k_proj.bias"] = TensorSlice(0, *kvs)
+            slices[attn + "v_proj.bias"] = TensorSlice(0, *kvs)
+        slices[attn + "o_proj.weight"] = TensorSlice(1, *qs)
+        slices[mlp + "gate_proj.weight"] = TensorSlice(0, *inter)
+        slices[mlp + "up_proj.weight"] = TensorSlice(0, *inter)
+        slices[mlp + "down_proj.weight"] = TensorSlice(1, *inter)
+    slices["model.embed_tokens.weight"] = TensorSlice(0, vocab.start, vocab.stop)
+    if not config.tie_word_embeddings:
+        slices["lm_head.weight"] = TensorSlice(0, vocab.start, vocab.stop)
+    return slices
+
+
+def sliced_shapes(
+    shapes: dict[str, tuple[int, ...]], slices: dict[str, TensorSlice]
+) -> dict[str, tuple[int, ...]]:
+    """`shapes` with each sliced tensor's dimension cut to its slice."""
+    out = dict(shapes)
+    for name, (dim, start, stop) in slices.items():
+        shape = list(shapes[name])
+        shape[dim] = stop - start
+        out[name] = tuple(shape)
+    return out

@@ -1,0 +1,362 @@
+"""Tensor parallelism (issue 29): the split (pure), the loader's slices, and an engine of 2
+(and 4) ranks on the CPU (gloo) against the same engine at 1 rank and transformers: logits
+within 1e-5, greedy tokens identical; a rank that dies is reported; ranks leave with rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tandem.engine.sampling import SamplingParams
+from tandem.model.config import ModelConfig
+from tandem.model.safetensors_io import TensorReader, read_header
+from tandem.model.sharding import (
+    Shard,
+    TensorSlice,
+    check_shardable,
+    kv_heads,
+    local_config,
+    q_heads,
+    tensor_slices,
+    vocab_rows,
+)
+from tests.unit.test_model_parity import RecordingSampler, hf_greedy, hf_logits
+
+ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"]
+ATOL = 1e-5
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(q: int = 8, kv: int = 2, vocab: int = 250, inter: int = 64) -> ModelConfig:
+    return ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": vocab,
+            "hidden_size": q * 8,
+            "intermediate_size": inter,
+            "num_hidden_layers": 1,
+            "num_attention_heads": q,
+            "num_key_value_heads": kv,
+        }
+    )
+
+
+# -- the split ------------------------------------------------------------------------------
+
+
+def test_heads_split_by_rank_with_their_kv_groups() -> None:
+    cfg = config(q=8, kv=4)
+    assert [q_heads(cfg, Shard(r, 2)) for r in range(2)] == [range(0, 4), range(4, 8)]
+    assert [kv_heads(cfg, Shard(r, 2)) for r in range(2)] == [range(0, 2), range(2, 4)]
+    local = local_config(cfg, Shard(1, 2))
+    assert (local.num_q_heads, local.num_kv_heads, local.intermediate_size) == (4, 2, 32)
+    assert local.vocab_size == cfg.vocab_size
+    assert local_config(cfg, Shard(0, 1)) is cfg
+
+
+def test_kv_heads_replicated_when_ranks_exceed_them() -> None:
+    cfg = config(q=8, kv=2)
+    # 8 ranks, 1 query head each; query head j reads KV head j // 4.
+    assert [kv_heads(cfg, Shard(r, 8)).start for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    for r in range(8):
+        (q,) = q_heads(cfg, Shard(r, 8))
+        assert kv_heads(cfg, Shard(r, 8)) == range(q // 4, q // 4 + 1)
+
+
+def test_vocab_rows_cover_the_vocabulary_once() -> None:
+    cfg = config(vocab=250)
+    rows = [vocab_rows(cfg, Shard(r, 4)) for r in range(4)]
+    assert rows == [range(0, 63), range(63, 126), range(126, 189), range(189, 250)]
+
+
+@pytest.mark.parametrize(
+    ("q", "kv", "inter", "size", "message"),
+    [
+        (8, 2, 64, 3, "must divide num_attention_heads (8)"),
+        (12, 4, 64, 6, "must divide num_key_value_heads (4) or be a multiple of it"),
+        (8, 2, 60, 8, "must divide intermediate_size (60)"),
+    ],
+)
+def test_unshardable_models_are_refused(q, kv, inter, size, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_shardable(config(q=q, kv=kv, inter=inter), size)
+
+
+def test_slices_are_megatron_style() -> None:
+    cfg = config(q=8, kv=2)  # head_dim 8
+    s = tensor_slices(cfg, Shard(1, 2))
+    p = "model.layers.0."
+    assert s[p + "self_attn.q_proj.weight"] == TensorSlice(0, 32, 64)  # heads 4..7
+    assert s[p + "self_attn.k_proj.weight"] == TensorSlice(0, 8, 16)  # KV head 1
+    assert s[p + "self_attn.o_proj.weight"] == TensorSlice(1, 32, 64)  # row-parallel
+    assert s[p + "mlp.gate_proj.weight"] == TensorSlice(0, 32, 64)
+    assert s[p + "mlp.down_proj.weight"] == TensorSlice(1, 32, 64)
+    assert s["model.embed_tokens.weight"] == TensorSlice(0, 125, 250)
+    assert p + "input_layernorm.weight" not in s  # replicated
+    assert tensor_slices(cfg, Shard(0, 1)) == {}
+
+
+# -- the loader's slices ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reader_reads_row_and_column_slices(tmp_path, monkeypatch, dtype) -> None:
+    # A small chunk: a column slice then takes several runs of rows.
+    monkeypatch.setattr("tandem.model.safetensors_io.COLUMN_CHUNK_BYTES", 64)
+    tensors = {
+        "a": torch.randn(37, 11).to(dtype),
+        "b": torch.randn(5, 29).to(dtype),
+        "c": torch.randn(13).to(dtype),
+    }
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    entries = read_header(tmp_path / "m.safetensors")
+    slices = {"a": TensorSlice(1, 3, 9), "b": TensorSlice(0, 1, 4)}
+    with TensorReader(entries, list(tensors), None, slices) as reader:
+        assert torch.equal(reader.read("a"), tensors["a"][:, 3:9])
+        assert torch.equal(reader.read("b"), tensors["b"][1:4])
+        assert torch.equal(reader.read("c"), tensors["c"])
+        assert torch.equal(reader.read("a"), tensors["a"][:, 3:9])  # buffer reuse
+
+
+# -- engines of 2 and 4 ranks ---------------------------------------------------------------
+
+
+@pytest.fixture
+def tp_engine(engine_factory) -> Iterator[Callable[..., Any]]:
+    """tp_engine(model_dir, size, **overrides): an engine of `size` ranks, closed after."""
+    engines: list[Any] = []
+
+    def make(model_dir: Path, size: int, **overrides: Any) -> Any:
+        engine = engine_factory(model_dir, tensor_parallel_size=size, **overrides)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def run_recorded(engine: Any, prompts: list[list[int]], n: int) -> tuple[list[Any], Any]:
+    rec = RecordingSampler(engine.runner.sampler)
+    engine.runner.sampler = rec
+    done = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))
+    engine.runner.sampler = rec.inner
+    return done, rec
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_logits_match_tp1_and_hf(hf_model, engine_factory, tp_engine, arch) -> None:
+    """Prefill in chunks of 5, decode, then a prefix-cache hit: every sampled row's logits
+    within 1e-5 of one rank's and of transformers', the greedy tokens identical."""
+    model_dir, hf = hf_model(arch)
+    rng = random.Random(arch)
+    shared = rng.choices(range(256), k=12)
+    prompts = [rng.choices(range(256), k=13), shared + [1, 2, 3], shared + [7, 8, 9, 10, 11]]
+    results = []
+    for engine in (
+        engine_factory(model_dir, max_num_batched_tokens=5),
+        tp_engine(model_dir, 2, max_num_batched_tokens=5),
+    ):
+        results.append([run_recorded(engine, [p], 6) for p in prompts])
+        engine.check_integrity()
+        assert engine.num_free_blocks() == engine.num_blocks
+    assert results[1][2][0][0].num_cached_tokens == 12  # the third prompt hit the cache
+    for prompt, (one, _), (two, _) in zip(prompts, *results, strict=True):
+        assert one[0].token_ids == two[0].token_ids == hf_greedy(hf, prompt, 6)
+    for (one_done, one_rec), (_, two_rec) in zip(*results, strict=True):
+        ref = hf_logits(hf, one_done[0].prompt_token_ids + one_done[0].token_ids)
+        assert len(two_rec.logits) == len(one_rec.logits) == 6
+        for (n, a), (m, b) in zip(one_rec.logits, two_rec.logits, strict=True):
+            assert n == m
+            torch.testing.assert_close(b, a, atol=ATOL, rtol=0)
+            torch.testing.assert_close(b, ref[n - 1], atol=ATOL, rtol=0)
+
+
+def test_tp4_replicates_kv_heads(hf_model, tp_engine) -> None:
+    """4 ranks over 2 KV heads: each rank holds one, shared with a neighbour; its KV cache
+    holds that head only."""
+    model_dir, hf = hf_model("qwen3")
+    engine = tp_engine(model_dir, 4)
+    assert engine.kv_cache.shape[4] == 1 and engine.model.config.num_q_heads == 1
+    prompt = random.Random(4).choices(range(256), k=21)
+    [done], rec = run_recorded(engine, [prompt], 5)
+    assert done.token_ids == hf_greedy(hf, prompt, 5)
+    ref = hf_logits(hf, prompt + done.token_ids)
+    for n, row in rec.logits:
+        torch.testing.assert_close(row, ref[n - 1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["chunked", "preemption"])
+def test_tp2_concurrent_greedy_token_identical(hf_model, tp_engine, mode) -> None:
+    model_dir, hf = hf_model("qwen2")
+    if mode == "chunked":
+        engine = tp_engine(model_dir, 2, max_num_batched_tokens=16)
+    else:  # 24 blocks of 4 tokens cannot hold 12 requests of up to 60 tokens at once
+        engine = tp_engine(model_dir, 2, num_blocks=24)
+    rng = random.Random(7)
+    cases = [(rng.choices(range(256), k=rng.randint(1, 40)), rng.randint(1, 20)) for _ in range(12)]
+    for i, (prompt, n) in enumerate(cases):
+        engine.add_request(
+            engine.spec(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
+        )
+    requests = dict(engine._requests)
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+    if mode == "preemption":
+        assert sum(r.num_preemptions for r in requests.values()) > 0
+    for i, (prompt, n) in enumerate(cases):
+        assert requests[f"r{i}"].output_token_ids == hf_greedy(hf, prompt, n), f"r{i}"
+    assert engine.num_free_blocks() == engine.num_blocks
+
+
+def test_each_rank_holds_its_share_of_the_weights(hf_model, engine_factory, tp_engine) -> None:
+    model_dir, _ = hf_model("llama")
+    whole = engine_factory(model_dir).weight_bytes
+    engine = tp_engine(model_dir, 2)
+    norms = (2 * 2 + 1) * 64 * 4  # two norms in each of 2 layers and the last: replicated
+    assert engine.weight_bytes == (whole - norms) // 2 + norms
+
+
+# -- supervision ----------------------------------------------------------------------------
+
+
+def test_a_rank_that_dies_is_reported(hf_model) -> None:
+    from tandem.config import CacheConfig, EngineConfig
+    from tandem.engine.engine import LLMEngine
+
+    model_dir, _ = hf_model("llama")
+    died: list[tuple[int, int | None]] = []
+    reported = threading.Event()
+
+    def on_rank_exit(rank: int, status: int | None) -> None:
+        died.append((rank, status))
+        reported.set()
+
+    config = EngineConfig(
+        str(model_dir), dtype="float32", tensor_parallel_size=2, cache=CacheConfig(num_blocks=8)
+    )
+    engine = LLMEngine(config, on_rank_exit=on_rank_exit)
+    try:
+        [follower] = engine.followers.processes
+        os.kill(follower.pid, signal.SIGKILL)
+        assert reported.wait(60), "the watcher never reported the dead rank"
+        assert died == [(1, -signal.SIGKILL)]
+    finally:
+        engine.close()
+
+
+def test_ranks_exit_when_rank_0_dies(hf_model, tmp_path) -> None:
+    """SIGKILL the engine's process: its follower finds its step pipe closed and exits."""
+    model_dir, _ = hf_model("llama")
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.conftest import make_engine
+        engine = make_engine({str(model_dir)!r}, tensor_parallel_size=2)
+        print(engine.followers.processes[0].pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        follower = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and _alive(follower):
+            time.sleep(0.1)
+        assert not _alive(follower), "the follower outlived rank 0"
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# -- the loader's peak memory per rank ------------------------------------------------------
+
+PEAK_SCRIPT = """
+import sys
+from pathlib import Path
+import torch
+from tandem.model.config import ModelConfig
+from tandem.model.loader import load_weights
+from tandem.model.sharding import Shard
+
+def kib(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+model_dir, size = Path(sys.argv[1]), int(sys.argv[2])
+config = ModelConfig.from_dir(model_dir)
+with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS: the peak from here on
+    f.write("5")
+before = kib("VmRSS")
+weights = load_weights(model_dir, config, torch.float32, torch.device("cpu"), shard=Shard(0, size))
+print((kib("VmHWM") - before) * 1024, weights.num_bytes())
+"""
+
+
+@pytest.fixture(scope="module")
+def mid_model_dir(tmp_path_factory) -> Path:
+    """~105 MB of float32 weights: large against the interpreter's own memory noise."""
+    from tandem.model.tiny import TinyPreset, make_tiny_model
+
+    preset = TinyPreset(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    return make_tiny_model(tmp_path_factory.mktemp("mid-model"), preset)
+
+
+def loader_peak(model_dir: Path, size: int) -> tuple[int, int]:
+    """(peak bytes the load added to the process, bytes of the weights it holds)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, str(model_dir), str(size)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    peak, held = map(int, out.stdout.split())
+    return peak, held
+
+
+def test_loader_peak_per_rank_is_about_a_tp_share(mid_model_dir) -> None:
+    whole = sum(e.num_bytes for e in read_header(mid_model_dir / "model.safetensors").values())
+    peak1, held1 = loader_peak(mid_model_dir, 1)
+    peak2, held2 = loader_peak(mid_model_dir, 2)
+    assert held1 == whole
+    assert abs(held2 - whole / 2) < 0.01 * whole  # norms are replicated
+    # Weights plus the largest tensor (or slice) read and a transposing copy of it.
+    assert peak1 > 0.95 * whole
+    assert peak2 < 0.65 * whole, f"rank 0 of 2 peaked at {peak2 / whole:.2f} of the weights"
