@@ -38,8 +38,8 @@ from tandem.tools.spec import ChoiceMode, Tool, ToolChoice
 # Calls one forced answer may make with parallel_tool_calls (OpenAI sets no number; a model
 # looping on calls otherwise runs to max_tokens, by default the whole context).
 MAX_FORCED_CALLS = 16
-# The forced JSON is written as json.dumps writes it (tandem.engine.grammar's defaults).
 _MORE = f"{{0,{MAX_FORCED_CALLS - 1}}}"  # Lark: the calls after the first
+# The forced JSON is written as json.dumps writes it (tandem.engine.grammar's defaults).
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
