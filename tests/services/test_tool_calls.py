@@ -2,7 +2,8 @@
 real `openai` client and gRPC: required and named tool choices always return calls whose
 arguments validate against the tool's schema (forced by the grammar, so even the tiny random
 model does), streamed deltas come as OpenAI sends them and reassemble to the whole answer's
-calls, a forced call holds after the hand-off, the tools reach the prompt (a preamble for the
+calls, parallel forced calls stop at their bound and, cut by max_tokens, keep the calls
+written whole (streamed and not), a forced call holds after the hand-off, the tools reach the prompt (a preamble for the
 tiny model's template, which has no tools) and leave it with tool_choice none, a tool result
 in the history is answered, and bad tools are refused before any work."""
 
@@ -20,7 +21,8 @@ import pytest
 
 from services.up import Cluster
 from tandem.client import TandemClient
-from tandem.tools import FORMATS
+from tandem.model.tiny import EOS_ID, EOT_ID
+from tandem.tools import FORMATS, MAX_FORCED_CALLS
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 
@@ -137,15 +139,14 @@ def test_named_choice_streams_deltas_as_openai_and_matches_the_whole_answer(
     calls, content, reason, deltas = stream_calls(client, **kwargs)
     assert reason == "tool_calls" and content == ""
     # OpenAI's shape: the first delta of a call names it (index, id, type, name, arguments
-    # ""), the rest carry argument fragments only.
-    first = deltas[0]
+    # ""), the next carries the arguments only: all of them, sent once the call is whole (a
+    # call that max_tokens may yet cut is never sent in part).
+    first, arguments = deltas
     assert (first.index, first.type, first.function.name, first.function.arguments) == (
         0, "function", "get_weather", "",
     )  # fmt: skip
     assert first.id.startswith("call_")
-    assert len(deltas) > 2, "the arguments came in one piece: not streamed"
-    for delta in deltas[1:]:
-        assert delta.index == 0 and delta.id is None and delta.function.name is None
+    assert arguments.index == 0 and arguments.id is None and arguments.function.name is None
     # Greedy: the streamed call is the whole answer's, to the character.
     want = whole.message.tool_calls[0]  # type: ignore[index]
     assert [(c["name"], c["arguments"]) for c in calls] == [
@@ -168,6 +169,38 @@ def test_streamed_required_calls_with_several_calls_reassemble(client: openai.Op
         ]
         for name, arguments in got:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_required_calls_stop_at_the_bound_and_a_cut_keeps_the_whole_calls(
+    client: openai.OpenAI,
+) -> None:
+    """Parallel calls (OpenAI's default) with EOS banned, so the model would call forever: the
+    grammar ends the answer at MAX_FORCED_CALLS calls. Cut by max_tokens before that, the
+    answer is the calls written whole (each validates; the one being written is dropped)
+    with finish_reason length, the same streamed and whole, a prefix of the uncut calls."""
+    kwargs: dict[str, Any] = dict(
+        messages=ask("plan a long trip"), tools=TOOLS, tool_choice="required",
+        temperature=1.0, seed=5, logit_bias={str(EOS_ID): -100, str(EOT_ID): -100},
+    )  # fmt: skip
+    full = client.chat.completions.create(model="", max_tokens=1500, **kwargs)
+    assert full.choices[0].finish_reason == "tool_calls" and full.usage is not None
+    check_calls(full.choices[0].message.tool_calls or [], set(SCHEMAS))
+    want = [
+        (c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls or []
+    ]
+    assert len(want) == MAX_FORCED_CALLS
+    num_kept = []
+    for max_tokens in (full.usage.completion_tokens // 3, 2 * full.usage.completion_tokens // 3):
+        whole = client.chat.completions.create(model="", max_tokens=max_tokens, **kwargs)
+        choice = whole.choices[0]
+        got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert 1 <= len(got) < len(want) and got == want[: len(got)]
+        calls, content, reason, _ = stream_calls(client, max_tokens=max_tokens, **kwargs)
+        assert (content, reason) == ("", "length")
+        assert [(c["name"], c["arguments"]) for c in calls] == got
+        num_kept.append(len(got))
+    assert num_kept[0] < num_kept[1]
 
 
 def test_a_forced_call_holds_after_the_hand_off(grpc_client: TandemClient) -> None:
