@@ -3,9 +3,10 @@ real `openai` client and gRPC: required and named tool choices always return cal
 arguments validate against the tool's schema (forced by the grammar, so even the tiny random
 model does), streamed deltas come as OpenAI sends them and reassemble to the whole answer's
 calls, parallel forced calls stop at their bound and, cut by max_tokens, keep the calls
-written whole (streamed and not), a forced call holds after the hand-off, the tools reach the prompt (a preamble for the
-tiny model's template, which has no tools) and leave it with tool_choice none, a tool result
-in the history is answered, and bad tools are refused before any work."""
+written whole (streamed and not), a forced call holds after the hand-off, the tools reach
+the prompt (a preamble for the tiny model's template, which has no tools) and leave it with
+tool_choice none, a tool result in the history is answered, and bad tools are refused before
+any work."""
 
 from __future__ import annotations
 
