@@ -143,6 +143,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()  # its other ranks, with --tensor-parallel-size
     for c in done:
         print(c.text if not args.token_ids else " ".join(map(str, c.token_ids)))
     n = sum(len(c.token_ids) for c in done)
@@ -160,6 +162,7 @@ ENGINE_FLAGS = (
     "kv_cache_dtype",
     "kv_cache_bytes",
     "gpu_memory_utilization",
+    "tensor_parallel_size",
 )
 
 
@@ -202,6 +205,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
             kv_cache_dtype=args.kv_cache_dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
             cache=CacheConfig(
                 kv_cache_bytes=kv_cache_bytes(args),
                 gpu_memory_utilization=args.gpu_memory_utilization,

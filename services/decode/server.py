@@ -227,6 +227,13 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         differs from this worker's, or a handle that is not proven genuine for this request:
         PERMISSION_DENIED)."""
         rid, prompt = spec.request_id, list(spec.prompt_token_ids)
+        tp = self.engine.config.tensor_parallel_size
+        if tp > 1:  # each rank's heads live in that rank's cache: a per-rank pull (issue 29)
+            raise failed_precondition(
+                f"decode worker {self.worker_id!r} has {tp} tensor-parallel ranks: hand-offs "
+                "to tensor-parallel workers are not built; routers place its requests "
+                "without one"
+            )
         try:
             # Pure and cheap: before reserving, so a misconfigured pair holds no block here.
             # First, so that a pair with different block sizes (which also sign different

@@ -95,7 +95,9 @@ class Cluster:
             )
         if cfg.num_threads or "OMP_NUM_THREADS" not in os.environ:  # else: torch reads it
             self._cpu_threads = cfg.num_threads or cpu_threads_per_worker(
-                len(os.sched_getaffinity(0)), cfg.num_prefill + cfg.num_decode, cfg.autoscale
+                len(os.sched_getaffinity(0)),
+                (cfg.num_prefill + cfg.num_decode) * cfg.tensor_parallel_size,  # ranks
+                cfg.autoscale,
             )
         self.run_dir = Path(cfg.run_dir or tempfile.mkdtemp(prefix="tandem-up-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +144,8 @@ class Cluster:
             cfg.quantization,
             "--quantization-group-size",
             str(cfg.quantization_group_size),
+            "--tensor-parallel-size",
+            str(cfg.tensor_parallel_size),
         ]
         started = [
             self._spawn_worker(role)

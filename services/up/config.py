@@ -58,6 +58,11 @@ class UpConfig:
         kv_cache_dtype: KV cache dtype of every worker: auto (the model's dtype) or fp8
             (e4m3 with per-layer scales: twice the tokens per byte of bfloat16; prefill and
             decode workers must agree, tandem.model.kv_quant).
+        tensor_parallel_size: ranks per worker (`--tp`; tensor parallelism,
+            tandem.model.sharding): every worker spawns that many rank processes, each
+            holding 1/N of the model and of its KV heads (gloo on a CPU; `num_threads` is
+            then per rank). `tandem up` places one GPU per worker, so on CUDA it stays 1
+            (the chart's per-role tensorParallelSize gives a pod that many GPUs).
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
@@ -101,6 +106,7 @@ class UpConfig:
     quantization: str = "none"
     quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     tool_call_parser: str = "auto"
@@ -132,6 +138,12 @@ class UpConfig:
             raise ValueError(f"num_threads must be >= 0 (0: auto), got {self.num_threads}")
         if self.host_cores < 0:
             raise ValueError(f"host_cores must be >= 0 (0: measured), got {self.host_cores}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda"):
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} on {self.device}: tandem up "
+                "places one GPU per worker; serve tensor-parallel GPU workers with the chart "
+                "(tensorParallelSize), or try it here with device cpu"
+            )
         self.engine_config()  # dtype, kv_cache_bytes, gpu_memory_utilization: the workers' checks
         try:
             self.restart_config()
@@ -147,6 +159,7 @@ class UpConfig:
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
             kv_cache_dtype=self.kv_cache_dtype,
+            tensor_parallel_size=self.tensor_parallel_size,
             cache=CacheConfig(
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -25,12 +25,13 @@ from tandem.engine.block_pool import KVEvent
 from tandem.engine.device import use_device
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.kv_manager import KVCacheManager
-from tandem.engine.loading import load_model_and_cache, wants_decode_graphs
+from tandem.engine.loading import check_tensor_parallel, load_model_and_cache, wants_decode_graphs
 from tandem.engine.ranks import Followers, exit_on_rank_death, free_address, threads_per_rank
 from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
+from tandem.model.config import ModelConfig
 from tandem.model.detokenize import TextStream
 from tandem.model.kv_quant import KVScales
 from tandem.model.loader import ProgressFn
@@ -109,10 +110,18 @@ class LLMEngine:
         self.followers: Followers | None = None
         self.tp: TPGroup | None = None
         if config.tensor_parallel_size > 1:
+            # Refused here, not by N ranks failing at once.
+            check_tensor_parallel(ModelConfig.from_dir(model_dir), config)
             address = free_address()
             self.followers = Followers(config, address, on_rank_exit)
-            self.tp = TPGroup.init(Shard(0, config.tensor_parallel_size), address, config.device)
-        loaded = load_model_and_cache(config, self.tp, progress)
+        try:
+            if self.followers is not None:
+                shard = Shard(0, config.tensor_parallel_size)
+                self.tp = TPGroup.init(shard, address, config.device)
+            loaded = load_model_and_cache(config, self.tp, progress)
+        except BaseException:
+            self.close()
+            raise
         self.model = loaded.model  # this rank's shard: its config holds its heads
         self.weight_bytes = self.model.weights.num_bytes()  # quantized matrices as stored
         mcfg = self.model.config

@@ -17,10 +17,12 @@ from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import cdiv
 from tandem.engine.memory import fit_context
 from tandem.engine.profile import size_kv_cache
+from tandem.model.config import ModelConfig
 from tandem.model.kv_quant import FP8_DTYPE, KVScales, kv_format, load_kv_scales
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.parallel import TPGroup
+from tandem.model.sharding import check_shardable
 from tandem.model.triton_attention import make_attention
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,16 @@ def wants_decode_graphs(config: EngineConfig, paged_backend: bool) -> bool:
         and config.role != EngineRole.PREFILL
         and config.tensor_parallel_size == 1
     )
+
+
+def check_tensor_parallel(model: ModelConfig, config: EngineConfig) -> None:
+    """Raise ValueError unless `config.tensor_parallel_size` ranks can serve `model`."""
+    check_shardable(model, config.tensor_parallel_size)
+    if config.quantization != "none":
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size} serves unquantized weights "
+            f"only for now, not quantization {config.quantization}"
+        )
 
 
 def load_model_and_cache(

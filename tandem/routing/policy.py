@@ -31,8 +31,12 @@ workers (`overlap`, from the prefix index):
      simulator's, which carry no tokens) take the first tied worker by id.
   5. KV format: a prefill worker is paired only with a decode worker of the same KV format
      (dtype and fp8 scales, `WorkerLoad.kv_format`): the decode worker would refuse any
-     other's blocks. With none of that format, the decode worker prefills and the reason
-     says why.
+     other's blocks. Hand-offs are built between single-rank workers only: a worker of
+     several tensor-parallel ranks (`WorkerLoad.tensor_parallel_size`) holds each rank's
+     heads in that rank's cache, and pulling them per rank is not built yet (issue 29), so
+     it is never paired; a tensor-parallel decode worker prefills its requests itself.
+     With no compatible prefill worker, the decode worker prefills and the reason says
+     why.
 """
 
 from __future__ import annotations
@@ -125,6 +129,7 @@ class WorkerLoad:
     inflight_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # measured prompt rate (0: not measured yet)
     kv_format: str = ""  # the KV cache's format (dtype, fp8 scales); pairs must be equal
+    tensor_parallel_size: int = 1  # ranks; only single-rank workers hand off (see above)
 
     @property
     def prefill_queue(self) -> int:
@@ -243,7 +248,7 @@ def choose(
             local,
             candidates,
         )
-    compatible = [w for w in prefills if w.kv_format == decode.kv_format]
+    compatible = [w for w in prefills if can_hand_off(w, decode)]
     if not compatible:
         return _no_compatible_prefill(decode, prefills, local, candidates)
     prefills = compatible
@@ -345,12 +350,20 @@ def _round_robin(
     if request.num_prompt_tokens < config.disagg_min_uncached_tokens or not prefills:
         reason = "round robin: prefill on decode"
         return Placement(decode, None, kind, reason, candidates=candidates)
-    compatible = [w for w in prefills if w.kv_format == decode.kv_format]
+    compatible = [w for w in prefills if can_hand_off(w, decode)]
     if not compatible:
         return _no_compatible_prefill(decode, prefills, 0, candidates)
     prefills = compatible
     prefill = prefills[request.sequence % len(prefills)]
     return Placement(decode, prefill, kind, "round robin", candidates=candidates)
+
+
+def can_hand_off(prefill: WorkerLoad, decode: WorkerLoad) -> bool:
+    """Whether `decode` can read `prefill`'s blocks: the same KV format, one rank each."""
+    return (
+        prefill.kv_format == decode.kv_format
+        and prefill.tensor_parallel_size == decode.tensor_parallel_size == 1
+    )
 
 
 def _no_compatible_prefill(
@@ -359,7 +372,22 @@ def _no_compatible_prefill(
     cached: int,
     candidates: tuple[Candidate, ...],
 ) -> Placement:
-    """Colocated on `decode`: every prefill worker's KV format differs from its own."""
+    """Colocated on `decode`: no prefill worker can hand off to it."""
+    if decode.tensor_parallel_size > 1:
+        reason = (
+            f"decode worker of {decode.tensor_parallel_size} tensor-parallel ranks: hand-offs "
+            f"between tensor-parallel workers are not built; prefill on {decode.worker_id}"
+        )
+        return Placement(decode, None, RouteKind.NO_PREFILL_WORKER, reason, cached, candidates)
+    same_format = [w for w in prefills if w.kv_format == decode.kv_format]
+    if same_format:  # all of them tensor-parallel
+        sizes = sorted({w.tensor_parallel_size for w in same_format})
+        reason = (
+            f"no single-rank prefill worker with KV format {decode.kv_format or 'unknown'} "
+            f"(tensor-parallel sizes: {', '.join(map(str, sizes))}; hand-offs between "
+            f"tensor-parallel workers are not built): prefill on {decode.worker_id}"
+        )
+        return Placement(decode, None, RouteKind.NO_PREFILL_WORKER, reason, cached, candidates)
     others = sorted({w.kv_format or "unknown" for w in prefills})
     reason = (
         f"no prefill worker with KV format {decode.kv_format or 'unknown'} "

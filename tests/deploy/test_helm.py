@@ -71,6 +71,7 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
         "worker_id": "the pod name",
         "redis_url": "bundled or external Redis",
         "model_dir": "model.dir",
+        "tensor_parallel_size": "<role>.tensorParallelSize (and the pod's GPU count)",
         "role": "not rendered: the service's own (python -m services.<role>)",
         **INTERNAL_AUTH,
     },
@@ -783,6 +784,28 @@ def test_gpu_values(helm: Helm) -> None:
     assert "nvidia.com/gpu" not in json.dumps(router)
     for component in ("router", "controller"):  # no GPU: the cluster's default runtime
         assert "runtimeClassName" not in _pod(objects, component)
+
+
+def test_tensor_parallel_size_sets_the_ranks_and_a_gpu_pod_s_gpus(helm: Helm) -> None:
+    """Per role: TANDEM_TENSOR_PARALLEL_SIZE, and on a GPU pod one GPU per rank (requests
+    and limits); a CPU pod's resources are left as given."""
+    objects = helm.render("-f", str(GPU_VALUES), "--set", "prefill.tensorParallelSize=4")
+    for role, tp in (("prefill", 4), ("decode", 1)):
+        (container,) = containers(one(objects, "Deployment", _name(role)))
+        assert env_of(container)["TANDEM_TENSOR_PARALLEL_SIZE"] == str(tp)
+        resources = container["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"]
+        assert resources["limits"]["nvidia.com/gpu"] == tp
+        assert resources["limits"]["rdma/rdma_shared_device_a"] == 1  # not per rank
+    objects = helm.render("--set", "decode.tensorParallelSize=2")
+    (container,) = containers(one(objects, "Deployment", _name("decode")))
+    assert env_of(container)["TANDEM_TENSOR_PARALLEL_SIZE"] == "2"
+    assert container["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
+    manifest = helm.template("-f", str(GPU_VALUES), "--set", "decode.tensorParallelSize=2")
+    proc = kubernetes_validate(manifest, "1.30")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with pytest.raises(HelmError, match="tensorParallelSize"):
+        helm.template("--set", "decode.tensorParallelSize=0")
 
 
 def test_ucx_net_devices_unset_unless_named(helm: Helm) -> None:

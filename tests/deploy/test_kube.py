@@ -331,13 +331,18 @@ def test_uninstall_removes_the_release(
 
 def test_gpu_values_are_accepted(kube: KubeCluster, helm: Helm, admin: Any) -> None:
     """The API server's own validation of the GPU render (extended resources, capabilities,
-    memory-backed /dev/shm) in a namespace of its own."""
+    memory-backed /dev/shm) in a namespace of its own, with tensor-parallel decode workers
+    (two GPUs a pod)."""
     flags = ["--kubeconfig", str(kube.admin_kubeconfig), "--namespace", "gpu"]
-    helm.run("install", "gpu", str(CHART), *flags, "--create-namespace", "-f", str(GPU_VALUES))
+    tp = ["--set", "decode.tensorParallelSize=2"]
+    helm.run("install", "gpu", str(CHART), *flags, "--create-namespace", "-f", str(GPU_VALUES), *tp)
     try:
         decode = _apps(admin).read_namespaced_deployment("gpu-tandem-decode", "gpu")
         (container,) = decode.spec.template.spec.containers
-        assert container.resources.limits["nvidia.com/gpu"] == "1"
+        assert container.resources.limits["nvidia.com/gpu"] == "2"
+        assert container.resources.requests["nvidia.com/gpu"] == "2"
+        prefill = _apps(admin).read_namespaced_deployment("gpu-tandem-prefill", "gpu")
+        assert prefill.spec.template.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
         # The 1.20 API server got exec probes (its kubelets cannot probe gRPC natively),
         # through a shell that passes the pod IP the worker listens on.
         command = container.readiness_probe._exec.command

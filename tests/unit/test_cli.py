@@ -126,6 +126,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "gpu_memory_utilization": ("0.5", 0.5),
     "dtype": ("bfloat16", "bfloat16"),
     "kv_cache_dtype": ("fp8", "fp8"),
+    "tensor_parallel_size": ("2", 2),
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("32", 32),
     "disagg_min_uncached_tokens": ("0", 0),
@@ -330,6 +331,25 @@ def test_tandem_up_leaves_its_variables_out_of_its_children_s_environment() -> N
     assert environ == {"TANDEM_MAX_NUM_SEQS": "4", "TANDEM_MODEL_DIR": "/m", "PATH": "/bin"}
 
 
+def test_tp_is_the_tensor_parallel_size_everywhere(up_env: pytest.MonkeyPatch) -> None:
+    """`--tp N` and `--tensor-parallel-size N` on tandem up, tandem generate and a worker,
+    and TANDEM_TENSOR_PARALLEL_SIZE; tandem up refuses it on CUDA (one GPU per worker)."""
+    from services.cli.main import _engine_config, build_parser
+    from services.common.runtime.flags import parse_config
+    from services.common.worker.config import WorkerConfig
+
+    assert up("--tp", "2") == up("--tensor-parallel-size", "2")
+    assert up("--tp", "2").engine_config().tensor_parallel_size == 2
+    generate = build_parser().parse_args(["generate", "--tp", "3", "hi"])
+    assert _engine_config(generate).tensor_parallel_size == 3
+    worker = parse_config(WorkerConfig, argv=["--model-dir", "m", "--tp", "2"])
+    assert worker.engine.tensor_parallel_size == 2
+    up_env.setenv("TANDEM_TENSOR_PARALLEL_SIZE", "4")
+    assert parse_config(WorkerConfig, argv=["--model-dir", "m"]).engine.tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="tandem up places one GPU per worker"):
+        UpConfig(model_dir="m", device="cuda", tensor_parallel_size=2)
+
+
 def test_generate_shares_the_engine_flags_of_up(
     up_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -348,6 +368,7 @@ def test_generate_shares_the_engine_flags_of_up(
     assert sorted(shared) == [
         "--device", "--dtype", "--gpu-memory-utilization", "--kv-cache-bytes",
         "--kv-cache-dtype", "--kv-cache-mb", "--quantization", "--quantization-group-size",
+        "--tensor-parallel-size",
     ]  # fmt: skip
     assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
     argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",

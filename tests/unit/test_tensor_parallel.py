@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from services.common.redis.worker_info import WorkerInfo
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
 from tandem.model.safetensors_io import TensorReader, read_header
@@ -34,6 +35,9 @@ from tandem.model.sharding import (
     tensor_slices,
     vocab_rows,
 )
+from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
+from tandem.routing.policy import RouteKind
+from tandem.types import Role
 from tests.unit.test_model_parity import RecordingSampler, hf_greedy, hf_logits
 
 ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"]
@@ -232,6 +236,14 @@ def test_each_rank_holds_its_share_of_the_weights(hf_model, engine_factory, tp_e
     assert engine.weight_bytes == (whole - norms) // 2 + norms
 
 
+def test_an_unshardable_model_is_refused_before_any_rank_starts(hf_model, engine_factory) -> None:
+    model_dir, _ = hf_model("llama")  # 4 query heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide num_attention"):
+        engine_factory(model_dir, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="serves unquantized weights only"):
+        engine_factory(model_dir, tensor_parallel_size=2, quantization="int8")
+
+
 # -- supervision ----------------------------------------------------------------------------
 
 
@@ -293,6 +305,63 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# -- placement and the registry ------------------------------------------------------------
+
+
+def worker(worker_id: str, role: str, tp: int = 1, **kw: Any) -> WorkerLoad:
+    return WorkerLoad(
+        worker_id, Role(role), f"{worker_id}:1", num_blocks=100, num_free_blocks=100,
+        kv_format="float32", tensor_parallel_size=tp, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["kv", "load", "round_robin"])
+def test_placement_hands_off_only_between_single_rank_workers(policy: str) -> None:
+    cfg = RoutingConfig(policy=policy, disagg_min_uncached_tokens=16)
+    rng = random.Random(29)
+    for seq in range(60):
+        workers = [
+            worker(f"{role[0]}{i}", role, rng.choice([1, 2, 4]), num_running=rng.randint(0, 3))
+            for role in ("prefill", "decode")
+            for i in range(rng.randint(1, 3))
+        ]
+        p = choose(RouteRequest(500, 16, sequence=seq), workers, cfg)
+        assert p is not None
+        if p.prefill is not None:
+            assert p.prefill.tensor_parallel_size == p.decode.tensor_parallel_size == 1
+        elif p.decode.tensor_parallel_size == 1 and any(
+            w.tensor_parallel_size == 1 for w in workers if w.role == Role.PREFILL
+        ):
+            pytest.fail(f"colocated although a single-rank prefill worker exists: {p.reason}")
+
+
+def test_placement_says_why_a_tensor_parallel_worker_is_not_paired() -> None:
+    p = choose(RouteRequest(500, 16), [worker("p0", "prefill"), worker("d0", "decode", 2)],
+               RoutingConfig())  # fmt: skip
+    assert p is not None and p.prefill is None and p.kind == RouteKind.NO_PREFILL_WORKER
+    assert p.reason == (
+        "decode worker of 2 tensor-parallel ranks: hand-offs between tensor-parallel workers "
+        "are not built; prefill on d0"
+    )
+    workers = [worker("p0", "prefill", 2), worker("p1", "prefill", 4), worker("d0", "decode")]
+    p = choose(RouteRequest(500, 16), workers, RoutingConfig())
+    assert p is not None and p.prefill is None
+    assert p.reason == (
+        "no single-rank prefill worker with KV format float32 (tensor-parallel sizes: 2, 4; "
+        "hand-offs between tensor-parallel workers are not built): prefill on d0"
+    )
+
+
+def test_the_registry_record_advertises_the_tensor_parallel_size() -> None:
+    info = WorkerInfo("d0", "decode", "h:1", "m", 1, tensor_parallel_size=2)
+    assert WorkerInfo.from_json(info.to_json()) == info
+    assert info.load().tensor_parallel_size == 2
+    assert WorkerInfo("d0", "decode", "h:1", "m", 1).tensor_parallel_size == 1  # older workers
+    for bad in (0, True, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
+            WorkerInfo("d0", "decode", "h:1", "m", 1, tensor_parallel_size=bad)  # type: ignore[arg-type]
 
 
 # -- the loader's peak memory per rank ------------------------------------------------------

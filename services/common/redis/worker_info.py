@@ -64,6 +64,10 @@ class WorkerInfo:
     # The KV cache's format (tandem.model.kv_quant.kv_format: dtype, and an fp8 cache's
     # scales digest); "" from a worker that predates it. The router pairs equal formats only.
     kv_format: str = ""
+    # Ranks the worker's model is split over (tensor parallelism, tandem.model.sharding);
+    # 1 from a worker that predates it. The router hands off only between single-rank
+    # workers for now (tandem.routing.policy).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("worker_id", "role", "address", "model"):
@@ -86,6 +90,9 @@ class WorkerInfo:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"WorkerInfo.{name} must be a number >= 0, got {value!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"WorkerInfo.tensor_parallel_size must be an int >= 1, got {tp!r}")
         if not isinstance(self.kv_format, str):
             raise ValueError(f"WorkerInfo.kv_format must be a str, got {self.kv_format!r}")
         if not isinstance(self.draining, bool):
@@ -113,6 +120,7 @@ class WorkerInfo:
             draining=self.draining,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             kv_format=self.kv_format,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def to_json(self) -> str:

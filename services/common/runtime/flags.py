@@ -26,6 +26,8 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 
 T = TypeVar("T")
 ENV_PREFIX = "TANDEM_"
+# Short spellings a leaf's flag also answers to (the long one is the field's name).
+ALIASES = {"tensor_parallel_size": ("--tp",)}
 
 
 class Leaf(NamedTuple):
@@ -236,6 +238,7 @@ def add_flags(
         bare: dict[str, Any] = {"nargs": "?", "const": True, "metavar": "BOOL"}
         parser.add_argument(
             leaf.flag,
+            *ALIASES.get(leaf.name, ()),
             dest=leaf.name,
             type=_typed(conv),
             default=None if required and raw is None else default,

@@ -153,6 +153,7 @@ class Worker:
             prefill_tokens_per_s=round(prefill_rate, 1),
             draining=self.draining,
             kv_format=self.engine.kv_format,
+            tensor_parallel_size=self.engine.config.tensor_parallel_size,
             updated_at=time.time(),
         )
 
