@@ -10,10 +10,11 @@ the router's 64 uncached tokens: prefilled on the prefill worker, token 1 sample
 under the grammar, the rest on the decode worker), streamed and not: 80 answers, each
 parsed with json.loads and validated with `jsonschema`. Then regex and choice constraints
 through `guided_regex` / `guided_choice`, both placements. Then tools: `tool_choice`
-required and a named function (both placements, streamed deltas reassembled and compared
-with the whole answer), `auto` (text or calls), a second turn with the tool's result; and
-the Responses API (`responses.create`): the README's question, a forced tool call and a
-JSON-schema answer, streamed and not. Prints one line per answer and a summary; writes
+required and a named function (`parallel_tool_calls` at OpenAI's default, on, and off; both
+placements; streamed deltas reassembled and compared with the whole answer, and the finish
+reason), `auto` (text or calls), a second turn with the tool's result; and the Responses
+API (`responses.create`): the README's question, a forced tool call and a JSON-schema
+answer, streamed and not. Prints one line per answer and a summary; writes
 benchmarks/results/structured_default_model.json. Exit 1 when any answer fails.
 """
 
@@ -183,17 +184,20 @@ def calls_valid(calls: list[Any], names: set[str]) -> bool:
     return bool(calls)
 
 
-def streamed_calls(client: openai.OpenAI, **args: Any) -> list[tuple[str, str]]:
-    """Tool-call deltas joined by index: [(name, arguments)]."""
+def streamed_calls(client: openai.OpenAI, **args: Any) -> tuple[list[tuple[str, str]], str | None]:
+    """Tool-call deltas joined by index: [(name, arguments)], and the finish reason."""
     joined: dict[int, list[str]] = {}
+    reason = None
     for chunk in client.chat.completions.create(stream=True, **args):
+        if chunk.choices:
+            reason = chunk.choices[0].finish_reason or reason
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             name, text = joined.setdefault(delta.index, ["", ""])
             if delta.function and delta.function.name:
                 joined[delta.index][0] = name + delta.function.name
             if delta.function and delta.function.arguments:
                 joined[delta.index][1] = text + delta.function.arguments
-    return [(n, a) for _, (n, a) in sorted(joined.items())]
+    return [(n, a) for _, (n, a) in sorted(joined.items())], reason
 
 
 def check_tools(client: openai.OpenAI, model: str) -> list[dict[str, Any]]:
@@ -201,25 +205,45 @@ def check_tools(client: openai.OpenAI, model: str) -> list[dict[str, Any]]:
     tools = [WEATHER, TIME]
     named = {"type": "function", "function": {"name": "get_time"}}
     for choice, names in (("required", {"get_weather", "get_time"}), (named, {"get_time"})):
-        label = choice if isinstance(choice, str) else "named"
-        for disaggregated in (False, True):
-            msgs = [{"role": "user", "content": prompt("the weather in Paris", disaggregated)}]
-            # One call each: with parallel calls on, SmolLM2 goes on calling until max_tokens
-            # cuts it (finish_reason length, the cut answer's calls left as content).
-            args: dict[str, Any] = {"model": model, "messages": msgs, "tools": tools,
-                                    "tool_choice": choice, "max_tokens": 300, "seed": 3,
-                                    "parallel_tool_calls": False}
-            whole = client.chat.completions.create(**args)
-            calls = whole.choices[0].message.tool_calls or []
-            reason = whole.choices[0].finish_reason
-            ok = calls_valid(calls, names) and reason == "tool_calls"
-            record(results, f"tools {label} disagg={disaggregated}", ok,
-                   f"{reason} " + str([(c.function.name, c.function.arguments) for c in calls])
-                   + ("" if calls else f" content={whole.choices[0].message.content!r}"))
-            streamed = streamed_calls(client, **args)
-            same = streamed == [(c.function.name, c.function.arguments) for c in calls]
-            record(results, f"tools {label} streamed disagg={disaggregated}", same,
-                   str(streamed))  # fmt: skip
+        for parallel in (None, False):  # None: OpenAI's default, parallel calls on
+            label = choice if isinstance(choice, str) else "named"
+            label += "" if parallel is None else " parallel=False"
+            for disaggregated in (False, True):
+                msgs = [{"role": "user", "content": prompt("the weather in Paris", disaggregated)}]
+                args: dict[str, Any] = {
+                    "model": model,
+                    "messages": msgs,
+                    "tools": tools,
+                    "tool_choice": choice,
+                    "max_tokens": 300,
+                    "seed": 3,
+                }
+                if parallel is not None:
+                    args["parallel_tool_calls"] = parallel
+                whole = client.chat.completions.create(**args)
+                calls = whole.choices[0].message.tool_calls or []
+                reason = whole.choices[0].finish_reason
+                # With parallel calls SmolLM2 may go on calling until max_tokens cuts it: the
+                # answer is then the calls written whole, finish_reason length.
+                reasons = ("tool_calls",) if parallel is False else ("tool_calls", "length")
+                ok = calls_valid(calls, names) and reason in reasons
+                ok = ok and (parallel is None or len(calls) == 1)
+                record(
+                    results,
+                    f"tools {label} disagg={disaggregated}",
+                    ok,
+                    f"{reason} {len(calls)} calls "
+                    + str([(c.function.name, c.function.arguments) for c in calls])
+                    + ("" if calls else f" content={whole.choices[0].message.content!r}"),
+                )
+                streamed, streamed_reason = streamed_calls(client, **args)
+                same = streamed == [(c.function.name, c.function.arguments) for c in calls]
+                record(
+                    results,
+                    f"tools {label} streamed disagg={disaggregated}",
+                    same and streamed_reason == reason,
+                    f"{streamed_reason} {streamed}",
+                )
     msgs = [{"role": "user", "content": "What is the weather in Rome, in celsius?"}]
     auto = client.chat.completions.create(model=model, messages=msgs, tools=tools,
                                           tool_choice="auto", max_tokens=80, seed=3)
