@@ -404,7 +404,8 @@ class Answer:
 
     def chunks(self, chunk: rpb.Chunk) -> list[JSON]:
         """A streamed chunk as OpenAI's chunks: one, or with tools one per content piece,
-        call announced or arguments fragment (none while the text may open a call)."""
+        call announced or a call's arguments (none while the text may open a call or a
+        call is not whole yet)."""
         if self.tools is None:
             return [self.chunk(chunk)]
         self.text.append(chunk.text)

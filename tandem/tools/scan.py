@@ -2,7 +2,7 @@
 has not ended yet), and one tool-call object's name and raw arguments text.
 
 Raw text, never re-serialized: the arguments a client receives are the characters the model
-wrote, so a streamed call (fragments of that text) joins to exactly the whole answer's.
+wrote, so a streamed call's arguments are exactly the whole answer's.
 """
 
 from __future__ import annotations
