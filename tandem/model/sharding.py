@@ -2,11 +2,13 @@
 holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
 (those are `tandem.model.parallel`).
 
-    q/k/v   column-parallel by heads: rank r holds q heads [r*Q/T, (r+1)*Q/T) and the KV
-            heads they read (KV heads are replicated when T exceeds their count K: rank r
-            then holds KV head r*K//T, shared with its neighbours)
+    q/k/v   column-parallel by heads: rank r holds KV heads [r*K//T, (r+1)*K//T) and the
+            query heads of their groups (shares as even as can be: SmolLM2's 3 KV heads
+            over 2 ranks are 1 and 2); past K ranks, KV heads are replicated: rank r holds
+            KV head r*K//T, shared with its neighbours, and its share of that head's
+            query heads
     o       row-parallel: the input rows of rank r's q heads; one all-reduce after it
-    gate/up column-parallel: intermediate columns [r*I/T, (r+1)*I/T)
+    gate/up column-parallel: intermediate columns [r*I//T, (r+1)*I//T)
     down    row-parallel: the same intermediate rows; one all-reduce after it
     embed,  vocab-parallel: vocabulary rows [r*V', (r+1)*V'), V' = ceil(V/T), the last rank's
     lm_head padded with zero rows; an all-reduce after the embedding (each token's row lives
@@ -47,36 +49,49 @@ class TensorSlice(NamedTuple):
 
 
 def check_shardable(config: ModelConfig, size: int) -> None:
-    """Raise ValueError unless `config` splits evenly over `size` ranks."""
+    """Raise ValueError unless `config` splits over `size` ranks: at most one rank per KV
+    head, or whole replicas of every KV head with its query heads split evenly among them."""
     if size <= 0:
         raise ValueError(f"tensor_parallel_size must be positive, got {size}")
-    q, k, inter = config.num_q_heads, config.num_kv_heads, config.intermediate_size
-    if q % size:
-        raise ValueError(f"tensor_parallel_size {size} must divide num_attention_heads ({q})")
-    if (k % size) if size <= k else (size % k):
+    q, k = config.num_q_heads, config.num_kv_heads
+    if size <= k:
+        return
+    if size % k or (q // k) % (size // k):
         raise ValueError(
-            f"tensor_parallel_size {size} must divide num_key_value_heads ({k}) or be a "
-            f"multiple of it (KV heads are then replicated)"
+            f"tensor_parallel_size {size} exceeds num_key_value_heads ({k}): it must then be "
+            f"a multiple of it whose replicas split each KV head's {q // k} query heads evenly"
         )
-    if inter % size:
-        raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({inter})")
+
+
+def _part(n: int, shard: Shard) -> range:
+    """Rank `shard.rank`'s contiguous share of n items, the shares as even as can be (the
+    first ranks take one fewer when n does not divide)."""
+    return range(shard.rank * n // shard.size, (shard.rank + 1) * n // shard.size)
 
 
 def q_heads(config: ModelConfig, shard: Shard) -> range:
-    """The query heads rank `shard.rank` computes."""
-    n = config.num_q_heads // shard.size
-    return range(shard.rank * n, (shard.rank + 1) * n)
+    """The query heads rank `shard.rank` computes: those of its KV heads' groups (with
+    replicated KV heads, its share of its KV head's group)."""
+    group = config.num_q_heads // config.num_kv_heads
+    if shard.size <= config.num_kv_heads:
+        kv = kv_heads(config, shard)
+        return range(kv.start * group, kv.stop * group)
+    return _part(config.num_q_heads, shard)
 
 
 def kv_heads(config: ModelConfig, shard: Shard) -> range:
-    """The KV heads rank `shard.rank` holds: its query heads' groups. With more ranks than
-    KV heads, one head each, replicated on size / num_kv_heads neighbouring ranks."""
+    """The KV heads rank `shard.rank` holds. With more ranks than KV heads, one head each,
+    replicated on size / num_kv_heads neighbouring ranks."""
     k = config.num_kv_heads
     if shard.size <= k:
-        n = k // shard.size
-        return range(shard.rank * n, (shard.rank + 1) * n)
+        return _part(k, shard)
     head = shard.rank * k // shard.size
     return range(head, head + 1)
+
+
+def intermediate(config: ModelConfig, shard: Shard) -> range:
+    """The MLP's intermediate columns rank `shard.rank` computes."""
+    return _part(config.intermediate_size, shard)
 
 
 def vocab_rows(config: ModelConfig, shard: Shard) -> range:
@@ -101,7 +116,7 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
         config,
         num_q_heads=len(q_heads(config, shard)),
         num_kv_heads=len(kv_heads(config, shard)),
-        intermediate_size=config.intermediate_size // shard.size,
+        intermediate_size=len(intermediate(config, shard)),
     )
 
 
@@ -114,8 +129,8 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
     d = config.head_dim
     q, kv = q_heads(config, shard), kv_heads(config, shard)
     qs, kvs = (q.start * d, q.stop * d), (kv.start * d, kv.stop * d)
-    per = config.intermediate_size // shard.size
-    inter = (shard.rank * per, (shard.rank + 1) * per)
+    mlp_part = intermediate(config, shard)
+    inter = (mlp_part.start, mlp_part.stop)
     vocab = vocab_rows(config, shard)
     slices: dict[str, TensorSlice] = {}
     for i in range(config.num_layers):

@@ -87,17 +87,25 @@ def test_vocab_rows_cover_the_vocabulary_once() -> None:
     assert rows == [range(0, 63), range(63, 126), range(126, 189), range(189, 250)]
 
 
+def test_uneven_splits_follow_the_kv_heads() -> None:
+    """SmolLM2's shape: 9 query heads over 3 KV heads, 2 ranks: 1 KV head (3 query heads)
+    and 2 (6); the MLP and the vocabulary split as evenly as they can."""
+    cfg = config(q=9, kv=3, inter=1535, vocab=251)
+    shards = [Shard(r, 2) for r in range(2)]
+    assert [kv_heads(cfg, s) for s in shards] == [range(0, 1), range(1, 3)]
+    assert [q_heads(cfg, s) for s in shards] == [range(0, 3), range(3, 9)]
+    assert [local_config(cfg, s).intermediate_size for s in shards] == [767, 768]
+    assert [vocab_rows(cfg, s) for s in shards] == [range(0, 126), range(126, 251)]
+
+
 @pytest.mark.parametrize(
-    ("q", "kv", "inter", "size", "message"),
-    [
-        (8, 2, 64, 3, "must divide num_attention_heads (8)"),
-        (12, 4, 64, 6, "must divide num_key_value_heads (4) or be a multiple of it"),
-        (8, 2, 60, 8, "must divide intermediate_size (60)"),
-    ],
+    ("q", "kv", "size"),
+    [(8, 2, 3), (12, 4, 6), (4, 2, 8)],  # not a multiple of 2; of 4; 2 query heads over 4
 )
-def test_unshardable_models_are_refused(q, kv, inter, size, message) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_shardable(config(q=q, kv=kv, inter=inter), size)
+def test_unshardable_models_are_refused(q, kv, size) -> None:
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {size} exceeds num_key_value"):
+        check_shardable(config(q=q, kv=kv), size)
+    check_shardable(config(q=q, kv=kv), kv)  # one rank per KV head always splits
 
 
 def test_slices_are_megatron_style() -> None:
@@ -190,6 +198,30 @@ def test_tp2_logits_match_tp1_and_hf(hf_model, engine_factory, tp_engine, arch) 
             torch.testing.assert_close(b, ref[n - 1], atol=ATOL, rtol=0)
 
 
+def test_uneven_split_matches_hf(tmp_path, tp_engine) -> None:
+    """6 query heads over 3 KV heads, an MLP of 100 and a vocabulary of 251 over 2 ranks:
+    1 and 2 KV heads, 50 and 50 columns, 126 and 125 rows (zero-padded to 126)."""
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=251, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
+        initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    hf.save_pretrained(tmp_path)
+    engine = tp_engine(tmp_path, 2, max_num_batched_tokens=7)
+    assert engine.kv_cache.shape[4] == 1  # rank 0's one KV head
+    prompt = random.Random(6).choices(range(251), k=17)
+    [done], rec = run_recorded(engine, [prompt], 6)
+    assert done.token_ids == hf_greedy(hf, prompt, 6)
+    ref = hf_logits(hf, prompt + done.token_ids)
+    for n, row in rec.logits:
+        torch.testing.assert_close(row, ref[n - 1], atol=ATOL, rtol=0)
+
+
 def test_tp4_replicates_kv_heads(hf_model, tp_engine) -> None:
     """4 ranks over 2 KV heads: each rank holds one, shared with a neighbour; its KV cache
     holds that head only."""
@@ -238,7 +270,7 @@ def test_each_rank_holds_its_share_of_the_weights(hf_model, engine_factory, tp_e
 
 def test_an_unshardable_model_is_refused_before_any_rank_starts(hf_model, engine_factory) -> None:
     model_dir, _ = hf_model("llama")  # 4 query heads
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide num_attention"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 exceeds num_key_value_heads"):
         engine_factory(model_dir, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="serves unquantized weights only"):
         engine_factory(model_dir, tensor_parallel_size=2, quantization="int8")
