@@ -131,6 +131,51 @@ def test_abort_runs_on_the_engine_and_ends_the_open_stream_with_abort() -> None:
     assert engine.aborted == ["known", "unknown"]
 
 
+class SlowAbortingEngine(AbortingEngine):
+    """Holds each abort until `go` is set: the asyncio side moves on meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def abort(self, request_id: str) -> bool:
+        assert self.go.wait(5)
+        return super().abort(request_id)
+
+
+def test_an_abort_ends_only_the_stream_it_was_issued_for() -> None:
+    """A request that ended and a new one under the same id (a client reusing its ids, a
+    prefill lease released just before a retry): the first request's abort, applied on the
+    engine after the new stream opened, must not end the new stream (it used to, and the
+    new call failed with "the engine step failed")."""
+    engine = SlowAbortingEngine()
+
+    async def main() -> None:
+        loop = EngineLoop(engine, asyncio.get_running_loop())  # type: ignore[arg-type]
+        loop.start()
+        try:
+            first = loop.open_stream("known")
+            loop.abort("known")  # issued for `first`
+            loop.close_stream("known")  # that call ends on its own
+            second = loop.open_stream("known")  # and the id is taken again
+            loop.abort("known")  # issued for `second`, which ends before it lands
+            loop.close_stream("known")
+            loop.abort("known")  # issued with no stream open: nothing to end
+            third = loop.open_stream("known")
+            engine.go.set()
+            await asyncio.sleep(0.3)
+            assert engine.aborted == ["known"] * 3
+            assert first.empty() and loop.has_stream("known")
+            assert second.empty() and third.empty()
+            loop.abort("known")  # issued while `third` is open: it ends `third`
+            out = await asyncio.wait_for(third.get(), 5)
+            assert out.finish_reason == "abort" and not loop.has_stream("known")
+        finally:
+            loop.stop()
+
+    asyncio.run(main())
+
+
 def test_next_output_reports_quiet_without_losing_the_item() -> None:
     from services.common.worker.engine_loop import Quiet, next_output
 

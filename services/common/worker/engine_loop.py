@@ -187,19 +187,23 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Stop `request_id` wherever it is and free its blocks, without waiting for the
         engine: the command cannot be cancelled (an abort is never lost to its caller's
-        deadline), and a stream still open for the request ends with an "abort" output."""
+        deadline), and the stream open for the request now, if any, ends with an "abort"
+        output. Asyncio loop only. A stream opened later under the same id (a new request
+        reusing it once this one ended) is not this abort's to end."""
+        stream = self._streams.get(request_id)
 
         def run(engine: LLMEngine) -> None:
-            if engine.abort(request_id):
-                self.loop.call_soon_threadsafe(self._end_aborted, request_id)
+            if engine.abort(request_id) and stream is not None:
+                self.loop.call_soon_threadsafe(self._end_aborted, request_id, stream)
 
         self.post(run)
 
-    def _end_aborted(self, request_id: str) -> None:
-        q = self._streams.pop(request_id, None)
-        if q is not None:
-            q.put_nowait(_aborted(request_id))
-            q.put_nowait(None)
+    def _end_aborted(self, request_id: str, stream: OutputQueue) -> None:
+        if self._streams.get(request_id) is not stream:
+            return  # that call ended; the id's stream now, if any, is another call's
+        del self._streams[request_id]
+        stream.put_nowait(_aborted(request_id))
+        stream.put_nowait(None)
 
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
