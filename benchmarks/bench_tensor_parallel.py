@@ -1,0 +1,129 @@
+"""Tensor parallelism on the CPU (issue 29): one engine of 1 rank vs one of 2 (gloo), same
+weights, same run, alternating, on the `small` tiny model and the default model
+(SmolLM2-135M-Instruct, when converted under ~/.cache/tandem/models).
+
+    .venv/bin/python benchmarks/bench_tensor_parallel.py [--dtype auto] [--reps 3]
+
+- batch-1 decode: a 32-token prompt, 64 greedy tokens; ms per decode step (median of every
+  decode step of every rep);
+- batch 8: 8 such requests at once, generated tokens per second of wall time;
+- whether the greedy tokens of both engines agree (they must in float32; bfloat16 rounds
+  the partial sums of the all-reduces differently from one full matmul).
+
+Each engine gets the host's threads shared out (tandem.engine.ranks.threads_per_rank: on 2
+cores, 2 threads at 1 rank and 1 per rank at 2). Writes
+benchmarks/results/tensor_parallel-<dtype>.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
+from report import RESULTS_DIR, machine_info, machine_summary, result_path, write_json
+
+from tandem.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.model.tiny import make_tiny_model
+
+DEFAULT_MODEL = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
+PROMPT_TOKENS = 32
+NEW_TOKENS = 64
+BATCH = 8
+
+
+def decode_step_ms(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[float], float, list]:
+    """Run `prompts` to NEW_TOKENS greedy tokens each. Returns (each decode-only step's ms,
+    generated tokens per second over the whole run, each prompt's tokens)."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    requests = [
+        engine.add_request(engine.spec(f"b{i}-{time.monotonic_ns()}", p, params))
+        for i, p in enumerate(prompts)
+    ]
+    steps: list[float] = []
+    t0 = time.perf_counter()
+    first = True
+    while engine.has_unfinished():
+        s0 = time.perf_counter()
+        engine.step()
+        if not first:  # the first step prefills every prompt
+            steps.append((time.perf_counter() - s0) * 1e3)
+        first = False
+    elapsed = time.perf_counter() - t0
+    return steps, len(prompts) * NEW_TOKENS / elapsed, [list(r.output_token_ids) for r in requests]
+
+
+def bench_model(name: str, model_dir: Path, dtype: str, reps: int) -> dict[str, Any]:
+    engines = {
+        tp: LLMEngine(
+            EngineConfig(
+                str(model_dir),
+                dtype=dtype,
+                tensor_parallel_size=tp,
+                cache=CacheConfig(kv_cache_bytes=64 << 20),
+            )
+        )  # fmt: skip
+        for tp in (1, 2)
+    }
+    vocab = engines[1].model.config.vocab_size
+    prompts = [[(17 * i + 31 * j) % vocab for j in range(PROMPT_TOKENS)] for i in range(BATCH)]
+    for engine in engines.values():
+        engine.warm_up()
+    steps: dict[int, list[float]] = {1: [], 2: []}
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    tokens: dict[int, list] = {}
+    for _ in range(reps):
+        for tp, engine in engines.items():  # alternating: both see the same load
+            s, _, out = decode_step_ms(engine, prompts[:1])
+            steps[tp] += s
+            _, rate, batch_out = decode_step_ms(engine, prompts)
+            rates[tp].append(rate)
+            tokens[tp] = out + batch_out
+    for engine in engines.values():
+        engine.close()
+    agree = sum(a == b for a, b in zip(tokens[1], tokens[2], strict=True))
+    return {
+        "model": name,
+        "dtype": engines[1].config.resolved_dtype,
+        "decode_ms_per_token_b1": {tp: statistics.median(s) for tp, s in steps.items()},
+        "tokens_per_s_b8": {tp: statistics.median(r) for tp, r in rates.items()},
+        "greedy_identical": f"{agree} of {len(tokens[1])}",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        small = make_tiny_model(Path(tmp) / "small", preset="small")
+        results.append(bench_model("tiny preset small (46M)", small, args.dtype, args.reps))
+    if (args.model_dir / "config.json").is_file():
+        results.append(bench_model(args.model_dir.name, args.model_dir, args.dtype, args.reps))
+    info = machine_info(reps=args.reps)
+    out = result_path(RESULTS_DIR, "tensor_parallel", f"-{args.dtype}")
+    write_json(out, {"machine": info, "results": results}, indent=2)
+    print(f"({machine_summary(info)})\n")
+    print("| model | dtype | batch-1 decode ms/token, TP=1 / TP=2 | batch-8 tokens/s, TP=1 / "
+          "TP=2 | greedy outputs identical |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for r in results:
+        ms, tps = r["decode_ms_per_token_b1"], r["tokens_per_s_b8"]
+        print(
+            f"| {r['model']} | {r['dtype']} | {ms[1]:.1f} / {ms[2]:.1f} | "
+            f"{tps[1]:.1f} / {tps[2]:.1f} | {r['greedy_identical']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
