@@ -52,7 +52,7 @@ def test_fit_context_refuses_an_explicit_context_with_the_figures() -> None:
 def test_engine_caps_and_says_so(
     tiny_model_dir: Path, engine_factory: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="tandem.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="tandem.engine"):
         engine = engine_factory(tiny_model_dir, block_size=4, num_blocks=16)
     assert engine.max_model_len == 64  # the tiny model's 2048 does not fit 16 x 4 tokens
     assert "serving at most 64 tokens per request" in caplog.text
