@@ -362,19 +362,20 @@ class Sampler:
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
             _check_generator_device(self.default_generator, device)
-            draw = torch.empty(len(shared), vocab_size, dtype=torch.float32, device=device)
-            noise[torch.tensor(shared, device=device)] = draw.exponential_(
-                generator=self.default_generator
-            )
+            if len(shared) == len(rows):
+                noise.uniform_(generator=self.default_generator)
+            else:
+                draw = torch.empty(len(shared), vocab_size, dtype=torch.float32, device=device)
+                noise[torch.tensor(shared, device=device)] = draw.uniform_(
+                    generator=self.default_generator
+                )
         for i, row in enumerate(rows):
             if row.generator is not None:
                 _check_generator_device(row.generator, device)
                 # A fresh [vocab_size] draw: the stream depends only on this request's seed,
                 # not on its batch position or neighbours.
-                draw = torch.empty(vocab_size, dtype=torch.float32, device=device)
-                noise[i] = draw.exponential_(generator=row.generator)
-        # A zero draw would make 0 / 0 = NaN for a masked token, and argmax prefers NaN.
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+                noise[i].uniform_(generator=row.generator)
+        return exponential_from_uniform(noise)
 
 
 def apply_token_bitmask(
@@ -415,6 +416,15 @@ def _check_generator_device(generator: torch.Generator | None, device: torch.dev
         )
 
 
+def exponential_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from uniform [0, 1) draws, in place: -log(1 - u), clamped above zero.
+    Inverting the CDF takes a sixth of the time of torch's `exponential_` on the CPU (0.15 vs
+    0.85 ms for a 49k vocabulary: a batch of 16 sampled rows spent 13% of its decode step
+    there). A zero draw would make 0 / 0 = NaN for a masked token (argmax prefers NaN), hence
+    the clamp."""
+    return u.neg_().log1p_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
 def advance_generator(generator: torch.Generator, vocab_size: int, num_tokens: int) -> None:
     """Consume the draws that sampling `num_tokens` tokens took from a seeded stream.
 
@@ -422,9 +432,9 @@ def advance_generator(generator: torch.Generator, vocab_size: int, num_tokens: i
     per token, on the generator's device), so a request continued on another worker (prefill
     hands off to decode) samples exactly what it would have sampled in one process.
     """
+    draw = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
     for _ in range(num_tokens):
-        draw = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
-        draw.exponential_(generator=generator)
+        draw.uniform_(generator=generator)
 
 
 def _with_logprobs(
