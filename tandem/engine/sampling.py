@@ -343,12 +343,13 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             index = torch.tensor(sampled, device=device)
-            warped = warp_logits(scores.index_select(0, index), [rows[i].params for i in sampled])
+            picked = scores if len(sampled) == len(rows) else scores.index_select(0, index)
+            warped = warp_logits(picked, [rows[i].params for i in sampled])
             probs = warped.softmax(dim=-1)  # probs: [len(sampled), vocab_size]
             noise = self._exponential_noise([rows[i] for i in sampled], probs.shape[1], device)
             # argmax(p / E) with E ~ Exp(1) i.i.d. is an exact draw from p (Gumbel-max in
             # disguise), and it needs no renormalisation after masking.
-            token_ids[index] = (probs / noise).argmax(dim=-1)
+            token_ids[index] = greedy_tokens(probs.div_(noise))
         chosen = token_ids.tolist()
         if not want_logprobs:
             return [SampleResult(t, None, None) for t in chosen]
