@@ -24,7 +24,7 @@ from enum import StrEnum
 import torch
 
 from tandem.model.quant import QuantizedWeight
-from tandem.model.quant_linear import QuantLinear, quant_matmul
+from tandem.model.quant_linear import QuantLinear, fp8_activations, quant_matmul
 
 
 class MatmulKind(StrEnum):
@@ -64,7 +64,7 @@ def matmul(
     if isinstance(w, QuantLinear):
         return quant_matmul(x, w, bias)
     if isinstance(w, QuantizedWeight):
-        y = x @ w.dequantize(x.dtype).t()
+        y = fp8_activations(x, w.scheme) @ w.dequantize(x.dtype).t()
         return y if bias is None else y + bias
     if kind is MatmulKind.ONEDNN:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")

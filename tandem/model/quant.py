@@ -18,7 +18,14 @@ A matrix is stored output-major, as checkpoints store it ([out_features, in_feat
                                                             g_idx[i] for GPTQ's act-order)
   w[o, i] = q[o, i] * scale[o]                              (int8, fp8)
 
-The model multiplies activations [n, in] by w transposed: y = x @ w.T, i.e. [n, out].
+The model multiplies activations [n, in] by w transposed: y = x @ w.T, i.e. [n, out]. int8
+and int4 are weight-only (W8A16, W4A16: x stays in the model's dtype). fp8 is W8A8: every
+path quantizes the activations too, dynamically, one scale per token (row) of x
+(`quantize_fp8_activations`), as vLLM's FP8 and `torch._scaled_mm`'s row-wise scaling do:
+
+  y[t, o] = sum_i e4m3(x[t, i] / sx[t]) * q[o, i] * sx[t] * scale[o],  sx[t] = max_i |x[t, i]| / 448
+
+(`fp8_reference_matmul` is that product in float32, what the fp8 kernels are tested against.)
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ class WeightScheme(StrEnum):
     NONE = "none"  # the checkpoint's (or --dtype's) floating point
     INT8 = "int8"  # W8A16, per output channel, symmetric
     INT4 = "int4"  # W4A16, group-wise along the input, asymmetric (zero points)
-    FP8 = "fp8"  # e4m3 weights, per channel (or per tensor) scales
+    FP8 = "fp8"  # W8A8: e4m3 weights (per channel or per tensor scales), e4m3 activations
+    # quantized dynamically per token
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,8 +142,8 @@ class QuantizedWeight:
         """The reference: the matrix as [out, in] in `dtype` (computed in float32)."""
         if self.scheme is WeightScheme.INT4:
             q = unpack_int4(self.qweight).float()  # [out, in]
-            zeros = self.zeros.float() if self.zeros is not None else torch.full_like(
-                self.scales, 8.0
+            zeros = (
+                self.zeros.float() if self.zeros is not None else torch.full_like(self.scales, 8.0)
             )
             if self.g_idx is not None:
                 group = self.g_idx.long()
@@ -196,6 +204,26 @@ def quantize_fp8(w: torch.Tensor, per_tensor: bool = False) -> QuantizedWeight:
     scales = (absmax / FP8_MAX).clamp_min(_EPS)
     q = (wf / scales.view(-1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(WeightScheme.FP8, q, scales, None, int(w.shape[1]))
+
+
+def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8's dynamic activation quantization: x [n, in] -> (e4m3 [n, in], float32 [n, 1]
+    scales), one scale per token (row), absmax / 448, so each row's largest value is e4m3's
+    largest and no row's range depends on another's (a per-tensor scale would push the
+    tokens with small activations into e4m3's subnormals: +1 point of perplexity more on
+    SmolLM2-135M, BENCHMARKS.md)."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_EPS)
+    return (xf / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def fp8_reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The fp8 (W8A8) product in float32: x [n, in] quantized per token, times the
+    dequantized weight transposed: [n, out] float32 (module docstring)."""
+    if w.scheme is not WeightScheme.FP8:
+        raise ValueError(f"fp8_reference_matmul needs fp8 weights, got {w.scheme}")
+    xq, sx = quantize_fp8_activations(x)
+    return (xq.float() @ w.qweight.float().t()) * sx * w.scales.view(1, -1)
 
 
 def quantize(w: torch.Tensor, scheme: WeightScheme, group_size: int = 128) -> QuantizedWeight:

@@ -11,15 +11,22 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           INT8_PACKED_MAX_ROWS rows; above, the int8 values
                                           cast into a reused buffer, one GEMM, the channel
                                           scales applied to the output
-  fp8_decoded   CPU                       e4m3 cast (exactly) into a reused buffer of the
-                                          activations' dtype, one GEMM, the channel scales
-                                          on the output (one pass over the weights, not the
-                                          reference's three)
+  fp8_decoded   CPU                       activations quantized per token to e4m3, both
+                                          operands cast (exactly) to the activations' dtype
+                                          (the weight into a reused buffer), one GEMM, the
+                                          token and channel scales on the output in float32
+                                          (torch's CPU `_scaled_mm` computes the same, ~2x
+                                          slower here)
+  fp8_scaled_mm CUDA, compute capability  `torch._scaled_mm`: e4m3 x e4m3 on FP8 tensor cores,
+                >= 8.9, bfloat16          row-wise scales (token x channel)
   dequant       everywhere else           the reference dequantization, then x @ w.T: CPU
                                           float32 (exact to float32 rounding), CUDA without
                                           Triton
   triton        CUDA                      the dequant-GEMM kernels
                                           (`kernels.quant_matmul.quantized_linear`)
+
+fp8 is W8A8 on every path (`tandem.model.quant`): the paths that multiply in the activations'
+dtype (dequant, triton) give it the per-token e4m3 activations dequantized to that dtype.
 
 Measured on SmolLM2-135M's 120 layer matrices (BENCHMARKS.md, issue 28): at batch 1 the
 packed int4 kernel is ~2.6x faster than oneDNN's bfloat16 and int8's ~1.2x; both grow
@@ -43,7 +50,7 @@ from enum import StrEnum
 
 import torch
 
-from tandem.model.quant import QuantizedWeight, WeightScheme
+from tandem.model.quant import QuantizedWeight, WeightScheme, quantize_fp8_activations
 
 # Rows (tokens in a step) up to which the packed CPU kernels beat dequantize-then-GEMM
 # (BENCHMARKS.md, issue 28: int4 crosses at ~64-100 rows, int8 at ~8-16).
@@ -56,6 +63,7 @@ class QuantPath(StrEnum):
     INT4_PACKED = "int4_packed"
     INT8_PACKED = "int8_packed"
     FP8_DECODED = "fp8_decoded"
+    FP8_SCALED_MM = "fp8_scaled_mm"
     DEQUANT = "dequant"
     TRITON = "triton"
 
@@ -126,6 +134,14 @@ class QuantLinear:
 def choose_path(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> QuantPath:
     """The path for `w` applied to `dtype` activations on `device` (see the module doc)."""
     if device.type == "cuda":
+        if (
+            w.scheme is WeightScheme.FP8
+            and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (8, 9)
+            and w.out_features % 16 == 0
+            and w.in_features % 16 == 0
+        ):
+            return QuantPath.FP8_SCALED_MM
         return QuantPath.TRITON if triton_available() else QuantPath.DEQUANT
     if device.type == "cpu" and dtype == torch.bfloat16:
         if (
@@ -210,17 +226,34 @@ def quant_matmul(
             y = (x @ wq.t()).mul_(ql.packed_scales)
     elif ql.path is QuantPath.FP8_DECODED:
         assert ql.weight is not None
+        xq, sx = quantize_fp8_activations(x)
         w = ql.workspace.take((ql.out_features, ql.in_features), x.dtype, x.device)
         w.copy_(ql.weight.qweight)  # e4m3 -> bf16/fp32 is exact
-        y = (x @ w.t()).mul_(ql.weight.scales.to(x.dtype))
+        y = (xq.to(x.dtype) @ w.t()).float().mul_(sx).mul_(ql.weight.scales).to(x.dtype)
+    elif ql.path is QuantPath.FP8_SCALED_MM:
+        assert ql.weight is not None
+        xq, sx = quantize_fp8_activations(x)
+        scales = ql.weight.scales.expand(ql.out_features).reshape(1, -1).contiguous()
+        y = torch._scaled_mm(
+            xq, ql.weight.qweight.t(), scale_a=sx, scale_b=scales, out_dtype=x.dtype
+        )
     elif ql.path is QuantPath.TRITON:
         from kernels.quant_matmul import quantized_linear
 
-        y = quantized_linear(x.contiguous(), ql.weight)
+        y = quantized_linear(fp8_activations(x, ql.scheme).contiguous(), ql.weight)
     else:
         assert ql.weight is not None
-        y = x @ ql.weight.dequantize(x.dtype).t()
+        y = fp8_activations(x, ql.scheme) @ ql.weight.dequantize(x.dtype).t()
     return y if bias is None else y.add_(bias)
+
+
+def fp8_activations(x: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """fp8: x quantized per token to e4m3 and back in x's dtype (the W8A8 product's
+    activations, for the paths that multiply in that dtype); other schemes: x."""
+    if scheme is not WeightScheme.FP8:
+        return x
+    xq, sx = quantize_fp8_activations(x)
+    return (xq.float() * sx).to(x.dtype)
 
 
 def _dequant_int4_packed(ql: QuantLinear, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
 from tandem.model.linear import onednn_bf16_available
-from tandem.model.quant import WeightScheme, quantize
+from tandem.model.quant import (
+    WeightScheme,
+    fp8_reference_matmul,
+    quantize,
+    quantize_fp8,
+    quantize_fp8_activations,
+)
 from tandem.model.quant_linear import (
     INT4_PACKED_MAX_ROWS,
     QuantLinear,
@@ -64,6 +70,25 @@ def dequantized_copy(src: Path, dst: Path, scheme: WeightScheme) -> Path:
     return dst
 
 
+def fp8_activations_on_layer_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense model's layer matmuls (every matmul but lm_head's, whose output is the
+    vocabulary) given fp8's per-token e4m3 activations: the dense reference of W8A8."""
+    import tandem.model.llama as llama
+
+    dense_matmul = llama.matmul
+
+    def matmul(x: torch.Tensor, w: Any, kind: Any, bias: Any = None) -> torch.Tensor:
+        if isinstance(w, torch.Tensor) and w.shape[-1] != VOCAB[0]:
+            xq, sx = quantize_fp8_activations(x)
+            x = (xq.float() * sx).to(x.dtype)
+        return dense_matmul(x, w, kind, bias)
+
+    monkeypatch.setattr(llama, "matmul", matmul)
+
+
+VOCAB = [0]  # the tiny model's vocabulary size, set by the test
+
+
 def run(model_dir: Path, **config: Any) -> tuple[list[int], list[torch.Tensor], Any]:
     engine = make_engine(model_dir, quantization_group_size=GROUP, **config)
     rec = RecordingSampler(engine.runner.sampler)
@@ -79,23 +104,37 @@ CASES = [
     ("fp8", "float32", QuantPath.FP8_DECODED, 1e-5),
     ("int8", "bfloat16", QuantPath.INT8_PACKED, 0.05),
     ("int4", "bfloat16", QuantPath.INT4_PACKED, 0.05),
-    ("fp8", "bfloat16", QuantPath.FP8_DECODED, 0.05),
+    # fp8 in bfloat16: both models' activations differ by bfloat16 rounding, and each
+    # layer's e4m3 rounding of them turns a difference across a rounding boundary into a
+    # whole e4m3 step (2^-3 of the value): 0.1 (float32 above: 1e-5, the same activations)
+    ("fp8", "bfloat16", QuantPath.FP8_DECODED, 0.1),
 ]
 
 
 @pytest.mark.parametrize(("scheme", "dtype", "path", "tol"), CASES)
 def test_online_quantized_model_matches_its_dequantized_weights(
-    tiny_model_dir: Path, tmp_path: Path, scheme: str, dtype: str, path: QuantPath, tol: float
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    scheme: str,
+    dtype: str,
+    path: QuantPath,
+    tol: float,
 ) -> None:
     """float32: the dequantizing path is the reference itself (logits equal to float32
     rounding, greedy tokens identical). bfloat16: both models run in bfloat16 (the
     reference through oneDNN's dense path), so the gap is bfloat16 rounding of two different
-    kernels over 2 layers: within 5% of the largest logit."""
+    kernels over 2 layers: within 5% of the largest logit. fp8 is W8A8: the reference's
+    layer matmuls get the same per-token e4m3 activations (without them, float32 logits
+    differ by ~1e-2 of their largest: the activations' rounding is in the scheme)."""
     if dtype == "bfloat16" and not onednn_bf16_available():
         pytest.skip("this CPU does not run bfloat16 natively (no packed bf16 paths)")
     ref_dir = dequantized_copy(tiny_model_dir, tmp_path / "dequantized", WeightScheme(scheme))
-    ref_tokens, ref_logits, _ = run(ref_dir, dtype=dtype)
     tokens, logits, engine = run(tiny_model_dir, dtype=dtype, quantization=scheme)
+    if scheme == "fp8":
+        VOCAB[0] = engine.model.config.vocab_size
+        fp8_activations_on_layer_matmuls(monkeypatch)
+    ref_tokens, ref_logits, _ = run(ref_dir, dtype=dtype)
     layer = engine.model.weights.layers[0]
     assert all(isinstance(w, QuantLinear) and w.path is path for w in layer.matrices())
     assert isinstance(engine.model.weights.lm_head, torch.Tensor)  # stays dense
@@ -187,7 +226,6 @@ def test_worker_metrics_report_the_weight_bytes() -> None:
     assert got == 179_671_680
 
 
-
 @pytest.mark.parametrize(
     ("fmt", "scheme"),
     [("awq-g32", "int4"), ("gptq-g32-act-order", "int4"), ("gptq-8bit", "int8"),
@@ -237,5 +275,42 @@ def test_the_triton_path_matches_the_reference_under_the_interpreter(scheme: str
     ql = pack_quantized(qw, torch.float32, Workspace(), QuantPath.TRITON)
     x = torch.randn(3, 64, generator=g)
     bias = torch.randn(64, generator=g)
-    ref = x @ qw.dequantize().t() + bias
+    if scheme == "fp8":  # W8A8: the per-token e4m3 activations
+        ref = fp8_reference_matmul(x, qw) + bias
+    else:
+        ref = x @ qw.dequantize().t() + bias
     torch.testing.assert_close(quant_matmul(x, ql, bias), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize(
+    ("path", "dtype"),
+    [(QuantPath.FP8_DECODED, torch.float32), (QuantPath.FP8_DECODED, torch.bfloat16),
+     (QuantPath.FP8_SCALED_MM, torch.bfloat16), (QuantPath.DEQUANT, torch.float32)],
+)  # fmt: skip
+def test_fp8_paths_quantize_the_activations_per_token(
+    path: QuantPath, dtype: torch.dtype, per_tensor: bool
+) -> None:
+    """Every fp8 path computes the W8A8 product of `fp8_reference_matmul`: float32 to float32
+    rounding; bfloat16 within its rounding of the output (2^-7 of the largest, the bias's
+    included). fp8_scaled_mm is CUDA's (torch._scaled_mm, row-wise scales) run by torch's CPU
+    implementation of the same op. Rows of very different sizes: a per-tensor activation
+    scale (or none) would miss by far more on the small row, which is what fails here if a
+    path drops the activation quantization or takes one scale for the whole batch."""
+    g = torch.Generator().manual_seed(5)
+    qw = quantize_fp8(torch.randn(48, 96, generator=g) * 0.05, per_tensor=per_tensor)
+    x = torch.randn(4, 96, generator=g) * torch.tensor([[1.0], [1e-3], [30.0], [0.2]])
+    x = x.to(dtype)
+    ql = pack_quantized(qw, dtype, Workspace(), path)
+    got = quant_matmul(x, ql).float()
+    ref = fp8_reference_matmul(x.float(), qw)
+    unquantized = x.float() @ qw.dequantize().t()
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for row in range(4):  # each row against its own size: the small row is checked too
+        scale = ref[row].abs().max().item()
+        assert (got[row] - ref[row]).abs().max().item() <= tol * scale
+        # the activations' e4m3 rounding is visible: the check above could tell it apart
+        assert (unquantized[row] - ref[row]).abs().max().item() > 2 * tol * scale
+    bias = torch.randn(48, generator=g).to(dtype)
+    with_bias = quant_matmul(x, ql, bias).float()
+    assert (with_bias - (got + bias.float())).abs().max().item() <= tol * with_bias.abs().max()
