@@ -12,7 +12,9 @@ and, streamed, OpenAI's events for them:
 A message item is opened only when text comes (tandem.tools.stream holds back text that may
 open a call); an answer with neither text nor calls still has its (empty) message. A call is
 added once its object closes, its arguments in one delta: a call cut short by
-max_output_tokens is in neither the stream nor the whole response (status incomplete).
+max_output_tokens is in neither the stream nor the whole response (status incomplete). Text
+after the calls that is not a call (tandem.tools.formats: `Parsed.after`) is a second message
+item after them, streamed and whole alike.
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ class ToolReply(responses.Reply):
         status, _ = responses._status(complete.finish_reason)
         parsed = self.format.parse(text, self.parsed.tool_names)
         if parsed.calls:  # cut by max_output_tokens: the whole calls, status incomplete
-            if parsed.content:  # closed by the first call, as streamed
-                self.items.append(self._message("completed", parsed.content))
+            if parsed.before:  # closed by the first call, as streamed
+                self.items.append(self._message("completed", parsed.before))
             for call in parsed.calls:
                 self.items.append(_call_item(call.name, call.arguments, "completed"))
+            if parsed.after:  # the last item, as streamed: closed with the response
+                self.message_id = _message_id()
+                self.items.append(self._message(status, parsed.after))
         else:
             self.items.append(self._message(status, text))
         return self.response(complete)
@@ -92,7 +97,8 @@ class ToolReply(responses.Reply):
     def _events(self, event: Event) -> list[JSON]:
         events: list[JSON] = []
         if isinstance(event, Content):
-            if not self.items:
+            if not self.items or self.items[-1]["type"] != "message":
+                events += self._close_last("completed")  # text after the calls
                 events += self._open_message()
             message = self.items[-1]
             message["content"][0]["text"] += event.text
@@ -125,14 +131,21 @@ class ToolReply(responses.Reply):
         return events
 
     def _open_message(self) -> list[JSON]:
+        if self.items:  # after the calls: a message of its own
+            self.message_id = _message_id()
         message = self._message("in_progress", "")
         self.items.append(message)
         empty = {**message, "content": []}
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
-            self._event("response.output_item.added", output_index=0, item=empty),
+            self._event("response.output_item.added", output_index=len(self.items) - 1, item=empty),
             self._event("response.content_part.added", **self._at(), part=part),
         ]
+
+    def _at(self) -> JSON:
+        """The open message (the last item; the first before there is any)."""
+        index = max(len(self.items) - 1, 0)
+        return {"item_id": self.message_id, "output_index": index, "content_index": 0}
 
     def _close_last(self, status: str) -> list[JSON]:
         """The done events of the open item (the last one, unless closed)."""
@@ -160,6 +173,10 @@ class ToolReply(responses.Reply):
             ),
             self._event("response.output_item.done", output_index=index, item=dict(item)),
         ]
+
+
+def _message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
 
 
 def _call_item(name: str, arguments: str, status: str) -> JSON:

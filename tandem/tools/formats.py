@@ -9,12 +9,24 @@ not render tools itself.
     mistral      Mistral:        [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...];
                  text before is content
 
-Output that is not calls in the format (a JSON error, a call to a function that is not a
-tool, arguments that are not an object, text after the calls) is content, all of it: the
-caller answers it as text with finish_reason "stop". Calls cut short (max_tokens, a stop
-string) keep the calls written whole: the call being written when the text ended is dropped,
-and with none whole the text is content. A stream reads the same calls (tandem.tools.stream
-sends each call once its object closes), so the two always agree.
+One rule (`ToolFormat.read`) reads a whole answer and, for a stream, the text so far:
+
+  - the calls are the run of whole calls from where the calls begin: each call object once it
+    closes, to a function in the tools, with an object of arguments;
+  - the content is the text outside them: before the calls (its trailing whitespace dropped),
+    and, when something that is not a call follows the run (text, a JSON error, an unknown
+    function, arguments that are not an object), everything from the end of the last call on
+    (its closing tag or list bracket included in the call) -- "Let me check." + calls +
+    "\nDone." Nothing after that is a call;
+  - with no whole call, all of the text is content (the caller answers it as text with
+    finish_reason "stop");
+  - an answer cut short (max_tokens, a stop string) keeps the calls written whole and drops
+    the call being written when the text ended.
+
+A stream sends each call once its object closes (tandem.tools.stream), and cannot take it
+back: so a call followed by text stays a call in the whole answer too, and the text after it
+is content in both. The stream sends what `read` of the text so far settles, and the whole
+answer is `read` of the whole text, so the two always agree.
 
 The grammar that forces calls (a required or named tool choice) lets the answer end after
 each whole call, and writes at most MAX_FORCED_CALLS of them: a model that would go on
@@ -51,11 +63,18 @@ class ParsedCall:
 
 @dataclass(frozen=True, slots=True)
 class Parsed:
-    """An answer read for calls: `content` (the text before the calls; all of it when there
-    are none) and the calls."""
+    """An answer read for calls: `content` (the text outside the calls; all of it when there
+    are none), the calls, and `after`: the part of `content` that followed the calls (text
+    that is not a call; module docstring)."""
 
     content: str
     calls: tuple[ParsedCall, ...] = ()
+    after: str = ""
+
+    @property
+    def before(self) -> str:
+        """The part of `content` before the calls."""
+        return self.content[: len(self.content) - len(self.after)]
 
 
 class ToolFormat:
@@ -85,32 +104,57 @@ class ToolFormat:
             held -= 1
         return held
 
-    def scan(self, text: str, start: int) -> list[CallScan]:
-        """The call objects from `start` as far as the text goes (only the last may be
-        open: `end` None). Raises Malformed: the text is not calls in this format."""
+    def scan(self, text: str, start: int, calls: list[CallScan]) -> None:
+        """Appends to `calls` the call objects from `start` as far as the text goes (only
+        the last may be open: `end` None). Raises Malformed where the text stops being calls
+        in this format (`calls` keeps those before)."""
         raise NotImplementedError
 
+    def after_call(self, text: str, end: int) -> int:
+        """Where the text after a call object ending at `end` begins: past what closes the
+        call (hermes's </tool_call>, mistral's list bracket), when it follows."""
+        return end
+
     def parse(self, text: str, names: Collection[str]) -> Parsed:
-        """A whole answer: its calls to functions in `names` (those written whole: a last
-        call cut short is dropped), or all of it as content (module docstring)."""
+        """A whole answer: its calls to functions in `names` and its content (module
+        docstring)."""
+        return self.read(text, names, final=True)
+
+    def read(self, text: str, names: Collection[str], final: bool) -> Parsed:
+        """The rule (module docstring). `final`: `text` is the whole answer. Otherwise it is
+        an answer so far, and the result is what any answer that goes on from it has: its
+        calls come first in that answer's calls, its content begins that answer's content
+        and its `after` that answer's `after` (what a stream may send now)."""
         start = self.start(text)
         if start is None:
-            return Parsed(text)
+            return Parsed(text if final else text[: self.hold(text)])
+        scans: list[CallScan] = []
+        stopped = False  # something that is not a call ended the run
         try:
-            scans = self.scan(text, start)
+            self.scan(text, start, scans)
         except Malformed:
-            return Parsed(text)
-        calls = []
+            stopped = True
+        calls: list[ParsedCall] = []
+        end = start
         for scan in scans:
             if scan.end is None:
-                break  # cut short: the last
+                break  # open: cut short (final) or not whole yet
             call = read_call(scan, names)
             if call is None:
-                return Parsed(text)
+                stopped = True
+                break
             calls.append(call)
+            end = scan.end
         if not calls:
-            return Parsed(text)
-        return Parsed(text[:start].rstrip(), tuple(calls))
+            # Nothing after a stop is a call: the text is all content from here on.
+            return Parsed(text if final or stopped else text[:start].rstrip())
+        before = text[:start].rstrip()
+        if not stopped:
+            return Parsed(before, tuple(calls))
+        after = text[self.after_call(text, end) :]
+        if not before:
+            after = after.lstrip()
+        return Parsed(before + after, tuple(calls), after)
 
     # -- forcing --------------------------------------------------------------------------
 
@@ -190,32 +234,35 @@ class Hermes(ToolFormat):
     marker = "<tool_call>"
     close = "</tool_call>"
 
-    def scan(self, text: str, start: int) -> list[CallScan]:
-        calls: list[CallScan] = []
+    def scan(self, text: str, start: int, calls: list[CallScan]) -> None:
         pos = start
         while True:
             pos = skip_ws(text, pos + len(self.marker))
             if pos >= len(text):
-                return calls
+                return
             call = scan_call(text, pos, self.argument_keys)
             calls.append(call)
             if call.end is None:
-                return calls
+                return
             pos = skip_ws(text, call.end)
             if pos >= len(text):
-                return calls  # a last block the model did not close
+                return  # a last block the model did not close
             if text.startswith(self.close, pos):
                 pos = skip_ws(text, pos + len(self.close))
             elif self.close.startswith(text[pos:]):
-                return calls
+                return
             else:
                 raise Malformed(f"expected {self.close} at {pos}")
             if pos >= len(text):
-                return calls
+                return
             if not text.startswith(self.marker, pos):
                 if self.marker.startswith(text[pos:]):
-                    return calls
+                    return
                 raise Malformed(f"text after the calls at {pos}")
+
+    def after_call(self, text: str, end: int) -> int:
+        pos = skip_ws(text, end)
+        return pos + len(self.close) if text.startswith(self.close, pos) else end
 
     def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
         return "\n".join(
@@ -254,22 +301,21 @@ class Llama3Json(ToolFormat):
         # Only an answer that opens with "{" is a call: hold nothing once it cannot be.
         return 0 if not text.strip() else len(text)
 
-    def scan(self, text: str, start: int) -> list[CallScan]:
-        calls: list[CallScan] = []
+    def scan(self, text: str, start: int, calls: list[CallScan]) -> None:
         pos = start
         while True:
             call = scan_call(text, pos, self.argument_keys)
             calls.append(call)
             if call.end is None:
-                return calls
+                return
             pos = skip_ws(text, call.end)
             if pos >= len(text):
-                return calls
+                return
             if text[pos] != ";":
                 raise Malformed(f"text after the call at {pos}")
             pos = skip_ws(text, pos + 1)
             if pos >= len(text):
-                return calls
+                return
             if text[pos] != "{":
                 raise Malformed(f"expected a call after ';' at {pos}")
 
@@ -298,36 +344,36 @@ class Mistral(ToolFormat):
     _BARE_PREFIX = re.compile(r"\s*(\[\s*)?")
 
     def start(self, text: str) -> int | None:
+        # A bare list first: an answer that opens with one is read from there, whatever
+        # follows (a marker later in it must not move the start the stream has read from).
+        if self._BARE.match(text):
+            return skip_ws(text, 0)
         i = text.find(self.marker)
-        if i >= 0:
-            return i
-        bare = self._BARE.match(text)
-        return None if bare is None else skip_ws(text, 0)
+        return None if i < 0 else i
 
     def hold(self, text: str) -> int:
         return 0 if self._BARE_PREFIX.fullmatch(text) else ToolFormat.hold(self, text)
 
-    def scan(self, text: str, start: int) -> list[CallScan]:
-        calls: list[CallScan] = []
+    def scan(self, text: str, start: int, calls: list[CallScan]) -> None:
         if text.startswith(self.marker, start):
             start += len(self.marker)
         pos = skip_ws(text, start)
         if pos >= len(text):
-            return calls
+            return
         if text[pos] != "[":
             raise Malformed(f"expected '[' after {self.marker}")
         pos += 1
         while True:
             pos = skip_ws(text, pos)
             if pos >= len(text):
-                return calls
+                return
             call = scan_call(text, pos, self.argument_keys)
             calls.append(call)
             if call.end is None:
-                return calls
+                return
             pos = skip_ws(text, call.end)
             if pos >= len(text):
-                return calls
+                return
             if text[pos] == ",":
                 pos += 1
                 continue
@@ -335,7 +381,11 @@ class Mistral(ToolFormat):
                 raise Malformed(f"expected ',' or ']' at {pos}")
             if skip_ws(text, pos + 1) < len(text):
                 raise Malformed("text after the calls")
-            return calls
+            return
+
+    def after_call(self, text: str, end: int) -> int:
+        pos = skip_ws(text, end)
+        return pos + 1 if text.startswith("]", pos) else end
 
     def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
         return f"{self.marker}[{', '.join(self._object(n, a) for n, a in calls)}]"

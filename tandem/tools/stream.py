@@ -4,14 +4,17 @@
     feed('call>\\n{"name": "f", "arguments": {"a"')
                                 -> []                          the call is not whole yet
     feed(': 1}}\\n</tool_call>') -> [CallStart(0, "f"), Arguments(0, '{"a": 1}')]
+    feed("\\nDone.")            -> [Content("\\nDone.")]       not a call: content after them
     finish()                    -> []                          has_calls: True
 
-A call is sent once its object closes, whole: a call cut short (max_tokens, a stop string)
-is never sent, as `ToolFormat.parse` drops it, so the events join to the whole text's parse
-however the answer ends: the same content, the same calls (names, and arguments to the
-character). Text that turns out not to be calls is released as content at `finish`, as long
-as no call has been sent; a call sent and then followed by text that is not calls (only
-possible when the grammar does not force the calls) keeps what was sent.
+Each feed sends what `ToolFormat.read` of the text so far settles, and `finish` the rest of
+`ToolFormat.parse` of the whole text: one rule, so the events join to the whole answer's
+parse however the answer ends -- the same content, the same calls (names, and arguments to
+the character). A call is sent once its object closes, whole: a call cut short (max_tokens, a
+stop string) is never sent, as the whole parse drops it. Text that turns out not to be calls
+is content: all of it when no call was whole before it, as soon as that is certain; after a
+call it cannot take back (only possible when the grammar does not force the calls), it is
+content after the call, in the stream as in the whole answer (`Parsed.after`).
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from tandem.tools.formats import ParsedCall, ToolFormat, read_call
-from tandem.tools.scan import Malformed
+from tandem.tools.formats import Parsed, ToolFormat
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +52,8 @@ class ToolCallStream:
     format: ToolFormat
     names: Collection[str]
     text: str = ""
-    num_content_chars: int = 0  # content sent: text[:num_content_chars]
+    num_content_chars: int = 0  # content sent: the first chars of the answer's content
     num_calls: int = 0  # calls sent (each whole)
-    broken: bool = False  # the calls cannot parse: nothing more until finish
 
     @property
     def has_calls(self) -> bool:
@@ -60,46 +61,27 @@ class ToolCallStream:
 
     def feed(self, delta: str) -> list[Event]:
         self.text += delta
-        if self.broken:
-            return []
-        text = self.text
-        start = self.format.start(text)
-        if start is None:
-            return self._content(self.format.hold(text))
-        events = self._content(len(text[:start].rstrip()))
-        try:
-            scans = self.format.scan(text, start)
-        except Malformed:
-            self.broken = True
-            return events
-        for scan in scans[self.num_calls :]:
-            if scan.end is None:
-                break  # not whole yet
-            call = read_call(scan, self.names)
-            if call is None:
-                self.broken = True
-                break
-            events += self._call(call)
-        return events
+        return self._send(self.format.read(self.text, self.names, final=False))
 
     def finish(self) -> list[Event]:
         """The rest, once the answer is complete (however it ended)."""
-        parsed = self.format.parse(self.text, self.names)
-        if not parsed.calls:
-            return [] if self.has_calls else self._content(len(self.text))
+        return self._send(self.format.parse(self.text, self.names))
+
+    def _send(self, read: Parsed) -> list[Event]:
+        """What `read` settles beyond what was sent, in the answer's order: content before
+        the calls, the calls, content after them."""
         events: list[Event] = []
-        for call in parsed.calls[self.num_calls :]:
-            events += self._call(call)
+        events += self._content(read.content, len(read.before))
+        for call in read.calls[self.num_calls :]:
+            index = self.num_calls
+            self.num_calls += 1
+            events += [CallStart(index, call.name), Arguments(index, call.arguments)]
+        events += self._content(read.content, len(read.content))
         return events
 
-    def _content(self, end: int) -> list[Event]:
-        if end <= self.num_content_chars or self.has_calls:
+    def _content(self, content: str, end: int) -> list[Event]:
+        if end <= self.num_content_chars:
             return []
-        text = self.text[self.num_content_chars : end]
+        text = content[self.num_content_chars : end]
         self.num_content_chars = end
         return [Content(text)]
-
-    def _call(self, call: ParsedCall) -> list[Event]:
-        index = self.num_calls
-        self.num_calls += 1
-        return [CallStart(index, call.name), Arguments(index, call.arguments)]

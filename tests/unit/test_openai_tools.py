@@ -263,3 +263,70 @@ def test_responses_cut_by_max_output_tokens_keep_their_whole_calls() -> None:
         assert [(o["type"], o["name"], o["arguments"]) for o in response["output"]] == [
             ("function_call", "get_weather", '{"city": "Oslo"}')
         ]
+
+
+# -- a call, then text that is not one (tool_choice auto) ------------------------------------------
+
+AFTER = "Checking.\n" + CALL + "\nDone: it is sunny."
+
+
+def test_a_call_then_text_is_the_call_and_the_text_streamed_and_whole() -> None:
+    """The stream sent the call before the text came; the whole answer keeps it too, and
+    both have the text outside the call as content (finish_reason tool_calls)."""
+    whole = answer()
+    whole.chunk(rpb.Chunk(text=AFTER))
+    choice = whole.whole(complete())["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Checking.\nDone: it is sunny."
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    ]
+    for size in (1, 5, 13):
+        streamed = answer(stream=True)
+        got = [
+            d
+            for i in range(0, len(AFTER), size)
+            for d in deltas(streamed.chunks(rpb.Chunk(text=AFTER[i : i + size])))
+        ]
+        got += deltas(streamed.finish_chunks())
+        last = streamed.last(complete())["choices"][0]
+        assert (last["delta"], last["finish_reason"]) == ({}, "tool_calls")
+        content = "".join(d.get("content", "") for d in got)
+        assert content == message["content"]
+        calls = [c["function"] for d in got for c in d.get("tool_calls", []) if "id" in c]
+        arguments = [c["function"]["arguments"] for d in got for c in d.get("tool_calls", [])]
+        assert [c["name"] for c in calls] == ["get_weather"]
+        assert "".join(arguments) == '{"city": "Oslo"}'
+    grpc = CompleteCalls(FORMATS["hermes"], frozenset({"get_weather"}))
+    grpc.see(rpb.GenerateResponse(chunk=rpb.Chunk(text=AFTER)))
+    done = rpb.GenerateResponse(complete=complete())
+    grpc.see(done)
+    assert [c.function.name for c in done.complete.tool_calls] == ["get_weather"]
+
+
+def test_responses_a_call_then_text_is_a_message_after_the_call_streamed_and_whole() -> None:
+    kinds, events, streamed = reply([AFTER[:30], AFTER[30:-6], AFTER[-6:]])
+    assert kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert [e["output_index"] for e in events[12:19]] == [2] * 7
+    first, second = events[2]["item"]["id"], events[12]["item"]["id"]
+    assert first != second and events[14]["item_id"] == second
+    whole = tool_reply().whole([rpb.Chunk(text=AFTER)], complete())
+    for response in (streamed, whole):
+        assert response["status"] == "completed"
+        message, call, after = response["output"]
+        assert message["content"][0]["text"] == "Checking."
+        assert (call["name"], call["arguments"]) == ("get_weather", '{"city": "Oslo"}')
+        assert after["type"] == "message" and after["status"] == "completed"
+        assert after["content"][0]["text"] == "\nDone: it is sunny."
+        assert message["id"] != after["id"]

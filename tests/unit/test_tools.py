@@ -189,10 +189,8 @@ def test_parsers_read_calls(format: str, text: str, expected: Parsed) -> None:
         ("hermes", '<tool_call>\n{"name": "get_weather" "arguments": {}}\n</tool_call>'),  # no ':'
         ("hermes", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),  # not a tool
         ("hermes", '<tool_call>\n{"name": "ping", "arguments": "{}"}\n</tool_call>'),  # a string
-        ("hermes", '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call> and then text'),
         ("hermes", "<tool_call>\n</tool_call>"),
         ("llama3_json", 'I would call {"name": "ping", "parameters": {}}'),  # not the whole answer
-        ("llama3_json", '{"name": "ping", "parameters": {}} done'),
         ("llama3_json", '{"temperature": 20}'),  # JSON, not a call
         ("mistral", '[TOOL_CALLS]{"name": "ping", "arguments": {}}'),  # not a list
         ("mistral", "[TOOL_CALLS][]"),
@@ -202,6 +200,42 @@ def test_parsers_read_calls(format: str, text: str, expected: Parsed) -> None:
 )
 def test_malformed_output_is_all_content(format: str, text: str) -> None:
     assert get_format(format).parse(text, NAMES) == Parsed(text)
+
+
+@pytest.mark.parametrize(
+    ("format", "text", "expected"),
+    [
+        # What follows the calls and is not one (text, JSON that is not a call, a function
+        # that is not a tool) is content after them, from the end of the last call (its
+        # closing tag or bracket) on; nothing after it is a call. The calls stay calls: a
+        # stream has sent them.
+        ("hermes", f"{HP} and then text", Parsed("and then text", (ParsedCall("ping", "{}"),),
+         "and then text")),
+        ("hermes", f"Hm.\n\n{HW}\n{HP}\n\nDone: {HW}\n",
+         Parsed(f"Hm.\n\nDone: {HW}\n", (ParsedCall("get_weather", W), ParsedCall("ping", "{}")),
+                f"\n\nDone: {HW}\n")),
+        ("hermes", f'{HP}\n<tool_call>\n{{"name": "rm_rf", "arguments": {{}}}}\n</tool_call>',
+         Parsed('<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>',
+                (ParsedCall("ping", "{}"),), '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n'
+                "</tool_call>")),
+        ("hermes", '<tool_call>{"name": "ping"} ok',
+         Parsed("ok", (ParsedCall("ping", "{}"),), "ok")),
+        ("llama3_json", f"{LP} done", Parsed("done", (ParsedCall("ping", "{}"),), "done")),
+        ("llama3_json", f"{LW}; {LP}; then", Parsed("; then", (ParsedCall("get_weather", W),
+         ParsedCall("ping", "{}")), "; then")),
+        ("mistral", f"Sure [TOOL_CALLS][{MP}]\nDone.",
+         Parsed("Sure\nDone.", (ParsedCall("ping", "{}"),), "\nDone.")),
+        ("mistral", f"[{MW}, {MP}] done", Parsed("done", (ParsedCall("get_weather", W),
+         ParsedCall("ping", "{}")), "done")),
+        ("mistral", f"[TOOL_CALLS][{MP}, 7]", Parsed(", 7]", (ParsedCall("ping", "{}"),), ", 7]")),
+    ],
+)  # fmt: skip
+def test_text_after_the_calls_is_content_after_them(
+    format: str, text: str, expected: Parsed
+) -> None:
+    parsed = get_format(format).parse(text, NAMES)
+    assert parsed == expected
+    assert parsed.before + parsed.after == parsed.content
 
 
 @pytest.mark.parametrize(
@@ -274,6 +308,20 @@ TEXTS = [
     ("mistral", "[TOOL_CALL] is not the marker"),
     ("mistral", f"[{MW}, {MP}]"),
     ("mistral", "[1, [2]]"),
+    # A call, then text that is not one: the call (the stream has sent it) and the text
+    # after it as content, in each format.
+    ("hermes", f"{HP} and then text"),
+    ("hermes", f"Hm.\n\n{HW}\n{HP}\n\nDone: {HW}\n"),
+    ("hermes", f'{HP}\n<tool_call>\n{{"name": "rm_rf", "arguments": {{}}}}\n</tool_call>'),
+    ("hermes", f"{HW}\n</tool_cal> x"),
+    ("hermes", '<tool_call>{"name": "ping"} ok'),
+    ("llama3_json", f"{LP} done"),
+    ("llama3_json", f"{LW}; {LP}; then"),
+    ("llama3_json", f'{LP}; {{"name": "rm_rf", "parameters": {{}}}}'),
+    ("mistral", f"Sure [TOOL_CALLS][{MP}]\nDone."),
+    ("mistral", f"[{MW}, {MP}] done"),
+    ("mistral", f"[TOOL_CALLS][{MP}, 7]"),
+    ("mistral", f"[{MP}] then [TOOL_CALLS][{MW}]"),
     # Cut short: the whole calls, as streamed, and nothing of the cut one.
     ("hermes", f'Hm.\n{HW}\n<tool_call>\n{{"name": "ping", "argu'),
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
@@ -284,11 +332,26 @@ TEXTS = [
 
 @pytest.mark.parametrize(("format", "text"), TEXTS)
 def test_stream_joins_to_the_whole_parse_at_every_split(format: str, text: str) -> None:
-    whole = get_format(format).parse(text, NAMES)
-    for size in (1, 2, 3, 7):
-        pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        content, calls, has_calls, _ = _stream(format, pieces)
-        assert (content, tuple(calls), has_calls) == (whole.content, whole.calls, bool(whole.calls))
+    """Every split, and the answer ending anywhere: the events join to the whole parse, in
+    its order (content before the calls, the calls, content after them)."""
+    fmt = get_format(format)
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        whole = fmt.parse(cut, NAMES)
+        sizes = (1, 2, 3, 7) if end == len(text) else (1, 5)
+        for size in sizes:
+            pieces = [cut[i : i + size] for i in range(0, len(cut), size)]
+            content, calls, has_calls, events = _stream(format, pieces)
+            assert (content, tuple(calls), has_calls) == (
+                whole.content,
+                whole.calls,
+                bool(whole.calls),
+            ), (cut, size)
+            first_call = next(
+                (i for i, e in enumerate(events) if not isinstance(e, Content)), len(events)
+            )
+            before = "".join(e.text for e in events[:first_call] if isinstance(e, Content))
+            assert before == whole.before, (cut, size)
 
 
 @pytest.mark.parametrize(
@@ -311,6 +374,20 @@ def test_a_stream_cut_anywhere_has_sent_the_calls_of_the_cut_text(format: str, t
                 sent[-1] = ParsedCall(sent[-1].name, event.text)
         assert tuple(sent) == fmt.parse(text[:end], NAMES).calls, text[:end]
     assert len(sent) == 3
+
+
+def test_stream_sends_text_after_a_call_as_content_after_it() -> None:
+    stream = ToolCallStream(HERMES, NAMES)
+    assert stream.feed(f"Sure.\n{HP}") == [Content("Sure."), CallStart(0, "ping"),
+                                            Arguments(0, "{}")]  # fmt: skip
+    assert stream.feed("\n") == []  # may open another call
+    assert stream.feed("Done") == [Content("\nDone")]
+    assert stream.feed(f" {HW}") == [Content(f" {HW}")]  # nothing after text is a call
+    assert stream.finish() == []
+    # Not a call, and none before it: all content, as soon as that is certain.
+    bad = ToolCallStream(HERMES, NAMES)
+    assert bad.feed('Hi <tool_call>\n{"name": "rm_rf", "arguments": {}') == [Content("Hi")]
+    assert bad.feed("}") == [Content(' <tool_call>\n{"name": "rm_rf", "arguments": {}}')]
 
 
 def test_stream_withholds_text_that_may_open_a_call() -> None:
