@@ -1,6 +1,6 @@
 """The CPU engine's building blocks on the default model (issue 24), in one process.
 
-    python benchmarks/bench_cpu_engine.py [--threads 1,2] [--parts matmuls,engine,attention]
+    python benchmarks/bench_cpu_engine.py [--threads 1,2] [--parts matmuls,engine,attention,kernel]
         [--model-dir DIR] [--results-dir DIR]
 
 1. matmuls: SmolLM2-135M's 121 weight matrices (30 x qkv, o, gate_up, down, and lm_head),
@@ -15,6 +15,9 @@
    products (`BLOCK_DIAGONAL_MAX_KV_HEADS` 0, the previous session's path); alternated every
    5 steps in one engine (median of 30 each); the process's CPU time per step (at 1 thread,
    the step's time without what other jobs on a shared box take).
+4. kernel: the native decode kernel alone, its AVX512-BF16 path against its plain loops,
+   over an engine-shaped cache (30 layers interleaved per block, blocks scattered), 1, 4 and
+   16 rows of ~300 keys, process CPU time per 30-layer call.
 
 Same process, same inputs, alternating nothing but the variant: ratios are what to read
 (the machine is shared). Writes <results-dir>/cpu_engine.json.
@@ -175,10 +178,51 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
     return out
 
 
+def bench_kernel(rows_list: tuple[int, ...] = (1, 4, 16), ctx: int = 300) -> dict[str, Any]:
+    """The native decode kernel alone over an engine-shaped cache (every layer's K and V
+    interleaved per block, blocks scattered, the cache far larger than L3), 30 layers called
+    in turn as a step does: the AVX512-BF16 path against the plain loops, alternated,
+    process CPU time per 30-layer call (median of 9), 1 thread."""
+    from tandem.model import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is None:
+        return {"skipped": "no C compiler"}
+    torch.set_num_threads(1)
+    layers, q_heads, kv_heads, dim, bs = 30, 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {"bf16_dot": cpu_kernels.has_bf16_dot(lib), "context": ctx}
+    for rows in rows_list:
+        per_row = -(-ctx // bs)
+        num_blocks = rows * per_row + 64
+        cache = torch.randn(num_blocks, layers, 2, bs, kv_heads, dim, generator=gen).bfloat16()
+        tables = torch.randperm(num_blocks, generator=gen)[: rows * per_row].view(rows, -1)
+        lens = torch.tensor([ctx - (i * 7) % 40 for i in range(rows)], dtype=torch.int64)
+        qs = [torch.randn(rows, q_heads, dim, generator=gen).bfloat16() for _ in range(layers)]
+        times: dict[str, list[float]] = {"vector": [], "plain": []}
+        for _ in range(9):
+            for name in times:
+                t0 = time.process_time()
+                for layer in range(layers):
+                    kv = cache[:, layer]
+                    cpu_kernels.decode_attention(
+                        lib, qs[layer], kv[:, 0], kv[:, 1], tables, lens, dim**-0.5,
+                        vector=name == "vector",
+                    )  # fmt: skip
+                times[name].append(time.process_time() - t0)
+        for name, ts in times.items():
+            out[f"rows{rows}_{name}_cpu_ms"] = sorted(ts)[len(ts) // 2] * 1e3
+    print(
+        "kernel: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items() if k.endswith("_ms")),
+        flush=True,
+    )
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--parts", default="matmuls,engine,attention")
+    ap.add_argument("--parts", default="matmuls,engine,attention,kernel")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args()
@@ -196,14 +240,16 @@ def main() -> int:
         if "engine" in parts
     ]
     attentions = [bench_attention(args.model_dir, t) for t in threads if "attention" in parts]
+    kernel = bench_kernel() if "kernel" in parts else {}
     result = {
         "command": "python benchmarks/bench_cpu_engine.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(model_dir=str(args.model_dir)),
         "matmuls": matmuls,
         "engine": engines,
         "attention": attentions,
+        "kernel": kernel,
     }
-    name = "cpu_engine.json" if parts >= {"matmuls", "engine", "attention"} else (
+    name = "cpu_engine.json" if parts >= {"matmuls", "engine", "attention", "kernel"} else (
         "cpu_engine-" + "-".join(sorted(parts)) + ".json"
     )
     write_json(args.results_dir / name, result, indent=1)
