@@ -54,6 +54,21 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": dict(cls="MistralConfig", sliding_window=None),
     "qwen2": dict(cls="Qwen2Config"),
     "qwen3": dict(cls="Qwen3Config", head_dim=24),
+    # Mixture of experts: 8 experts, top 2; Qwen3-MoE renormalises the top k, its second
+    # layer is dense (mlp_only_layers) and its expert width differs from the dense MLP's.
+    "qwen3-moe": dict(
+        cls="Qwen3MoeConfig",
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
+    "mixtral": dict(
+        cls="MixtralConfig", num_local_experts=8, num_experts_per_tok=2, sliding_window=None
+    ),
 }
 
 BASE_SHAPE = dict(
@@ -89,11 +104,20 @@ def build_hf_model(arch: str, out_dir: Path, seed: int = 0) -> Any:
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, 0.1)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3-moe"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.2)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.2)
+    if arch in ("qwen3-moe", "mixtral"):
+        # transformers initializes routers to zero (every expert tied): spread them so each
+        # token's top k is decided and the experts differ in use.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                block = getattr(layer, "block_sparse_moe", None) or layer.mlp
+                gate = getattr(block, "gate", None)
+                if gate is not None:
+                    gate.weight.normal_(0.0, 0.5)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.save_pretrained(out_dir)

@@ -7,12 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.model.moe import MoeConfig, Routing
+
 # HF architecture name -> (qkv bias default, q/k norm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Qwen3MoeForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
 }
 
 
@@ -48,6 +52,7 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None  # mixture-of-experts layers (Qwen3-MoE, Mixtral)
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -105,6 +110,7 @@ class ModelConfig:
                 qk_norm=qk_norm,
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
+                moe=_parse_moe(arch, raw),
             )
         except KeyError as exc:
             raise ValueError(f"config.json is missing required field {exc.args[0]!r}") from None
@@ -121,6 +127,36 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"{path} must hold a JSON object")
         return cls.from_hf(raw)
+
+
+def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
+    """The sparse layers as transformers builds them: Mixtral's every layer; Qwen3-MoE's
+    layer i unless i is in `mlp_only_layers`, when (i + 1) % `decoder_sparse_step` == 0."""
+    num_layers = int(raw["num_hidden_layers"])
+    # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if arch == "MixtralForCausalLM":
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_intermediate_size=int(raw["intermediate_size"]),
+            routing=Routing.TOPK_SOFTMAX,
+            norm_topk_prob=True,
+            sparse_layers=tuple(range(num_layers)),
+        )
+    if arch != "Qwen3MoeForCausalLM" or num_experts == 0:
+        return None
+    dense = set(raw.get("mlp_only_layers") or ())
+    step = int(raw.get("decoder_sparse_step") or 1)
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=int(raw["moe_intermediate_size"]),
+        routing=Routing.SOFTMAX_TOPK,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+    )
 
 
 def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3; Qwen3-MoE and Mixtral, whose
+sparse layers' MLP is `tandem.model.moe`) over a paged KV cache.
 
 Tokens of all requests in a step are packed into one flat batch ([num_tokens, ...]); the
 attention backend knows which request each token belongs to. q/k/v and gate/up projections
@@ -23,6 +24,7 @@ from tandem.model import cpu_kernels
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul, pack
+from tandem.model.moe import MoeWeights, moe_forward
 from tandem.model.quant import QuantizedWeight
 from tandem.model.quant_linear import QuantLinear, Workspace, pack_quantized
 from tandem.model.rope import RotaryEmbedding, apply_rotary
@@ -44,11 +46,14 @@ class LayerWeights:
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     o: Weight  # [q_heads * head_dim, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Weight  # [hidden, 2 * intermediate]
-    down: Weight  # [intermediate, hidden]
+    gate_up: Weight | None  # [hidden, 2 * intermediate]; None in a sparse layer
+    down: Weight | None  # [intermediate, hidden]; None in a sparse layer
+    moe: MoeWeights | None = None  # a sparse layer's router and experts
 
-    def matrices(self) -> tuple[Weight, Weight, Weight, Weight]:
-        return self.qkv, self.o, self.gate_up, self.down
+    def matrices(self) -> tuple[Weight, ...]:
+        """The layer's dense matrices (a sparse layer's experts are not among them)."""
+        mats = (self.qkv, self.o, self.gate_up, self.down)
+        return tuple(m for m in mats if m is not None)
 
 
 @dataclass(slots=True)
@@ -67,6 +72,7 @@ class ModelWeights:
         for lw in self.layers:
             tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o]
             tensors += [lw.post_norm, lw.gate_up, lw.down]
+            tensors += list(lw.moe.tensors()) if lw.moe is not None else []
         for t in tensors:
             if t is None:
                 continue
@@ -116,7 +122,8 @@ class LlamaModel:
         dtype = weights.embed.dtype
         for lw in weights.layers:
             lw.qkv, lw.o = self._pack(lw.qkv, dtype), self._pack(lw.o, dtype)
-            lw.gate_up, lw.down = self._pack(lw.gate_up, dtype), self._pack(lw.down, dtype)
+            if lw.gate_up is not None and lw.down is not None:
+                lw.gate_up, lw.down = self._pack(lw.gate_up, dtype), self._pack(lw.down, dtype)
         if matmul is not MatmulKind.PLAIN:
             weights.lm_head = pack(weights.lm_head, matmul)
         self.weights = weights
@@ -183,8 +190,13 @@ class LlamaModel:
             if self.tp is not None:  # row-parallel: each rank's heads' share of the sum
                 o = self.tp.all_reduce(o)
             h, x = self._add_norm(h, o, lw.post_norm, eps)
-            gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
-            pending = matmul(F.silu(gate) * up, lw.down, mm)
+            if lw.moe is not None:
+                assert cfg.moe is not None
+                pending = moe_forward(x, lw.moe, cfg.moe)
+            else:
+                assert lw.gate_up is not None and lw.down is not None
+                gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
+                pending = matmul(F.silu(gate) * up, lw.down, mm)
             if self.tp is not None:
                 pending = self.tp.all_reduce(pending)
         return self._add_norm(h, pending, w.final_norm, eps)[1]

@@ -25,6 +25,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.gguf_quant import GGUF_FILE, GGUFMatrices, gguf_matrices
 from tandem.model.linear import choose_matmul, onednn_bf16_available
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights, Weight
+from tandem.model.moe import MoeWeights
 from tandem.model.parallel import TPGroup
 from tandem.model.quant import WeightScheme
 from tandem.model.quant_checkpoints import QuantizedReader, read_checkpoint_quant, stored_shapes
@@ -73,6 +74,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (hid, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (hid,)
+        if config.moe is not None and i in config.moe.sparse_layers:
+            e_inter = config.moe.expert_intermediate_size
+            shapes[router_name(config, i)] = (config.moe.num_experts, hid)
+            for e in range(config.moe.num_experts):
+                gate, up, down = expert_names(config, i, e)
+                shapes[gate] = (e_inter, hid)
+                shapes[up] = (e_inter, hid)
+                shapes[down] = (hid, e_inter)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, hid)
         shapes[p + "mlp.up_proj.weight"] = (inter, hid)
         shapes[p + "mlp.down_proj.weight"] = (hid, inter)
@@ -81,6 +91,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, hid)
     shapes["model.norm.weight"] = (hid,)
     return shapes
+
+
+def router_name(config: ModelConfig, i: int) -> str:
+    """Layer i's router in the checkpoint (Mixtral: block_sparse_moe.gate, Qwen3-MoE: mlp.gate)."""
+    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{i}.{block}.gate.weight"
+
+
+def expert_names(config: ModelConfig, i: int, e: int) -> tuple[str, str, str]:
+    """Expert e of layer i's (gate, up, down) in the checkpoint (Mixtral's w1, w3, w2)."""
+    if config.architecture == "MixtralForCausalLM":
+        p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{i}.mlp.experts.{e}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
 
 def check_entries(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]]) -> None:
@@ -201,9 +226,32 @@ class WeightBuilder:
         del src
         return dst
 
+    def experts(self, config: ModelConfig, i: int) -> MoeWeights:
+        """Layer i's router and experts, each expert's gate and up fused and transposed into
+        its slot of one stacked tensor (the per-expert tensors of the file never coexist)."""
+        assert config.moe is not None
+        if self.quantization is not WeightScheme.NONE:
+            raise ValueError("mixture-of-experts models serve unquantized weights only for now")
+        num, inter = config.moe.num_experts, config.moe.expert_intermediate_size
+        hid = config.hidden_size
+        router = self.fused([router_name(config, i)], transpose=True)  # [hid, experts]
+        gate_up = torch.empty(num, hid, 2 * inter, dtype=self.dtype, device=self.device)
+        down = torch.empty(num, inter, hid, dtype=self.dtype, device=self.device)
+        for e in range(num):
+            gate, up, down_name = expert_names(config, i, e)
+            for name, dst in ((gate, gate_up[e, :, :inter]), (up, gate_up[e, :, inter:])):
+                self.copy_transposed(dst, self.reader.read(name))
+            self.copy_transposed(down[e], self.reader.read(down_name))
+        return MoeWeights(
+            router=router,
+            gate_up=gate_up,
+            down=down,
+        )
+
     def layer(self, config: ModelConfig, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
+        sparse = config.moe is not None and i in config.moe.sparse_layers
         return LayerWeights(
             # qkv: [hid, q_out + 2 * kv_out]
             qkv=self.matrix([attn + f"{x}_proj.weight" for x in "qkv"]),
@@ -216,8 +264,11 @@ class WeightBuilder:
             o=self.matrix([attn + "o_proj.weight"]),  # [q_out, hid]
             post_norm=self.fused([p + "post_attention_layernorm.weight"]),
             # gate_up: [hid, 2 * inter]
-            gate_up=self.matrix([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]),
-            down=self.matrix([p + "mlp.down_proj.weight"]),  # [inter, hid]
+            gate_up=None
+            if sparse
+            else self.matrix([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]),
+            down=None if sparse else self.matrix([p + "mlp.down_proj.weight"]),  # [inter, hid]
+            moe=self.experts(config, i) if sparse else None,
         )
 
     def model(self, config: ModelConfig, vocab_rows: int | None = None) -> ModelWeights:

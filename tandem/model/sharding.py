@@ -53,6 +53,11 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     head, or whole replicas of every KV head with its query heads split evenly among them."""
     if size <= 0:
         raise ValueError(f"tensor_parallel_size must be positive, got {size}")
+    if config.moe is not None and size > 1:
+        raise ValueError(
+            f"tensor_parallel_size {size}: {config.architecture} (mixture of experts) is "
+            "served by one rank per worker for now"
+        )
     q, k = config.num_q_heads, config.num_kv_heads
     if size <= k:
         return

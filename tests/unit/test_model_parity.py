@@ -10,7 +10,7 @@ import torch
 
 from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
 
-ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral"]
 ATOL = 1e-4
 
 
@@ -63,7 +63,7 @@ def test_prefill_and_decode_logits_match_hf(hf_model, engine_factory, arch, chun
     assert done.token_ids == hf_greedy(hf, prompt, 6)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "mixtral"])
 def test_prefix_cache_hit_logits_match_hf(hf_model, engine_factory, arch) -> None:
     """A second request that starts after cached blocks still computes the same logits."""
     model_dir, hf = hf_model(arch)
@@ -86,7 +86,7 @@ def _mixed_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
     return [(rng.choices(range(256), k=rng.randint(1, 40)), rng.randint(1, 20)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
 @pytest.mark.parametrize(
     "mode",
     ["chunked", "preemption"],
@@ -97,8 +97,8 @@ def test_concurrent_greedy_token_identical(hf_model, engine_factory, arch, mode)
         # A 16-token budget splits most prompts across steps, mixed with decodes.
         engine = engine_factory(model_dir, block_size=4, max_num_batched_tokens=16)
     else:
-        # 24 blocks of 4 tokens cannot hold 16 requests of up to 60 tokens at once.
-        engine = engine_factory(model_dir, block_size=4, num_blocks=24)
+        # 20 blocks of 4 tokens cannot hold 16 requests of up to 60 tokens at once.
+        engine = engine_factory(model_dir, block_size=4, num_blocks=20)
     cases = _mixed_prompts(16, seed=sum(map(ord, arch)))
     for i, (prompt, n) in enumerate(cases):
         engine.add_request(

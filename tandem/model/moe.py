@@ -1,0 +1,176 @@
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral): routing and the grouped expert computation.
+
+A sparse layer's MLP is a router ([hidden, num_experts]) and `num_experts` SwiGLU experts.
+Each token goes to `top_k` experts with a weight each; the layer's output is the weighted
+sum of those experts' outputs. Routing is each model's own:
+
+  Qwen3-MoE  softmax over all experts (float32), the top k of it, renormalised to sum to 1
+             when `norm_topk_prob`, cast to the activations' dtype (transformers'
+             Qwen3MoeTopKRouter)
+  Mixtral    the top k router logits, softmax over those k (float32): the same numbers as
+             transformers' softmax-top-k-renormalise, without normalising over all experts
+
+The experts run as one grouped operation, never a Python loop over experts: the
+(token, slot) pairs are sorted by expert, the tokens gathered in that order, and each
+expert's contiguous rows multiplied by its own matrices in one grouped GEMM per projection
+(gate and up fused); the outputs, scaled by their routing weights, are added back to their
+tokens with one index_add:
+
+    pairs (token t, slot j) -> expert e      sorted by e           offsets (cumulative)
+    t0: e2 e0                                 [t0 t1 | t1 | t0]    [2, 3, 4]  (e0 | e1 | e2)
+    t1: e0 e1                                  e0 e0   e1   e2
+
+On CUDA the Triton kernel (kernels/fused_moe.py) does the same over block-padded segments,
+with fixed shapes (CUDA graphs capture it); elsewhere `torch.nn.functional.grouped_mm`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Routing(StrEnum):
+    SOFTMAX_TOPK = "softmax_topk"  # Qwen3-MoE: softmax over all, then top k (renormalised?)
+    TOPK_SOFTMAX = "topk_softmax"  # Mixtral: top k logits, then softmax over those
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The sparse layers of a model and how they route."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    routing: Routing
+    norm_topk_prob: bool  # SOFTMAX_TOPK: renormalise the top k (TOPK_SOFTMAX always sums to 1)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts; the rest are dense
+
+    def __post_init__(self) -> None:
+        if self.num_experts <= 0 or self.expert_intermediate_size <= 0:
+            raise ValueError(
+                f"num_experts ({self.num_experts}) and moe_intermediate_size "
+                f"({self.expert_intermediate_size}) must be positive"
+            )
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]"
+            )
+
+
+@dataclass(slots=True)
+class MoeWeights:
+    """One sparse layer's router and experts, each expert's matrices transposed like every
+    other matrix ([in, out]) and stacked along dim 0."""
+
+    router: torch.Tensor  # [hidden, num_experts]
+    gate_up: torch.Tensor  # [num_experts, hidden, 2 * expert_intermediate]
+    down: torch.Tensor  # [num_experts, expert_intermediate, hidden]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.router, self.gate_up, self.down
+
+
+class Routed(NamedTuple):
+    expert_ids: torch.Tensor  # [num_tokens, top_k] int64
+    weights: torch.Tensor  # [num_tokens, top_k]
+
+
+def route(x: torch.Tensor, router: torch.Tensor, cfg: MoeConfig) -> Routed:
+    """x: [num_tokens, hidden] -> each token's top-k experts and their weights."""
+    logits = x @ router  # [num_tokens, num_experts]
+    if cfg.routing is Routing.TOPK_SOFTMAX:
+        top, ids = torch.topk(logits, cfg.top_k, dim=-1)
+        return Routed(ids, torch.softmax(top.float(), dim=-1))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return Routed(ids, top.to(x.dtype))
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs in expert order and each expert's end in that order.
+
+    Args:
+        expert_ids: [num_tokens, top_k]
+    Returns:
+        order: [num_tokens * top_k] flat pair indices (pair p is token p // top_k), stable.
+        offsets: [num_experts] int32, the cumulative pair counts (grouped_mm's `offs`).
+    """
+    flat = expert_ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    # grouped_mm wants 16-byte aligned strides
+    return all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1] if s != 1)
+
+
+def grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    expert_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x: [num_pairs, in] sorted by expert; w: [num_experts, in, out] -> [num_pairs, out],
+    row i times its expert's matrix. Shapes grouped_mm cannot take (strides not 16-byte
+    aligned) fall back to one batched matmul over each row's gathered matrix."""
+    if _aligned(x) and _aligned(w) and x.shape[0] > 0:
+        return F.grouped_mm(x, w, offs=offsets)
+    sorted_experts = expert_ids.flatten()[order]
+    return torch.bmm(x.unsqueeze(1), w[sorted_experts]).squeeze(1)
+
+
+def grouped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torch.Tensor:
+    """The experts' weighted sum per token, as grouped GEMMs over expert-sorted pairs.
+
+    Args:
+        x: [num_tokens, hidden]
+    Returns:
+        [num_tokens, hidden] in x's dtype.
+    """
+    n, top_k = routed.expert_ids.shape
+    order, offsets = sort_by_expert(routed.expert_ids, weights.gate_up.shape[0])
+    tokens = order // top_k  # [num_pairs] the token of each sorted pair
+    xs = x.index_select(0, tokens)  # [num_pairs, hidden]
+    gate, up = grouped_mm(xs, weights.gate_up, offsets, order, routed.expert_ids).chunk(2, -1)
+    act = (F.silu(gate) * up).contiguous()  # [num_pairs, expert_intermediate]
+    ys = grouped_mm(act, weights.down, offsets, order, routed.expert_ids)  # [num_pairs, hidden]
+    ys = (ys * routed.weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+
+def looped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torch.Tensor:
+    """The same sum, one expert at a time (transformers' way): the benchmark's baseline and
+    a reference for tests. Not for the hot path."""
+    out = torch.zeros_like(x)
+    for e in range(weights.gate_up.shape[0]):
+        token_idx, slot = torch.where(routed.expert_ids == e)
+        if token_idx.numel() == 0:
+            continue
+        gate, up = (x[token_idx] @ weights.gate_up[e]).chunk(2, -1)
+        y = (F.silu(gate) * up) @ weights.down[e]
+        out.index_add_(0, token_idx, (y * routed.weights[token_idx, slot, None]).to(x.dtype))
+    return out
+
+
+def moe_forward(x: torch.Tensor, weights: MoeWeights, cfg: MoeConfig) -> torch.Tensor:
+    """A sparse layer's MLP: x [num_tokens, hidden] -> [num_tokens, hidden]."""
+    routed = route(x, weights.router, cfg)
+    return grouped_experts(x, routed, weights)
+
+
+def active_params(num_params: int, cfg: MoeConfig, hidden: int) -> int:
+    """Parameters a token runs through: all but the experts it is not routed to."""
+    per_expert = 3 * hidden * cfg.expert_intermediate_size
+    idle = (cfg.num_experts - cfg.top_k) * per_expert * len(cfg.sparse_layers)
+    return num_params - idle

@@ -1,0 +1,85 @@
+"""Mixture-of-experts pieces: config parsing of sparse layers, routing, and the grouped
+expert computation against the per-expert loop (transformers' way)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.model.config import ModelConfig
+from tandem.model.moe import (
+    MoeConfig,
+    MoeWeights,
+    Routed,
+    Routing,
+    grouped_experts,
+    looped_experts,
+    route,
+)
+from tandem.model.sharding import check_shardable
+
+
+def _raw(arch: str, **extra: object) -> dict[str, object]:
+    return dict(
+        architectures=[arch], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, **extra,
+    )  # fmt: skip
+
+
+def test_qwen3_moe_sparse_layers_follow_step_and_dense_list() -> None:
+    cfg = ModelConfig.from_hf(
+        _raw("Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[3])
+    )  # fmt: skip
+    assert cfg.moe is not None and cfg.qk_norm
+    assert cfg.moe.sparse_layers == (1, 5)  # (i + 1) % 2 == 0, less layer 3
+    assert cfg.moe.routing is Routing.SOFTMAX_TOPK and not cfg.moe.norm_topk_prob
+    mixtral = ModelConfig.from_hf(_raw("MixtralForCausalLM", num_local_experts=4,
+                                       num_experts_per_tok=2))  # fmt: skip
+    assert mixtral.moe is not None and mixtral.moe.sparse_layers == tuple(range(6))
+    assert mixtral.moe.expert_intermediate_size == 128
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf(_raw("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=5))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        check_shardable(mixtral, 2)
+
+
+def _moe(num_experts: int, hidden: int, inter: int, seed: int) -> MoeWeights:
+    g = torch.Generator().manual_seed(seed)
+    return MoeWeights(
+        router=torch.randn(hidden, num_experts, generator=g),
+        gate_up=torch.randn(num_experts, hidden, 2 * inter, generator=g) / hidden**0.5,
+        down=torch.randn(num_experts, inter, hidden, generator=g) / inter**0.5,
+    )
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(1, 1), (4, 2), (8, 3)])
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (12, 6)])  # 12 x 6: not grouped_mm-aligned
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+def test_grouped_equals_per_expert_loop(num_experts, top_k, hidden, inter, num_tokens) -> None:
+    w = _moe(num_experts, hidden, inter, seed=num_experts * 100 + num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(num_tokens))
+    cfg = MoeConfig(num_experts, top_k, inter, Routing.SOFTMAX_TOPK, True, (0,))
+    routed = route(x, w.router, cfg)
+    want = looped_experts(x, routed, w)
+    torch.testing.assert_close(grouped_experts(x, routed, w), want, atol=1e-5, rtol=1e-5)
+    # every token to expert 0 (the others idle), and to the last expert
+    for e in (0, num_experts - 1):
+        ids = torch.full((num_tokens, top_k), e)
+        skew = Routed(ids, torch.rand(num_tokens, top_k))
+        torch.testing.assert_close(
+            grouped_experts(x, skew, w), looped_experts(x, skew, w), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_routing_rules() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    router = torch.eye(4)
+    mixtral = MoeConfig(4, 2, 8, Routing.TOPK_SOFTMAX, True, (0,))
+    ids, weights = route(logits, router, mixtral)
+    assert ids.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights, torch.softmax(torch.tensor([[2.0, 1.0]]), -1))
+    qwen = MoeConfig(4, 2, 8, Routing.SOFTMAX_TOPK, False, (0,))
+    ids, weights = route(logits, router, qwen)
+    torch.testing.assert_close(weights, torch.softmax(logits, -1)[:, :2])  # not renormalised
+    assert weights.sum() < 0.95
