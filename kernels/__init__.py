@@ -6,6 +6,9 @@ they are tested against.
 - `prefill_attention.paged_prefill_attention`: causal varlen prefill over block tables.
 - `decode_attention.paged_decode_attention`: one query token per request, split-K (flash
   decoding) over block tables, GQA groups sharing each K/V load.
+- `fused_moe.fused_moe` (import it from its module, which has its name): mixture-of-experts
+  SwiGLU experts as grouped GEMMs over expert-sorted tokens, routing weights applied in the
+  epilogue.
 
 The Triton kernels are exported lazily: importing `kernels` (for `kernels.reference`) does
 not import Triton, so the CPU path never loads it.

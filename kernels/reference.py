@@ -131,3 +131,31 @@ def scaled_matmul_reference(
     qweight [out, in] and float32 scales [out] or [1]; summed in float64, scaled after."""
     y = x.double() @ qweight.double().t()  # int8 and e4m3 values are exact in float64
     return (y * scales.double().view(1, -1)).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture-of-experts MLP, token by token and slot by slot: y[t] = sum_j weights[t, j] *
+    down[e] (silu(x[t] @ gate[e]) * (x[t] @ up[e])), e = expert_ids[t, j].
+
+    Args:
+        x: [num_tokens, hidden]
+        gate_up: [num_experts, hidden, 2 * inter] (gate columns, then up)
+        down: [num_experts, inter, hidden]
+        expert_ids, weights: [num_tokens, top_k]
+    Returns:
+        [num_tokens, hidden] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, j])
+            gate, up = (x[t] @ gate_up[e]).chunk(2)
+            y = (torch.nn.functional.silu(gate) * up) @ down[e]
+            out[t] += (y * weights[t, j]).to(x.dtype)
+    return out

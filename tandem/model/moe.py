@@ -166,6 +166,10 @@ def looped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torc
 def moe_forward(x: torch.Tensor, weights: MoeWeights, cfg: MoeConfig) -> torch.Tensor:
     """A sparse layer's MLP: x [num_tokens, hidden] -> [num_tokens, hidden]."""
     routed = route(x, weights.router, cfg)
+    if x.is_cuda:  # fixed shapes whatever the routing: CUDA graphs capture it
+        from kernels.fused_moe import fused_moe
+
+        return fused_moe(x, weights.gate_up, weights.down, routed.expert_ids, routed.weights)
     return grouped_experts(x, routed, weights)
 
 

@@ -1,0 +1,267 @@
+"""Fused mixture-of-experts MLP: y[t] = sum_j w[t, j] * expert_{e[t, j]}(x[t]), SwiGLU experts,
+as two grouped GEMMs over (token, slot) pairs sorted by expert.
+
+The pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M
+(`align_by_expert`), so every row tile belongs to one expert; padding rows hold the sentinel
+`num_pairs` and are masked:
+
+    pairs sorted:      e0 e0 e0 | e1 | e3 e3          (e2 idle)
+    padded, BLOCK_M=2: [p p][p -] [p -] [p p] [- -]...  block_expert = [0, 0, 1, 3, E, ...]
+
+  _gate_up_kernel  act[pair] = silu(x[token] @ Wg[e]) * (x[token] @ Wu[e]): one program per
+                   (row tile, intermediate tile), gate and up accumulated side by side from
+                   the fused [E, hidden, 2 * inter] matrix, the SwiGLU in the epilogue
+  _down_kernel     out[pair] = w[pair] * (act[pair] @ Wd[e]): the routing weight applied in
+                   the epilogue; the host sums each token's top_k rows (no atomics, so the
+                   sum's order is fixed)
+
+Every shape is a function of (num_tokens, top_k, num_experts, BLOCK_M) only, never of the
+routing: the sort, the padding and both grids have fixed sizes and nothing is read back to
+the host, so CUDA graphs capture a decode step through it. Tiles past the last expert's
+run see block_expert == num_experts and return at once.
+
+Accumulates in fp32; stores in x's dtype (float16, bfloat16, or float32 with IEEE dots).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per tile: 16 (tl.dot's least) while an expert's run is short (decode), 64 when
+    runs are long enough to fill such tiles (prefill)."""
+    return 16 if num_pairs <= 4 * num_experts * 16 else 64
+
+
+def align_by_expert(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs sorted by expert, each expert's run padded to a multiple of block_m.
+
+    Args:
+        expert_ids: [num_tokens, top_k] int
+    Returns:
+        sorted_pairs: int32 [max_padded], flat pair ids (pair p is token p // top_k), the
+            sentinel num_pairs in padding; max_padded = the most any routing needs.
+        block_expert: int32 [max_padded // block_m], each tile's expert; num_experts past
+            the last run.
+    """
+    flat = expert_ids.flatten().long()
+    num_pairs = flat.numel()
+    # every expert may leave up to block_m - 1 rows of padding
+    num_blocks = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m)
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    padded_starts = padded_ends - padded
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # [num_pairs]
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - starts[sorted_experts]  # within its expert
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs[padded_starts[sorted_experts] + rank] = order.to(torch.int32)
+    tile_starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(padded_ends, tile_starts, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+# Triton reads kernel annotations (tl.constexpr), so the arguments carry comments instead.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(  # type: ignore[no-untyped-def]
+    x_ptr,  # [num_tokens, hidden] activations, hidden contiguous
+    w_ptr,  # [num_experts, hidden, 2 * inter]: gate columns, then up columns; contiguous
+    sorted_pairs_ptr,  # int32 [num_blocks * BLOCK_M] pair ids by expert, num_pairs = padding
+    block_expert_ptr,  # int32 [num_blocks] each tile's expert (num_experts: empty tile)
+    act_ptr,  # [num_pairs, inter] out: silu(gate) * up per pair, in x's dtype
+    num_pairs,  # num_tokens * TOP_K (the padding sentinel)
+    num_experts,  # tiles with this expert are past the last run
+    hidden,  # K of the GEMM
+    inter,  # expert intermediate size (masks the last column tile)
+    stride_xm,  # x.stride(0)
+    stride_we,  # w.stride(0)
+    stride_wk,  # w.stride(1)
+    stride_am,  # act.stride(0)
+    TOP_K: tl.constexpr,  # slots per token (pair p is token p // TOP_K)
+    BLOCK_M: tl.constexpr,  # pairs per program (one expert's)
+    BLOCK_N: tl.constexpr,  # intermediate columns per program
+    BLOCK_K: tl.constexpr,  # hidden inputs per K step
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations, else "tf32" (unused)
+    DOT_FP32: tl.constexpr,  # fp32 operands (Triton's CPU interpreter has no bf16 dot)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    row_ok = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :]  # [1, BLOCK_N]
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < hidden
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_rows = w_base + k.to(tl.int64)[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+        wmask = k_ok[:, None] & col_ok[None, :]
+        wg = tl.load(w_rows, mask=wmask, other=0.0)
+        wu = tl.load(w_rows + inter, mask=wmask, other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            gate = tl.dot(x, wg.to(tl.float32), gate, input_precision="ieee")
+            up = tl.dot(x, wu.to(tl.float32), up, input_precision="ieee")
+        else:
+            gate = tl.dot(x, wg, gate, input_precision=DOT_PRECISION)
+            up = tl.dot(x, wu, up, input_precision=DOT_PRECISION)
+    # SwiGLU in the epilogue, rounded like the torch path: gate and up in x's dtype first
+    dtype = act_ptr.dtype.element_ty
+    # (each bf16 product computed in fp32 and rounded: the interpreter has no bf16 arithmetic)
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+    out = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + cols[None, :]
+    tl.store(out, act, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(  # type: ignore[no-untyped-def]
+    act_ptr,  # [num_pairs, inter] silu(gate) * up per pair, inter contiguous
+    w_ptr,  # [num_experts, inter, hidden] contiguous
+    sorted_pairs_ptr,  # int32 [num_blocks * BLOCK_M] pair ids by expert, num_pairs = padding
+    block_expert_ptr,  # int32 [num_blocks] each tile's expert (num_experts: empty tile)
+    weights_ptr,  # [num_pairs] routing weight of each pair (fp32 or x's dtype)
+    out_ptr,  # [num_pairs, hidden] out: each pair's weighted expert output
+    num_pairs,  # the padding sentinel
+    num_experts,  # tiles with this expert are past the last run
+    inter,  # K of the GEMM
+    hidden,  # masks the last column tile
+    stride_am,  # act.stride(0)
+    stride_we,  # w.stride(0)
+    stride_wk,  # w.stride(1)
+    stride_om,  # out.stride(0)
+    BLOCK_M: tl.constexpr,  # pairs per program (one expert's)
+    BLOCK_N: tl.constexpr,  # hidden columns per program
+    BLOCK_K: tl.constexpr,  # intermediate inputs per K step
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations, else "tf32" (unused)
+    DOT_FP32: tl.constexpr,  # fp32 operands (Triton's CPU interpreter has no bf16 dot)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    row_ok = pairs < num_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_rows = act_ptr + pairs.to(tl.int64)[:, None] * stride_am  # [BLOCK_M, 1]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < inter
+        a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(
+            w_base + k.to(tl.int64)[:, None] * stride_wk,
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    # the routing weight in the epilogue, on the expert's output in x's dtype (the torch
+    # path's order of roundings)
+    dtype = out_ptr.dtype.element_ty
+    rw = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
+    y = acc.to(dtype).to(tl.float32) * rw[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _tiles(block_m: int) -> dict[str, Any]:
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32 if block_m <= 16 else 64)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' routed, weighted sum per token.
+
+    Args:
+        x: [num_tokens, hidden] float16/bfloat16/float32, hidden contiguous.
+        gate_up: [num_experts, hidden, 2 * inter] in x's dtype, contiguous (gate, then up).
+        down: [num_experts, inter, hidden] in x's dtype, contiguous.
+        expert_ids: [num_tokens, top_k] int, each in [0, num_experts).
+        weights: [num_tokens, top_k] routing weights (fp32 or x's dtype).
+    Returns:
+        [num_tokens, hidden] in x's dtype.
+    Raises:
+        ValueError: shapes, dtypes or layouts that do not fit.
+    """
+    if x.dim() != 2 or x.dtype not in X_DTYPES or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [num_tokens, hidden] float16/bfloat16/float32 with contiguous hidden, "
+            f"got {tuple(x.shape)} {x.dtype}"
+        )
+    n, hidden = x.shape
+    num_experts, _, two_inter = gate_up.shape
+    inter = two_inter // 2
+    if gate_up.shape != (num_experts, hidden, 2 * inter) or not gate_up.is_contiguous():
+        raise ValueError(
+            f"gate_up must be contiguous [E, {hidden}, 2 * inter], got {gate_up.shape}"
+        )
+    if down.shape != (num_experts, inter, hidden) or not down.is_contiguous():
+        raise ValueError(
+            f"down must be contiguous [{num_experts}, {inter}, {hidden}], got {tuple(down.shape)}"
+        )
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"expert weights must be {x.dtype}, got {gate_up.dtype}, {down.dtype}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != n or weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"expert_ids and weights must be [{n}, top_k], got {tuple(expert_ids.shape)} and "
+            f"{tuple(weights.shape)}"
+        )
+    top_k = expert_ids.shape[1]
+    num_pairs = n * top_k
+    block_m = block_m_for(num_pairs, num_experts)
+    sorted_pairs, block_expert = align_by_expert(expert_ids, num_experts, block_m)
+    tiles = _tiles(block_m)
+    num_blocks = block_expert.shape[0]
+    fp32 = x.device.type == "cpu" and x.dtype != torch.float32  # the interpreter's dots
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
+        x, gate_up, sorted_pairs, block_expert, act,
+        num_pairs, num_experts, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, DOT_PRECISION=precision, DOT_FP32=fp32, **tiles,
+    )  # fmt: skip
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
+        act, down, sorted_pairs, block_expert, weights.reshape(-1).contiguous(), out,
+        num_pairs, num_experts, inter, hidden,
+        act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        DOT_PRECISION=precision, DOT_FP32=fp32, **tiles,
+    )  # fmt: skip
+    # each token's top_k rows, summed in a fixed order
+    return out.view(n, top_k, hidden).sum(1)

@@ -1,0 +1,145 @@
+"""The fused MoE kernel (kernels/fused_moe.py) against the pure-torch reference, under
+Triton's interpreter on a machine without a GPU, and compiled for sm_90."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.fused_moe import align_by_expert, fused_moe
+from tests.kernels.compile_check import assert_lowers
+
+
+def _case(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(num_experts, hidden, 2 * inter, generator=g) / hidden**0.5).to(dtype)
+    down = (torch.randn(num_experts, inter, hidden, generator=g) / inter**0.5).to(dtype)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    weights, ids = torch.topk(torch.softmax(scores, -1), top_k, dim=-1)
+    return x, gate_up, down, ids, weights
+
+
+# fmt: skip
+
+
+def test_align_pads_each_run_and_marks_empty_tiles() -> None:
+    ids = torch.tensor([[2, 0], [0, 1], [0, 2]])  # pairs 0..5 -> experts 2 0 0 1 0 2
+    sorted_pairs, block_expert = align_by_expert(ids, num_experts=4, block_m=2)
+    s = 6  # sentinel
+    # 5 tiles: 6 pairs and up to 1 padding row for each of 4 experts, whatever the routing
+    assert sorted_pairs.tolist() == [1, 2, 4, s, 3, s, 0, 5, s, s]
+    assert block_expert.tolist() == [0, 0, 1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k",
+    [(1, 1, 1), (5, 4, 2), (37, 8, 2), (70, 6, 3), (300, 4, 1)],  # 300: 64-row tiles
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(num_tokens, num_experts, top_k, dtype) -> None:
+    hidden, inter = 48, 40  # not multiples of the tiles: masks on every edge
+    x, gate_up, down, ids, weights = _case(
+        num_tokens, num_experts, top_k, hidden, inter, dtype, seed=num_tokens
+    )
+    got = fused_moe(x, gate_up, down, ids, weights)
+    want = reference.fused_moe(x, gate_up, down, ids, weights)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("expert", [0, 7])
+def test_skewed_routing_all_tokens_to_one_expert(expert: int) -> None:
+    x, gate_up, down, _, _ = _case(40, 8, 2, 32, 32, torch.float32, seed=expert)
+    ids = torch.stack([torch.full((40,), expert), torch.arange(40) % 8], dim=1)
+    ids[:, 1] = torch.where(ids[:, 1] == expert, (expert + 1) % 8, ids[:, 1])
+    weights = torch.rand(40, 2)
+    only = ids[:, :1].contiguous()  # top 1: every pair to `expert`, the 7 others idle
+    torch.testing.assert_close(
+        fused_moe(x, gate_up, down, only, weights[:, :1]),
+        reference.fused_moe(x, gate_up, down, only, weights[:, :1]),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        fused_moe(x, gate_up, down, ids, weights),
+        reference.fused_moe(x, gate_up, down, ids, weights),
+        atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
+def test_rejects_bad_arguments() -> None:
+    x, gate_up, down, ids, weights = _case(4, 4, 2, 16, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="down must be"):
+        fused_moe(x, gate_up, down[:, :8], ids, weights)
+    with pytest.raises(ValueError, match="expert weights must be"):
+        fused_moe(x, gate_up.half(), down, ids, weights)
+    with pytest.raises(ValueError, match="expert_ids and weights"):
+        fused_moe(x, gate_up, down, ids[:2], weights)
+
+
+# Compiles both kernels for sm_90 (Triton's own LLVM and ptxas, no GPU needed) with the
+# wrapper's tiles, in a fresh interpreter without TRITON_INTERPRET. Exit code 3: this Triton
+# cannot target CUDA.
+LOWER_SCRIPT = r"""
+import sys
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+except ImportError as exc:
+    print(exc)
+    sys.exit(3)
+
+from kernels.fused_moe import _down_kernel, _gate_up_kernel, _tiles
+from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+
+POINTERS = {
+    _gate_up_kernel: ("x_ptr", "w_ptr", "act_ptr"),
+    _down_kernel: ("act_ptr", "w_ptr", "out_ptr"),
+}
+
+for kernel in (_gate_up_kernel, _down_kernel):
+    for block_m in (16, 64):
+        for x in ("fp16", "bf16"):
+            constants = dict(_tiles(block_m), DOT_PRECISION="tf32", DOT_FP32=False)
+            if kernel is _gate_up_kernel:
+                constants["TOP_K"] = 2
+            signature = {}
+            for arg in kernel.arg_names:
+                if arg in constants:
+                    signature[arg] = "constexpr"
+                elif arg in POINTERS[kernel]:
+                    signature[arg] = "*" + x
+                elif arg.endswith("_ptr"):
+                    signature[arg] = "*fp32" if arg == "weights_ptr" else "*i32"
+                else:
+                    signature[arg] = "i32"
+            names = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride_")]
+            try:
+                compiled = compile(
+                    ASTSource(kernel, signature, constants, aligned_attrs(kernel, names)),
+                    target=GPUTarget("cuda", 90, 32),
+                    options=dict(num_warps=4 if block_m == 16 else 8, enable_fp_fusion=True),
+                )
+            except RuntimeError as exc:
+                if "ptxas" in str(exc).lower():
+                    print(exc)
+                    sys.exit(3)
+                raise
+            registers, spills = ptxas_usage(compiled.asm["ptx"])
+            assert spills == 0, (kernel.fn.__name__, block_m, x, registers, spills)
+            print(kernel.fn.__name__, block_m, x, registers, "registers ok")
+"""
+
+
+def test_lowers_for_sm90() -> None:
+    assert_lowers(LOWER_SCRIPT, 8)
