@@ -86,12 +86,14 @@ BASE_SHAPE = dict(
 )
 
 
-def build_hf_model(arch: str, out_dir: Path, seed: int = 0) -> Any:
+def build_hf_model(arch: str, out_dir: Path, seed: int = 0, **shape: Any) -> Any:
+    """A random transformers model of `arch` saved to `out_dir`; `shape` overrides
+    BASE_SHAPE's fields (a vocabulary that fits a tokenizer)."""
     import transformers
 
     spec = dict(ARCH_CONFIGS[arch])
     cls = getattr(transformers, spec.pop("cls"))
-    config = cls(**{**BASE_SHAPE, **spec})
+    config = cls(**{**BASE_SHAPE, **spec, **shape})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     if arch == "qwen2":

@@ -1,0 +1,71 @@
+"""Mixture-of-experts models served disaggregated: `tandem up --model` over a small random
+Qwen3-MoE and Mixtral (transformers' own checkpoints, with the tiny model's tokenizer),
+real processes; long prompts prefill on the prefill worker and decode on the decode worker,
+and every answer is the single-process engine's, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.up import Cluster
+from tandem.client import AsyncTandemClient
+from tandem.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.model.config import ModelConfig
+from tandem.model.tiny import make_tiny_model
+from tests.conftest import build_hf_model
+from tests.services.conftest import KV_BYTES, up_cluster
+from tests.services.workers import assert_all_free
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe", "mixtral"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp(request.param)
+    tiny = make_tiny_model(root / "tiny", preset="tiny")
+    out = root / "model"
+    build_hf_model(request.param, out, vocab_size=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with up_cluster(model_dir, tmp_path_factory.mktemp("run")) as c:
+        yield c
+
+
+def test_moe_cluster_answers_as_the_single_engine(cluster: Cluster, model_dir: Path) -> None:
+    assert ModelConfig.from_dir(model_dir).moe is not None
+    rng = random.Random(30)
+    cases = [
+        (rng.choices(range(5, 512), k=rng.randint(1, 160)), rng.randint(1, 12)) for _ in range(10)
+    ]
+    reference = LLMEngine(
+        EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES))
+    )
+    expected = reference.generate(
+        [p for p, _ in cases], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+
+    async def run() -> list:
+        async with AsyncTandemClient(cluster.router_address) as client:
+            return await asyncio.gather(
+                *(
+                    client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True)
+                    for p, n in cases
+                )
+            )
+
+    results = asyncio.run(run())
+    for (prompt, n), got, want in zip(cases, results, expected, strict=True):
+        assert got.token_ids == want.token_ids[:n], f"prompt of {len(prompt)} tokens diverged"
+    assert any(r.disaggregated for r in results)
+    assert_all_free(cluster)
