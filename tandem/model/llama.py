@@ -137,6 +137,16 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
+        # Tokens routed to each expert of each sparse layer since load (metrics read it; on
+        # CUDA a captured decode graph counts its padding rows too).
+        self.expert_counts: torch.Tensor | None = None  # [num_sparse_layers, num_experts]
+        self._count_rows: dict[int, int] = {}  # layer -> its row of expert_counts
+        if config.moe is not None:
+            layers = config.moe.sparse_layers
+            self.expert_counts = torch.zeros(
+                len(layers), config.moe.num_experts, dtype=torch.int64, device=weights.embed.device
+            )
+            self._count_rows = {layer: row for row, layer in enumerate(layers)}
 
     def _pack(self, w: Weight, dtype: torch.dtype) -> Weight:
         if isinstance(w, QuantizedWeight):
@@ -192,7 +202,9 @@ class LlamaModel:
             h, x = self._add_norm(h, o, lw.post_norm, eps)
             if lw.moe is not None:
                 assert cfg.moe is not None
-                pending = moe_forward(x, lw.moe, cfg.moe)
+                assert self.expert_counts is not None
+                row = self.expert_counts[self._count_rows[layer_idx]]
+                pending = moe_forward(x, lw.moe, cfg.moe, row)
             else:
                 assert lw.gate_up is not None and lw.down is not None
                 gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)

@@ -163,9 +163,15 @@ def looped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torc
     return out
 
 
-def moe_forward(x: torch.Tensor, weights: MoeWeights, cfg: MoeConfig) -> torch.Tensor:
-    """A sparse layer's MLP: x [num_tokens, hidden] -> [num_tokens, hidden]."""
+def moe_forward(
+    x: torch.Tensor, weights: MoeWeights, cfg: MoeConfig, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A sparse layer's MLP: x [num_tokens, hidden] -> [num_tokens, hidden]. `counts`
+    ([num_experts] int64): the tokens routed to each expert are added to it (no host sync)."""
     routed = route(x, weights.router, cfg)
+    if counts is not None:
+        flat = routed.expert_ids.flatten()
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
     if x.is_cuda:  # fixed shapes whatever the routing: CUDA graphs capture it
         from kernels.fused_moe import fused_moe
 

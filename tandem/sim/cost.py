@@ -68,7 +68,10 @@ H200 = GpuSpec("H200-SXM", 989e12, 4.8e12, 141e9)
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """The shape of a decoder-only model, as far as cost goes."""
+    """The shape of a decoder-only model, as far as cost goes. A mixture of experts gives
+    `num_active_params` (what one token runs through: FLOPs follow it), `num_experts` and
+    `top_k`: a step reads the experts its tokens were routed to, for a batch of b tokens
+    routed uniformly the expected share 1 - (1 - top_k / num_experts)^b of each layer's."""
 
     name: str
     num_params: float
@@ -77,10 +80,38 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    num_active_params: float | None = None
+    num_experts: int = 0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_active_params is not None and not (
+            0 < self.num_active_params <= self.num_params and 0 < self.top_k < self.num_experts
+        ):
+            raise ValueError(
+                f"{self.name}: active parameters ({self.num_active_params}) must be in "
+                f"(0, {self.num_params}] with 0 < top_k ({self.top_k}) < num_experts "
+                f"({self.num_experts})"
+            )
 
     @property
     def weight_bytes(self) -> float:
         return self.num_params * self.dtype_bytes
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token runs through (all of them for a dense model)."""
+        return self.num_params if self.num_active_params is None else self.num_active_params
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Expected weight bytes a step of `num_tokens` tokens reads: all of a dense model;
+        of a mixture of experts, the dense part and the experts some token is routed to."""
+        if self.num_active_params is None:
+            return self.weight_bytes
+        idle = 1 - self.top_k / self.num_experts  # one token leaves this share of experts
+        expert_params = (self.num_params - self.num_active_params) / idle
+        untouched = expert_params * idle ** max(num_tokens, 1)
+        return (self.num_params - untouched) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -91,17 +122,24 @@ class ModelSpec:
 # Llama-3.1-8B (config.json): 8.03B parameters, 32 layers, 32 query heads, 8 KV heads,
 # head_dim 128, bf16: 128 KiB of KV per token.
 LLAMA_8B = ModelSpec("llama-8b", 8.03e9, 32, 32, 8, 128)
+# Qwen3-30B-A3B (model card and config.json): 30.5B parameters, 3.3B active, 48 layers, 32
+# query heads, 4 KV heads, head_dim 128, 128 experts, top 8; bf16: 48 KiB of KV per token.
+QWEN3_30B_A3B = ModelSpec(
+    "qwen3-30b-a3b", 30.5e9, 48, 32, 4, 128, num_active_params=3.3e9, num_experts=128, top_k=8
+)
 
 
 @dataclass(frozen=True, slots=True)
 class RooflineCost:
     """A roofline of one GPU per worker serving `model`.
 
-    prefill step: max(2 * params * n / (flops * mfu), weights / (hbm * bw_efficiency))
-                  + step_overhead_s
-    decode step:  max(FLOPs / (flops * mfu), (weights + kv_bytes_per_token * context)
-                  / (hbm * bw_efficiency)) + step_overhead_s,
-                  FLOPs = 2 * params * batch + 4 * layers * q_heads * head_dim * context
+    prefill step: max(2 * active params * n / (flops * mfu), weights read(n)
+                  / (hbm * bw_efficiency)) + step_overhead_s
+    decode step:  max(FLOPs / (flops * mfu), (weights read(batch) + kv_bytes_per_token
+                  * context) / (hbm * bw_efficiency)) + step_overhead_s,
+                  FLOPs = 2 * active params * batch + 4 * layers * q_heads * head_dim * context
+    (a dense model's active params and weights read are all of them; a mixture of experts'
+    are ModelSpec's `active_params` and `weight_bytes_read`)
     KV blocks:    (memory * memory_utilization - weights - activation_reserve_bytes)
                   / (kv_bytes_per_token * block_size)
     The link is one 400 Gb/s NDR InfiniBand port per GPU (50 GB/s) at `link_efficiency`,
@@ -149,17 +187,19 @@ class RooflineCost:
         return int(free // (self.kv_bytes_per_token * self.block_size))
 
     def prefill_step_s(self, num_tokens: int) -> float:
-        compute = 2 * self.model.num_params * num_tokens / (self.gpu.bf16_flops * self.mfu)
-        memory = self.model.weight_bytes / (self.gpu.hbm_bytes_per_s * self.bw_efficiency)
+        flops = 2 * self.model.active_params * num_tokens
+        compute = flops / (self.gpu.bf16_flops * self.mfu)
+        read = self.model.weight_bytes_read(num_tokens)
+        memory = read / (self.gpu.hbm_bytes_per_s * self.bw_efficiency)
         return max(compute, memory) + self.step_overhead_s
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         m = self.model
-        flops = 2 * m.num_params * batch + 4 * m.num_layers * m.num_q_heads * m.head_dim * (
+        flops = 2 * m.active_params * batch + 4 * m.num_layers * m.num_q_heads * m.head_dim * (
             context_tokens
         )
         compute = flops / (self.gpu.bf16_flops * self.mfu)
-        read = m.weight_bytes + self.kv_bytes_per_token * context_tokens
+        read = m.weight_bytes_read(batch) + self.kv_bytes_per_token * context_tokens
         memory = read / (self.gpu.hbm_bytes_per_s * self.bw_efficiency)
         return max(compute, memory) + self.step_overhead_s
 
@@ -211,15 +251,18 @@ class CpuFittedCost:
         return self.decode_fixed_s + self.decode_per_seq_s * batch + kv_read
 
 
-COST_MODELS = ("h100", "h200", "cpu")
+COST_MODELS = ("h100", "h200", "h200-moe", "cpu")
 
 
 def cost_model(name: str) -> CostModel:
-    """A named cost model: "h100", "h200" (Llama-8B roofline) or "cpu" (fitted)."""
+    """A named cost model: "h100", "h200" (Llama-8B roofline), "h200-moe" (Qwen3-30B-A3B
+    roofline: FLOPs of its active parameters) or "cpu" (fitted)."""
     if name == "h100":
         return RooflineCost(H100)
     if name == "h200":
         return RooflineCost(H200)
+    if name == "h200-moe":
+        return RooflineCost(H200, QWEN3_30B_A3B)
     if name == "cpu":
         return CpuFittedCost()
     raise ValueError(f"cost model must be one of {COST_MODELS}, got {name!r}")

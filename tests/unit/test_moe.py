@@ -83,3 +83,50 @@ def test_routing_rules() -> None:
     ids, weights = route(logits, router, qwen)
     torch.testing.assert_close(weights, torch.softmax(logits, -1)[:, :2])  # not renormalised
     assert weights.sum() < 0.95
+
+
+def test_worker_metrics_count_tokens_routed_per_expert(hf_model, engine_factory) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from services.common.observe.metrics import WorkerMetrics
+    from tandem.engine.sampling import SamplingParams
+
+    model_dir, _ = hf_model("qwen3-moe")
+    engine = engine_factory(model_dir, block_size=4)
+    metrics = WorkerMetrics("decode", registry=CollectorRegistry())
+    prompt = list(range(10, 31))
+    engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0))
+    metrics.after_step(engine, 0.0)
+    moe = engine.model.config.moe
+    assert moe.sparse_layers == (0,)  # layer 1 is dense (mlp_only_layers)
+
+    def routed(layer: int, expert: int) -> float | None:
+        labels = {"role": "decode", "layer": str(layer), "expert": str(expert)}
+        return metrics.registry.get_sample_value("tandem_worker_moe_routed_tokens_total", labels)
+
+    counts = [routed(0, e) for e in range(moe.num_experts)]
+    # the prompt's 21 tokens, then 4 decoded ones fed back, each to top_k experts
+    assert sum(c or 0 for c in counts) == (len(prompt) + 4) * moe.top_k
+    assert sum(1 for c in counts if c) > 1  # spread over experts
+    assert routed(1, 0) is None
+
+
+def test_cost_model_takes_active_parameters() -> None:
+    from tandem.sim import H200, LLAMA_8B, QWEN3_30B_A3B, ModelSpec, RooflineCost, cost_model
+
+    moe = QWEN3_30B_A3B
+    assert moe.weight_bytes_read(1) == pytest.approx(moe.active_params * 2)
+    assert moe.weight_bytes_read(10_000) == pytest.approx(moe.weight_bytes)  # every expert
+    assert moe.weight_bytes_read(1) < moe.weight_bytes_read(8) < moe.weight_bytes_read(64)
+    dense_same_total = ModelSpec("dense-30b", moe.num_params, 48, 32, 4, 128)
+    a, d = cost_model("h200-moe"), RooflineCost(H200, dense_same_total)
+    assert isinstance(a, RooflineCost) and a.model is moe
+    # long prefills are compute-bound: FLOPs of 3.3B active, not 30.5B, parameters
+    ratio = (a.prefill_step_s(8192) - a.step_overhead_s) / (
+        d.prefill_step_s(8192) - d.step_overhead_s
+    )
+    assert ratio == pytest.approx(3.3 / 30.5)
+    assert a.decode_step_s(1, 1000) < d.decode_step_s(1, 1000)  # reads 8 of 128 experts
+    assert LLAMA_8B.weight_bytes_read(1) == LLAMA_8B.weight_bytes
+    with pytest.raises(ValueError, match="active parameters"):
+        ModelSpec("bad", 1e9, 2, 2, 2, 64, num_active_params=2e9, num_experts=8, top_k=2)

@@ -23,7 +23,7 @@ from http.server import HTTPServer
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from services.common.rpc.errors import ServiceError
@@ -312,6 +312,27 @@ class _EngineGauges(Collector):
             yield family
 
 
+class _ExpertRouting(Collector):
+    """Tokens routed per (layer, expert), read from the model when scraped."""
+
+    def __init__(
+        self, role: str, layers: tuple[int, ...], counts: Callable[[], list[list[int]]]
+    ) -> None:
+        self.role, self.layers, self.counts = role, layers, counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "tandem_worker_moe_routed_tokens",
+            "Tokens routed to each expert of each sparse layer (a token counts once per "
+            "expert it is routed to).",
+            labels=["role", "layer", "expert"],
+        )
+        for layer, row in zip(self.layers, self.counts(), strict=True):
+            for expert, n in enumerate(row):
+                family.add_metric([self.role, str(layer), str(expert)], n)
+        yield family
+
+
 class WorkerMetrics:
     """A prefill or decode worker's metrics. `stats` reads the engine's load (scrape time).
 
@@ -382,6 +403,7 @@ class WorkerMetrics:
         ).labels(role)  # fmt: skip
         self._admitted: collections.deque[str] = collections.deque()  # thread-safe appends
         self._pending: dict[str, bool] = {}  # engine thread only: id -> missed once
+        self._experts_seen = False  # the first step registered a MoE model's routing counts
 
     def weights(self, num_bytes: int, quantization: str) -> None:
         """tandem_worker_weight_bytes{role, quantization}: the loaded weights' bytes (quantized
@@ -391,6 +413,15 @@ class WorkerMetrics:
             ["role", "quantization"], registry=self.registry,
         ).labels(self.role, quantization).set(num_bytes)  # fmt: skip
 
+    def expert_routing(
+        self, layers: tuple[int, ...], counts: Callable[[], list[list[int]]]
+    ) -> None:
+        """tandem_worker_moe_routed_tokens_total{role, layer, expert}: tokens a mixture-of-
+        experts model routed to each expert of each sparse layer (`layers`), read from the
+        model at scrape time (`counts()`: one row per layer). The labels are bounded by the
+        model's shape: sparse layers x experts series (48 x 128 for Qwen3-30B-A3B)."""
+        self.registry.register(_ExpertRouting(self.role, layers, counts))
+
     def admitted(self, request_id: str) -> None:
         """`request_id` is about to be added to the engine (any thread)."""
         self._admitted.append(request_id)
@@ -399,6 +430,11 @@ class WorkerMetrics:
         """On the engine thread, after each step: step time, and the requests this step
         scheduled for the first time. Never raises (it runs in the engine's loop)."""
         self.step.observe(step_s)
+        if not self._experts_seen:
+            self._experts_seen = True
+            counts, moe = engine.model.expert_counts, engine.model.config.moe
+            if counts is not None and moe is not None:
+                self.expert_routing(moe.sparse_layers, counts.tolist)
         while self._admitted:
             self._pending[self._admitted.popleft()] = False
         if not self._pending:
