@@ -2,7 +2,9 @@
 
 With a KV hand-off, Decode reserves local blocks, pulls the prompt's KV from the prefill
 worker (`tandem.transfer.plan_read`: only blocks it does not cache itself; NIXL READ,
-contiguous runs coalesced), then confirms the lease. Only a confirmed lease proves the
+contiguous runs coalesced; with tensor-parallel ranks on either side, each of this worker's
+rank caches gets its KV heads from the prefill ranks holding them, `KVTransport.read`), then
+confirms the lease. Only a confirmed lease proves the
 blocks were pinned for the whole read; anything else (lapsed lease, dead prefill worker,
 failed read) discards the copy: fail closed. The router's request says what follows: with
 `report_kv_failure` the stream ends with `kv_failed` and the router prefills again on another
@@ -228,11 +230,11 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         PERMISSION_DENIED)."""
         rid, prompt = spec.request_id, list(spec.prompt_token_ids)
         tp = self.engine.config.tensor_parallel_size
-        if tp > 1:  # each rank's heads live in that rank's cache: a per-rank pull (issue 29)
+        if tp > 1 and not self.engine.rank_kv:  # its ranks' caches are not mapped here (CUDA)
             raise failed_precondition(
-                f"decode worker {self.worker_id!r} has {tp} tensor-parallel ranks: hand-offs "
-                "to tensor-parallel workers are not built; routers place its requests "
-                "without one"
+                f"decode worker {self.worker_id!r} has {tp} tensor-parallel ranks on "
+                f"{self.engine.config.device}: hand-offs into them are built on a CPU only; "
+                "routers place its requests without one"
             )
         try:
             # Pure and cheap: before reserving, so a misconfigured pair holds no block here.

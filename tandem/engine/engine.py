@@ -13,7 +13,9 @@ straight to decode).
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from tandem.config import EngineConfig, EngineRole
 from tandem.engine.block_pool import KVEvent
 from tandem.engine.device import use_device
 from tandem.engine.grammar import GrammarCompiler
+from tandem.engine.kv_cache import shared_kv_dir
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.loading import check_tensor_parallel, load_model_and_cache, wants_decode_graphs
 from tandem.engine.ranks import Followers, exit_on_rank_death, free_address, threads_per_rank
@@ -109,16 +112,21 @@ class LLMEngine:
         # started first so that they load their shards while this rank loads its own.
         self.followers: Followers | None = None
         self.tp: TPGroup | None = None
+        kv_share = ""
         if config.tensor_parallel_size > 1:
             # Refused here, not by N ranks failing at once.
             check_tensor_parallel(ModelConfig.from_dir(model_dir), config)
             address = free_address()
-            self.followers = Followers(config, address, on_rank_exit)
+            if torch.device(config.device).type == "cpu":
+                # The ranks' caches in shared files rank 0 maps: its transport hands off
+                # every rank's heads (tandem.engine.loading, tandem.transfer).
+                kv_share = os.path.join(shared_kv_dir(), f"tandem-kv-{uuid.uuid4().hex}")
+            self.followers = Followers(config, address, on_rank_exit, kv_share)
         try:
             if self.followers is not None:
                 shard = Shard(0, config.tensor_parallel_size)
                 self.tp = TPGroup.init(shard, address, config.device)
-            loaded = load_model_and_cache(config, self.tp, progress)
+            loaded = load_model_and_cache(config, self.tp, progress, kv_share)
         except BaseException:
             self.close()
             raise
@@ -147,6 +155,9 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self._graphs_wanted = loaded.graphs_wanted
         self.kv_cache = loaded.kv_cache
+        # Every rank's cache and its first KV head, mapped here (a tensor-parallel worker on
+        # a CPU); empty otherwise: then only a single-rank engine's cache can be handed off.
+        self.rank_kv = loaded.rank_kv
         self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format

@@ -9,6 +9,9 @@ view `kv_cache[:, layer]` is strided across blocks, which the attention backend 
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 
 from tandem.model.config import ModelConfig
@@ -25,3 +28,40 @@ def allocate_kv_cache(
     """Zeroed cache tensor (zeros so that a never-written slot is not NaN garbage)."""
     shape = (num_blocks, model.num_layers, 2, block_size, model.num_kv_heads, model.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def shared_kv_path(prefix: str, rank: int) -> str:
+    """The file rank `rank`'s cache lives in when a tensor-parallel worker's ranks share
+    theirs with rank 0 (`allocate_shared_kv_cache`)."""
+    return f"{prefix}.rank{rank}"
+
+
+def map_kv_file(
+    path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool
+) -> torch.Tensor:
+    """A CPU tensor of `shape` on a file mapped shared (`create`: the file is made, zeroed,
+    by this call). Every process that maps the file sees the same bytes: a tensor-parallel
+    worker's rank 0 maps its ranks' caches so that its transport reads and writes each
+    rank's heads (tandem.transfer, `RemoteKV.ranks`)."""
+    import mmap
+
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)  # a hole: zeros, pages faulted in on first touch
+        elif os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    # frombuffer keeps `buf` alive as long as the tensor.
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def shared_kv_dir() -> str:
+    """Where shared caches' files are made: /dev/shm (memory) when there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

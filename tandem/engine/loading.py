@@ -6,14 +6,16 @@ the other ranks of a tensor-parallel worker (`tandem.engine.ranks`) both call
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from tandem.config import EngineConfig, EngineRole
-from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
+from tandem.engine.kv_cache import allocate_kv_cache, block_bytes, map_kv_file, shared_kv_path
 from tandem.engine.kv_manager import cdiv
 from tandem.engine.memory import fit_context
 from tandem.engine.profile import size_kv_cache
@@ -22,7 +24,7 @@ from tandem.model.kv_quant import FP8_DTYPE, KVScales, kv_format, load_kv_scales
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import DTYPES, ProgressFn, load_model
 from tandem.model.parallel import TPGroup
-from tandem.model.sharding import check_shardable
+from tandem.model.sharding import Shard, check_shardable, kv_heads
 from tandem.model.triton_attention import make_attention
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ class LoadedModel(NamedTuple):
     num_blocks: int  # the pool's blocks (a graph's scratch block is not one)
     max_model_len: int  # the context the cache can honour
     graphs_wanted: bool  # warm-up captures decode CUDA graphs
+    # Rank 0 of a tensor-parallel worker on a CPU: every rank's cache (rank 0's first) and
+    # the first model KV head it holds, mapped here (`kv_share`); empty otherwise.
+    rank_kv: tuple[tuple[torch.Tensor, int], ...] = ()
 
 
 def wants_decode_graphs(config: EngineConfig, paged_backend: bool) -> bool:
@@ -63,11 +68,16 @@ def check_tensor_parallel(model: ModelConfig, config: EngineConfig) -> None:
 
 
 def load_model_and_cache(
-    config: EngineConfig, tp: TPGroup | None = None, progress: ProgressFn | None = None
+    config: EngineConfig,
+    tp: TPGroup | None = None,
+    progress: ProgressFn | None = None,
+    kv_share: str = "",
 ) -> LoadedModel:
     """Load the model (this rank's shard with `tp`), then size and allocate its KV cache.
     With `tp` every rank holds the same number of blocks: the fewest any rank can afford
-    (each sizes against its own device).
+    (each sizes against its own device). With `kv_share` (a path prefix, the same on every
+    rank) and `tp` on a CPU, each rank's cache lives in a shared file that rank 0 maps too
+    (`LoadedModel.rank_kv`: its transport hands off every rank's heads), then unlinks.
 
     Raises:
         ValueError: see `load_model`, `size_kv_cache` and `fit_context`.
@@ -119,5 +129,50 @@ def load_model_and_cache(
         )  # fmt: skip
     # A CUDA graph's padding rows write one scratch block outside the pool's range.
     graphs = wants_decode_graphs(config, model.attention.needs_paged_batch)
-    kv_cache = allocate_kv_cache(mcfg, num_blocks + int(graphs), block_size, kv_dtype, device)
-    return LoadedModel(model, kv_cache, kv_scales, fmt, num_blocks, context, graphs)
+    if kv_share and tp is not None and tp.size > 1 and device.type == "cpu":
+        rank_kv = _share_kv_caches(
+            ModelConfig.from_dir(model_dir), tp, kv_share, num_blocks, block_size, kv_dtype
+        )
+        kv_cache = rank_kv[0][0]
+        rank_kv = rank_kv if tp.rank == 0 else ()
+    else:
+        rank_kv = ()
+        kv_cache = allocate_kv_cache(
+            mcfg, num_blocks + int(graphs), block_size, kv_dtype, device
+        )
+    return LoadedModel(model, kv_cache, kv_scales, fmt, num_blocks, context, graphs, rank_kv)
+
+
+def _share_kv_caches(
+    full: ModelConfig,
+    tp: TPGroup,
+    prefix: str,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[tuple[torch.Tensor, int], ...]:
+    """Each rank makes its cache in its own shared file; after every rank has (a barrier),
+    rank 0 maps them all and unlinks the files (the mappings keep the memory). Returns
+    (cache, first KV head) per rank on rank 0; on another rank only its own."""
+
+    def shape(rank: int) -> tuple[int, ...]:
+        heads = len(kv_heads(full, Shard(rank, tp.size)))
+        return (num_blocks, full.num_layers, 2, block_size, heads, full.head_dim)
+
+    def first_head(rank: int) -> int:
+        return kv_heads(full, Shard(rank, tp.size)).start
+
+    own = map_kv_file(shared_kv_path(prefix, tp.rank), shape(tp.rank), dtype, create=True)
+    tp.min_int(0, "cpu")  # every rank's file exists
+    if tp.rank != 0:
+        return ((own, first_head(tp.rank)),)
+    caches = [(own, 0)]
+    try:
+        for rank in range(1, tp.size):
+            path = shared_kv_path(prefix, rank)
+            caches.append((map_kv_file(path, shape(rank), dtype, create=False), first_head(rank)))
+    finally:
+        for rank in range(tp.size):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shared_kv_path(prefix, rank))
+    return tuple(caches)

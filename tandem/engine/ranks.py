@@ -72,6 +72,8 @@ class Followers:
     Args:
         config: the engine's config (each follower builds its shard from it).
         address: rank 0's rendezvous (host:port).
+        kv_share: where the ranks make their caches for rank 0 to map (on a CPU;
+            `load_model_and_cache`); "" for caches of their own.
         on_rank_exit: called (rank, exit status) from a watcher thread when a follower
             exits while this group is open; the default ends this process.
     """
@@ -81,6 +83,7 @@ class Followers:
         config: EngineConfig,
         address: str,
         on_rank_exit: Callable[[int, int | None], None] = exit_on_rank_death,
+        kv_share: str = "",
     ) -> None:
         self.size = config.tensor_parallel_size
         self._on_rank_exit = on_rank_exit
@@ -95,7 +98,7 @@ class Followers:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=follow,
-                args=(config, rank, address, reader),
+                args=(config, rank, address, reader, kv_share),
                 name=f"tandem-rank-{rank}",
                 daemon=True,
             )
@@ -142,7 +145,9 @@ class Followers:
                 proc.join()
 
 
-def follow(config: EngineConfig, rank: int, address: str, steps: Connection) -> None:
+def follow(
+    config: EngineConfig, rank: int, address: str, steps: Connection, kv_share: str = ""
+) -> None:
     """A follower's life: join the group, build its shard of the model and KV cache exactly
     as rank 0 builds its own (the same collectives in the same order), then run every step
     rank 0 sends until the end-of-steps message or rank 0's end."""
@@ -151,7 +156,7 @@ def follow(config: EngineConfig, rank: int, address: str, steps: Connection) -> 
     use_device(config.device)
     torch.set_num_threads(threads_per_rank(config))
     group = TPGroup.init(Shard(rank, config.tensor_parallel_size), address, config.device)
-    loaded = load_model_and_cache(config, group)
+    loaded = load_model_and_cache(config, group, kv_share=kv_share)
     sampler = Sampler(torch.Generator(device=config.device))  # never samples: rank 0 does
     runner = ModelRunner(
         loaded.model, loaded.kv_cache, config.cache.block_size, sampler, loaded.max_model_len

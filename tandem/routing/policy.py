@@ -31,12 +31,12 @@ workers (`overlap`, from the prefix index):
      simulator's, which carry no tokens) take the first tied worker by id.
   5. KV format: a prefill worker is paired only with a decode worker of the same KV format
      (dtype and fp8 scales, `WorkerLoad.kv_format`): the decode worker would refuse any
-     other's blocks. Hand-offs are built between single-rank workers only: a worker of
-     several tensor-parallel ranks (`WorkerLoad.tensor_parallel_size`) holds each rank's
-     heads in that rank's cache, and pulling them per rank is not built yet (issue 29), so
-     it is never paired; a tensor-parallel decode worker prefills its requests itself.
-     With no compatible prefill worker, the decode worker prefills and the reason says
-     why.
+     other's blocks. Tensor-parallel sizes may differ (`WorkerLoad.tensor_parallel_size`:
+     the decode worker's ranks each pull their KV heads from the prefill ranks holding
+     them), but a tensor-parallel worker hands off only when its rank 0 maps every rank's
+     cache (`WorkerLoad.kv_handoff`: on a CPU); one that cannot is never paired (as a
+     decode worker it prefills its requests itself). With no compatible prefill worker,
+     the decode worker prefills and the reason says why.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class WorkerLoad:
     inflight_prefill_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # measured prompt rate (0: not measured yet)
     kv_format: str = ""  # the KV cache's format (dtype, fp8 scales); pairs must be equal
-    tensor_parallel_size: int = 1  # ranks; only single-rank workers hand off (see above)
+    tensor_parallel_size: int = 1  # ranks (any sizes pair; see above)
+    kv_handoff: bool = False  # a tensor-parallel worker's KV can be handed off (see above)
 
     @property
     def prefill_queue(self) -> int:
@@ -359,11 +360,13 @@ def _round_robin(
 
 
 def can_hand_off(prefill: WorkerLoad, decode: WorkerLoad) -> bool:
-    """Whether `decode` can read `prefill`'s blocks: the same KV format, one rank each."""
-    return (
-        prefill.kv_format == decode.kv_format
-        and prefill.tensor_parallel_size == decode.tensor_parallel_size == 1
-    )
+    """Whether `decode` can read `prefill`'s blocks: the same KV format, and each side
+    single-rank or tensor-parallel with every rank's cache mapped (`kv_handoff`)."""
+    return prefill.kv_format == decode.kv_format and _hands_off(prefill) and _hands_off(decode)
+
+
+def _hands_off(worker: WorkerLoad) -> bool:
+    return worker.tensor_parallel_size == 1 or worker.kv_handoff
 
 
 def _no_compatible_prefill(
@@ -373,19 +376,20 @@ def _no_compatible_prefill(
     candidates: tuple[Candidate, ...],
 ) -> Placement:
     """Colocated on `decode`: no prefill worker can hand off to it."""
-    if decode.tensor_parallel_size > 1:
+    if not _hands_off(decode):
         reason = (
-            f"decode worker of {decode.tensor_parallel_size} tensor-parallel ranks: hand-offs "
-            f"between tensor-parallel workers are not built; prefill on {decode.worker_id}"
+            f"decode worker of {decode.tensor_parallel_size} tensor-parallel ranks whose "
+            f"caches its rank 0 does not map (hand-offs into tensor-parallel workers are "
+            f"built on a CPU only): prefill on {decode.worker_id}"
         )
         return Placement(decode, None, RouteKind.NO_PREFILL_WORKER, reason, cached, candidates)
     same_format = [w for w in prefills if w.kv_format == decode.kv_format]
-    if same_format:  # all of them tensor-parallel
+    if same_format:  # all of them tensor-parallel without mapped caches
         sizes = sorted({w.tensor_parallel_size for w in same_format})
         reason = (
-            f"no single-rank prefill worker with KV format {decode.kv_format or 'unknown'} "
-            f"(tensor-parallel sizes: {', '.join(map(str, sizes))}; hand-offs between "
-            f"tensor-parallel workers are not built): prefill on {decode.worker_id}"
+            f"no prefill worker with KV format {decode.kv_format or 'unknown'} that can hand "
+            f"off (tensor-parallel sizes: {', '.join(map(str, sizes))}, their ranks' caches "
+            f"not mapped: built on a CPU only): prefill on {decode.worker_id}"
         )
         return Placement(decode, None, RouteKind.NO_PREFILL_WORKER, reason, cached, candidates)
     others = sorted({w.kv_format or "unknown" for w in prefills})

@@ -17,6 +17,7 @@ from __future__ import annotations
 from tandem.transfer.base import (
     TRANSPORT_KINDS,
     KVTransport,
+    RankKV,
     ReadPlan,
     RemoteKV,
     TransferError,
@@ -35,6 +36,7 @@ __all__ = [
     "KVLayout",
     "KVTransport",
     "Lease",
+    "RankKV",
     "LayoutMismatch",
     "LeaseTable",
     "LocalTransport",

@@ -15,6 +15,7 @@ data movement through the `_do_*` hooks, so every implementation fails the same 
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,25 @@ import torch
 from tandem.transfer.layout import KVLayout, check_compatible
 
 TRANSPORT_KINDS = ("nixl", "local")
+# A read that splits KV heads (a tensor-parallel side, `RemoteKV.ranks`) pulls one source
+# rank's whole blocks into a staging buffer of this size, then copies each head range into
+# the rank cache that holds it: reads stay few and large (one descriptor per run of blocks).
+STAGING_BYTES = 32 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class RankKV:
+    """One tensor-parallel rank's cache in a handle: block b of the rank is at `base_addr +
+    b * (block_bytes of its num_heads heads)`, and it holds the model's KV heads
+    [head_start, head_start + num_heads) (ranks past the KV heads' count hold replicas)."""
+
+    base_addr: int
+    head_start: int
+    num_heads: int
+
+    @property
+    def heads(self) -> range:
+        return range(self.head_start, self.head_start + self.num_heads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +62,12 @@ class RemoteKV:
         block_bytes: bytes per block; must equal `layout.block_bytes` (and the reader's).
         block_ids: the owner's blocks, in prompt order (may repeat; may be empty).
         layout: memory type, device, dtype and block geometry of the owner's cache; a reader
-            only accepts a handle whose layout is compatible with its own cache's.
+            only accepts a handle whose layout is compatible with its own cache's. For a
+            tensor-parallel owner, the model's whole KV (every head; `num_kv_heads` is the
+            model's), held by `ranks`.
+        ranks: a tensor-parallel owner's caches, rank 0 first (at `base_addr`); each holds a
+            range of the layout's heads, together all of them. Empty: one cache holding every
+            head, at `base_addr`.
     """
 
     transport: str
@@ -52,6 +77,7 @@ class RemoteKV:
     block_bytes: int
     block_ids: tuple[int, ...]
     layout: KVLayout
+    ranks: tuple[RankKV, ...] = ()
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORT_KINDS:
@@ -78,6 +104,25 @@ class RemoteKV:
         if negative:
             raise ValueError(f"block_ids must be >= 0, got {negative[:8]}")
         object.__setattr__(self, "block_ids", ids)
+        ranks = tuple(self.ranks)
+        object.__setattr__(self, "ranks", ranks)
+        if ranks:
+            heads = self.layout.num_kv_heads
+            for r in ranks:
+                if not isinstance(r, RankKV) or r.num_heads <= 0 or r.head_start < 0:
+                    raise ValueError(f"ranks must be RankKVs with heads, got {r!r}")
+                if r.head_start + r.num_heads > heads or r.base_addr < 0:
+                    raise ValueError(f"rank {r} lies outside the layout's {heads} KV heads")
+            held = {h for r in ranks for h in r.heads}
+            if len(held) != heads:
+                raise ValueError(f"ranks hold KV heads {sorted(held)}, not all {heads}")
+            if ranks[0].base_addr != self.base_addr:
+                raise ValueError("ranks[0] must be the cache at base_addr")
+
+    @property
+    def sources(self) -> tuple[RankKV, ...]:
+        """The caches holding this handle's heads (one, holding all, without `ranks`)."""
+        return self.ranks or (RankKV(self.base_addr, 0, self.layout.num_kv_heads),)
 
     @property
     def num_bytes(self) -> int:
@@ -193,6 +238,8 @@ class KVTransport(ABC):
         self._layout: KVLayout | None = None
         self._block_bytes = 0
         self._closed = False
+        self._ranks: tuple[tuple[torch.Tensor, int], ...] = ()
+        self._staging: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------- properties
 
@@ -235,10 +282,15 @@ class KVTransport(ABC):
         self,
         kv_cache: torch.Tensor,
         scales: tuple[tuple[float, ...], tuple[float, ...]] = ((), ()),
+        ranks: Sequence[tuple[torch.Tensor, int]] = (),
     ) -> None:
         """Register this engine's KV cache (block-major, dim 0 indexes blocks) for transfers.
         `scales`: (k_scales, v_scales) of a scaled (fp8) cache, one per layer; they join
         its layout (the manifest every handle carries and every read checks).
+        `ranks`: a tensor-parallel engine's caches (rank 0's, `kv_cache`, first), each with
+        the first model KV head it holds, all mapped in this process: every handle then
+        carries them (`RemoteKV.ranks`), the layout counts every head, and a read writes
+        each rank's heads into its cache.
 
         Call once, before `export` or `read`. The tensor must stay alive and must not be
         reallocated until `close`. Its `KVLayout` (memory type and device from the tensor's
@@ -271,11 +323,16 @@ class KVTransport(ABC):
         layout = KVLayout.of_cache(kv_cache, scales)
         block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         assert block_bytes == layout.block_bytes, (block_bytes, layout)
-        self._do_register(kv_cache)
+        rank_caches = tuple((t, int(start)) for t, start in ranks)
+        if rank_caches:
+            layout = _ranks_layout(kv_cache, rank_caches, layout)
+            block_bytes = layout.block_bytes
+        self._do_register(kv_cache, tuple(t for t, _ in rank_caches[1:]))
         # Only after the transport accepted it, so that a failed register can be retried.
         self._kv = kv_cache
         self._layout = layout
         self._block_bytes = block_bytes
+        self._ranks = rank_caches
 
     def export(self, block_ids: Sequence[int]) -> RemoteKV:
         """Describe some of this engine's blocks for a reader.
@@ -298,6 +355,9 @@ class KVTransport(ABC):
             block_bytes=self._block_bytes,
             block_ids=ids,
             layout=self.layout,
+            ranks=tuple(
+                RankKV(t.data_ptr(), start, int(t.shape[4])) for t, start in self._ranks
+            ),
         )
 
     def read(
@@ -359,10 +419,83 @@ class KVTransport(ABC):
             # Two remote blocks into one local block is a caller bug, and the result would
             # depend on the order in which the transport happens to complete descriptors.
             raise ValueError(f"local_block_ids has repeated ids: {sorted(local)[:8]}...")
+        if remote.ranks or self._ranks:
+            return self._read_heads(remote, local, notif, timeout_s)
         runs = coalesce(remote.block_ids, local)
         self.last_num_descriptors = len(runs)
         self._do_read(remote, runs, notif, timeout_s)
         return len(local) * self._block_bytes
+
+    def _read_heads(
+        self, remote: RemoteKV, local: list[int], notif: bytes, timeout_s: float
+    ) -> int:
+        """A read where either side splits the KV heads over tensor-parallel ranks: each of
+        this engine's rank caches gets its heads from the first source rank holding them.
+        A cache holding exactly one source's heads is read straight into (one descriptor per
+        run); otherwise each source rank needed is read whole blocks at a time into the
+        staging buffer (up to `STAGING_BYTES` a read) and its head ranges copied out. The
+        notification follows the last read. Returns bytes moved over the transport."""
+        sources = remote.sources
+        targets = self._ranks or ((self._require_kv(), 0),)
+        owner: dict[int, int] = {}
+        for i, src in enumerate(sources):
+            for h in src.heads:
+                owner.setdefault(h, i)
+        per_head = self.layout.block_bytes // self.layout.num_kv_heads
+        direct: list[tuple[int, torch.Tensor]] = []
+        staged: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
+        for cache, start in targets:
+            stop = start + int(cache.shape[4])
+            same = [i for i, src in enumerate(sources) if src.heads == range(start, stop)]
+            if same:
+                direct.append((same[0], cache))
+                continue
+            h = start
+            while h < stop:  # split [start, stop) into runs of heads of one source
+                i, end = owner[h], h + 1
+                while end < stop and owner[end] == i:
+                    end += 1
+                src = sources[i]
+                staged.setdefault(i, []).append((cache, h - start, h - src.head_start, end - h))
+                h = end
+        moved, descriptors = 0, 0
+        for i, cache in direct:
+            runs = coalesce(remote.block_ids, local)
+            descriptors += len(runs)
+            self._do_read_into(remote, sources[i], runs, cache, timeout_s)
+            moved += len(local) * per_head * sources[i].num_heads
+        for i, copies in sorted(staged.items()):
+            src = sources[i]
+            src_bytes = per_head * src.num_heads
+            staging = self._staging_buffer(src_bytes)
+            chunk = len(staging) // src_bytes
+            shape = (*self.kv_cache.shape[1:4], src.num_heads, -1)
+            for c in range(0, len(local), chunk):
+                remote_ids = remote.block_ids[c : c + chunk]
+                runs = coalesce(remote_ids, range(len(remote_ids)))
+                descriptors += len(runs)
+                self._do_read_into(remote, src, runs, staging, timeout_s)
+                moved += len(remote_ids) * src_bytes
+                rows = staging[: len(remote_ids) * src_bytes].view(len(remote_ids), *shape)
+                index = torch.tensor(local[c : c + chunk], device=staging.device)
+                for cache, dst_head, src_head, n in copies:
+                    dst = cache.view(torch.uint8)  # heads as bytes: dtype-agnostic
+                    dst[index, :, :, :, dst_head : dst_head + n] = rows[
+                        :, :, :, :, src_head : src_head + n
+                    ]
+        self.last_num_descriptors = descriptors
+        if notif:
+            self._do_read(remote, [], notif, timeout_s)
+        return moved
+
+    def _staging_buffer(self, block_bytes: int) -> torch.Tensor:
+        """The registered staging buffer: `STAGING_BYTES`, or one block if larger."""
+        size = max(STAGING_BYTES, block_bytes)
+        if self._staging is None or len(self._staging) < size:
+            staging = torch.empty(size, dtype=torch.uint8, device=self.kv_cache.device)
+            self._do_register_staging(staging)
+            self._staging = staging
+        return self._staging
 
     @abstractmethod
     def poll(self) -> list[bytes]:
@@ -384,6 +517,8 @@ class KVTransport(ABC):
         finally:
             self._kv = None
             self._layout = None
+            self._ranks = ()
+            self._staging = None
 
     def __enter__(self) -> KVTransport:
         return self
@@ -403,8 +538,28 @@ class KVTransport(ABC):
     # ---------------------------------------------------------------------- transport hooks
 
     @abstractmethod
-    def _do_register(self, kv_cache: torch.Tensor) -> None:
-        """Make `kv_cache` (validated: contiguous, >= 1 non-empty block) readable by peers."""
+    def _do_register(
+        self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()
+    ) -> None:
+        """Make `kv_cache` (validated: contiguous, >= 1 non-empty block) readable by peers,
+        and `others` (a tensor-parallel engine's other ranks' caches) too."""
+
+    @abstractmethod
+    def _do_register_staging(self, staging: torch.Tensor) -> None:
+        """Make `staging` (uint8, on the cache's device) a destination of `_do_read_into`
+        (it replaces any earlier staging buffer)."""
+
+    @abstractmethod
+    def _do_read_into(
+        self,
+        remote: RemoteKV,
+        source: RankKV,
+        runs: list[tuple[int, int, int]],
+        dst: torch.Tensor,
+        timeout_s: float,
+    ) -> None:
+        """Copy runs of `source`'s blocks (`source.num_heads` heads each) into blocks of the
+        same size at `dst` (a registered rank cache or the staging buffer)."""
 
     @abstractmethod
     def _metadata(self) -> bytes:
@@ -431,3 +586,24 @@ class KVTransport(ABC):
         if self._kv is None:
             raise RuntimeError(f"transport {self.agent_name!r} has no KV cache; call register()")
         return self._kv
+
+
+def _ranks_layout(
+    kv_cache: torch.Tensor, ranks: tuple[tuple[torch.Tensor, int], ...], rank0: KVLayout
+) -> KVLayout:
+    """The layout of a tensor-parallel engine's whole KV: rank 0's, over every head."""
+    if ranks[0][0] is not kv_cache:
+        raise ValueError("ranks[0] must be the registered kv_cache (rank 0's)")
+    heads: set[int] = set()
+    for t, start in ranks:
+        if not t.is_contiguous() or t.dtype != kv_cache.dtype or t.device != kv_cache.device:
+            raise ValueError("every rank's cache must be contiguous, of one dtype and device")
+        if t.dim() != 6 or t.shape[:4] != kv_cache.shape[:4] or t.shape[5] != kv_cache.shape[5]:
+            raise ValueError(
+                f"rank caches differ in more than their heads: {tuple(t.shape)} vs "
+                f"{tuple(kv_cache.shape)}"
+            )
+        heads.update(range(start, start + int(t.shape[4])))
+    if heads != set(range(len(heads))):
+        raise ValueError(f"the ranks' KV heads {sorted(heads)} are not 0..N-1")
+    return dataclasses.replace(rank0, num_kv_heads=len(heads))

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from tandem.transfer.base import KVTransport, RemoteKV, TransferError
+from tandem.transfer.base import KVTransport, RankKV, RemoteKV, TransferError
 
 # agent name -> live transport. A newer transport with the same name replaces the older one,
 # which is how a "restarted" owner looks in one process: handles exported by the old instance
@@ -44,6 +44,7 @@ class LocalTransport(KVTransport):
         self._token = f"local:{agent_name}:{uuid.uuid4().hex}".encode()
         self._notifs: deque[bytes] = deque()
         self._rows: torch.Tensor | None = None  # [num_blocks, block_bytes] uint8 view
+        self._rank_rows: dict[int, torch.Tensor] = {}
         with _REGISTRY_LOCK:
             _REGISTRY[agent_name] = self
 
@@ -63,15 +64,41 @@ class LocalTransport(KVTransport):
 
     # ---------------------------------------------------------------------- transport hooks
 
-    def _do_register(self, kv_cache: torch.Tensor) -> None:
-        self._rows = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], -1)
-
-    def _metadata(self) -> bytes:
-        return self._token
-
-    def _do_read(
-        self, remote: RemoteKV, runs: list[tuple[int, int, int]], notif: bytes, timeout_s: float
+    def _do_register(
+        self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()
     ) -> None:
+        self._rows = _rows(kv_cache)
+        # Every rank's cache by address (a tensor-parallel engine's; read by `RankKV`).
+        self._rank_rows = {t.data_ptr(): _rows(t) for t in (kv_cache, *others)}
+
+    def _do_register_staging(self, staging: torch.Tensor) -> None:
+        pass  # any tensor is a destination
+
+    def _do_read_into(
+        self,
+        remote: RemoteKV,
+        source: RankKV,
+        runs: list[tuple[int, int, int]],
+        dst: torch.Tensor,
+        timeout_s: float,
+    ) -> None:
+        owner = self._owner(remote)
+        src = owner._rank_rows.get(source.base_addr)
+        bb = self.layout.block_bytes // self.layout.num_kv_heads * source.num_heads
+        if src is None or int(src.shape[1]) != bb:
+            raise TransferError(
+                f"agent {remote.agent_name!r} has no {bb}-byte-block cache at "
+                f"{source.base_addr:#x}"
+            )
+        bad = [b for b in remote.block_ids if b >= int(src.shape[0])]
+        if bad:
+            raise TransferError(f"remote block ids out of range: {bad[:8]}")
+        rows = dst.view(-1).view(torch.uint8)
+        for remote_start, local_start, n in runs:
+            out = rows[local_start * bb : (local_start + n) * bb]
+            out.copy_(src[remote_start : remote_start + n].reshape(-1))
+
+    def _owner(self, remote: RemoteKV) -> LocalTransport:
         with _REGISTRY_LOCK:
             owner = _REGISTRY.get(remote.agent_name)
         if owner is None:
@@ -83,6 +110,19 @@ class LocalTransport(KVTransport):
                 f"stale handle: agent {remote.agent_name!r} restarted since it exported these "
                 "blocks"
             )
+        return owner
+
+    def _metadata(self) -> bytes:
+        return self._token
+
+    def _do_read(
+        self, remote: RemoteKV, runs: list[tuple[int, int, int]], notif: bytes, timeout_s: float
+    ) -> None:
+        owner = self._owner(remote)
+        if remote.ranks and not runs:  # a tensor-parallel read's closing notification
+            if notif:
+                owner._notifs.append(notif)
+            return
         src = owner._rows
         if src is None:
             raise TransferError(f"agent {remote.agent_name!r} has no registered KV cache")
@@ -119,4 +159,10 @@ class LocalTransport(KVTransport):
             if _REGISTRY.get(self.agent_name) is self:
                 del _REGISTRY[self.agent_name]
         self._rows = None
+        self._rank_rows = {}
         self._notifs.clear()
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_bytes] uint8 view of a cache."""
+    return cache.view(-1).view(torch.uint8).view(cache.shape[0], -1)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
-from tandem.transfer.base import KVTransport, RemoteKV, TransferError
+from tandem.transfer.base import KVTransport, RankKV, RemoteKV, TransferError
 from tandem.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ class NixlTransport(KVTransport):
         self._agent: nixl_agent | None = agent
         self._lock = threading.Lock()
         self._reg: Any = None  # nixlRegDList of the registered cache, for deregistration
+        self._staging_reg: Any = None  # the staging buffer's (KVTransport._staging_buffer)
         self._md = b""
         self._mem_type = "DRAM"
         self._dev_id = 0
@@ -229,11 +230,72 @@ class NixlTransport(KVTransport):
 
     # ---------------------------------------------------------------------- transport hooks
 
-    def _do_register(self, kv_cache: torch.Tensor) -> None:
+    def _do_register(
+        self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()
+    ) -> None:
         with self._lock:
-            self._register_locked(kv_cache)
+            self._register_locked(kv_cache, others)
 
-    def _register_locked(self, kv_cache: torch.Tensor) -> None:
+    def _do_register_staging(self, staging: torch.Tensor) -> None:
+        with self._lock:
+            agent = self._require_agent()
+            nbytes = staging.numel()
+            try:
+                reg = agent.register_memory(
+                    [(staging.data_ptr(), nbytes, self._dev_id, "")], self._mem_type
+                )
+            except Exception as e:
+                raise TransferError(f"NIXL cannot register a {nbytes}-byte staging buffer") from e
+            if self._staging_reg is not None:
+                agent.deregister_memory(self._staging_reg)
+            self._staging_reg = reg
+
+    def _do_read_into(
+        self,
+        remote: RemoteKV,
+        source: RankKV,
+        runs: list[tuple[int, int, int]],
+        dst: torch.Tensor,
+        timeout_s: float,
+    ) -> None:
+        if not runs:
+            return
+        deadline = time.monotonic() + timeout_s
+        bb = self.layout.block_bytes // self.layout.num_kv_heads * source.num_heads
+        r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+        local = np.empty((len(runs), 3), dtype=np.uint64)
+        local[:, 0] = dst.data_ptr() + r[:, 1] * bb
+        local[:, 1] = r[:, 2] * bb
+        local[:, 2] = self._dev_id
+        rem = np.empty_like(local)
+        rem[:, 0] = source.base_addr + r[:, 0] * bb
+        rem[:, 1] = local[:, 1]
+        rem[:, 2] = remote.layout.device_id
+        with self._lock:
+            agent = self._require_agent()
+            peer = self._ensure_peer(remote)
+            try:
+                handle = agent.initialize_xfer(
+                    "READ",
+                    agent.get_xfer_descs(local, self._mem_type),
+                    agent.get_xfer_descs(rem, remote.layout.memory_type),
+                    peer,
+                    b"",
+                )
+            except Exception as e:
+                self._drop_peer(peer)
+                raise TransferError(f"cannot create a read from agent {peer!r}: {e}") from e
+            try:
+                self._wait(handle, peer, deadline, timeout_s)
+            except TransferError:
+                self._drop_peer(peer)
+                raise
+            finally:
+                self._release(handle)
+
+    def _register_locked(
+        self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()
+    ) -> None:
         agent = self._require_agent()
         if not (kv_cache.is_cuda or kv_cache.device.type == "cpu"):
             raise ValueError(
@@ -246,7 +308,7 @@ class NixlTransport(KVTransport):
         nbytes = kv_cache.numel() * kv_cache.element_size()
         if self._hugepages and self._mem_type == "DRAM":
             # Before registering: collapsing moves the data to new physical pages.
-            self.hugepage_bytes = advise_hugepages(kv_cache)
+            self.hugepage_bytes = sum(advise_hugepages(t) for t in (kv_cache, *others))
         # Destination of the token read that carries a notification when there are no blocks
         # to read (see _do_read).
         scratch = torch.empty(_SCRATCH_BYTES, dtype=torch.uint8, device=kv_cache.device)
@@ -255,6 +317,8 @@ class NixlTransport(KVTransport):
                 [
                     (kv_cache.data_ptr(), nbytes, self._dev_id, ""),
                     (scratch.data_ptr(), _SCRATCH_BYTES, self._dev_id, ""),
+                    # A tensor-parallel engine's other ranks' caches, mapped here.
+                    *((t.data_ptr(), t.nbytes, self._dev_id, "") for t in others),
                 ],
                 self._mem_type,
             )
@@ -332,12 +396,14 @@ class NixlTransport(KVTransport):
             return
         for name in list(self._peers):
             self._drop_peer(name)
-        if self._reg is not None:
+        for reg in (self._staging_reg, self._reg):
+            if reg is None:
+                continue
             try:
-                agent.deregister_memory(self._reg)
+                agent.deregister_memory(reg)
             except Exception as e:  # closing anyway; the agent's destructor cleans up
                 logger.warning("NIXL deregistration failed for %r: %s", self.agent_name, e)
-            self._reg = None
+        self._reg = self._staging_reg = None
         self._agent = None  # the native agent is destroyed with its last reference
 
     # -------------------------------------------------------------------------------- helpers

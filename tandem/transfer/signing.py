@@ -27,6 +27,9 @@ length, every integer is fixed width):
     str(memory_type) u64(device_id) str(dtype) u64(num_layers) u64(layout block_size)
     u64(num_kv_heads) u64(head_dim) str(order)
     [f32s(k_scales) f32s(v_scales)]         only when the layout has scales (an fp8 cache)
+    ["ranks" ints(base_addr, head_start, num_heads for each rank)]
+                                            only for a tensor-parallel owner (`RemoteKV.ranks`):
+                                            every rank's cache address and KV-head range
 
     bytes(b) = u32le(len(b)) || b     str(s) = bytes(utf8(s))
     ints(xs) = u32le(len(xs)) || u64le(x) for x in xs     f64 = IEEE 754 little-endian
@@ -122,6 +125,12 @@ def handoff_message(request_id: str, block_hashes: Sequence[int], handoff: KVHan
             # Only for a scaled (fp8) cache: an unscaled hand-off signs the same bytes as
             # before the manifest existed.
             _f32s(layout.k_scales) + _f32s(layout.v_scales) if scaled else b"",
+            # Only for a tensor-parallel owner: a single-rank hand-off signs the same bytes
+            # as before ranks existed.
+            _str("ranks")
+            + _ints([x for r in remote.ranks for x in (r.base_addr, r.head_start, r.num_heads)])
+            if remote.ranks
+            else b"",
         )
     )
 

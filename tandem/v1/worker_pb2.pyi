@@ -42,7 +42,7 @@ class KvLayout(_message.Message):
     def __init__(self, memory_type: _Optional[str] = ..., device_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., order: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("transport", "agent_name", "agent_metadata", "base_addr", "block_bytes", "block_ids", "num_tokens", "block_size", "lease", "prefill_address", "layout", "signature")
+    __slots__ = ("transport", "agent_name", "agent_metadata", "base_addr", "block_bytes", "block_ids", "num_tokens", "block_size", "lease", "prefill_address", "layout", "signature", "ranks")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class KvHandle(_message.Message):
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     transport: str
     agent_name: str
     agent_metadata: bytes
@@ -67,7 +68,18 @@ class KvHandle(_message.Message):
     prefill_address: str
     layout: KvLayout
     signature: bytes
-    def __init__(self, transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., prefill_address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[KvRank]
+    def __init__(self, transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., prefill_address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., signature: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[KvRank, _Mapping]]] = ...) -> None: ...
+
+class KvRank(_message.Message):
+    __slots__ = ("base_addr", "head_start", "num_heads")
+    BASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    base_addr: int
+    head_start: int
+    num_heads: int
+    def __init__(self, base_addr: _Optional[int] = ..., head_start: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker", "cache_salt")

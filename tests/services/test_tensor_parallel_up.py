@@ -1,6 +1,7 @@
-"""`tandem up --tp 2`: every worker is 2 ranks (gloo on the CPU). Hand-offs are built between
-single-rank workers only, so the decode worker prefills every request itself; the answers
-are the single-process engine's, and nothing is left held afterwards."""
+"""`tandem up --tp 2`: every worker is 2 ranks (gloo on the CPU). Long prompts are prefilled by
+the prefill worker and handed off rank by rank (each rank's KV heads into the decode rank
+holding them); the answers are the single-process engine's, and nothing is left held
+afterwards."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield c
 
 
-def test_tp2_cluster_answers_as_the_single_engine(cluster: Cluster, model_dir: Path) -> None:
+def test_tp2_cluster_hands_off_and_answers_as_the_single_engine(
+    cluster: Cluster, model_dir: Path
+) -> None:
     rng = random.Random(29)
     cases = [
         (rng.choices(range(5, 512), k=rng.randint(1, 150)), rng.randint(1, 16)) for _ in range(8)
@@ -57,9 +60,8 @@ def test_tp2_cluster_answers_as_the_single_engine(cluster: Cluster, model_dir: P
     results = asyncio.run(run())
     for (prompt, n), got, want in zip(cases, results, expected, strict=True):
         assert got.token_ids == want.token_ids[:n], f"prompt of {len(prompt)} tokens diverged"
-    assert not any(r.disaggregated for r in results)
     long = [r for (p, _), r in zip(cases, results, strict=True) if len(p) >= 64]
-    assert long and all("tensor-parallel" in r.route_reason for r in long)
+    assert long and all(r.disaggregated for r in long), [r.route_reason for r in long]
     workers = asyncio.run(_registered(cluster))
     assert sorted(w.tensor_parallel_size for w in workers) == [2, 2]
     assert_all_free(cluster)

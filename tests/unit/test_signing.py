@@ -12,7 +12,7 @@ import pytest
 
 from services.common.rpc import convert
 from tandem.engine.prefix_hash import hash_block, hash_blocks, hash_keys
-from tandem.transfer import KVHandoff, KVLayout, RemoteKV
+from tandem.transfer import KVHandoff, KVLayout, RankKV, RemoteKV
 from tandem.transfer.signing import handoff_message, prompt_hashes, sign_handoff, verify_handoff
 
 KEY = b"k" * 32
@@ -84,6 +84,8 @@ REMOTE_CHANGES = {
     "base_addr": 4096 + LAYOUT.block_bytes,
     "block_bytes": LAYOUT.block_bytes * 2,
     "block_ids": (3, 4, 10),
+    # A tensor-parallel owner's ranks added (altered ranks: tests/unit/test_transfer_ranks.py).
+    "ranks": (RankKV(4096, 0, 1), RankKV(1 << 20, 1, 1)),
 }
 LAYOUT_CHANGES = {
     "memory_type": "VRAM",

@@ -36,7 +36,7 @@ from tandem.model.sharding import (
     vocab_rows,
 )
 from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
-from tandem.routing.policy import RouteKind
+from tandem.routing.policy import RouteKind, can_hand_off
 from tandem.types import Role
 from tests.unit.test_model_parity import RecordingSampler, hf_greedy, hf_logits
 
@@ -343,30 +343,42 @@ def _alive(pid: int) -> bool:
 
 
 def worker(worker_id: str, role: str, tp: int = 1, **kw: Any) -> WorkerLoad:
+    kw.setdefault("kv_format", "float32")
     return WorkerLoad(
         worker_id, Role(role), f"{worker_id}:1", num_blocks=100, num_free_blocks=100,
-        kv_format="float32", tensor_parallel_size=tp, **kw,
+        tensor_parallel_size=tp, **kw,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ["kv", "load", "round_robin"])
-def test_placement_hands_off_only_between_single_rank_workers(policy: str) -> None:
+def test_placement_pairs_any_tensor_parallel_sizes_that_can_hand_off(policy: str) -> None:
+    """Any TP sizes pair when each tensor-parallel side maps its ranks' caches (kv_handoff,
+    on a CPU); a worker that cannot (CUDA) is never paired, and neither is another format."""
     cfg = RoutingConfig(policy=policy, disagg_min_uncached_tokens=16)
     rng = random.Random(29)
-    for seq in range(60):
+    paired_sizes = set()
+    for seq in range(80):
         workers = [
-            worker(f"{role[0]}{i}", role, rng.choice([1, 2, 4]), num_running=rng.randint(0, 3))
+            worker(
+                f"{role[0]}{i}", role, rng.choice([1, 2, 4]), num_running=rng.randint(0, 3),
+                kv_handoff=rng.random() < 0.8,
+                kv_format=rng.choice(["float32", "float32", "bfloat16"]),
+            )  # fmt: skip
             for role in ("prefill", "decode")
             for i in range(rng.randint(1, 3))
         ]
         p = choose(RouteRequest(500, 16, sequence=seq), workers, cfg)
         assert p is not None
+        ok = [w for w in workers if w.role == Role.PREFILL and can_hand_off(w, p.decode)]
         if p.prefill is not None:
-            assert p.prefill.tensor_parallel_size == p.decode.tensor_parallel_size == 1
-        elif p.decode.tensor_parallel_size == 1 and any(
-            w.tensor_parallel_size == 1 for w in workers if w.role == Role.PREFILL
-        ):
-            pytest.fail(f"colocated although a single-rank prefill worker exists: {p.reason}")
+            assert can_hand_off(p.prefill, p.decode)
+            assert p.prefill.kv_format == p.decode.kv_format
+            for w in (p.prefill, p.decode):
+                assert w.tensor_parallel_size == 1 or w.kv_handoff
+            paired_sizes.add((p.prefill.tensor_parallel_size, p.decode.tensor_parallel_size))
+        elif ok:
+            pytest.fail(f"colocated although {ok[0].worker_id} can hand off: {p.reason}")
+    assert {(1, 2), (2, 1), (2, 2)} <= paired_sizes
 
 
 def test_placement_says_why_a_tensor_parallel_worker_is_not_paired() -> None:
@@ -374,22 +386,27 @@ def test_placement_says_why_a_tensor_parallel_worker_is_not_paired() -> None:
                RoutingConfig())  # fmt: skip
     assert p is not None and p.prefill is None and p.kind == RouteKind.NO_PREFILL_WORKER
     assert p.reason == (
-        "decode worker of 2 tensor-parallel ranks: hand-offs between tensor-parallel workers "
-        "are not built; prefill on d0"
+        "decode worker of 2 tensor-parallel ranks whose caches its rank 0 does not map "
+        "(hand-offs into tensor-parallel workers are built on a CPU only): prefill on d0"
     )
     workers = [worker("p0", "prefill", 2), worker("p1", "prefill", 4), worker("d0", "decode")]
     p = choose(RouteRequest(500, 16), workers, RoutingConfig())
     assert p is not None and p.prefill is None
     assert p.reason == (
-        "no single-rank prefill worker with KV format float32 (tensor-parallel sizes: 2, 4; "
-        "hand-offs between tensor-parallel workers are not built): prefill on d0"
+        "no prefill worker with KV format float32 that can hand off (tensor-parallel sizes: "
+        "2, 4, their ranks' caches not mapped: built on a CPU only): prefill on d0"
     )
+    workers = [worker("p0", "prefill", 2, kv_handoff=True), worker("d0", "decode")]
+    p = choose(RouteRequest(500, 16), workers, RoutingConfig())
+    assert p is not None and p.prefill is not None and p.prefill.worker_id == "p0"
 
 
 def test_the_registry_record_advertises_the_tensor_parallel_size() -> None:
     info = WorkerInfo("d0", "decode", "h:1", "m", 1, tensor_parallel_size=2)
     assert WorkerInfo.from_json(info.to_json()) == info
-    assert info.load().tensor_parallel_size == 2
+    assert info.load().tensor_parallel_size == 2 and not info.load().kv_handoff
+    mapped = WorkerInfo("d0", "decode", "h:1", "m", 1, tensor_parallel_size=2, kv_handoff=True)
+    assert WorkerInfo.from_json(mapped.to_json()).load().kv_handoff
     assert WorkerInfo("d0", "decode", "h:1", "m", 1).tensor_parallel_size == 1  # older workers
     for bad in (0, True, "2"):
         with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):

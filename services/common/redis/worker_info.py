@@ -65,9 +65,12 @@ class WorkerInfo:
     # scales digest); "" from a worker that predates it. The router pairs equal formats only.
     kv_format: str = ""
     # Ranks the worker's model is split over (tensor parallelism, tandem.model.sharding);
-    # 1 from a worker that predates it. The router hands off only between single-rank
-    # workers for now (tandem.routing.policy).
+    # 1 from a worker that predates it.
     tensor_parallel_size: int = 1
+    # Whether a tensor-parallel worker's KV can be handed off (its rank 0 maps every rank's
+    # cache: on a CPU); False from one that predates it. A single-rank worker's always can
+    # (tandem.routing.policy.can_hand_off).
+    kv_handoff: bool = False
 
     def __post_init__(self) -> None:
         for name in ("worker_id", "role", "address", "model"):
@@ -95,6 +98,8 @@ class WorkerInfo:
             raise ValueError(f"WorkerInfo.tensor_parallel_size must be an int >= 1, got {tp!r}")
         if not isinstance(self.kv_format, str):
             raise ValueError(f"WorkerInfo.kv_format must be a str, got {self.kv_format!r}")
+        if not isinstance(self.kv_handoff, bool):
+            raise ValueError(f"WorkerInfo.kv_handoff must be a bool, got {self.kv_handoff!r}")
         if not isinstance(self.draining, bool):
             raise ValueError(f"WorkerInfo.draining must be a bool, got {self.draining!r}")
         if not isinstance(self.updated_at, int | float) or isinstance(self.updated_at, bool):
@@ -121,6 +126,7 @@ class WorkerInfo:
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             kv_format=self.kv_format,
             tensor_parallel_size=self.tensor_parallel_size,
+            kv_handoff=self.kv_handoff,
         )
 
     def to_json(self) -> str:

@@ -18,7 +18,7 @@ from tandem.engine.grammar import Constraint, ConstraintKind
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.routing.stall import HopProgress
-from tandem.transfer import KVHandoff, KVLayout, RemoteKV
+from tandem.transfer import KVHandoff, KVLayout, RankKV, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.wire import finish_reason_to_proto
@@ -190,6 +190,10 @@ def remote_kv_to_proto(remote: RemoteKV, **fields: object) -> wpb.KvHandle:
         block_bytes=remote.block_bytes,
         block_ids=list(remote.block_ids),
         layout=kv_layout_to_proto(remote.layout),
+        ranks=[
+            wpb.KvRank(base_addr=r.base_addr, head_start=r.head_start, num_heads=r.num_heads)
+            for r in remote.ranks
+        ],
         **fields,  # type: ignore[arg-type]
     )
 
@@ -211,6 +215,7 @@ def remote_kv_from_proto(msg: wpb.KvHandle) -> RemoteKV:
         block_bytes=msg.block_bytes,
         block_ids=tuple(msg.block_ids),
         layout=layout,
+        ranks=tuple(RankKV(r.base_addr, r.head_start, r.num_heads) for r in msg.ranks),
     )
 
 

@@ -95,8 +95,12 @@ class Worker:
         with _phase(f"KV cache registered with the {config.transport} transport"):
             self.transport: KVTransport = make_transport(config.transport, self.worker_id)
             scales = self.engine.kv_scales
+            # A tensor-parallel engine's every rank's cache (mapped by rank 0 on a CPU): a
+            # hand-off moves each rank's heads, whatever the peer's TP size.
             self.transport.register(
-                self.engine.kv_cache, (scales.k, scales.v) if scales else ((), ())
+                self.engine.kv_cache,
+                (scales.k, scales.v) if scales else ((), ()),
+                self.engine.rank_kv,
             )
         self.loop_runner: EngineLoop | None = None
         self._device_exit: asyncio.Task[None] | None = None  # after a device error
@@ -154,6 +158,7 @@ class Worker:
             draining=self.draining,
             kv_format=self.engine.kv_format,
             tensor_parallel_size=self.engine.config.tensor_parallel_size,
+            kv_handoff=self.engine.config.tensor_parallel_size == 1 or bool(self.engine.rank_kv),
             updated_at=time.time(),
         )
 

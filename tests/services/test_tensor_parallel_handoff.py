@@ -1,0 +1,175 @@
+"""Hand-offs between workers of different tensor-parallel sizes (issue 29): real processes,
+real Redis, real NIXL. A prefill worker of TP=p hands a request to a decode worker of TP=d
+(2 -> 1, 1 -> 2, 2 -> 2): the handle lists every prefill rank's cache and KV-head range, and
+each decode rank's cache gets its heads from the prefill ranks holding them. Greedy output
+equals the single engine's in float32, with prefix hits on the decode worker (it reads only
+what it lacks) and chunked prefill on the prefill workers; afterwards no block, lease or
+request is held anywhere. A handle whose rank addresses or head ranges were altered is
+refused by the signature before anything is reserved or read.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import redis
+
+from services.common.redis.server import RedisServer
+from services.common.security import AuthConfig, internal_metadata
+from tandem.config import CacheConfig, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.v1 import router_pb2 as rpb
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wgrpc
+from tests.services.conftest import KV_BYTES
+from tests.services.workers import prefill_result, wait_all_free
+
+MAX_TOKENS = 8
+SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+WORKERS = {"p1": ("prefill", 1), "p2": ("prefill", 2), "d1": ("decode", 1), "d2": ("decode", 2)}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model_dir: Path,
+    redis_server: RedisServer,
+    procs: SimpleNamespace,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[SimpleNamespace]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    secret_file = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    secret_file.write_text(secrets.token_hex(32))
+    common = ("--cluster-secret-file", str(secret_file), "--lease-ttl-s", "120")
+    started: list[subprocess.Popen[str]] = []
+    channels: list[grpc.Channel] = []
+    stubs: dict[str, object] = {}
+    try:
+        for name, (role, tp) in WORKERS.items():
+            extra = ("--long-prefill-token-threshold", "24") if role == "prefill" else ()
+            proc, address = procs.worker(
+                role, tiny_model_dir, redis_server.url, name, "--tp", str(tp), *common, *extra
+            )
+            started.append(proc)
+            channels.append(grpc.insecure_channel(address))
+            stub_cls = wgrpc.PrefillWorkerStub if role == "prefill" else wgrpc.DecodeWorkerStub
+            stubs[name] = stub_cls(channels[-1])
+        yield SimpleNamespace(
+            metadata=internal_metadata(AuthConfig(cluster_secret_file=str(secret_file))),
+            **stubs,
+        )
+    finally:
+        for channel in channels:
+            channel.close()
+        procs.stop(*started)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            str(tiny_model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES)
+        )
+    )
+
+
+def greedy(reference: LLMEngine, prompt: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    [out] = reference.generate([prompt], params)
+    return out.token_ids
+
+
+def prefill(c: SimpleNamespace, name: str, rid: str, prompt: list[int]) -> wpb.PrefillResponse:
+    request = wpb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING)
+    resp = prefill_result(getattr(c, name).Prefill(request, metadata=c.metadata, timeout=60))
+    assert resp.HasField("kv") and not resp.finished
+    return resp
+
+
+def decode(
+    c: SimpleNamespace, name: str, rid: str, prompt: list[int], first: wpb.PrefillResponse,
+    kv: wpb.KvHandle | None = None,
+) -> tuple[list[int], wpb.DecodeComplete]:  # fmt: skip
+    request = wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING)
+    request.output_token_ids.append(first.first_token_id)
+    request.kv.CopyFrom(first.kv if kv is None else kv)
+    tokens, complete = [first.first_token_id], None
+    for msg in getattr(c, name).Decode(request, metadata=c.metadata, timeout=60):
+        kind = msg.WhichOneof("kind")
+        assert kind != "kv_failed", msg
+        if kind == "chunk":
+            tokens += msg.chunk.token_ids
+        else:
+            complete = msg.complete
+    assert complete is not None
+    return tokens, complete
+
+
+def assert_nothing_held(c: SimpleNamespace) -> None:
+    wait_all_free(
+        lambda: [
+            getattr(c, n).GetStats(wpb.GetStatsRequest(), metadata=c.metadata) for n in WORKERS
+        ]
+    )
+
+
+@pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
+def test_handoff_between_tp_sizes_matches_the_single_engine(
+    cluster: SimpleNamespace, reference: LLMEngine, p: str, d: str
+) -> None:
+    rng = random.Random(f"{p}{d}")
+    shared = rng.choices(range(5, 512), k=48)  # three blocks of 16 a second prompt reuses
+    prompts = [
+        shared + rng.choices(range(5, 512), k=9),
+        shared + rng.choices(range(5, 512), k=21),  # a prefix hit on the decode worker
+        rng.choices(range(5, 512), k=70),
+        rng.choices(range(5, 512), k=5),  # one partial block
+    ]
+    num_ranks = WORKERS[p][1]
+    for i, prompt in enumerate(prompts):
+        rid = f"{p}-{d}-{i}"
+        first = prefill(cluster, p, rid, prompt)
+        assert len(first.kv.ranks) == (num_ranks if num_ranks > 1 else 0)
+        tokens, complete = decode(cluster, d, rid, prompt, first)
+        assert tokens == greedy(reference, prompt), f"prompt {i} ({len(prompt)} tokens)"
+        assert not complete.recomputed and complete.kv_transfer_bytes > 0
+        if i == 1:  # the decode worker read only what its cache lacked
+            assert complete.num_cached_tokens == 48
+    assert_nothing_held(cluster)
+
+
+def test_altered_rank_in_a_handle_is_refused_by_the_signature(
+    cluster: SimpleNamespace, reference: LLMEngine
+) -> None:
+    prompt = random.Random(7).choices(range(5, 512), k=40)
+    first = prefill(cluster, "p2", "forged", prompt)
+
+    def swap_heads(kv: wpb.KvHandle) -> None:  # each rank's heads read as the other's
+        kv.ranks[0].head_start, kv.ranks[1].head_start = 1, 0
+
+    for alter in (
+        swap_heads,
+        lambda kv: setattr(kv.ranks[1], "base_addr", kv.ranks[1].base_addr + 4096),  # endpoint
+        lambda kv: kv.ClearField("ranks"),  # read rank 0's cache as if it held every head
+    ):
+        kv = wpb.KvHandle()
+        kv.CopyFrom(first.kv)
+        alter(kv)
+        with pytest.raises(grpc.RpcError) as err:
+            decode(cluster, "d2", "forged", prompt, first, kv)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        d = cluster.d2.GetStats(wpb.GetStatsRequest(), metadata=cluster.metadata)
+        assert d.num_free_blocks == d.num_blocks and d.num_running == 0
+    # The genuine handle still works, and then nothing is held.
+    tokens, _ = decode(cluster, "d2", "forged", prompt, first)
+    assert tokens == greedy(reference, prompt)
+    assert_nothing_held(cluster)
