@@ -477,12 +477,14 @@ class KVTransport(ABC):
                 self._do_read_into(remote, src, runs, staging, timeout_s)
                 moved += len(remote_ids) * src_bytes
                 rows = staging[: len(remote_ids) * src_bytes].view(len(remote_ids), *shape)
-                index = torch.tensor(local[c : c + chunk], device=staging.device)
+                # Runs of consecutive local blocks: one strided slice copy each.
+                local_runs = coalesce(range(len(remote_ids)), local[c : c + chunk])
                 for cache, dst_head, src_head, n in copies:
                     dst = cache.view(torch.uint8)  # heads as bytes: dtype-agnostic
-                    dst[index, :, :, :, dst_head : dst_head + n] = rows[
-                        :, :, :, :, src_head : src_head + n
-                    ]
+                    for s0, d0, k in local_runs:
+                        dst[d0 : d0 + k, :, :, :, dst_head : dst_head + n].copy_(
+                            rows[s0 : s0 + k, :, :, :, src_head : src_head + n]
+                        )
         self.last_num_descriptors = descriptors
         if notif:
             self._do_read(remote, [], notif, timeout_s)
