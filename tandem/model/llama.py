@@ -204,6 +204,7 @@ class LlamaModel:
                 assert cfg.moe is not None
                 assert self.expert_counts is not None
                 row = self.expert_counts[self._count_rows[layer_idx]]
+                # with TP, this rank's columns of every expert: a partial sum, like down's
                 pending = moe_forward(x, lw.moe, cfg.moe, row)
             else:
                 assert lw.gate_up is not None and lw.down is not None

@@ -25,7 +25,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.gguf_quant import GGUF_FILE, GGUFMatrices, gguf_matrices
 from tandem.model.linear import choose_matmul, onednn_bf16_available
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights, Weight
-from tandem.model.moe import MoeWeights
+from tandem.model.moe import MoeWeights, expert_names, router_name
 from tandem.model.parallel import TPGroup
 from tandem.model.quant import WeightScheme
 from tandem.model.quant_checkpoints import QuantizedReader, read_checkpoint_quant, stored_shapes
@@ -76,9 +76,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "post_attention_layernorm.weight"] = (hid,)
         if config.moe is not None and i in config.moe.sparse_layers:
             e_inter = config.moe.expert_intermediate_size
-            shapes[router_name(config, i)] = (config.moe.num_experts, hid)
+            shapes[router_name(config.architecture, i)] = (config.moe.num_experts, hid)
             for e in range(config.moe.num_experts):
-                gate, up, down = expert_names(config, i, e)
+                gate, up, down = expert_names(config.architecture, i, e)
                 shapes[gate] = (e_inter, hid)
                 shapes[up] = (e_inter, hid)
                 shapes[down] = (hid, e_inter)
@@ -91,21 +91,6 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, hid)
     shapes["model.norm.weight"] = (hid,)
     return shapes
-
-
-def router_name(config: ModelConfig, i: int) -> str:
-    """Layer i's router in the checkpoint (Mixtral: block_sparse_moe.gate, Qwen3-MoE: mlp.gate)."""
-    block = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
-    return f"model.layers.{i}.{block}.gate.weight"
-
-
-def expert_names(config: ModelConfig, i: int, e: int) -> tuple[str, str, str]:
-    """Expert e of layer i's (gate, up, down) in the checkpoint (Mixtral's w1, w3, w2)."""
-    if config.architecture == "MixtralForCausalLM":
-        p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
-        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
-    p = f"model.layers.{i}.mlp.experts.{e}."
-    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
 
 def check_entries(entries: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]]) -> None:
@@ -227,18 +212,20 @@ class WeightBuilder:
         return dst
 
     def experts(self, config: ModelConfig, i: int) -> MoeWeights:
-        """Layer i's router and experts, each expert's gate and up fused and transposed into
-        its slot of one stacked tensor (the per-expert tensors of the file never coexist)."""
+        """Layer i's router (whole on every rank) and experts, each expert's gate and up fused
+        and transposed into its slot of one stacked tensor (the per-expert tensors of the
+        file never coexist)."""
         assert config.moe is not None
         if self.quantization is not WeightScheme.NONE:
             raise ValueError("mixture-of-experts models serve unquantized weights only for now")
-        num, inter = config.moe.num_experts, config.moe.expert_intermediate_size
-        hid = config.hidden_size
-        router = self.fused([router_name(config, i)], transpose=True)  # [hid, experts]
+        num, hid = config.moe.num_experts, config.hidden_size
+        # a tensor-parallel rank's share of each expert's columns (the shapes are sliced)
+        inter = self.shapes[expert_names(config.architecture, i, 0)[0]][0]
+        router = self.fused([router_name(config.architecture, i)], transpose=True)  # [hid, E]
         gate_up = torch.empty(num, hid, 2 * inter, dtype=self.dtype, device=self.device)
         down = torch.empty(num, inter, hid, dtype=self.dtype, device=self.device)
         for e in range(num):
-            gate, up, down_name = expert_names(config, i, e)
+            gate, up, down_name = expert_names(config.architecture, i, e)
             for name, dst in ((gate, gate_up[e, :, :inter]), (up, gate_up[e, :, inter:])):
                 self.copy_transposed(dst, self.reader.read(name))
             self.copy_transposed(down[e], self.reader.read(down_name))

@@ -75,6 +75,22 @@ class MoeWeights:
         return self.router, self.gate_up, self.down
 
 
+def router_name(architecture: str, layer: int) -> str:
+    """A sparse layer's router in the checkpoint (Mixtral: block_sparse_moe.gate, Qwen3-MoE:
+    mlp.gate)."""
+    block = "block_sparse_moe" if architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer}.{block}.gate.weight"
+
+
+def expert_names(architecture: str, layer: int, expert: int) -> tuple[str, str, str]:
+    """An expert's (gate, up, down) in the checkpoint (Mixtral's w1, w3, w2)."""
+    if architecture == "MixtralForCausalLM":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
 class Routed(NamedTuple):
     expert_ids: torch.Tensor  # [num_tokens, top_k] int64
     weights: torch.Tensor  # [num_tokens, top_k]

@@ -10,6 +10,10 @@ holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
     o       row-parallel: the input rows of rank r's q heads; one all-reduce after it
     gate/up column-parallel: intermediate columns [r*I//T, (r+1)*I//T)
     down    row-parallel: the same intermediate rows; one all-reduce after it
+    experts (mixture of experts) each expert as the MLP: its gate/up columns and down rows
+            [r*I'//T, (r+1)*I'//T) of its I' = moe_intermediate_size; the router
+            replicated (every rank routes every token alike); one all-reduce after the
+            layer's weighted sum
     embed,  vocab-parallel: vocabulary rows [r*V', (r+1)*V'), V' = ceil(V/T), the last rank's
     lm_head padded with zero rows; an all-reduce after the embedding (each token's row lives
             on one rank, the others add zeros) and an all-gather of the logits
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tandem.model.config import ModelConfig
+from tandem.model.moe import expert_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +58,10 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     head, or whole replicas of every KV head with its query heads split evenly among them."""
     if size <= 0:
         raise ValueError(f"tensor_parallel_size must be positive, got {size}")
-    if config.moe is not None and size > 1:
+    if config.moe is not None and config.moe.expert_intermediate_size < size:
         raise ValueError(
-            f"tensor_parallel_size {size}: {config.architecture} (mixture of experts) is "
-            "served by one rank per worker for now"
+            f"tensor_parallel_size {size} exceeds the experts' intermediate size "
+            f"({config.moe.expert_intermediate_size})"
         )
     q, k = config.num_q_heads, config.num_kv_heads
     if size <= k:
@@ -99,6 +104,12 @@ def intermediate(config: ModelConfig, shard: Shard) -> range:
     return _part(config.intermediate_size, shard)
 
 
+def expert_intermediate(config: ModelConfig, shard: Shard) -> range:
+    """Each expert's intermediate columns rank `shard.rank` computes."""
+    assert config.moe is not None
+    return _part(config.moe.expert_intermediate_size, shard)
+
+
 def vocab_rows(config: ModelConfig, shard: Shard) -> range:
     """The vocabulary rows rank `shard.rank` holds (`vocab_per_rank` of them, fewer on the
     last rank when the vocabulary does not divide; the rest is zero padding)."""
@@ -117,11 +128,17 @@ def local_config(config: ModelConfig, shard: Shard) -> ModelConfig:
     if shard.size == 1:
         return config
     check_shardable(config, shard.size)
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe, expert_intermediate_size=len(expert_intermediate(config, shard))
+        )
     return dataclasses.replace(
         config,
         num_q_heads=len(q_heads(config, shard)),
         num_kv_heads=len(kv_heads(config, shard)),
         intermediate_size=len(intermediate(config, shard)),
+        moe=moe,
     )
 
 
@@ -148,6 +165,14 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
             slices[attn + "k_proj.bias"] = TensorSlice(0, *kvs)
             slices[attn + "v_proj.bias"] = TensorSlice(0, *kvs)
         slices[attn + "o_proj.weight"] = TensorSlice(1, *qs)
+        if config.moe is not None and i in config.moe.sparse_layers:
+            part = expert_intermediate(config, shard)
+            for e in range(config.moe.num_experts):
+                gate, up, down = expert_names(config.architecture, i, e)
+                slices[gate] = TensorSlice(0, part.start, part.stop)
+                slices[up] = TensorSlice(0, part.start, part.stop)
+                slices[down] = TensorSlice(1, part.start, part.stop)
+            continue
         slices[mlp + "gate_proj.weight"] = TensorSlice(0, *inter)
         slices[mlp + "up_proj.weight"] = TensorSlice(0, *inter)
         slices[mlp + "down_proj.weight"] = TensorSlice(1, *inter)
