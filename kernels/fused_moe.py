@@ -204,14 +204,17 @@ def fused_moe(
     down: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
+    first_expert: int = 0,
 ) -> torch.Tensor:
-    """The experts' routed, weighted sum per token.
+    """The experts' routed, weighted sum per token; with expert parallelism (`gate_up` and
+    `down` hold experts [first_expert, first_expert + num_local) of more), the sum over the
+    pairs routed to those: the others' rows stay zero.
 
     Args:
         x: [num_tokens, hidden] float16/bfloat16/float32, hidden contiguous.
         gate_up: [num_experts, hidden, 2 * inter] in x's dtype, contiguous (gate, then up).
         down: [num_experts, inter, hidden] in x's dtype, contiguous.
-        expert_ids: [num_tokens, top_k] int, each in [0, num_experts).
+        expert_ids: [num_tokens, top_k] int, global expert ids.
         weights: [num_tokens, top_k] routing weights (fp32 or x's dtype).
     Returns:
         [num_tokens, hidden] in x's dtype.
@@ -244,7 +247,10 @@ def fused_moe(
     top_k = expert_ids.shape[1]
     num_pairs = n * top_k
     block_m = block_m_for(num_pairs, num_experts)
-    sorted_pairs, block_expert = align_by_expert(expert_ids, num_experts, block_m)
+    local = expert_ids - first_expert
+    # another rank's pairs go to bin num_experts, whose tiles return at once (fixed shapes)
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    sorted_pairs, block_expert = align_by_expert(local, num_experts + 1, block_m)
     tiles = _tiles(block_m)
     num_blocks = block_expert.shape[0]
     fp32 = x.device.type == "cpu" and x.dtype != torch.float32  # the interpreter's dots
@@ -256,7 +262,7 @@ def fused_moe(
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, DOT_PRECISION=precision, DOT_FP32=fp32, **tiles,
     )  # fmt: skip
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)  # others' pairs: 0
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
         act, down, sorted_pairs, block_expert, weights.reshape(-1).contiguous(), out,
         num_pairs, num_experts, inter, hidden,

@@ -128,6 +128,9 @@ class EngineConfig:
         tensor_parallel_size: ranks the model is split over (tandem.model.sharding): this
             engine is rank 0 and spawns the others (tandem.engine.ranks); on CUDA rank r
             runs on the r-th device from `device`, on a CPU all share the host (gloo).
+        expert_parallel: with tensor_parallel_size N > 1 and a mixture-of-experts model,
+            split the experts whole among the N ranks (EP = N; attention stays TP) instead
+            of every expert's columns; no effect on a dense model.
     """
 
     model_dir: str
@@ -143,6 +146,7 @@ class EngineConfig:
     model_id: str | None = None
     num_threads: int | None = None
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -146,6 +146,8 @@ class Cluster:
             str(cfg.quantization_group_size),
             "--tensor-parallel-size",
             str(cfg.tensor_parallel_size),
+            "--expert-parallel",
+            str(cfg.expert_parallel).lower(),
         ]
         started = [
             self._spawn_worker(role)

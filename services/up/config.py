@@ -63,6 +63,9 @@ class UpConfig:
             holding 1/N of the model and of its KV heads (gloo on a CPU; `num_threads` is
             then per rank). `tandem up` places one GPU per worker, so on CUDA it stays 1
             (the chart's per-role tensorParallelSize gives a pod that many GPUs).
+        expert_parallel: a mixture-of-experts model's experts split whole among each
+            worker's ranks (EP = tensor_parallel_size) instead of every expert's columns
+            (tandem.config.EngineConfig.expert_parallel).
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
@@ -107,6 +110,7 @@ class UpConfig:
     quantization_group_size: int = 64
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     tool_call_parser: str = "auto"
@@ -160,6 +164,7 @@ class UpConfig:
             quantization_group_size=self.quantization_group_size,
             kv_cache_dtype=self.kv_cache_dtype,
             tensor_parallel_size=self.tensor_parallel_size,
+            expert_parallel=self.expert_parallel,
             cache=CacheConfig(
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -124,7 +124,7 @@ class LLMEngine:
             self.followers = Followers(config, address, on_rank_exit, kv_share)
         try:
             if self.followers is not None:
-                shard = Shard(0, config.tensor_parallel_size)
+                shard = Shard(0, config.tensor_parallel_size, config.expert_parallel)
                 self.tp = TPGroup.init(shard, address, config.device)
             loaded = load_model_and_cache(config, self.tp, progress, kv_share)
         except BaseException:

@@ -155,7 +155,8 @@ def follow(
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
     use_device(config.device)
     torch.set_num_threads(threads_per_rank(config))
-    group = TPGroup.init(Shard(rank, config.tensor_parallel_size), address, config.device)
+    shard = Shard(rank, config.tensor_parallel_size, config.expert_parallel)
+    group = TPGroup.init(shard, address, config.device)
     loaded = load_model_and_cache(config, group, kv_share=kv_share)
     sampler = Sampler(torch.Generator(device=config.device))  # never samples: rank 0 does
     runner = ModelRunner(

@@ -41,7 +41,9 @@ from tandem.model.safetensors_io import (
 from tandem.model.sharding import (
     Shard,
     check_shardable,
+    foreign_experts,
     local_config,
+    local_experts,
     sliced_shapes,
     tensor_slices,
     vocab_per_rank,
@@ -211,21 +213,22 @@ class WeightBuilder:
         del src
         return dst
 
-    def experts(self, config: ModelConfig, i: int) -> MoeWeights:
+    def experts(self, config: ModelConfig, i: int, experts: range | None = None) -> MoeWeights:
         """Layer i's router (whole on every rank) and experts, each expert's gate and up fused
         and transposed into its slot of one stacked tensor (the per-expert tensors of the
         file never coexist)."""
         assert config.moe is not None
         if self.quantization is not WeightScheme.NONE:
             raise ValueError("mixture-of-experts models serve unquantized weights only for now")
-        num, hid = config.moe.num_experts, config.hidden_size
+        mine = experts if experts is not None else range(config.moe.num_experts)
+        num, hid = len(mine), config.hidden_size
         # a tensor-parallel rank's share of each expert's columns (the shapes are sliced)
-        inter = self.shapes[expert_names(config.architecture, i, 0)[0]][0]
+        inter = self.shapes[expert_names(config.architecture, i, mine.start)[0]][0]
         router = self.fused([router_name(config.architecture, i)], transpose=True)  # [hid, E]
         gate_up = torch.empty(num, hid, 2 * inter, dtype=self.dtype, device=self.device)
         down = torch.empty(num, inter, hid, dtype=self.dtype, device=self.device)
         for e in range(num):
-            gate, up, down_name = expert_names(config.architecture, i, e)
+            gate, up, down_name = expert_names(config.architecture, i, mine.start + e)
             for name, dst in ((gate, gate_up[e, :, :inter]), (up, gate_up[e, :, inter:])):
                 self.copy_transposed(dst, self.reader.read(name))
             self.copy_transposed(down[e], self.reader.read(down_name))
@@ -233,9 +236,10 @@ class WeightBuilder:
             router=router,
             gate_up=gate_up,
             down=down,
+            first_expert=mine.start,
         )
 
-    def layer(self, config: ModelConfig, i: int) -> LayerWeights:
+    def layer(self, config: ModelConfig, i: int, experts: range | None = None) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         sparse = config.moe is not None and i in config.moe.sparse_layers
@@ -255,13 +259,16 @@ class WeightBuilder:
             if sparse
             else self.matrix([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]),
             down=None if sparse else self.matrix([p + "mlp.down_proj.weight"]),  # [inter, hid]
-            moe=self.experts(config, i) if sparse else None,
+            moe=self.experts(config, i, experts) if sparse else None,
         )
 
-    def model(self, config: ModelConfig, vocab_rows: int | None = None) -> ModelWeights:
+    def model(
+        self, config: ModelConfig, vocab_rows: int | None = None, experts: range | None = None
+    ) -> ModelWeights:
         """`vocab_rows`: a vocabulary-parallel rank's rows per rank; its embedding and
-        lm_head are padded with zero rows to that many (tandem.model.sharding)."""
-        layers = [self.layer(config, i) for i in range(config.num_layers)]
+        lm_head are padded with zero rows to that many (tandem.model.sharding). `experts`:
+        the experts an expert-parallel rank holds (default all)."""
+        layers = [self.layer(config, i, experts) for i in range(config.num_layers)]
         embed = self.vocab("model.embed_tokens.weight", vocab_rows)
         if config.tie_word_embeddings:
             lm_head = embed.t()  # shares storage with the embedding
@@ -301,6 +308,9 @@ def load_weights(
     for f in files:
         entries.update(read_header(f))
     shapes = expected_shapes(config)
+    if shard is not None and shard.size > 1 and shard.expert_parallel:
+        foreign = foreign_experts(config, shard)  # other ranks' experts: never read here
+        shapes = {n: s for n, s in shapes.items() if n not in foreign}
     # A quantized checkpoint (config.json's quantization_config) stores its linear layers
     # in its own tensors: read those, converted by tandem.model.quant_checkpoints.
     quant = read_checkpoint_quant(model_dir)
@@ -339,7 +349,8 @@ def load_weights(
         builder = WeightBuilder(
             source, sliced_shapes(shapes, slices), dtype, device, quantization, group_size
         )
-        weights = builder.model(config, vocab_rows)
+        experts = local_experts(config, shard) if config.moe and shard else None
+        weights = builder.model(config, vocab_rows, experts)
     assert reader.num_read == len(stored), f"read {reader.num_read} of {len(stored)} tensors"
     logger.info(
         "loaded %s: %d tensors, %.1f MiB of weights as %s%s on %s in %.2f s",

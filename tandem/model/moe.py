@@ -65,11 +65,13 @@ class MoeConfig:
 @dataclass(slots=True)
 class MoeWeights:
     """One sparse layer's router and experts, each expert's matrices transposed like every
-    other matrix ([in, out]) and stacked along dim 0."""
+    other matrix ([in, out]) and stacked along dim 0. With expert parallelism a rank holds
+    experts [first_expert, first_expert + gate_up.shape[0]) only."""
 
     router: torch.Tensor  # [hidden, num_experts]
-    gate_up: torch.Tensor  # [num_experts, hidden, 2 * expert_intermediate]
-    down: torch.Tensor  # [num_experts, expert_intermediate, hidden]
+    gate_up: torch.Tensor  # [num_local_experts, hidden, 2 * expert_intermediate]
+    down: torch.Tensor  # [num_local_experts, expert_intermediate, hidden]
+    first_expert: int = 0
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.router, self.gate_up, self.down
@@ -109,20 +111,31 @@ def route(x: torch.Tensor, router: torch.Tensor, cfg: MoeConfig) -> Routed:
     return Routed(ids, top.to(x.dtype))
 
 
-def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, slot) pairs in expert order and each expert's end in that order.
+class SortedPairs(NamedTuple):
+    pairs: torch.Tensor  # [num_local_pairs] flat pair ids in expert order (token = p // top_k)
+    experts: torch.Tensor  # [num_local_pairs] each one's local expert
+    offsets: torch.Tensor  # [num_local_experts] int32, cumulative counts (grouped_mm's offs)
+
+
+def sort_by_expert(
+    expert_ids: torch.Tensor, num_local: int, first_expert: int = 0, num_experts: int = 0
+) -> SortedPairs:
+    """The (token, slot) pairs routed to experts [first_expert, first_expert + num_local) of
+    `num_experts`, stably sorted by expert (expert parallelism: the other pairs are another
+    rank's).
 
     Args:
         expert_ids: [num_tokens, top_k]
-    Returns:
-        order: [num_tokens * top_k] flat pair indices (pair p is token p // top_k), stable.
-        offsets: [num_experts] int32, the cumulative pair counts (grouped_mm's `offs`).
     """
-    flat = expert_ids.flatten()
+    flat = expert_ids.flatten() - first_expert
+    pairs = torch.arange(flat.numel(), device=flat.device)
+    if num_local < num_experts:  # expert parallel
+        keep = (flat >= 0) & (flat < num_local)
+        pairs, flat = pairs[keep], flat[keep]
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts = torch.zeros(num_local, dtype=torch.int32, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return order, torch.cumsum(counts, 0, dtype=torch.int32)
+    return SortedPairs(pairs[order], flat[order], torch.cumsum(counts, 0, dtype=torch.int32))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -130,38 +143,34 @@ def _aligned(t: torch.Tensor) -> bool:
     return all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1] if s != 1)
 
 
-def grouped_mm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    offsets: torch.Tensor,
-    order: torch.Tensor,
-    expert_ids: torch.Tensor,
-) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, sorted_pairs: SortedPairs) -> torch.Tensor:
     """x: [num_pairs, in] sorted by expert; w: [num_experts, in, out] -> [num_pairs, out],
     row i times its expert's matrix. Shapes grouped_mm cannot take (strides not 16-byte
     aligned) fall back to one batched matmul over each row's gathered matrix."""
     if _aligned(x) and _aligned(w) and x.shape[0] > 0:
-        return F.grouped_mm(x, w, offs=offsets)
-    sorted_experts = expert_ids.flatten()[order]
-    return torch.bmm(x.unsqueeze(1), w[sorted_experts]).squeeze(1)
+        return F.grouped_mm(x, w, offs=sorted_pairs.offsets)
+    return torch.bmm(x.unsqueeze(1), w[sorted_pairs.experts]).squeeze(1)
 
 
 def grouped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torch.Tensor:
-    """The experts' weighted sum per token, as grouped GEMMs over expert-sorted pairs.
+    """The experts' weighted sum per token, as grouped GEMMs over expert-sorted pairs; with
+    expert parallelism, over the pairs routed to this rank's experts only.
 
     Args:
         x: [num_tokens, hidden]
     Returns:
         [num_tokens, hidden] in x's dtype.
     """
-    n, top_k = routed.expert_ids.shape
-    order, offsets = sort_by_expert(routed.expert_ids, weights.gate_up.shape[0])
-    tokens = order // top_k  # [num_pairs] the token of each sorted pair
+    top_k = routed.expert_ids.shape[1]
+    num_local = weights.gate_up.shape[0]
+    num_experts = weights.router.shape[1]
+    s = sort_by_expert(routed.expert_ids, num_local, weights.first_expert, num_experts)
+    tokens = s.pairs // top_k  # [num_pairs] the token of each sorted pair
     xs = x.index_select(0, tokens)  # [num_pairs, hidden]
-    gate, up = grouped_mm(xs, weights.gate_up, offsets, order, routed.expert_ids).chunk(2, -1)
+    gate, up = grouped_mm(xs, weights.gate_up, s).chunk(2, -1)
     act = (F.silu(gate) * up).contiguous()  # [num_pairs, expert_intermediate]
-    ys = grouped_mm(act, weights.down, offsets, order, routed.expert_ids)  # [num_pairs, hidden]
-    ys = (ys * routed.weights.flatten()[order].unsqueeze(1)).to(x.dtype)
+    ys = grouped_mm(act, weights.down, s)  # [num_pairs, hidden]
+    ys = (ys * routed.weights.flatten()[s.pairs].unsqueeze(1)).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, ys)
 
 
@@ -170,7 +179,7 @@ def looped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torc
     a reference for tests. Not for the hot path."""
     out = torch.zeros_like(x)
     for e in range(weights.gate_up.shape[0]):
-        token_idx, slot = torch.where(routed.expert_ids == e)
+        token_idx, slot = torch.where(routed.expert_ids == e + weights.first_expert)
         if token_idx.numel() == 0:
             continue
         gate, up = (x[token_idx] @ weights.gate_up[e]).chunk(2, -1)
@@ -191,7 +200,10 @@ def moe_forward(
     if x.is_cuda:  # fixed shapes whatever the routing: CUDA graphs capture it
         from kernels.fused_moe import fused_moe
 
-        return fused_moe(x, weights.gate_up, weights.down, routed.expert_ids, routed.weights)
+        return fused_moe(
+            x, weights.gate_up, weights.down, routed.expert_ids, routed.weights,
+            first_expert=weights.first_expert,
+        )  # fmt: skip
     return grouped_experts(x, routed, weights)
 
 

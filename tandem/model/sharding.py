@@ -11,9 +11,12 @@ holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
     gate/up column-parallel: intermediate columns [r*I//T, (r+1)*I//T)
     down    row-parallel: the same intermediate rows; one all-reduce after it
     experts (mixture of experts) each expert as the MLP: its gate/up columns and down rows
-            [r*I'//T, (r+1)*I'//T) of its I' = moe_intermediate_size; the router
-            replicated (every rank routes every token alike); one all-reduce after the
-            layer's weighted sum
+            [r*I'//T, (r+1)*I'//T) of its I' = moe_intermediate_size; or, with expert
+            parallelism (`Shard.expert_parallel`, EP = T), experts [r*E//T, (r+1)*E//T)
+            whole, the others' never read. The router replicated (every rank routes every
+            token alike: the tokens are dispatched by routing, not moved, since attention
+            leaves every token's hidden state on every rank); one all-reduce after the
+            layer's weighted sum combines the ranks' partial sums either way
     embed,  vocab-parallel: vocabulary rows [r*V', (r+1)*V'), V' = ceil(V/T), the last rank's
     lm_head padded with zero rows; an all-reduce after the embedding (each token's row lives
             on one rank, the others add zeros) and an all-gather of the logits
@@ -35,10 +38,13 @@ from tandem.model.moe import expert_names
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """One rank of a tensor-parallel group of `size` ranks."""
+    """One rank of a tensor-parallel group of `size` ranks; `expert_parallel`: a mixture of
+    experts' experts are split whole among the ranks (EP = size), not each expert's
+    columns."""
 
     rank: int
     size: int
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.size <= 0 or not 0 <= self.rank < self.size:
@@ -58,6 +64,10 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     head, or whole replicas of every KV head with its query heads split evenly among them."""
     if size <= 0:
         raise ValueError(f"tensor_parallel_size must be positive, got {size}")
+    if config.moe is not None and config.moe.num_experts < size:
+        raise ValueError(
+            f"tensor_parallel_size {size} exceeds the number of experts ({config.moe.num_experts})"
+        )
     if config.moe is not None and config.moe.expert_intermediate_size < size:
         raise ValueError(
             f"tensor_parallel_size {size} exceeds the experts' intermediate size "
@@ -105,9 +115,36 @@ def intermediate(config: ModelConfig, shard: Shard) -> range:
 
 
 def expert_intermediate(config: ModelConfig, shard: Shard) -> range:
-    """Each expert's intermediate columns rank `shard.rank` computes."""
+    """Each expert's intermediate columns rank `shard.rank` computes (all of them under
+    expert parallelism)."""
     assert config.moe is not None
+    if shard.expert_parallel:
+        return range(config.moe.expert_intermediate_size)
     return _part(config.moe.expert_intermediate_size, shard)
+
+
+def local_experts(config: ModelConfig, shard: Shard) -> range:
+    """The experts rank `shard.rank` holds: a share of them under expert parallelism, else
+    all (each in part)."""
+    assert config.moe is not None
+    if shard.expert_parallel and shard.size > 1:
+        return _part(config.moe.num_experts, shard)
+    return range(config.moe.num_experts)
+
+
+def foreign_experts(config: ModelConfig, shard: Shard) -> set[str]:
+    """The checkpoint tensors of the experts other ranks hold (expert parallelism): this
+    rank never reads them."""
+    if config.moe is None:
+        return set()
+    mine = local_experts(config, shard)
+    return {
+        name
+        for i in config.moe.sparse_layers
+        for e in range(config.moe.num_experts)
+        if e not in mine
+        for name in expert_names(config.architecture, i, e)
+    }
 
 
 def vocab_rows(config: ModelConfig, shard: Shard) -> range:
@@ -167,6 +204,8 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
         slices[attn + "o_proj.weight"] = TensorSlice(1, *qs)
         if config.moe is not None and i in config.moe.sparse_layers:
             part = expert_intermediate(config, shard)
+            if shard.expert_parallel:  # its own experts whole
+                continue
             for e in range(config.moe.num_experts):
                 gate, up, down = expert_names(config.architecture, i, e)
                 slices[gate] = TensorSlice(0, part.start, part.stop)

@@ -76,6 +76,21 @@ def test_skewed_routing_all_tokens_to_one_expert(expert: int) -> None:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("first_expert", [0, 3])
+def test_expert_parallel_share_sums_only_its_experts(first_expert: int) -> None:
+    """A rank holding experts [first, first + 3) of 6: its output is the sum over the pairs
+    routed to them; the two ranks' outputs add up to the whole."""
+    x, gate_up, down, ids, weights = _case(29, 6, 2, 32, 24, torch.float32, seed=first_expert)
+    mine = ids.clone()
+    local = (ids >= first_expert) & (ids < first_expert + 3)
+    got = fused_moe(
+        x, gate_up[first_expert : first_expert + 3].contiguous(),
+        down[first_expert : first_expert + 3].contiguous(), ids, weights, first_expert,
+    )  # fmt: skip
+    want = reference.fused_moe(x, gate_up, down, mine, weights * local)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_rejects_bad_arguments() -> None:
     x, gate_up, down, ids, weights = _case(4, 4, 2, 16, 16, torch.float32, seed=0)
     with pytest.raises(ValueError, match="down must be"):

@@ -75,6 +75,23 @@ def test_grouped_equals_per_expert_loop(num_experts, top_k, hidden, inter, num_t
         )
 
 
+def test_expert_parallel_shares_add_up_to_the_whole() -> None:
+    """Ranks holding experts [0, 3) and [3, 6) of 6 (grouped_experts over their pairs
+    only) sum to the whole layer."""
+    w = _moe(6, 64, 32, seed=5)
+    x = torch.randn(23, 64, generator=torch.Generator().manual_seed(5))
+    routed = route(x, w.router, MoeConfig(6, 2, 32, Routing.SOFTMAX_TOPK, True, (0,)))
+    parts = [
+        MoeWeights(w.router, w.gate_up[lo:hi], w.down[lo:hi], first_expert=lo)
+        for lo, hi in ((0, 3), (3, 6))
+    ]
+    total = sum(grouped_experts(x, routed, p) for p in parts)
+    torch.testing.assert_close(total, looped_experts(x, routed, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        grouped_experts(x, routed, parts[1]), looped_experts(x, routed, parts[1])
+    )
+
+
 def test_routing_rules() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     router = torch.eye(4)
@@ -135,11 +152,15 @@ def test_cost_model_takes_active_parameters() -> None:
         ModelSpec("bad", 1e9, 2, 2, 2, 64, num_active_params=2e9, num_experts=8, top_k=2)
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
-def test_tp2_splits_every_expert_and_matches_tp1_and_hf(hf_model, engine_factory, arch) -> None:
-    """Each rank holds half of every expert's columns (and half the dense layer's): prefill
-    in chunks of 5, decode and a prefix hit give logits within 1e-5 of one rank's and of
-    transformers', greedy tokens identical."""
+@pytest.mark.parametrize(
+    "arch,expert_parallel",
+    [("qwen3-moe", False), ("mixtral", False), ("qwen3-moe", True), ("mixtral", True)],
+)
+def test_tp2_matches_tp1_and_hf(hf_model, engine_factory, arch, expert_parallel) -> None:
+    """Two ranks (gloo), attention split by heads; the experts split by columns (each rank
+    half of every expert's) or, with expert parallelism, whole (each rank 4 of the 8, the
+    others' never read). Prefill in chunks of 5, decode and a prefix hit give logits within
+    1e-5 of one rank's and 1e-4 of transformers', greedy tokens identical."""
     import random
 
     from tests.unit.test_model_parity import hf_greedy, hf_logits
@@ -150,11 +171,18 @@ def test_tp2_splits_every_expert_and_matches_tp1_and_hf(hf_model, engine_factory
     shared = rng.choices(range(256), k=12)
     prompts = [rng.choices(range(256), k=13), shared + [1, 2, 3], shared + [7, 8, 9, 10]]
     one = engine_factory(model_dir, max_num_batched_tokens=5)
-    two = engine_factory(model_dir, max_num_batched_tokens=5, tensor_parallel_size=2)
+    two = engine_factory(
+        model_dir, max_num_batched_tokens=5, tensor_parallel_size=2, expert_parallel=expert_parallel
+    )
     try:
         lw = two.model.weights.layers[0].moe
         moe = one.model.config.moe
-        assert lw.gate_up.shape[2] == moe.expert_intermediate_size  # half of 2 * inter
+        if expert_parallel:  # rank 0: experts 0-3 whole
+            assert lw.first_expert == 0 and lw.gate_up.shape[0] == moe.num_experts // 2
+            assert lw.gate_up.shape[2] == 2 * moe.expert_intermediate_size
+        else:  # every expert, half its columns
+            assert lw.gate_up.shape[0] == moe.num_experts
+            assert lw.gate_up.shape[2] == moe.expert_intermediate_size
         for prompt in prompts:
             (a,), rec_a = run_recorded(one, [prompt], 6)
             (b,), rec_b = run_recorded(two, [prompt], 6)
