@@ -35,16 +35,25 @@ def test_int8_is_per_channel_symmetric_and_exact_on_its_grid():
     assert bool((err <= qw.scales[:, None] / 2 + 1e-7).all())
 
 
-def test_int4_zero_is_exact_and_error_within_half_a_step():
+def test_int4_error_within_half_a_step_and_group_extremes_kept():
+    """Float zero points: each group's min and max are its grid's ends (exact to float32
+    rounding), every value within half a step; an all-zero or constant group is exact."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 256, generator=g)
     w[0, :32] = 0.0  # an all-zero group
+    w[1, 32:64] = 0.75  # a constant group
+    w[2, 64:96] = w[2, 64:96].abs() + 1.0  # a group that does not hold 0
     qw = quantize_int4(w, group_size=32)
     assert tuple(qw.qweight.shape) == (8, 128) and tuple(qw.scales.shape) == (8, 8)
+    assert qw.zeros is not None and qw.zeros.dtype == torch.float32
     deq = qw.dequantize()
     assert torch.equal(deq[0, :32], torch.zeros(32))
+    torch.testing.assert_close(deq[1, 32:64], torch.full((32,), 0.75), atol=1e-6, rtol=0)
     steps = qw.scales.repeat_interleave(32, dim=1)
     assert bool(((deq - w).abs() <= steps / 2 + 1e-6).all())
+    wg, dg = w.view(8, 8, 32), deq.view(8, 8, 32)
+    torch.testing.assert_close(dg.amin(2), wg.amin(2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(dg.amax(2), wg.amax(2), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("per_tensor", [False, True])
@@ -63,7 +72,8 @@ def test_fp8_relative_error_is_e4m3s(per_tensor):
 def test_num_bytes_counts_values_scales_and_zeros():
     w = torch.randn(4, 64)
     assert quantize(w, WeightScheme.INT8).num_bytes() == 4 * 64 + 4 * 4
-    assert quantize(w, WeightScheme.INT4, 32).num_bytes() == 4 * 32 + 4 * 2 * 4 + 4 * 2
+    # int4: packed values, a float32 scale and a float32 zero point per group
+    assert quantize(w, WeightScheme.INT4, 32).num_bytes() == 4 * 32 + 4 * 2 * 4 + 4 * 2 * 4
 
 
 def test_dequantize_in_a_dtype_and_shape():
