@@ -1,7 +1,8 @@
 """Mixture-of-experts models served disaggregated: `tandem up --model` over a small random
 Qwen3-MoE and Mixtral (transformers' own checkpoints, with the tiny model's tokenizer),
 real processes; long prompts prefill on the prefill worker and decode on the decode worker,
-and every answer is the single-process engine's, token for token."""
+and every answer is the single-process engine's, token for token; also with 2 ranks a
+worker and the experts split whole between them (`--tp 2 --expert-parallel`)."""
 
 from __future__ import annotations
 
@@ -25,15 +26,19 @@ from tests.services.conftest import KV_BYTES, up_cluster
 from tests.services.workers import assert_all_free
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "mixtral"])
-def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp(request.param)
+def moe_model(root: Path, arch: str) -> Path:
+    """transformers' random `arch` checkpoint with the tiny model's tokenizer."""
     tiny = make_tiny_model(root / "tiny", preset="tiny")
     out = root / "model"
-    build_hf_model(request.param, out, vocab_size=512)
+    build_hf_model(arch, out, vocab_size=512)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, out / name)
     return out
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe", "mixtral"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return moe_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +49,22 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_moe_cluster_answers_as_the_single_engine(cluster: Cluster, model_dir: Path) -> None:
     assert ModelConfig.from_dir(model_dir).moe is not None
+    assert_answers_as_the_single_engine(cluster, model_dir)
+    assert_all_free(cluster)
+
+
+def test_expert_parallel_cluster_answers_as_the_single_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`tandem up --tp 2 --expert-parallel`: each worker's 2 ranks hold 4 of the 8 experts."""
+    model_dir = moe_model(tmp_path_factory.mktemp("ep"), "qwen3-moe")
+    run_dir = tmp_path_factory.mktemp("ep-run")
+    with up_cluster(model_dir, run_dir, tensor_parallel_size=2, expert_parallel=True) as c:
+        assert_answers_as_the_single_engine(c, model_dir)
+        assert_all_free(c)
+
+
+def assert_answers_as_the_single_engine(cluster: Cluster, model_dir: Path) -> None:
     rng = random.Random(30)
     cases = [
         (rng.choices(range(5, 512), k=rng.randint(1, 160)), rng.randint(1, 12)) for _ in range(10)
@@ -68,4 +89,3 @@ def test_moe_cluster_answers_as_the_single_engine(cluster: Cluster, model_dir: P
     for (prompt, n), got, want in zip(cases, results, expected, strict=True):
         assert got.token_ids == want.token_ids[:n], f"prompt of {len(prompt)} tokens diverged"
     assert any(r.disaggregated for r in results)
-    assert_all_free(cluster)
