@@ -131,6 +131,9 @@ class EngineConfig:
         expert_parallel: with tensor_parallel_size N > 1 and a mixture-of-experts model,
             split the experts whole among the N ranks (EP = N; attention stays TP) instead
             of every expert's columns; no effect on a dense model.
+        replicate_attention: with tensor_parallel_size > 1, every rank computes every
+            attention head (no all-reduce after o; each rank's KV cache holds every head):
+            expert parallelism without TP attention.
     """
 
     model_dir: str
@@ -147,6 +150,7 @@ class EngineConfig:
     num_threads: int | None = None
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+    replicate_attention: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -148,6 +148,8 @@ class Cluster:
             str(cfg.tensor_parallel_size),
             "--expert-parallel",
             str(cfg.expert_parallel).lower(),
+            "--replicate-attention",
+            str(cfg.replicate_attention).lower(),
         ]
         started = [
             self._spawn_worker(role)

@@ -66,6 +66,8 @@ class UpConfig:
         expert_parallel: a mixture-of-experts model's experts split whole among each
             worker's ranks (EP = tensor_parallel_size) instead of every expert's columns
             (tandem.config.EngineConfig.expert_parallel).
+        replicate_attention: every rank of a worker computes every attention head, not a
+            share (tandem.config.EngineConfig.replicate_attention).
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
@@ -111,6 +113,7 @@ class UpConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
+    replicate_attention: bool = False
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     tool_call_parser: str = "auto"
@@ -165,6 +168,7 @@ class UpConfig:
             kv_cache_dtype=self.kv_cache_dtype,
             tensor_parallel_size=self.tensor_parallel_size,
             expert_parallel=self.expert_parallel,
+            replicate_attention=self.replicate_attention,
             cache=CacheConfig(
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -28,7 +28,12 @@ from tandem.engine.device import use_device
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.kv_cache import shared_kv_dir
 from tandem.engine.kv_manager import KVCacheManager
-from tandem.engine.loading import check_tensor_parallel, load_model_and_cache, wants_decode_graphs
+from tandem.engine.loading import (
+    check_tensor_parallel,
+    load_model_and_cache,
+    shard_for,
+    wants_decode_graphs,
+)
 from tandem.engine.ranks import Followers, exit_on_rank_death, free_address, threads_per_rank
 from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
@@ -39,7 +44,6 @@ from tandem.model.detokenize import TextStream
 from tandem.model.kv_quant import KVScales
 from tandem.model.loader import ProgressFn
 from tandem.model.parallel import TPGroup
-from tandem.model.sharding import Shard
 from tandem.model.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "wants_decode_graphs"]  # the latter for tests: tandem.engine.loading
@@ -124,7 +128,7 @@ class LLMEngine:
             self.followers = Followers(config, address, on_rank_exit, kv_share)
         try:
             if self.followers is not None:
-                shard = Shard(0, config.tensor_parallel_size, config.expert_parallel)
+                shard = shard_for(config, 0)
                 self.tp = TPGroup.init(shard, address, config.device)
             loaded = load_model_and_cache(config, self.tp, progress, kv_share)
         except BaseException:

@@ -7,6 +7,7 @@ the other ranks of a tensor-parallel worker (`tandem.engine.ranks`) both call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -54,6 +55,16 @@ def wants_decode_graphs(config: EngineConfig, paged_backend: bool) -> bool:
         and torch.device(config.device).type == "cuda"
         and config.role != EngineRole.PREFILL
         and config.tensor_parallel_size == 1
+    )
+
+
+def shard_for(config: EngineConfig, rank: int) -> Shard:
+    """Rank `rank`'s place in the engine's tensor-parallel group, with its split options."""
+    return Shard(
+        rank,
+        config.tensor_parallel_size,
+        expert_parallel=config.expert_parallel,
+        replicate_attention=config.replicate_attention,
     )
 
 
@@ -137,9 +148,7 @@ def load_model_and_cache(
         rank_kv = rank_kv if tp.rank == 0 else ()
     else:
         rank_kv = ()
-        kv_cache = allocate_kv_cache(
-            mcfg, num_blocks + int(graphs), block_size, kv_dtype, device
-        )
+        kv_cache = allocate_kv_cache(mcfg, num_blocks + int(graphs), block_size, kv_dtype, device)
     return LoadedModel(model, kv_cache, kv_scales, fmt, num_blocks, context, graphs, rank_kv)
 
 
@@ -156,11 +165,11 @@ def _share_kv_caches(
     (cache, first KV head) per rank on rank 0; on another rank only its own."""
 
     def shape(rank: int) -> tuple[int, ...]:
-        heads = len(kv_heads(full, Shard(rank, tp.size)))
+        heads = len(kv_heads(full, dataclasses.replace(tp.shard, rank=rank)))
         return (num_blocks, full.num_layers, 2, block_size, heads, full.head_dim)
 
     def first_head(rank: int) -> int:
-        return kv_heads(full, Shard(rank, tp.size)).start
+        return kv_heads(full, dataclasses.replace(tp.shard, rank=rank)).start
 
     own = map_kv_file(shared_kv_path(prefix, tp.rank), shape(tp.rank), dtype, create=True)
     tp.min_int(0, "cpu")  # every rank's file exists

@@ -32,11 +32,10 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.device import use_device
-from tandem.engine.loading import load_model_and_cache
+from tandem.engine.loading import load_model_and_cache, shard_for
 from tandem.engine.runner import ModelRunner, StepPlan
 from tandem.engine.sampling import Sampler
 from tandem.model.parallel import TPGroup
-from tandem.model.sharding import Shard
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ def follow(
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
     use_device(config.device)
     torch.set_num_threads(threads_per_rank(config))
-    shard = Shard(rank, config.tensor_parallel_size, config.expert_parallel)
+    shard = shard_for(config, rank)
     group = TPGroup.init(shard, address, config.device)
     loaded = load_model_and_cache(config, group, kv_share=kv_share)
     sampler = Sampler(torch.Generator(device=config.device))  # never samples: rank 0 does

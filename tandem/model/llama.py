@@ -197,7 +197,8 @@ class LlamaModel:
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
             o = matmul(attn.reshape(n, self._q_size), lw.o, mm)
-            if self.tp is not None:  # row-parallel: each rank's heads' share of the sum
+            if self.tp is not None and not self.tp.shard.replicate_attention:
+                # row-parallel: each rank's heads' share of the sum
                 o = self.tp.all_reduce(o)
             h, x = self._add_norm(h, o, lw.post_norm, eps)
             if lw.moe is not None:

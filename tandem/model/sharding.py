@@ -40,11 +40,13 @@ from tandem.model.moe import expert_names
 class Shard:
     """One rank of a tensor-parallel group of `size` ranks; `expert_parallel`: a mixture of
     experts' experts are split whole among the ranks (EP = size), not each expert's
-    columns."""
+    columns; `replicate_attention`: every rank computes every head (attention not split,
+    no all-reduce after o; its KV cache holds every head)."""
 
     rank: int
     size: int
     expert_parallel: bool = False
+    replicate_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.size <= 0 or not 0 <= self.rank < self.size:
@@ -93,6 +95,8 @@ def q_heads(config: ModelConfig, shard: Shard) -> range:
     """The query heads rank `shard.rank` computes: those of its KV heads' groups (with
     replicated KV heads, its share of its KV head's group)."""
     group = config.num_q_heads // config.num_kv_heads
+    if shard.replicate_attention:
+        return range(config.num_q_heads)
     if shard.size <= config.num_kv_heads:
         kv = kv_heads(config, shard)
         return range(kv.start * group, kv.stop * group)
@@ -103,6 +107,8 @@ def kv_heads(config: ModelConfig, shard: Shard) -> range:
     """The KV heads rank `shard.rank` holds. With more ranks than KV heads, one head each,
     replicated on size / num_kv_heads neighbouring ranks."""
     k = config.num_kv_heads
+    if shard.replicate_attention:
+        return range(k)
     if shard.size <= k:
         return _part(k, shard)
     head = shard.rank * k // shard.size
@@ -194,14 +200,15 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
     slices: dict[str, TensorSlice] = {}
     for i in range(config.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        slices[attn + "q_proj.weight"] = TensorSlice(0, *qs)
-        slices[attn + "k_proj.weight"] = TensorSlice(0, *kvs)
-        slices[attn + "v_proj.weight"] = TensorSlice(0, *kvs)
-        if config.qkv_bias:
-            slices[attn + "q_proj.bias"] = TensorSlice(0, *qs)
-            slices[attn + "k_proj.bias"] = TensorSlice(0, *kvs)
-            slices[attn + "v_proj.bias"] = TensorSlice(0, *kvs)
-        slices[attn + "o_proj.weight"] = TensorSlice(1, *qs)
+        if not shard.replicate_attention:
+            slices[attn + "q_proj.weight"] = TensorSlice(0, *qs)
+            slices[attn + "k_proj.weight"] = TensorSlice(0, *kvs)
+            slices[attn + "v_proj.weight"] = TensorSlice(0, *kvs)
+            if config.qkv_bias:
+                slices[attn + "q_proj.bias"] = TensorSlice(0, *qs)
+                slices[attn + "k_proj.bias"] = TensorSlice(0, *kvs)
+                slices[attn + "v_proj.bias"] = TensorSlice(0, *kvs)
+            slices[attn + "o_proj.weight"] = TensorSlice(1, *qs)
         if config.moe is not None and i in config.moe.sparse_layers:
             part = expert_intermediate(config, shard)
             if shard.expert_parallel:  # its own experts whole

@@ -152,15 +152,16 @@ def test_cost_model_takes_active_parameters() -> None:
         ModelSpec("bad", 1e9, 2, 2, 2, 64, num_active_params=2e9, num_experts=8, top_k=2)
 
 
-@pytest.mark.parametrize(
-    "arch,expert_parallel",
-    [("qwen3-moe", False), ("mixtral", False), ("qwen3-moe", True), ("mixtral", True)],
-)
-def test_tp2_matches_tp1_and_hf(hf_model, engine_factory, arch, expert_parallel) -> None:
-    """Two ranks (gloo), attention split by heads; the experts split by columns (each rank
-    half of every expert's) or, with expert parallelism, whole (each rank 4 of the 8, the
-    others' never read). Prefill in chunks of 5, decode and a prefix hit give logits within
-    1e-5 of one rank's and 1e-4 of transformers', greedy tokens identical."""
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("split", ["columns", "experts", "experts-attention-replicated"])
+def test_tp2_matches_tp1_and_hf(hf_model, engine_factory, arch, split) -> None:
+    """Two ranks (gloo); the experts split by columns (each rank half of every expert's)
+    or, with expert parallelism, whole (each rank 4 of the 8, the others' never read), with
+    attention split by heads (TP=2) or replicated. Prefill in chunks of 5, decode and a
+    prefix hit give logits within 1e-5 of one rank's and 1e-4 of transformers', greedy
+    tokens identical."""
+    expert_parallel = split != "columns"
+    replicated = split == "experts-attention-replicated"
     import random
 
     from tests.unit.test_model_parity import hf_greedy, hf_logits
@@ -172,9 +173,12 @@ def test_tp2_matches_tp1_and_hf(hf_model, engine_factory, arch, expert_parallel)
     prompts = [rng.choices(range(256), k=13), shared + [1, 2, 3], shared + [7, 8, 9, 10]]
     one = engine_factory(model_dir, max_num_batched_tokens=5)
     two = engine_factory(
-        model_dir, max_num_batched_tokens=5, tensor_parallel_size=2, expert_parallel=expert_parallel
-    )
+        model_dir, max_num_batched_tokens=5, tensor_parallel_size=2,
+        expert_parallel=expert_parallel, replicate_attention=replicated,
+    )  # fmt: skip
     try:
+        heads = one.model.config.num_kv_heads
+        assert two.model.config.num_kv_heads == (heads if replicated else heads // 2)
         lw = two.model.weights.layers[0].moe
         moe = one.model.config.moe
         if expert_parallel:  # rank 0: experts 0-3 whole
