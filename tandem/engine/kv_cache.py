@@ -9,6 +9,7 @@ view `kv_cache[:, layer]` is strided across blocks, which the attention backend 
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 
@@ -52,7 +53,7 @@ def map_kv_file(
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, nbytes)  # a hole: zeros, pages faulted in on first touch
+            _allocate(fd, nbytes, path)
         elif os.fstat(fd).st_size != nbytes:
             raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")
         buf = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -65,3 +66,20 @@ def map_kv_file(
 def shared_kv_dir() -> str:
     """Where shared caches' files are made: /dev/shm (memory) when there is one."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _allocate(fd: int, nbytes: int, path: str) -> None:
+    """Zeroed pages for the whole file now: a tmpfs too small for the cache fails here, with
+    a reason, instead of with SIGBUS when a step first writes past its room."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ValueError(
+                f"no room for a {nbytes / 2**20:.0f} MiB KV cache in {os.path.dirname(path)} "
+                "(a tensor-parallel worker's ranks share their caches there): enlarge it "
+                "(a container's /dev/shm) or lower the KV cache size"
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)  # no fallocate here: a hole, zeros on first touch

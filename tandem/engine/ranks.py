@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -151,6 +152,12 @@ def follow(
     as rank 0 builds its own (the same collectives in the same order), then run every step
     rank 0 sends until the end-of-steps message or rank 0's end."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(message)s")
+    # The worker's stdout is where it announces itself (READY): a follower must not keep it
+    # open past rank 0's end (a supervisor reading it would wait for it).
+    os.dup2(2, 1)
+    # Rank 0 gone while this rank is inside a collective (loading, a step): leave, instead of
+    # waiting out the collective's timeout holding the shard and the KV cache.
+    threading.Thread(target=_exit_with_parent, args=(rank,), daemon=True).start()
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
     use_device(config.device)
     torch.set_num_threads(threads_per_rank(config))
@@ -173,6 +180,15 @@ def follow(
             runner.follow(plan)
     finally:
         group.close()
+
+
+def _exit_with_parent(rank: int, interval_s: float = 1.0) -> None:
+    parent = os.getppid()
+    while True:
+        time.sleep(interval_s)
+        if os.getppid() != parent:  # re-parented: rank 0 exited
+            log.error("rank 0 is gone: rank %d exits", rank)
+            os._exit(RANK_DIED_EXIT)
 
 
 def threads_per_rank(config: EngineConfig) -> int:

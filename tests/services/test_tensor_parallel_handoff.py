@@ -1,6 +1,6 @@
 """Hand-offs between workers of different tensor-parallel sizes (issue 29): real processes,
 real Redis, real NIXL. A prefill worker of TP=p hands a request to a decode worker of TP=d
-(2 -> 1, 1 -> 2, 2 -> 2): the handle lists every prefill rank's cache and KV-head range, and
+(2 -> 1, 1 -> 2, 2 -> 2, and 2 -> 4 with each KV head replicated on 2 ranks): the handle lists every prefill rank's cache and KV-head range, and
 each decode rank's cache gets its heads from the prefill ranks holding them. Greedy output
 equals the single engine's in float32, with prefix hits on the decode worker (it reads only
 what it lacks) and chunked prefill on the prefill workers; afterwards no block, lease or
@@ -34,7 +34,14 @@ from tests.services.workers import prefill_result, wait_all_free
 
 MAX_TOKENS = 8
 SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-WORKERS = {"p1": ("prefill", 1), "p2": ("prefill", 2), "d1": ("decode", 1), "d2": ("decode", 2)}
+# d4: 4 ranks over the tiny model's 2 KV heads, each head replicated on 2 ranks (GQA).
+WORKERS = {
+    "p1": ("prefill", 1),
+    "p2": ("prefill", 2),
+    "d1": ("decode", 1),
+    "d2": ("decode", 2),
+    "d4": ("decode", 4),
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +129,7 @@ def assert_nothing_held(c: SimpleNamespace) -> None:
     )
 
 
-@pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2")])
+@pytest.mark.parametrize(("p", "d"), [("p2", "d1"), ("p1", "d2"), ("p2", "d2"), ("p2", "d4")])
 def test_handoff_between_tp_sizes_matches_the_single_engine(
     cluster: SimpleNamespace, reference: LLMEngine, p: str, d: str
 ) -> None:
