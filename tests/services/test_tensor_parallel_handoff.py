@@ -1,7 +1,8 @@
 """Hand-offs between workers of different tensor-parallel sizes (issue 29): real processes,
 real Redis, real NIXL. A prefill worker of TP=p hands a request to a decode worker of TP=d
-(2 -> 1, 1 -> 2, 2 -> 2, and 2 -> 4 with each KV head replicated on 2 ranks): the handle lists every prefill rank's cache and KV-head range, and
-each decode rank's cache gets its heads from the prefill ranks holding them. Greedy output
+(2 -> 1, 1 -> 2, 2 -> 2, and 2 -> 4 with each KV head replicated on 2 ranks): the handle
+lists every prefill rank's cache and KV-head range, and each decode rank's cache gets its
+heads from the prefill ranks holding them. Greedy output
 equals the single engine's in float32, with prefix hits on the decode worker (it reads only
 what it lacks) and chunked prefill on the prefill workers; afterwards no block, lease or
 request is held anywhere. A handle whose rank addresses or head ranges were altered is
