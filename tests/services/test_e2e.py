@@ -28,7 +28,11 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES, up_cluster
-from tests.services.workers import assert_all_free, prefill_result
+from tests.services.workers import (
+    assert_all_free,
+    assert_answers_as_the_single_engine,
+    prefill_result,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,28 +57,9 @@ def reference(model_dir):
 
 
 def test_concurrent_greedy_requests_match_the_single_process_engine(cluster, reference):
-    rng = random.Random(0)
-    cases = [
-        (rng.choices(range(5, 512), k=rng.randint(1, 200)), rng.randint(1, 24)) for _ in range(32)
-    ]
-    expected = reference.generate(
-        [p for p, _ in cases], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = assert_answers_as_the_single_engine(
+        cluster, reference, seed=0, num_prompts=32, max_prompt_len=200, max_tokens=24
     )
-
-    async def run():
-        async with AsyncTandemClient(cluster.router_address) as client:
-            return await asyncio.gather(
-                *(
-                    client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True)
-                    for p, n in cases
-                )
-            )
-
-    results = asyncio.run(run())
-    for (prompt, n), got, want in zip(cases, results, expected, strict=True):
-        assert got.token_ids == want.token_ids[:n], f"prompt of {len(prompt)} tokens diverged"
-        assert got.finish_reason == "length"
-        assert got.completion_tokens == n
     assert any(r.disaggregated for r in results) and not all(r.disaggregated for r in results)
     assert_all_free(cluster)
 

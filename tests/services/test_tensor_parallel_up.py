@@ -6,7 +6,6 @@ afterwards."""
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,13 +13,11 @@ import pytest
 
 from services.common.redis.registry import Registry
 from services.up import Cluster
-from tandem.client import AsyncTandemClient
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.engine.sampling import SamplingParams
 from tandem.model.tiny import make_tiny_model
 from tests.services.conftest import KV_BYTES, up_cluster
-from tests.services.workers import assert_all_free
+from tests.services.workers import assert_all_free, assert_answers_as_the_single_engine
 
 
 @pytest.fixture(scope="module")
@@ -37,30 +34,13 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_tp2_cluster_hands_off_and_answers_as_the_single_engine(
     cluster: Cluster, model_dir: Path
 ) -> None:
-    rng = random.Random(29)
-    cases = [
-        (rng.choices(range(5, 512), k=rng.randint(1, 150)), rng.randint(1, 16)) for _ in range(8)
-    ]
     reference = LLMEngine(
         EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES))
     )
-    expected = reference.generate(
-        [p for p, _ in cases], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = assert_answers_as_the_single_engine(
+        cluster, reference, seed=29, num_prompts=8, max_prompt_len=150, max_tokens=16
     )
-
-    async def run() -> list:
-        async with AsyncTandemClient(cluster.router_address) as client:
-            return await asyncio.gather(
-                *(
-                    client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True)
-                    for p, n in cases
-                )
-            )
-
-    results = asyncio.run(run())
-    for (prompt, n), got, want in zip(cases, results, expected, strict=True):
-        assert got.token_ids == want.token_ids[:n], f"prompt of {len(prompt)} tokens diverged"
-    long = [r for (p, _), r in zip(cases, results, strict=True) if len(p) >= 64]
+    long = [r for r in results if r.prompt_tokens >= 64]
     assert long and all(r.disaggregated for r in long), [r.route_reason for r in long]
     workers = asyncio.run(_registered(cluster))
     assert sorted(w.tensor_parallel_size for w in workers) == [2, 2]

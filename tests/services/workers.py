@@ -1,15 +1,22 @@
 """Reaching the workers of a `tandem up` cluster from a test: stubs carrying the cluster key
-its processes require, and the check that a cluster holds nothing after its requests."""
+its processes require, the check that a cluster holds nothing after its requests, and the
+check that it answers greedy prompts as the single engine does."""
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
+from typing import Any
 
 import grpc
 
 from services.common.security import AuthConfig, internal_metadata
 from services.up import Cluster
+from tandem.client import AsyncTandemClient
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
@@ -79,3 +86,39 @@ def wait_all_free(read_stats: Callable[[], list[wpb.WorkerStats]], timeout_s: fl
     assert ok, stats
     # The strict KV audit (on in tests) found no accounting error and reaped nothing.
     assert all(s.num_audit_violations == 0 and s.num_reaped_blocks == 0 for s in stats), stats
+
+
+def assert_answers_as_the_single_engine(
+    cluster: Cluster,
+    reference: LLMEngine,
+    *,
+    seed: int,
+    num_prompts: int,
+    max_prompt_len: int,
+    max_tokens: int,
+) -> list[Any]:
+    """Random token prompts (1 to max_prompt_len tokens, 1 to max_tokens new each) sent at
+    once through the cluster's router, greedy: each answer is the single engine's. Returns
+    the client's results (for checks of how they were routed)."""
+    rng = random.Random(seed)
+    cases = [
+        (rng.choices(range(5, 512), k=rng.randint(1, max_prompt_len)), rng.randint(1, max_tokens))
+        for _ in range(num_prompts)
+    ]
+    expected = reference.generate(
+        [p for p, _ in cases],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+    async def run() -> list[Any]:
+        async with AsyncTandemClient(cluster.router_address) as client:
+            return await asyncio.gather(
+                *(client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True)
+                  for p, n in cases)
+            )  # fmt: skip
+
+    results = asyncio.run(run())
+    for (prompt, n), got, want in zip(cases, results, expected, strict=True):
+        assert got.token_ids == want.token_ids[:n], f"prompt of {len(prompt)} tokens diverged"
+        assert got.finish_reason == "length" and got.completion_tokens == n
+    return results
