@@ -100,6 +100,15 @@ def test_concurrent_greedy_token_identical(hf_model, engine_factory, arch, mode)
         # 20 blocks of 4 tokens cannot hold 16 requests of up to 60 tokens at once.
         engine = engine_factory(model_dir, block_size=4, num_blocks=20)
     cases = _mixed_prompts(16, seed=sum(map(ord, arch)))
+    assert_batch_matches_hf(engine, hf, cases, preempts=mode == "preemption")
+
+
+def assert_batch_matches_hf(
+    engine: Any, hf: Any, cases: list[tuple[list[int], int]], preempts: bool
+) -> None:
+    """All `cases` (prompt, new tokens) in the engine at once, greedy, the block accounting
+    checked after every step: each output is HF's greedy continuation, some request was
+    preempted when `preempts`, and every block is free at the end."""
     for i, (prompt, n) in enumerate(cases):
         engine.add_request(
             engine.spec(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
@@ -108,7 +117,7 @@ def test_concurrent_greedy_token_identical(hf_model, engine_factory, arch, mode)
     while engine.has_unfinished():
         engine.step()
         engine.check_integrity()
-    if mode == "preemption":
+    if preempts:
         assert sum(r.num_preemptions for r in requests.values()) > 0
     for i, (prompt, n) in enumerate(cases):
         got = requests[f"r{i}"].output_token_ids

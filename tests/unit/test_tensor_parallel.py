@@ -38,7 +38,12 @@ from tandem.model.sharding import (
 from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
 from tandem.routing.policy import RouteKind, can_hand_off
 from tandem.types import Role
-from tests.unit.test_model_parity import RecordingSampler, hf_greedy, hf_logits
+from tests.unit.test_model_parity import (
+    RecordingSampler,
+    assert_batch_matches_hf,
+    hf_greedy,
+    hf_logits,
+)
 
 ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"]
 ATOL = 1e-5
@@ -245,19 +250,7 @@ def test_tp2_concurrent_greedy_token_identical(hf_model, tp_engine, mode) -> Non
         engine = tp_engine(model_dir, 2, num_blocks=24)
     rng = random.Random(7)
     cases = [(rng.choices(range(256), k=rng.randint(1, 40)), rng.randint(1, 20)) for _ in range(12)]
-    for i, (prompt, n) in enumerate(cases):
-        engine.add_request(
-            engine.spec(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
-        )
-    requests = dict(engine._requests)
-    while engine.has_unfinished():
-        engine.step()
-        engine.check_integrity()
-    if mode == "preemption":
-        assert sum(r.num_preemptions for r in requests.values()) > 0
-    for i, (prompt, n) in enumerate(cases):
-        assert requests[f"r{i}"].output_token_ids == hf_greedy(hf, prompt, n), f"r{i}"
-    assert engine.num_free_blocks() == engine.num_blocks
+    assert_batch_matches_hf(engine, hf, cases, preempts=mode == "preemption")
 
 
 def test_each_rank_holds_its_share_of_the_weights(hf_model, engine_factory, tp_engine) -> None:
