@@ -38,7 +38,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES
-from tests.services.workers import prefill_result
+from tests.services.workers import decode_result, prefill_result
 
 MAX_TOKENS = 8
 SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -143,21 +143,13 @@ def decode(
     request = wpb.DecodeRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING, cache_salt=salt
     )
-    tokens: list[int] = []
+    head: list[int] = []
     if first is not None:
         request.output_token_ids.append(first.first_token_id)
         request.kv.CopyFrom(first.kv if kv is None else kv)
-        tokens.append(first.first_token_id)
-    complete = None
-    for msg in c.decode.Decode(request, metadata=c.metadata, timeout=60):
-        kind = msg.WhichOneof("kind")
-        assert kind != "kv_failed", msg
-        if kind == "chunk":
-            tokens += msg.chunk.token_ids
-        else:
-            complete = msg.complete
-    assert complete is not None
-    return tokens, complete
+        head.append(first.first_token_id)
+    tokens, complete = decode_result(c.decode.Decode(request, metadata=c.metadata, timeout=60))
+    return head + tokens, complete
 
 
 def stats(

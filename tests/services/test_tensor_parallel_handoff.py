@@ -31,7 +31,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES
-from tests.services.workers import prefill_result, wait_all_free
+from tests.services.workers import decode_result, prefill_result, wait_all_free
 
 MAX_TOKENS = 8
 SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -110,16 +110,10 @@ def decode(
     request = wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING)
     request.output_token_ids.append(first.first_token_id)
     request.kv.CopyFrom(first.kv if kv is None else kv)
-    tokens, complete = [first.first_token_id], None
-    for msg in getattr(c, name).Decode(request, metadata=c.metadata, timeout=60):
-        kind = msg.WhichOneof("kind")
-        assert kind != "kv_failed", msg
-        if kind == "chunk":
-            tokens += msg.chunk.token_ids
-        else:
-            complete = msg.complete
-    assert complete is not None
-    return tokens, complete
+    tokens, complete = decode_result(
+        getattr(c, name).Decode(request, metadata=c.metadata, timeout=60)
+    )
+    return [first.first_token_id, *tokens], complete
 
 
 def assert_nothing_held(c: SimpleNamespace) -> None:

@@ -61,6 +61,23 @@ def worker_stub(cluster: Cluster, role: str):
     return stub_cls(channel), address
 
 
+def decode_result(
+    events: Iterable[wpb.DecodeResponse],
+) -> tuple[list[int], wpb.DecodeComplete]:
+    """The tokens a Decode stream sent and its completion; a `kv_failed` message fails."""
+    tokens: list[int] = []
+    complete = None
+    for msg in events:
+        kind = msg.WhichOneof("kind")
+        assert kind != "kv_failed", msg
+        if kind == "chunk":
+            tokens += msg.chunk.token_ids
+        else:
+            complete = msg.complete
+    assert complete is not None
+    return tokens, complete
+
+
 def assert_all_free(cluster: Cluster) -> None:
     """Every block of both workers of a `tandem up` cluster is free, nothing is pinned,
     running or queued."""
