@@ -109,7 +109,10 @@ def default_model_dir() -> Path:
     return ensure_default_model()
 
 
-def server_command(system: str, model_dir: Path, port: int, vpy: str) -> list[str]:
+def server_command(
+    system: str, model_dir: Path, port: int, vpy: str, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The command serving `system` on `port`; `extra`: more flags for Tandem's `tandem up`."""
     if system.startswith("vllm"):
         cmd = [vpy, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir)]
         cmd += ["--served-model-name", model_dir.name, "--port", str(port)]
@@ -124,7 +127,7 @@ def server_command(system: str, model_dir: Path, port: int, vpy: str) -> list[st
     cmd += ["--port", str(free_port()), "--http-port", str(port)]
     if system == "tandem-colocated":
         cmd += ["--num-prefill", "0"]
-    return cmd
+    return cmd + list(extra)
 
 
 def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
@@ -143,12 +146,18 @@ def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> st
 
 @contextlib.contextmanager
 def serving(
-    system: str, model_dir: Path, vpy: str, log_dir: Path, env: dict[str, str]
+    system: str,
+    model_dir: Path,
+    vpy: str,
+    log_dir: Path,
+    env: dict[str, str],
+    extra: tuple[str, ...] = (),
 ) -> Iterator[tuple[int, str]]:
-    """Start `system`; `env`: extra variables for Tandem's processes (an experiment)."""
+    """Start `system`; `env`: extra variables for Tandem's processes (an experiment);
+    `extra`: more `tandem up` flags."""
     port = free_port()
-    cmd = server_command(system, model_dir, port, vpy)
-    log_path = log_dir / f"{system}.log"
+    cmd = server_command(system, model_dir, port, vpy, extra)
+    log_path = log_dir / f"{system}{''.join(extra).replace('-', '_')}.log"
     log(f"{system}: starting ({' '.join(cmd[:4])} ...), log {log_path}")
     t0 = time.monotonic()
     with open(log_path, "ab") as out:
