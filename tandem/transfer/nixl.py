@@ -274,24 +274,7 @@ class NixlTransport(KVTransport):
         with self._lock:
             agent = self._require_agent()
             peer = self._ensure_peer(remote)
-            try:
-                handle = agent.initialize_xfer(
-                    "READ",
-                    agent.get_xfer_descs(local, self._mem_type),
-                    agent.get_xfer_descs(rem, remote.layout.memory_type),
-                    peer,
-                    b"",
-                )
-            except Exception as e:
-                self._drop_peer(peer)
-                raise TransferError(f"cannot create a read from agent {peer!r}: {e}") from e
-            try:
-                self._wait(handle, peer, deadline, timeout_s)
-            except TransferError:
-                self._drop_peer(peer)
-                raise
-            finally:
-                self._release(handle)
+            self._xfer_read(agent, peer, remote, local, rem, b"", deadline, timeout_s)
 
     def _register_locked(
         self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()
@@ -366,6 +349,22 @@ class NixlTransport(KVTransport):
             remote_descs = np.array(
                 [(remote.base_addr, nbytes, remote.layout.device_id)], dtype=np.uint64
             )
+        self._xfer_read(agent, peer, remote, local_descs, remote_descs, notif, deadline, timeout_s)
+
+    def _xfer_read(
+        self,
+        agent: Any,
+        peer: str,
+        remote: RemoteKV,
+        local_descs: np.ndarray,
+        remote_descs: np.ndarray,
+        notif: bytes,
+        deadline: float,
+        timeout_s: float,
+    ) -> None:
+        """One READ of `remote_descs` into `local_descs` (rows: address, bytes, device), with
+        `notif` for the owner, waited for. A failure drops the peer (its next use reconnects)
+        and raises TransferError. Caller holds the lock."""
         try:
             handle = agent.initialize_xfer(
                 "READ",
