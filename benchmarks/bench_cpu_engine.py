@@ -28,30 +28,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
-from report import RESULTS_DIR, machine_info, write_json
+from report import RESULTS_DIR, machine_info, median_ms, write_json
 
 from tandem.model.linear import MatmulKind, matmul, pack
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q / 3 kv heads of 64, 30 layers, vocab 49152.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e3
 
 
 def bench_matmuls(threads: int) -> list[dict[str, Any]]:

@@ -38,20 +38,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
-from report import RESULTS_DIR, machine_info, result_path, write_json
+from report import RESULTS_DIR, machine_info, median_ms, result_path, write_json
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30  # (in, out)
 WINDOW = 1024
-
-
-def median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def bench_matmuls() -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ import os
 import platform
 import re
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,19 @@ def machine_summary(m: dict[str, Any], shared: bool = True) -> str:
 
 
 # -- writing -------------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    """`fn`'s median wall time in ms over `reps` calls after one untimed call (the upper of
+    the two middle times for an even `reps`)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2] * 1e3
 
 
 def write_text(path: Path, text: str) -> None:
