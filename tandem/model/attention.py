@@ -270,11 +270,7 @@ class TorchAttention:
         """The group's attention output; the native kernel writes it into `out` (the
         layer's output rows) when given, the torch ops return their own tensor."""
         lib = self.decode_kernel
-        if (
-            lib is not None
-            and group.context_lens is not None
-            and cpu_kernels.supports(q, k_cache)
-        ):
+        if lib is not None and group.context_lens is not None and cpu_kernels.supports(q, k_cache):
             return cpu_kernels.decode_attention(
                 lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale, out=out
             )

@@ -497,9 +497,7 @@ def load() -> ctypes.CDLL | None:
             lib.tandem_has_bf16_dot.argtypes = []
             norm = lib.tandem_add_rms_norm_bf16
             norm.restype = None
-            norm.argtypes = [ctypes.c_void_p] * 4 + [
-                ctypes.c_int64, ctypes.c_int64, ctypes.c_float
-            ]
+            norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
             rope = lib.tandem_rope_bf16
             rope.restype = None
             rope.argtypes = [
@@ -516,6 +514,7 @@ def load() -> ctypes.CDLL | None:
             )  # fmt: skip
             lib = None
     return lib
+
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256

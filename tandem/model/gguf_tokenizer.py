@@ -31,6 +31,7 @@ _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
 _SPM_SPACE = "\u2581"  # SentencePiece writes a space as "▁" inside pieces
 
+
 def metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
     """A metadata field's value, or `default` when the file lacks it."""
     field = reader.get_field(key)

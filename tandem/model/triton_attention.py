@@ -83,9 +83,7 @@ class TritonAttention:
         paged = meta.paged
         assert paged is not None, "the runner builds AttentionMetadata.paged for this backend"
         k_scale, v_scale = self._scales(kv_layer)
-        self._write_kv(
-            k, v, kv_layer, meta.slot_block_ids, meta.slot_offsets, k_scale, v_scale
-        )
+        self._write_kv(k, v, kv_layer, meta.slot_block_ids, meta.slot_offsets, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = paged.num_decode
         if nd:
