@@ -39,7 +39,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.request import Request
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
-from tandem.model.linear import GatedPair, MatmulKind, matmul
+from tandem.model.linear import MatmulKind, matmul
 from tandem.model.llama import LayerWeights, ModelWeights
 from tandem.model.loader import load_weights, safetensors_files
 from tandem.model.tiny import SPECIAL_TOKENS, make_tiny_model
@@ -443,11 +443,7 @@ def matmul_times(
     (all but the embedding, which it indexes), as the model applies them (`kind`), and their
     bytes: a decode step with everything but the weight matmuls taken away, which splits the
     gap to the roofline in two."""
-    mats = []
-    for lw in weights.layers:
-        for t in (lw.qkv, lw.o, lw.gate_up, lw.down):
-            # oneDNN's gate/up pair is two products (the post-ops aside)
-            mats += [t.gate, t.up] if isinstance(t, GatedPair) else [t]
+    mats = [t for lw in weights.layers for t in (lw.qkv, lw.o, lw.gate_up, lw.down)]
     mats.append(weights.lm_head)
     # A plain matrix is stored [in, out]; a oneDNN-packed one reports [out, in].
     in_dim = 1 if kind is MatmulKind.ONEDNN else 0

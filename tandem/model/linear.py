@@ -12,14 +12,6 @@ dtype (`choose_matmul`), logged at load.
            at batch 4-16, 2.4x for a 256-1024-token prefill; unpacked bfloat16 `x @ w` is
            slower than float32 at batch 1.
 
-The MLP's gate/up pair (`[hidden, 2 * intermediate]`, gate first) has its own packed form
-under oneDNN, `GatedPair`: the gate and up halves packed apart so that `swiglu` runs
-`silu(x @ gate) * (x @ up)` as two oneDNN calls with the SiLU and the multiply fused into
-them as post-ops (what inductor emits for this block on a CPU), instead of one GEMM then two
-element-wise passes over strided halves. 256-row prefill chunks, SmolLM2-135M's 30 layers,
-1 thread: 34.7 against 41.6 ms; 1 and 16 rows the same (BENCHMARKS.md, issue 24). Each
-product is rounded once, from float32, where the unfused ops round four times.
-
 A packed matrix is an opaque tensor: only `matmul` may read it. A quantized matrix
 (`tandem.model.quant_linear.QuantLinear`, packed at load by its own rule) goes to
 `quant_matmul` whatever the kind.
@@ -27,11 +19,9 @@ A packed matrix is an opaque tensor: only `matmul` may read it. A quantized matr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
-import torch.nn.functional as F
 
 from tandem.model.quant import QuantizedWeight
 from tandem.model.quant_linear import QuantLinear, fp8_activations, quant_matmul
@@ -62,7 +52,7 @@ def pack(w: torch.Tensor, kind: MatmulKind) -> torch.Tensor:
     # oneDNN's linear takes [out, in]. The batch hint picks the layout, and with it the
     # kernels: packed for 1 row, every row's result is bitwise the same whatever the rows
     # around it (tested), which disaggregated-vs-colocated token identity rests on. Packed
-    # for 256 rows, 256-1024-row products run 1.3x faster but batches of 8-32 rows take
+    # for 256 rows, 256-1024-row products run 1.3x faster but batches of 5-32 rows take
     # other kernels and round differently (BENCHMARKS.md, issue 24): not taken.
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 1)
 
@@ -83,35 +73,3 @@ def matmul(
     if kind is MatmulKind.ONEDNN:
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
     return x @ w if bias is None else torch.addmm(bias, x, w)
-
-
-@dataclass(frozen=True, slots=True)
-class GatedPair:
-    """An MLP's gate and up matrices, each packed for oneDNN (`pack_gated`)."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate, self.up))
-
-
-def pack_gated(w: torch.Tensor, kind: MatmulKind) -> torch.Tensor | GatedPair:
-    """A dense gate/up matrix [in, 2 * inter] (gate columns first) in the form `swiglu`
-    takes: split and packed apart under oneDNN, else as `pack` gives it."""
-    if kind is MatmulKind.PLAIN:
-        return pack(w, kind)
-    gate, up = w.chunk(2, dim=-1)
-    return GatedPair(pack(gate, kind), pack(up, kind))
-
-
-def swiglu(
-    x: torch.Tensor, w: torch.Tensor | GatedPair | QuantLinear | QuantizedWeight, kind: MatmulKind
-) -> torch.Tensor:
-    """silu(x @ gate) * (x @ up) for the gate/up matrix `w`: [n, inter]."""
-    if isinstance(w, GatedPair):
-        linear = torch.ops.mkldnn._linear_pointwise
-        gated = linear(x, w.gate, None, "swish", [], "")
-        return linear.binary(x, gated, w.up, None, "mul")
-    gate, up = matmul(x, w, kind).chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -23,14 +23,7 @@ import torch.nn.functional as F
 from tandem.model import cpu_kernels
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
-from tandem.model.linear import (
-    GatedPair,
-    MatmulKind,
-    matmul,
-    pack,
-    pack_gated,
-    swiglu,
-)
+from tandem.model.linear import MatmulKind, matmul, pack
 from tandem.model.moe import MoeWeights, moe_forward
 from tandem.model.quant import QuantizedWeight
 from tandem.model.quant_linear import QuantLinear, Workspace, pack_quantized
@@ -40,10 +33,8 @@ if TYPE_CHECKING:
     from tandem.model.parallel import TPGroup
 
 # A layer matrix: dense [in, out] (as loaded, or packed for oneDNN), quantized [out, in] as
-# loaded, or quantized and packed for its path (LlamaModel does that); an MLP's gate/up
-# under oneDNN: its halves packed apart (`GatedPair`).
+# loaded, or quantized and packed for its path (LlamaModel does that).
 Weight = torch.Tensor | QuantizedWeight | QuantLinear
-GateUp = Weight | GatedPair
 
 
 @dataclass(slots=True)
@@ -55,11 +46,11 @@ class LayerWeights:
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     o: Weight  # [q_heads * head_dim, hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: GateUp | None  # [hidden, 2 * intermediate]; None in a sparse layer
+    gate_up: Weight | None  # [hidden, 2 * intermediate]; None in a sparse layer
     down: Weight | None  # [intermediate, hidden]; None in a sparse layer
     moe: MoeWeights | None = None  # a sparse layer's router and experts
 
-    def matrices(self) -> tuple[GateUp, ...]:
+    def matrices(self) -> tuple[Weight, ...]:
         """The layer's dense matrices (a sparse layer's experts are not among them)."""
         mats = (self.qkv, self.o, self.gate_up, self.down)
         return tuple(m for m in mats if m is not None)
@@ -77,7 +68,7 @@ class ModelWeights:
         counts its values, scales and zero points."""
         seen: set[int] = set()
         total = 0
-        tensors: list[GateUp | None] = [self.embed, self.final_norm, self.lm_head]
+        tensors: list[Weight | None] = [self.embed, self.final_norm, self.lm_head]
         for lw in self.layers:
             tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o]
             tensors += [lw.post_norm, lw.gate_up, lw.down]
@@ -85,7 +76,7 @@ class ModelWeights:
         for t in tensors:
             if t is None:
                 continue
-            if isinstance(t, QuantizedWeight | QuantLinear | GatedPair):
+            if isinstance(t, QuantizedWeight | QuantLinear):
                 total += t.num_bytes()
                 continue
             # A matrix packed for oneDNN has no storage to point at; it is its own copy.
@@ -132,8 +123,7 @@ class LlamaModel:
         for lw in weights.layers:
             lw.qkv, lw.o = self._pack(lw.qkv, dtype), self._pack(lw.o, dtype)
             if lw.gate_up is not None and lw.down is not None:
-                lw.gate_up = self._pack_gate_up(lw.gate_up, dtype)
-                lw.down = self._pack(lw.down, dtype)
+                lw.gate_up, lw.down = self._pack(lw.gate_up, dtype), self._pack(lw.down, dtype)
         if matmul is not MatmulKind.PLAIN:
             weights.lm_head = pack(weights.lm_head, matmul)
         self.weights = weights
@@ -164,13 +154,6 @@ class LlamaModel:
         if isinstance(w, torch.Tensor) and self.matmul is not MatmulKind.PLAIN:
             return pack(w, self.matmul)
         return w
-
-    def _pack_gate_up(self, w: GateUp, dtype: torch.dtype) -> GateUp:
-        """An MLP's gate/up matrix in the form `swiglu` takes."""
-        if isinstance(w, torch.Tensor) and self.matmul is not MatmulKind.PLAIN:
-            return pack_gated(w, self.matmul)
-        assert not isinstance(w, GatedPair), "packed twice"
-        return self._pack(w, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -226,7 +209,8 @@ class LlamaModel:
                 pending = moe_forward(x, lw.moe, cfg.moe, row)
             else:
                 assert lw.gate_up is not None and lw.down is not None
-                pending = matmul(swiglu(x, lw.gate_up, mm), lw.down, mm)
+                gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
+                pending = matmul(F.silu(gate) * up, lw.down, mm)
             if self.tp is not None:
                 pending = self.tp.all_reduce(pending)
         return self._add_norm(h, pending, w.final_norm, eps)[1]

@@ -10,14 +10,11 @@ import tandem.config
 from services.up.config import cpu_threads_per_worker
 from tandem.config import EngineConfig
 from tandem.model.linear import (
-    GatedPair,
     MatmulKind,
     choose_matmul,
     matmul,
     onednn_bf16_available,
     pack,
-    pack_gated,
-    swiglu,
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -70,44 +67,15 @@ def test_onednn_rows_do_not_depend_on_the_batch() -> None:
     serving then agree token for token)."""
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(576, 3072, generator=g) * 0.05).bfloat16()
-    packed, gated = pack(w, MatmulKind.ONEDNN), pack_gated(w, MatmulKind.ONEDNN)
+    packed = pack(w, MatmulKind.ONEDNN)
     x = torch.randn(300, 576, generator=g).bfloat16()
     full = matmul(x, packed, MatmulKind.ONEDNN)
-    full_mlp = swiglu(x, gated, MatmulKind.ONEDNN)
-    # decode batches, the sizes where other layouts switch kernels (8-32), prefill chunks
-    for m in (1, 2, 3, 8, 16, 17, 32, 33, 64, 256):
-        rows = x[:m].contiguous()
-        assert torch.equal(matmul(rows, packed, MatmulKind.ONEDNN), full[:m])
-        assert torch.equal(swiglu(rows, gated, MatmulKind.ONEDNN), full_mlp[:m])
+    # decode batches, the sizes where a layout packed for more rows switches kernels (5-32),
+    # prefill chunks
+    for m in (1, 2, 3, 5, 8, 16, 17, 32, 33, 64, 256):
+        assert torch.equal(matmul(x[:m].contiguous(), packed, MatmulKind.ONEDNN), full[:m])
     # a chunk in the middle of a step (decode rows before it)
-    assert torch.equal(swiglu(x[37:300].contiguous(), gated, MatmulKind.ONEDNN), full_mlp[37:])
-
-
-@pytest.mark.parametrize("kind", [MatmulKind.PLAIN, MatmulKind.ONEDNN])
-def test_swiglu_is_silu_of_the_gate_times_the_up_product(kind: MatmulKind) -> None:
-    """gate/up [in, 2 * inter], gate columns first. oneDNN fuses the SiLU and the multiply
-    into its products (each rounded once to bf16), within 2 bf16 ulps of the float32
-    reference; the plain path is the three torch ops exactly."""
-    if kind is MatmulKind.ONEDNN and not onednn_bf16_available():
-        pytest.skip("this CPU does not run bfloat16 natively")
-    g = torch.Generator().manual_seed(3)
-    dtype = torch.bfloat16 if kind is MatmulKind.ONEDNN else torch.float32
-    w = (torch.randn(96, 2 * 80, generator=g) * 0.2).to(dtype)
-    x = torch.randn(5, 96, generator=g).to(dtype)
-    packed = pack_gated(w, kind)
-    assert isinstance(packed, GatedPair) == (kind is MatmulKind.ONEDNN)
-    got = swiglu(x, packed, kind)
-    assert got.dtype == dtype and got.shape == (5, 80)
-    gate, up = x.float() @ w[:, :80].float(), x.float() @ w[:, 80:].float()
-    ref = torch.nn.functional.silu(gate) * up
-    if kind is MatmulKind.PLAIN:
-        full_gate, full_up = (x @ w).chunk(2, dim=-1)
-        assert torch.equal(got, torch.nn.functional.silu(full_gate) * full_up)
-    else:
-        assert (got.float() - ref).abs().max().item() <= 2 * 2**-7 * ref.abs().max().item()
-        # the halves are not swapped: up's SiLU times gate is far off
-        swapped = torch.nn.functional.silu(up) * gate
-        assert (got.float() - swapped).abs().max().item() > 0.1 * ref.abs().max().item()
+    assert torch.equal(matmul(x[37:].contiguous(), packed, MatmulKind.ONEDNN), full[37:])
 
 
 def test_auto_dtype_is_bf16_on_cuda_and_on_a_cpu_that_runs_it(
