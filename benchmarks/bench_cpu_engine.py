@@ -1,6 +1,7 @@
 """The CPU engine's building blocks on the default model (issue 24), in one process.
 
-    python benchmarks/bench_cpu_engine.py [--threads 1,2] [--parts matmuls,engine,attention,kernel]
+    python benchmarks/bench_cpu_engine.py [--threads 1,2]
+        [--parts matmuls,engine,attention,kernel,prefill]
         [--model-dir DIR] [--results-dir DIR]
 
 1. matmuls: SmolLM2-135M's 121 weight matrices (30 x qkv, o, gate_up, down, and lm_head),
@@ -18,6 +19,14 @@
 4. kernel: the native decode kernel alone, its AVX512-BF16 path against its plain loops,
    over an engine-shaped cache (30 layers interleaved per block, blocks scattered), 1, 4 and
    16 rows of ~300 keys, process CPU time per 30-layer call.
+5. prefill: the levers on a bfloat16 prefill that were measured and not taken. (a) a
+   256-token prefill with 1 and 2 torch threads, the other core idle and then busy with one
+   CPU-bound process (what the router and clients are to a worker on a 2-core box), wall
+   ms; (b) the 120 layer matrices packed for oneDNN with batch hint 1 (served) and 256, at
+   1-1024 rows, and for each layout the row counts whose rows differ bitwise from the same
+   rows inside a 300-row product (batch invariance), for SmolLM2's shapes and Llama-3-8B's;
+   (c) the 256-token causal attention of 30 layers: SDPA (served), SDPA with K/V repeated
+   per query head, and SDPA in float32.
 
 Same process, same inputs, alternating nothing but the variant: ratios are what to read
 (the machine is shared). Writes <results-dir>/cpu_engine.json.
@@ -207,6 +216,123 @@ def bench_kernel(rows_list: tuple[int, ...] = (1, 4, 16), ctx: int = 300) -> dic
     return out
 
 
+def _prefill_ms(engine: Any, first_id: int, tokens: int = 256, reps: int = 6) -> float:
+    """Median wall ms of `reps` prefills of distinct `tokens`-token prompts (no prefix hit)."""
+    from tandem.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for r in range(reps):
+        rid = f"pf{first_id + r}"
+        prompt = [(1000 + 7 * j + 131 * (first_id + r)) % 40000 for j in range(tokens)]
+        engine.add_request(engine.spec(rid, prompt, params))
+        t0 = time.perf_counter()
+        while (req := engine.get_request(rid)) is not None and not req.output_token_ids:
+            engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        engine.abort(rid)
+    return sorted(times)[len(times) // 2]
+
+
+def _invariance_breaks(w: torch.Tensor, hint: int, rows: list[int]) -> list[int]:
+    """Row counts m for which x[:m]'s product differs bitwise from rows [:m] of x's (300)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), hint)
+    x = torch.randn(300, w.shape[0], generator=torch.Generator().manual_seed(1)).bfloat16()
+    linear = torch.ops.mkldnn._linear_pointwise
+    full = linear(x, packed, None, "none", [], "")
+    alone = {m: linear(x[:m].contiguous(), packed, None, "none", [], "") for m in rows}
+    return [m for m in rows if not torch.equal(alone[m], full[:m])]
+
+
+def bench_prefill(model_dir: Path) -> dict[str, Any]:
+    import subprocess
+
+    import torch.nn.functional as F
+
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import LLMEngine
+
+    out: dict[str, Any] = {}
+    # (a) threads, the other core idle / busy
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16", num_threads=1))
+    engine.warm_up()
+    _prefill_ms(engine, 0, reps=2)
+    next_id = 100
+    for load in ("idle", "busy"):
+        busy = None
+        if load == "busy":
+            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(0.5)
+        try:
+            for _ in range(2):  # alternated
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    ms = _prefill_ms(engine, next_id, reps=3)
+                    next_id += 10
+                    out.setdefault(f"threads{threads}_other_core_{load}_ms", []).append(ms)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+    torch.set_num_threads(1)
+    del engine
+    # (b) oneDNN batch hints: speed and batch invariance
+    gen = torch.Generator().manual_seed(0)
+    mats = [(torch.randn(k, n, generator=gen) * 0.03).bfloat16() for k, n in SHAPES[:-1]]
+    linear = torch.ops.mkldnn._linear_pointwise
+    packs = {
+        hint: [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), hint) for w in mats]
+        for hint in (1, 256)
+    }
+    for m in (1, 16, 64, 256, 1024):
+        xs = [torch.randn(m, w.shape[0], generator=gen).bfloat16() for w in mats]
+        times: dict[int, list[float]] = {hint: [] for hint in packs}
+        for _ in range(5):
+            for hint, ws in packs.items():
+                t0 = time.process_time()
+                for x, w in zip(xs, ws, strict=True):
+                    linear(x, w, None, "none", [], "")
+                times[hint].append(time.process_time() - t0)
+        for hint, ts in times.items():
+            out[f"layer_matmuls_hint{hint}_rows{m}_cpu_ms"] = sorted(ts)[2] * 1e3
+    rows = list(range(1, 41)) + [64, 100, 128, 256]
+    shapes = {"smollm2": [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)],
+              "llama3_8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]}  # fmt: skip
+    for model, model_shapes in shapes.items():
+        for k, n in model_shapes:
+            w = (torch.randn(k, n, generator=gen) * 0.03).bfloat16()
+            for hint in (1, 256):
+                out[f"invariance_{model}_{k}x{n}_hint{hint}_differs_at"] = _invariance_breaks(
+                    w, hint, rows
+                )
+    # (c) prefill attention, 30 layers of 256 tokens (9 query heads, 3 KV heads, 64 dims)
+    n, scale = 256, 64**-0.5
+    q = torch.randn(1, 9, n, 64, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 3, n, 64, generator=gen).bfloat16() for _ in range(2))
+    sdpa = F.scaled_dot_product_attention
+    variants = {
+        "sdpa_gqa": lambda: sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+        "sdpa_repeated_kv": lambda: sdpa(
+            q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=True, scale=scale
+        ),
+        "sdpa_float32": lambda: sdpa(
+            q.float(), k.float(), v.float(), is_causal=True, scale=scale, enable_gqa=True
+        ),
+    }
+    attn_times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(5):
+        for name, fn in variants.items():
+            t0 = time.process_time()
+            for _ in range(30):
+                fn()
+            attn_times[name].append(time.process_time() - t0)
+    for name, ts in attn_times.items():
+        out[f"attention_{name}_30_layers_cpu_ms"] = sorted(ts)[2] * 1e3
+    for key, value in out.items():
+        print(f"prefill: {key} {value}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", default="1,2")
@@ -229,6 +355,7 @@ def main() -> int:
     ]
     attentions = [bench_attention(args.model_dir, t) for t in threads if "attention" in parts]
     kernel = bench_kernel() if "kernel" in parts else {}
+    prefill = bench_prefill(args.model_dir) if "prefill" in parts else {}
     result = {
         "command": "python benchmarks/bench_cpu_engine.py " + " ".join(sys.argv[1:]),
         "machine": machine_info(model_dir=str(args.model_dir)),
@@ -236,9 +363,12 @@ def main() -> int:
         "engine": engines,
         "attention": attentions,
         "kernel": kernel,
+        "prefill": prefill,
     }
-    name = "cpu_engine.json" if parts >= {"matmuls", "engine", "attention", "kernel"} else (
-        "cpu_engine-" + "-".join(sorted(parts)) + ".json"
+    name = (
+        "cpu_engine.json"
+        if parts >= {"matmuls", "engine", "attention", "kernel"}
+        else ("cpu_engine-" + "-".join(sorted(parts)) + ".json")
     )
     write_json(args.results_dir / name, result, indent=1)
     return 0
