@@ -24,7 +24,8 @@
    CPU-bound process (what the router and clients are to a worker on a 2-core box), wall
    ms; (b) the 120 layer matrices packed for oneDNN with batch hint 1 (served) and 256, at
    1-1024 rows, and for each layout the row counts whose rows differ bitwise from the same
-   rows inside a 300-row product (batch invariance), for SmolLM2's shapes and Llama-3-8B's;
+   rows inside a 300-row product (batch invariance), for SmolLM2's shapes, the `small` tiny
+   preset's and Llama-3-8B's;
    (c) the 256-token causal attention of 30 layers: SDPA (served), SDPA with K/V repeated
    per query head, and SDPA in float32.
 
@@ -297,6 +298,7 @@ def bench_prefill(model_dir: Path) -> dict[str, Any]:
             out[f"layer_matmuls_hint{hint}_rows{m}_cpu_ms"] = sorted(ts)[2] * 1e3
     rows = list(range(1, 41)) + [64, 100, 128, 256]
     shapes = {"smollm2": [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)],
+              "tiny_small": [(512, 256), (512, 512), (512, 1536), (1536, 512), (512, 8192)],
               "llama3_8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]}  # fmt: skip
     for model, model_shapes in shapes.items():
         for k, n in model_shapes:
