@@ -79,6 +79,7 @@ class EngineStats:
     queued_prefill_tokens: int
     num_blocks: int
     num_free_blocks: int
+    num_preemptions: int = 0  # since start (a request preempted twice counts twice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -495,6 +496,7 @@ class LLMEngine:
             queued_prefill_tokens=sched.queued_prefill_tokens(),
             num_blocks=self.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
+            num_preemptions=sched.num_preemptions,
         )
 
     def get_request(self, request_id: str) -> Request | None:

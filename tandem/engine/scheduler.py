@@ -96,6 +96,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.handed_off: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start: requests whose blocks were freed to recompute
 
     # -- admission -------------------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:

@@ -212,7 +212,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "num_blocks", "num_free_blocks", "num_pinned_requests", "epoch", "num_aborts", "num_reaped_blocks", "num_audit_violations")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "num_blocks", "num_free_blocks", "num_pinned_requests", "epoch", "num_aborts", "num_reaped_blocks", "num_audit_violations", "num_preemptions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class WorkerStats(_message.Message):
     NUM_ABORTS_FIELD_NUMBER: _ClassVar[int]
     NUM_REAPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_AUDIT_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -237,4 +238,5 @@ class WorkerStats(_message.Message):
     num_aborts: int
     num_reaped_blocks: int
     num_audit_violations: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_pinned_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., num_aborts: _Optional[int] = ..., num_reaped_blocks: _Optional[int] = ..., num_audit_violations: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_pinned_requests: _Optional[int] = ..., epoch: _Optional[int] = ..., num_aborts: _Optional[int] = ..., num_reaped_blocks: _Optional[int] = ..., num_audit_violations: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...

@@ -2,11 +2,13 @@
 real Redis, real NIXL. A prefill worker of TP=p hands a request to a decode worker of TP=d
 (2 -> 1, 1 -> 2, 2 -> 2, and 2 -> 4 with each KV head replicated on 2 ranks): the handle
 lists every prefill rank's cache and KV-head range, and each decode rank's cache gets its
-heads from the prefill ranks holding them. Greedy output
-equals the single engine's in float32, with prefix hits on the decode worker (it reads only
-what it lacks) and chunked prefill on the prefill workers; afterwards no block, lease or
-request is held anywhere. A handle whose rank addresses or head ranges were altered is
-refused by the signature before anything is reserved or read.
+heads from the prefill ranks holding them. Greedy output equals the single engine's in
+float32, with prefix hits on the decode worker (it reads only what it lacks), chunked
+prefill on the prefill workers and preemption on the decode worker (its few blocks cannot
+hold concurrent requests as they grow: the preempted recompute their tokens there, and its
+GetStats counts them); afterwards no block, lease or request is held anywhere. A handle
+whose rank addresses or head ranges were altered is refused by the signature before
+anything is reserved or read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import random
 import secrets
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,6 +38,11 @@ from tests.services.workers import decode_result, prefill_result, wait_all_free
 
 MAX_TOKENS = 8
 SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+# Decode workers hold 8 blocks of 16 tokens (per rank): room for any one request here (at
+# most 5 blocks) but not for two of the concurrent ones (30 prompt tokens + 40 generated: 5
+# blocks each), so those preempt each other.
+DECODE_BLOCKS = 8
+CONCURRENT, CONCURRENT_TOKENS = 6, 40
 # d4: 4 ranks over the tiny model's 2 KV heads, each head replicated on 2 ranks (GQA).
 WORKERS = {
     "p1": ("prefill", 1),
@@ -63,7 +71,10 @@ def cluster(
     stubs: dict[str, object] = {}
     try:
         for name, (role, tp) in WORKERS.items():
-            extra = ("--long-prefill-token-threshold", "24") if role == "prefill" else ()
+            if role == "prefill":
+                extra: tuple[str, ...] = ("--long-prefill-token-threshold", "24")
+            else:  # a hand-off waits for blocks while the preempted take turns
+                extra = ("--num-blocks", str(DECODE_BLOCKS), "--kv-wait-s", "60")
             proc, address = procs.worker(
                 role, tiny_model_dir, redis_server.url, name, "--tp", str(tp), *common, *extra
             )
@@ -90,14 +101,17 @@ def reference(tiny_model_dir: Path) -> LLMEngine:
     )
 
 
-def greedy(reference: LLMEngine, prompt: list[int]) -> list[int]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+def greedy(reference: LLMEngine, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     [out] = reference.generate([prompt], params)
     return out.token_ids
 
 
-def prefill(c: SimpleNamespace, name: str, rid: str, prompt: list[int]) -> wpb.PrefillResponse:
-    request = wpb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING)
+def prefill(
+    c: SimpleNamespace, name: str, rid: str, prompt: list[int],
+    sampling: rpb.SamplingParams = SAMPLING,
+) -> wpb.PrefillResponse:  # fmt: skip
+    request = wpb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
     resp = prefill_result(getattr(c, name).Prefill(request, metadata=c.metadata, timeout=60))
     assert resp.HasField("kv") and not resp.finished
     return resp
@@ -105,9 +119,9 @@ def prefill(c: SimpleNamespace, name: str, rid: str, prompt: list[int]) -> wpb.P
 
 def decode(
     c: SimpleNamespace, name: str, rid: str, prompt: list[int], first: wpb.PrefillResponse,
-    kv: wpb.KvHandle | None = None,
+    kv: wpb.KvHandle | None = None, sampling: rpb.SamplingParams = SAMPLING,
 ) -> tuple[list[int], wpb.DecodeComplete]:  # fmt: skip
-    request = wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING)
+    request = wpb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
     request.output_token_ids.append(first.first_token_id)
     request.kv.CopyFrom(first.kv if kv is None else kv)
     tokens, complete = decode_result(
@@ -146,6 +160,29 @@ def test_handoff_between_tp_sizes_matches_the_single_engine(
         assert not complete.recomputed and complete.kv_transfer_bytes > 0
         if i == 1:  # the decode worker read only what its cache lacked
             assert complete.num_cached_tokens == 48
+    assert_nothing_held(cluster)
+
+    # Concurrent requests whose growth the decode worker's blocks cannot hold: it preempts
+    # (their blocks freed, their tokens recomputed there), and the answers stay the same.
+    sampling = rpb.SamplingParams(max_tokens=CONCURRENT_TOKENS, temperature=0.0, ignore_eos=True)
+    prompts = [rng.choices(range(5, 512), k=30) for _ in range(CONCURRENT)]
+    firsts = [prefill(cluster, p, f"{p}-{d}-c{i}", q, sampling) for i, q in enumerate(prompts)]
+    stub = getattr(cluster, d)
+    before = stub.GetStats(wpb.GetStatsRequest(), metadata=cluster.metadata).num_preemptions
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        results = list(
+            pool.map(
+                lambda i: decode(
+                    cluster, d, f"{p}-{d}-c{i}", prompts[i], firsts[i], sampling=sampling
+                ),
+                range(CONCURRENT),
+            )
+        )
+    for i, (prompt, (tokens, complete)) in enumerate(zip(prompts, results, strict=True)):
+        assert tokens == greedy(reference, prompt, CONCURRENT_TOKENS), f"concurrent {i}"
+        assert not complete.recomputed  # the hand-off was used; preemption recomputed later
+    after = stub.GetStats(wpb.GetStatsRequest(), metadata=cluster.metadata).num_preemptions
+    assert after > before, "no request was preempted on the decode worker"
     assert_nothing_held(cluster)
 
 

@@ -235,6 +235,7 @@ def test_metric_names_are_the_spec() -> None:
         "tandem_worker_aborts_total",
         "tandem_worker_kv_blocks_reaped_total",
         "tandem_worker_kv_audit_violations_total",
+        "tandem_worker_preemptions_total",
         "tandem_build_info",
     )
     assert metric_names("prefill") == worker | {"tandem_worker_lease_expired_total"}
@@ -262,15 +263,17 @@ def test_every_listed_name_is_in_the_exposition() -> None:
 
 
 def test_engine_gauges_are_read_when_scraped() -> None:
-    stats = [EngineStats(3, 2, 0, 0, num_blocks=100, num_free_blocks=40)]
+    stats = [EngineStats(3, 2, 0, 0, num_blocks=100, num_free_blocks=40, num_preemptions=7)]
     m = WorkerMetrics("decode", lambda: stats[0])
     r = m.registry
     assert sample(r, "tandem_worker_requests_running", role="decode") == 3
     assert sample(r, "tandem_worker_requests_waiting", role="decode") == 2
     assert sample(r, "tandem_worker_kv_blocks_used", role="decode") == 60
     assert sample(r, "tandem_worker_kv_blocks_capacity", role="decode") == 100
-    stats[0] = EngineStats(0, 0, 0, 0, num_blocks=100, num_free_blocks=100)
+    assert sample(r, "tandem_worker_preemptions_total", role="decode") == 7
+    stats[0] = EngineStats(0, 0, 0, 0, num_blocks=100, num_free_blocks=100, num_preemptions=9)
     assert sample(r, "tandem_worker_kv_blocks_used", role="decode") == 0
+    assert sample(r, "tandem_worker_preemptions_total", role="decode") == 9
 
 
 def test_queue_time_and_prefix_cache_tokens_at_first_schedule(

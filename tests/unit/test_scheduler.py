@@ -126,8 +126,10 @@ def test_preemption_frees_latest_request_and_recomputes() -> None:
     assert s.kv.num_free_blocks == 0
     run_step(s)  # both reach 7 tokens: still fits
     run_step(s)  # 8 tokens each: still 2 blocks each
+    assert s.num_preemptions == 0
     out = run_step(s)  # a needs a third block -> b is preempted
     assert out.preempted_ids == ["b"]
+    assert s.num_preemptions == 1  # the worker's counter (GetStats, metrics)
     assert plan(out) == [("a", 8, 1, True)]
     b = s.waiting[0]
     assert b.request_id == "b" and b.status == RequestStatus.PREEMPTED
@@ -149,6 +151,12 @@ def test_preempted_request_reuses_its_cached_blocks() -> None:
     # b's blocks went back to the free queue with their hashes; a cache hit revives them
     hits, n = s.kv.get_computed_blocks(s.waiting[0])
     assert n >= 8 and hits
+    # 5 blocks never hold both as they grow: they take turns. The counter is every
+    # preemption since start, a request preempted twice counted twice.
+    requests = [*s.running, *s.waiting]
+    for _ in range(20):
+        run_step(s)
+    assert s.num_preemptions == sum(r.num_preemptions for r in requests) >= 2
 
 
 def test_abort_anywhere_frees_blocks() -> None:

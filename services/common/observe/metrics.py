@@ -282,8 +282,9 @@ class RouterMetrics:
 
 
 class _EngineGauges(Collector):
-    """Running, waiting and KV-block gauges read from the engine when scraped (a racy read
-    from outside the engine thread, as the heartbeat's: fine for load figures)."""
+    """Running, waiting and KV-block gauges, and the preemptions counter, read from the
+    engine when scraped (a racy read from outside the engine thread, as the heartbeat's: fine
+    for load figures)."""
 
     def __init__(self, role: str, stats: Callable[[], EngineStats] | None) -> None:
         self.role = role
@@ -310,6 +311,14 @@ class _EngineGauges(Collector):
             family = GaugeMetricFamily(name, doc, labels=["role"])
             family.add_metric([self.role], value)
             yield family
+        preemptions = CounterMetricFamily(
+            "tandem_worker_preemptions",
+            "Requests preempted since start: their KV blocks freed for others', the tokens "
+            "recomputed when the request is scheduled again.",
+            labels=["role"],
+        )
+        preemptions.add_metric([self.role], s.num_preemptions if s else 0)
+        yield preemptions
 
 
 class _ExpertRouting(Collector):

@@ -282,6 +282,7 @@ class Worker:
         stats.num_aborts = self.num_aborts
         stats.num_reaped_blocks = self.num_reaped_blocks
         stats.num_audit_violations = self.num_audit_violations
+        stats.num_preemptions = s.num_preemptions
         return stats
 
     @rpc
