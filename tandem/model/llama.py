@@ -102,6 +102,14 @@ class LlamaModel:
     the model's) and `weights` its shard; the forward adds one all-reduce after o, one
     after down, one after the vocabulary-parallel embedding, and an all-gather of the
     logits. Without it no collective runs.
+
+    A row-parallel layer (o, down, a sparse layer's experts) leaves each rank a partial sum.
+    In bfloat16 or float16 on a CPU (`reduce_f32`) the partial sums are computed, all-reduced
+    and added in float32 and rounded to the model's dtype once, as one rank's GEMM (which
+    accumulates in float32) rounds its whole sum once; rounding each partial to bfloat16
+    before the sum moved the logits enough to change greedy answers. torch's CPU matmul has
+    no float32 output for bfloat16 operands (`out_dtype` is CUDA's), so those matrices are
+    held in float32 (exactly their bfloat16 values) and multiplied in float32.
     """
 
     def __init__(
@@ -120,10 +128,25 @@ class LlamaModel:
         self.matmul = matmul
         self.workspace = Workspace()  # what per-call dequantizations reuse
         dtype = weights.embed.dtype
+        # The row-parallel partial sums in float32 (class docstring); CUDA keeps its dtype.
+        self.reduce_f32 = (
+            self.tp is not None
+            and dtype in (torch.bfloat16, torch.float16)
+            and weights.embed.device.type == "cpu"
+        )
+        self._reduce_o = self.tp is not None and not self.tp.shard.replicate_attention
         for lw in weights.layers:
-            lw.qkv, lw.o = self._pack(lw.qkv, dtype), self._pack(lw.o, dtype)
+            lw.qkv = self._pack(lw.qkv, dtype)
+            lw.o = (
+                self._pack_row_parallel(lw.o, dtype) if self._reduce_o else self._pack(lw.o, dtype)
+            )
+            if lw.moe is not None and self.reduce_f32:
+                lw.moe.down = lw.moe.down.float()
             if lw.gate_up is not None and lw.down is not None:
-                lw.gate_up, lw.down = self._pack(lw.gate_up, dtype), self._pack(lw.down, dtype)
+                lw.gate_up, lw.down = (
+                    self._pack(lw.gate_up, dtype),
+                    self._pack_row_parallel(lw.down, dtype),
+                )
         if matmul is not MatmulKind.PLAIN:
             weights.lm_head = pack(weights.lm_head, matmul)
         self.weights = weights
@@ -147,6 +170,31 @@ class LlamaModel:
                 len(layers), config.moe.num_experts, dtype=torch.int64, device=weights.embed.device
             )
             self._count_rows = {layer: row for row, layer in enumerate(layers)}
+
+    def _pack_row_parallel(self, w: Weight, dtype: torch.dtype) -> Weight:
+        """A row-parallel matrix: in float32 as loaded ([in, out]) where `reduce_f32`, else
+        as `_pack` gives it."""
+        if self.reduce_f32 and isinstance(w, torch.Tensor):
+            return w.float()
+        return self._pack(w, dtype)
+
+    def _row_parallel(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x [n, in] times this rank's rows of a row-parallel matrix, summed over the ranks,
+        in x's dtype: where `reduce_f32`, multiplied and summed in float32, rounded once."""
+        assert self.tp is not None
+        if not self.reduce_f32:
+            return self.tp.all_reduce(matmul(x, w, self.matmul))
+        if isinstance(w, torch.Tensor):  # float32 (_pack_row_parallel)
+            xf = x.float()
+            if xf.shape[0] == 1:
+                # One row takes torch's CPU matrix-vector kernel, whose sums come out in
+                # another order than the GEMM's for any other row count (which agree with
+                # each other): two rows keep a token's output the same whatever its batch,
+                # as one rank's bfloat16 GEMM does (a cached prefix must match a recompute).
+                return self.tp.all_reduce((xf.expand(2, -1) @ w)[:1]).to(x.dtype)
+            return self.tp.all_reduce(xf @ w).to(x.dtype)
+        # a quantized matrix (not served with TP yet): its product rounded, then summed once
+        return self.tp.all_reduce(matmul(x, w, self.matmul).float()).to(x.dtype)
 
     def _pack(self, w: Weight, dtype: torch.dtype) -> Weight:
         if isinstance(w, QuantizedWeight):
@@ -196,23 +244,28 @@ class LlamaModel:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
-            o = matmul(attn.reshape(n, self._q_size), lw.o, mm)
-            if self.tp is not None and not self.tp.shard.replicate_attention:
-                # row-parallel: each rank's heads' share of the sum
-                o = self.tp.all_reduce(o)
+            if self._reduce_o:  # row-parallel: each rank's heads' share of the sum
+                o = self._row_parallel(attn.reshape(n, self._q_size), lw.o)
+            else:
+                o = matmul(attn.reshape(n, self._q_size), lw.o, mm)
             h, x = self._add_norm(h, o, lw.post_norm, eps)
             if lw.moe is not None:
                 assert cfg.moe is not None
                 assert self.expert_counts is not None
                 row = self.expert_counts[self._count_rows[layer_idx]]
                 # with TP, this rank's columns of every expert: a partial sum, like down's
+                # (in float32 where reduce_f32: the experts' down matrices are float32)
                 pending = moe_forward(x, lw.moe, cfg.moe, row)
+                if self.tp is not None:
+                    pending = self.tp.all_reduce(pending).to(x.dtype)
             else:
                 assert lw.gate_up is not None and lw.down is not None
                 gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
-                pending = matmul(F.silu(gate) * up, lw.down, mm)
-            if self.tp is not None:
-                pending = self.tp.all_reduce(pending)
+                act = F.silu(gate) * up
+                if self.tp is not None:
+                    pending = self._row_parallel(act, lw.down)
+                else:
+                    pending = matmul(act, lw.down, mm)
         return self._add_norm(h, pending, w.final_norm, eps)[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

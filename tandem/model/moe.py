@@ -159,7 +159,9 @@ def grouped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> tor
     Args:
         x: [num_tokens, hidden]
     Returns:
-        [num_tokens, hidden] in x's dtype.
+        [num_tokens, hidden] in x's dtype; in float32 when the down matrices are float32
+        (a tensor-parallel rank's partial sum, summed over the ranks before it is rounded:
+        `tandem.model.llama.LlamaModel`).
     """
     top_k = routed.expert_ids.shape[1]
     num_local = weights.gate_up.shape[0]
@@ -169,9 +171,10 @@ def grouped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> tor
     xs = x.index_select(0, tokens)  # [num_pairs, hidden]
     gate, up = grouped_mm(xs, weights.gate_up, s).chunk(2, -1)
     act = (F.silu(gate) * up).contiguous()  # [num_pairs, expert_intermediate]
-    ys = grouped_mm(act, weights.down, s)  # [num_pairs, hidden]
-    ys = (ys * routed.weights.flatten()[s.pairs].unsqueeze(1)).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, ys)
+    out_dtype = torch.float32 if weights.down.dtype == torch.float32 else x.dtype
+    ys = grouped_mm(act.to(out_dtype), weights.down, s)  # [num_pairs, hidden]
+    ys = (ys * routed.weights.flatten()[s.pairs].unsqueeze(1)).to(out_dtype)
+    return torch.zeros_like(x, dtype=out_dtype).index_add_(0, tokens, ys)
 
 
 def looped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torch.Tensor:

@@ -203,6 +203,50 @@ def test_tp2_logits_match_tp1_and_hf(hf_model, engine_factory, tp_engine, arch) 
             torch.testing.assert_close(b, ref[n - 1], atol=ATOL, rtol=0)
 
 
+def logits_by_row(engine: Any, prompts: list[list[int]], n: int) -> dict[tuple[int, ...], Any]:
+    """Greedy `n` tokens for `prompts` at once: {the ids before a sampled row: its logits}."""
+    out: dict[tuple[int, ...], Any] = {}
+    inner = engine.runner.sampler
+
+    def record(logits: torch.Tensor, rows: list[Any]) -> Any:
+        for i, row in enumerate(rows):
+            out[(*row.prompt_token_ids, *row.output_token_ids)] = logits[i].clone()
+        return inner(logits, rows)
+
+    engine.runner.sampler = record
+    engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0))
+    engine.runner.sampler = inner
+    assert len(out) == n * len(prompts)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_bfloat16_rounds_each_row_parallel_sum_once(
+    hf_model, engine_factory, tp_engine, arch
+) -> None:
+    """In bfloat16, o's and down's partial sums are added in float32 and rounded once, as one
+    rank's GEMM rounds its whole sum: TP=2's logits are one rank's (every value here; about
+    a fifth of them when each rank rounded its partial to bfloat16 before the all-reduce),
+    over chunked prefill, single-row and batched decode and prefix hits."""
+    model_dir, _ = hf_model(arch)
+    rng = random.Random(11)
+    shared = rng.choices(range(256), k=12)
+    prompts = [rng.choices(range(256), k=rng.randint(5, 30)) for _ in range(3)]
+    prompts += [shared + [1, 2, 3], shared + [4, 5, 6, 7, 8]]
+    runs = []
+    for engine in (
+        engine_factory(model_dir, dtype="bfloat16", max_num_batched_tokens=9),
+        tp_engine(model_dir, 2, dtype="bfloat16", max_num_batched_tokens=9),
+    ):
+        alone = [logits_by_row(engine, [p], 5) for p in prompts]  # one row a decode step
+        runs.append([*alone, logits_by_row(engine, prompts, 5)])  # then all at once
+        engine.check_integrity()
+    pairs = [(a[k], b[k]) for a, b in zip(*runs, strict=True) for k in a.keys() & b.keys()]
+    same = torch.cat([a == b for a, b in pairs]).float().mean().item()
+    assert same >= 0.95, f"only {same:.2f} of TP=2's logit values are one rank's"
+    assert [set(a) for a in runs[0]] == [set(b) for b in runs[1]]  # the same greedy tokens
+
+
 def test_uneven_split_matches_hf(tmp_path, tp_engine) -> None:
     """6 query heads over 3 KV heads, an MLP of 100 and a vocabulary of 251 over 2 ranks:
     1 and 2 KV heads, 50 and 50 columns, 126 and 125 rows (zero-padded to 126)."""
@@ -353,7 +397,10 @@ def test_placement_pairs_any_tensor_parallel_sizes_that_can_hand_off(policy: str
     for seq in range(80):
         workers = [
             worker(
-                f"{role[0]}{i}", role, rng.choice([1, 2, 4]), num_running=rng.randint(0, 3),
+                f"{role[0]}{i}",
+                role,
+                rng.choice([1, 2, 4]),
+                num_running=rng.randint(0, 3),
                 kv_handoff=rng.random() < 0.8,
                 kv_format=rng.choice(["float32", "float32", "bfloat16"]),
             )  # fmt: skip
