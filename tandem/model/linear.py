@@ -51,12 +51,13 @@ def pack(w: torch.Tensor, kind: MatmulKind) -> torch.Tensor:
         return w
     # oneDNN's linear takes [out, in]. The batch hint picks the layout, and with it the
     # kernels each row count gets. Packed for 1 row, a row's result is bitwise the same
-    # whatever the rows around it for every tiny preset's matrices and four of SmolLM2's
-    # five shapes (its down_proj, 1536 inputs, rounds 5-128-row products differently, as do
-    # Llama-3-8B's shapes): bfloat16 is held to a tolerance, float32 to token identity.
-    # Packed for 256 rows, 256-1024-row products run 1.3x faster, but most shapes then
-    # round 1-32-row batches differently (lm_head and the `small` preset's included):
-    # not taken (BENCHMARKS.md, issue 24, `bench_cpu_engine.py --parts prefill`).
+    # whatever the rows around it for matrices of up to 576 inputs (measured: all of
+    # SmolLM2's and the tiny presets' but their down projections); with 1536 inputs or more
+    # (down, Llama-3-8B's shapes) 5-128-row products round differently. So bfloat16 is held
+    # to a tolerance, float32 to token identity. Packed for 256 rows, 256-1024-row products
+    # run 1.25x faster, but most shapes then round 1-36-row batches differently, lm_head
+    # included, and 1-16-row products ran up to 8% slower: not taken (BENCHMARKS.md, issue
+    # 24, `bench_cpu_engine.py --parts prefill`).
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 1)
 
 

@@ -62,11 +62,12 @@ def test_onednn_packed_matches_the_float32_product_within_bf16_rounding(
 
 @needs_onednn
 def test_onednn_rows_do_not_depend_on_the_batch() -> None:
-    """For this shape (SmolLM2's gate/up; every tiny preset's matrices behave the same) a
-    request's numbers do not change with who shares its step: each row of a 300-row batch is
-    bitwise the row computed alone or in smaller batches. A layout packed for more rows
-    fails this (BENCHMARKS.md, issue 24); not every shape has it (SmolLM2's down_proj), so
-    bfloat16 serving is held to a tolerance elsewhere and float32 to token identity."""
+    """For this shape (SmolLM2's gate/up; every matrix of up to 576 inputs measured behaves
+    the same) a request's numbers do not change with who shares its step: each row of a
+    300-row batch is bitwise the row computed alone or in smaller batches. A layout packed
+    for more rows fails this (BENCHMARKS.md, issue 24); matrices of 1536 inputs or more do
+    not have it (down projections), so bfloat16 serving is held to a tolerance elsewhere and
+    float32 to token identity."""
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(576, 3072, generator=g) * 0.05).bfloat16()
     packed = pack(w, MatmulKind.ONEDNN)
