@@ -8,7 +8,8 @@ Each step spends a token budget (`max_num_batched_tokens`):
      prefilling; when blocks run out, the most recently admitted running request is
      preempted (blocks freed, recomputed later) until the current one fits;
   2. then waiting requests, while budget, `max_num_seqs` and free blocks allow, starting
-     after their longest cached prefix.
+     after their longest cached prefix; those whose KV is already in place (committed
+     hand-offs) go first, since only running returns their blocks.
 """
 
 from __future__ import annotations
@@ -172,6 +173,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in the order they may start: first those whose KV is already
+        in place (a decode worker's committed hand-offs), then the rest as queued (preempted
+        requests first, then arrival order). A request holding blocks gives them back only
+        by running; behind one that needs more blocks than are free (a preempted request
+        recomputing a long context) it would wait forever, and so would the queue."""
+        holding = [r for r in self.waiting if r.num_computed_tokens > 0]
+        return holding + [r for r in self.waiting if r.num_computed_tokens == 0]
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -196,8 +206,9 @@ class Scheduler:
 
         if out.preempted_ids:
             return out  # memory is short: admit nothing new this step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        for request in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             hits: list[int] = []
             if request.num_computed_tokens == 0:
                 hits, num_cached = self.kv.get_computed_blocks(request)
@@ -210,7 +221,7 @@ class Scheduler:
             request.num_computed_tokens = start
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._schedule_one(request, start, num_new))

@@ -210,6 +210,34 @@ def test_reserve_and_commit_kv_for_decode_role() -> None:
         s.commit_kv("d")
 
 
+def test_committed_hand_offs_start_before_a_preempted_request_that_cannot() -> None:
+    """A decode worker: p runs with 4 of 8 blocks; hand-offs b and c reserve and commit the
+    other 4. p's next token needs a fifth block, so p preempts itself and waits first in the
+    queue needing 5 blocks with 4 free, while b and c hold the rest and wait behind it.
+    Starting p first would wait forever (nothing runs, nothing frees a block); b and c
+    start, finish and give their blocks back, and then p recomputes and finishes."""
+    s = make(num_blocks=8)
+    s.add_request(req("p", 16, max_tokens=6))
+    run_step(s)  # p's prompt: 4 blocks, its first token sampled
+    for rid, first in (("b", 100), ("c", 200)):
+        r = req(rid, 7, max_tokens=2, first=first)
+        r.output_token_ids = [5]
+        assert s.reserve_kv(r) is not None  # 2 blocks each
+        s.commit_kv(rid)
+    assert s.kv.num_free_blocks == 0
+    out = run_step(s)
+    assert out.preempted_ids == ["p"] and not out.scheduled
+    assert [r.request_id for r in s.waiting] == ["p", "c", "b"]
+    out = run_step(s)
+    assert plan(out) == [("c", 7, 1, True), ("b", 7, 1, True)]  # not stuck behind p
+    steps = 0
+    while s.has_work() and steps < 20:
+        run_step(s)
+        steps += 1
+    assert not s.has_work()  # every request finished: p recomputed once b and c were done
+    assert s.kv.num_free_blocks == 8
+
+
 def test_reserve_kv_uses_local_prefix_cache_and_fails_cleanly() -> None:
     s = make(num_blocks=4)
     s.add_request(req("a", 9, max_tokens=1))
