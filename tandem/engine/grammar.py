@@ -35,6 +35,10 @@ JSON_DEFAULTS: llguidance._lib.JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
+# A JSON schema bounds a number's value, not its length: a model can write "1.000..." until
+# max_tokens (a small model does). No float64 needs more than 17 significant digits, so in
+# JSON output, after this many digits in a row a digit is allowed only when nothing else is.
+MAX_JSON_DIGIT_RUN = 32
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept per engine
 _VALIDATION_CACHE_SIZE = 256  # validated constraints kept per process
 
@@ -141,26 +145,81 @@ def _grammar_and_error(kind: ConstraintKind, spec: str | tuple[str, ...]) -> tup
     return grammar, ""
 
 
-class GrammarMatcher:
-    """One request's position in its grammar. Not thread-safe: the engine thread owns it."""
+@dataclass(frozen=True, slots=True)
+class DigitTable:
+    """Per token of a vocabulary, what bounding runs of digits needs (`MAX_JSON_DIGIT_RUN`).
 
-    def __init__(self, matcher: llguidance.LLMatcher, constraint: Constraint) -> None:
+    Attributes:
+        starts: [ceil(vocab / 32)] int32 bitmask of the tokens whose text starts with a digit.
+        trailing: per token, the digits its text ends with.
+        all_digits: per token, whether its text is digits only (the run before it goes on).
+    """
+
+    starts: torch.Tensor
+    trailing: tuple[int, ...]
+    all_digits: tuple[bool, ...]
+
+    @classmethod
+    def build(cls, tokenizer: llguidance.LLTokenizer, vocab_size: int) -> DigitTable:
+        words = [0] * -(-vocab_size // 32)
+        trailing, all_digits = [], []
+        for token in range(vocab_size):
+            text = tokenizer.decode_bytes([token]) if token < tokenizer.vocab_size else b""
+            digits = len(text) - len(text.rstrip(b"0123456789"))
+            trailing.append(digits)
+            all_digits.append(bool(text) and digits == len(text))
+            if text[:1].isdigit():
+                words[token // 32] |= 1 << (token % 32)
+        signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the bits as int32
+        return cls(torch.tensor(signed, dtype=torch.int32), tuple(trailing), tuple(all_digits))
+
+    def after(self, run: int, token_id: int) -> int:
+        """The digits ending the output once `token_id` follows an output ending in `run`."""
+        if token_id >= len(self.trailing):
+            return 0
+        own = self.trailing[token_id]
+        return run + own if self.all_digits[token_id] else own
+
+
+class GrammarMatcher:
+    """One request's position in its grammar. Not thread-safe: the engine thread owns it.
+
+    `digits` (JSON constraints): once the output ends in `MAX_JSON_DIGIT_RUN` digits, tokens
+    starting with a digit are masked out whenever the grammar allows anything else."""
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        constraint: Constraint,
+        digits: DigitTable | None = None,
+    ) -> None:
         self._matcher = matcher
         self.constraint = constraint
         self.num_accepted = 0
+        self._digits = digits
+        self.digit_run = 0  # digits at the end of the output so far
 
     def fill(self, row: torch.Tensor) -> None:
         """Write the allowed next tokens into `row`: [num_words] int32, contiguous, CPU.
         A matcher in an error state allows only EOS (it ends the request)."""
         assert row.dtype == torch.int32 and row.is_contiguous() and row.device.type == "cpu"
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if self._digits is not None and self.digit_run >= MAX_JSON_DIGIT_RUN:
+            rest = row & ~self._digits.starts
+            if bool(rest.any()):
+                row.copy_(rest)
+
+    def _advance(self, token_id: int) -> None:
+        self.num_accepted += 1
+        if self._digits is not None:
+            self.digit_run = self._digits.after(self.digit_run, token_id)
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token. False: the grammar forbids it (the matcher is then
         finished, in an error state)."""
         ok = self._matcher.consume_token(token_id)
         if ok:
-            self.num_accepted += 1
+            self._advance(token_id)
         else:
             log.warning(
                 "constrained request: token %d refused after %d tokens: %s",
@@ -181,7 +240,7 @@ class GrammarMatcher:
                     f"output_token_ids[{i}] = {token_id} does not satisfy the request's "
                     f"{self.constraint.kind} constraint: {self._matcher.get_error()}"
                 )
-            self.num_accepted += 1
+            self._advance(token_id)
 
     @property
     def is_finished(self) -> bool:
@@ -234,6 +293,7 @@ class GrammarCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._load_error = ""
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._digits: DigitTable | None = None  # built with the first JSON constraint
         self.num_hits = 0
         self.num_misses = 0
 
@@ -279,7 +339,15 @@ class GrammarCompiler:
             self._compiled[constraint] = compiled
             if len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
-        return GrammarMatcher(compiled.deep_copy(), constraint)
+        json_kinds = (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT)
+        digits = self._digit_table() if constraint.kind in json_kinds else None
+        return GrammarMatcher(compiled.deep_copy(), constraint, digits)
+
+    def _digit_table(self) -> DigitTable:
+        if self._digits is None:
+            assert self._tokenizer is not None
+            self._digits = DigitTable.build(self._tokenizer, self.vocab_size)
+        return self._digits
 
     def cached(self) -> list[Constraint]:
         """The compiled constraints, least recently used first."""

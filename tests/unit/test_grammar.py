@@ -13,7 +13,14 @@ import jsonschema
 import pytest
 import torch
 
-from tandem.engine.grammar import Constraint, ConstraintKind, GrammarCompiler, token_bitmask
+from tandem.engine.grammar import (
+    MAX_JSON_DIGIT_RUN,
+    Constraint,
+    ConstraintKind,
+    DigitTable,
+    GrammarCompiler,
+    token_bitmask,
+)
 from tandem.engine.request import Resume
 from tandem.engine.sampling import (
     Sampler,
@@ -130,6 +137,38 @@ def test_eos_is_allowed_exactly_when_the_grammar_can_end(compiler: GrammarCompil
     assert matcher.can_end and matcher.is_finished
     assert _allowed(token_bitmask([matcher], vocab)[0], vocab) == eos
     assert not matcher.accept(tokenizer.tokenize_str("7")[0])  # forbidden: refused
+
+
+def test_json_numbers_cannot_run_on_but_regex_digits_can(compiler: GrammarCompiler) -> None:
+    """A schema bounds a number's value, not its length: after MAX_JSON_DIGIT_RUN digits in
+    a row a JSON constraint allows a digit only when nothing else is; a regex that asks for
+    more digits gets them."""
+    vocab = compiler.vocab_size
+    compiler.load()
+    tokenizer = compiler._tokenizer
+    assert tokenizer is not None
+    zero = tokenizer.tokenize_str("0")
+    assert len(zero) == 1
+    schema = {"type": "object", "properties": {"score": {"type": "number"}}}
+    matcher = compiler.matcher(Constraint.json_schema(schema))
+    matcher.replay(tokenizer.tokenize_str('{"score": 1.'))
+    for n in range(MAX_JSON_DIGIT_RUN):
+        assert zero[0] in _allowed(token_bitmask([matcher], vocab)[0], vocab), n
+        assert matcher.accept(zero[0])
+    assert matcher.digit_run == MAX_JSON_DIGIT_RUN
+    allowed = _allowed(token_bitmask([matcher], vocab)[0], vocab)
+    texts = {tokenizer.decode_bytes([t]) for t in allowed}
+    assert allowed and not any(t[:1].isdigit() for t in texts)
+    assert b"}" in texts  # the object can close
+    assert matcher.accept(tokenizer.tokenize_str("}")[0]) and matcher.digit_run == 0
+    # a run is counted across tokens and reset by any other character
+    table = DigitTable.build(tokenizer, vocab)
+    assert table.after(5, zero[0]) == 6 and table.after(5, tokenizer.tokenize_str(",")[0]) == 0
+    # not for other kinds: a regex may need long runs of digits
+    digits = compiler.matcher(Constraint(ConstraintKind.REGEX, "[0-9]{40}"))
+    for _ in range(MAX_JSON_DIGIT_RUN + 1):
+        assert digits.accept(zero[0])
+    assert zero[0] in _allowed(token_bitmask([digits], vocab)[0], vocab)
 
 
 # ------------------------------------------------------------------- mask application
