@@ -3,10 +3,12 @@ its READY line names the bound address; and what /proc says about processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -21,6 +23,45 @@ def spawn_logged(module: str, log: Path, *args: str) -> tuple[subprocess.Popen[s
     line = proc.stdout.readline()
     assert line.startswith("READY"), f"{module} failed to start: {log.read_text()[-2000:]}"
     return proc, line.split()[-1]
+
+
+PAIR_KV_BYTES = 8 << 20  # each worker of a `worker_pair`
+
+
+@contextlib.contextmanager
+def worker_pair(
+    model_dir: Path, logs: Path, prefill_args: tuple[str, ...], decode_args: tuple[str, ...]
+) -> Iterator[dict[str, str]]:
+    """A prefill and a decode worker on `model_dir` (each with its own extra flags, a small
+    CPU KV cache), and a router that knows them only by address and sends every prompt to be
+    prefilled on the prefill worker; logs in `logs`. Yields the three addresses ("router",
+    "prefill", "decode"); stops them all on exit."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(module: str, *args: str) -> str:
+        proc, address = spawn_logged(module, logs / f"{module.split('.')[-1]}.log", *args)
+        procs.append(proc)
+        return address
+
+    try:
+        common = ("--model-dir", str(model_dir), "--kv-cache-bytes", str(PAIR_KV_BYTES))
+        common += ("--device", "cpu")
+        prefill = start("services.prefill", *common, "--worker-id", "prefill-0", *prefill_args)
+        decode = start("services.decode", *common, "--worker-id", "decode-0", *decode_args)
+        router = start(
+            "services.router", "--model-dir", str(model_dir), "--port", "0",
+            "--prefill-addresses", prefill, "--decode-addresses", decode,
+            "--disagg-min-uncached-tokens", "0",
+        )  # fmt: skip
+        yield {"router": router, "prefill": prefill, "decode": decode}
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def free_port() -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import secrets
 import socket
 import subprocess
 import time
@@ -23,7 +22,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-import redis
 
 from services.common.redis.server import RedisServer
 from services.common.rpc import convert, errors
@@ -38,7 +36,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES
-from tests.services.workers import decode_result, prefill_result
+from tests.services.workers import decode_result, prefill_result, signed_worker_args
 
 MAX_TOKENS = 8
 SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -54,12 +52,7 @@ def cluster(
 ) -> Iterator[SimpleNamespace]:
     """A registered prefill and decode worker sharing a cluster secret, plus a prefill worker
     with the same secret that is not in the registry (a signer the decode must not trust)."""
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    client.close()
-    secret_file = tmp_path_factory.mktemp("secret") / "cluster.secret"
-    secret_file.write_text(secrets.token_hex(32))
-    common = ("--cluster-secret-file", str(secret_file), "--lease-ttl-s", "120")
+    secret_file, common = signed_worker_args(redis_server.url, tmp_path_factory.mktemp("secret"))
     started: list[subprocess.Popen[str]] = []
     try:
         prefill, prefill_address = procs.worker(

@@ -10,7 +10,6 @@ worker before it reads a byte, FAILED_PRECONDITION naming the fields, with eithe
 from __future__ import annotations
 
 import random
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +22,8 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import up_cluster
-from tests.services.processes import spawn_logged
-from tests.services.test_layout_mismatch import KV_BYTES, _generate, _stats
+from tests.services.processes import worker_pair
+from tests.services.test_layout_mismatch import _generate, _stats
 from tests.services.workers import assert_all_free, wait_all_free, worker_stub
 
 MAX_TOKENS = 16
@@ -74,36 +73,9 @@ def mismatched(
     a router that knows them only by address, over transport `request.param`."""
     transport = request.param
     logs = tmp_path_factory.mktemp(f"fp8-mismatch-{transport}")
-    procs: list[subprocess.Popen[str]] = []
-
-    def worker(role: str, kv_dtype: str) -> str:
-        proc, address = spawn_logged(
-            f"services.{role}", logs / f"{role}.log",
-            "--model-dir", str(tiny_model_dir), "--worker-id", f"{role}-{kv_dtype}",
-            "--kv-cache-bytes", str(KV_BYTES), "--dtype", "float32", "--device", "cpu",
-            "--kv-cache-dtype", kv_dtype, "--transport", transport,
-        )  # fmt: skip
-        procs.append(proc)
-        return address
-
-    try:
-        prefill, decode = worker("prefill", "fp8"), worker("decode", "auto")
-        router, router_address = spawn_logged(
-            "services.router", logs / "router.log",
-            "--model-dir", str(tiny_model_dir), "--port", "0",
-            "--prefill-addresses", prefill, "--decode-addresses", decode,
-            "--disagg-min-uncached-tokens", "0",
-        )  # fmt: skip
-        procs.append(router)
-        yield {"router": router_address, "prefill": prefill, "decode": decode, "logs": logs}
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    flags = ("--dtype", "float32", "--transport", transport, "--kv-cache-dtype")
+    with worker_pair(tiny_model_dir, logs, (*flags, "fp8"), (*flags, "auto")) as addresses:
+        yield {**addresses, "logs": logs}
 
 
 def test_a_mismatched_kv_format_is_refused_before_any_read(mismatched) -> None:  # type: ignore[no-untyped-def]

@@ -4,7 +4,6 @@ the router passes to the client, and neither worker keeps a block. Real processe
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,53 +14,17 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
-from tests.services.processes import spawn_logged
+from tests.services.processes import worker_pair
 from tests.services.workers import wait_all_free
-
-KV_BYTES = 8 << 20
-
-
-_spawn = spawn_logged
-
-
-def _worker(role: str, model_dir: Path, logs: Path, dtype: str):  # type: ignore[no-untyped-def]
-    return _spawn(
-        f"services.{role}", logs / f"{role}.log",
-        "--model-dir", str(model_dir), "--worker-id", f"{role}-{dtype}",
-        "--kv-cache-bytes", str(KV_BYTES), "--dtype", dtype, "--device", "cpu",
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:  # type: ignore[type-arg]
     logs = tmp_path_factory.mktemp("logs")
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        prefill, prefill_address = _worker("prefill", tiny_model_dir, logs, "float32")
-        procs.append(prefill)
-        decode, decode_address = _worker("decode", tiny_model_dir, logs, "bfloat16")
-        procs.append(decode)
-        router, router_address = _spawn(
-            "services.router", logs / "router.log",
-            "--model-dir", str(tiny_model_dir), "--port", "0",
-            "--prefill-addresses", prefill_address, "--decode-addresses", decode_address,
-            "--disagg-min-uncached-tokens", "0",  # every prompt is prefilled on the other side
-        )  # fmt: skip
-        procs.append(router)
-        yield {
-            "router": router_address,
-            "prefill": prefill_address,
-            "decode": decode_address,
-            "logs": logs,
-        }
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with worker_pair(
+        tiny_model_dir, logs, ("--dtype", "float32"), ("--dtype", "bfloat16")
+    ) as addresses:
+        yield {**addresses, "logs": logs}
 
 
 def _stats(address: str, stub_cls: type) -> wpb.WorkerStats:
@@ -103,7 +66,7 @@ def test_dtype_mismatch_is_failed_precondition_and_frees_every_block(cluster) ->
         assert status.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
         message = status.details()  # type: ignore[attr-defined]
         assert "dtype: handle has float32, this worker bfloat16" in message
-        assert "'prefill-float32'" in message and "'decode-bfloat16'" in message
+        assert "'prefill-0'" in message and "'decode-0'" in message
         # Token 1 came from the prefill worker; then the decode worker refused the KV.
         kinds = [m.WhichOneof("kind") for m in messages]
         assert kinds == ["chunk", "error"]
@@ -121,4 +84,4 @@ def test_dtype_mismatch_is_failed_precondition_and_frees_every_block(cluster) ->
     _assert_all_free(cluster)
     # The operator's side of it: the decode worker logs which pair disagrees, and how.
     log = (cluster["logs"] / "decode.log").read_text()
-    assert "KV hand-off from prefill-float32 refused: KV layout mismatch: dtype" in log
+    assert "KV hand-off from prefill-0 refused: KV layout mismatch: dtype" in log

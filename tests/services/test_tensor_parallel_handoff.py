@@ -14,7 +14,6 @@ anything is reserved or read.
 from __future__ import annotations
 
 import random
-import secrets
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-import redis
 
 from services.common.redis.server import RedisServer
 from services.common.security import AuthConfig, internal_metadata
@@ -34,7 +32,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES
-from tests.services.workers import decode_result, prefill_result, wait_all_free
+from tests.services.workers import decode_result, prefill_result, signed_worker_args, wait_all_free
 
 MAX_TOKENS = 8
 SAMPLING = rpb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -60,12 +58,7 @@ def cluster(
     procs: SimpleNamespace,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SimpleNamespace]:
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    client.close()
-    secret_file = tmp_path_factory.mktemp("secret") / "cluster.secret"
-    secret_file.write_text(secrets.token_hex(32))
-    common = ("--cluster-secret-file", str(secret_file), "--lease-ttl-s", "120")
+    secret_file, common = signed_worker_args(redis_server.url, tmp_path_factory.mktemp("secret"))
     started: list[subprocess.Popen[str]] = []
     channels: list[grpc.Channel] = []
     stubs: dict[str, object] = {}

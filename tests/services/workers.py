@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import grpc
+import redis
 
 from services.common.security import AuthConfig, internal_metadata
 from services.up import Cluster
@@ -19,6 +22,18 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
+
+
+def signed_worker_args(redis_url: str, secret_dir: Path) -> tuple[Path, tuple[str, ...]]:
+    """For a test's own workers on `redis_url` (emptied first: no other test's registrations
+    or leases): a fresh cluster secret's file in `secret_dir`, and the flags giving the
+    workers that secret and leases that outlive a slow test."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    client.close()
+    secret_file = secret_dir / "cluster.secret"
+    secret_file.write_text(secrets.token_hex(32))
+    return secret_file, ("--cluster-secret-file", str(secret_file), "--lease-ttl-s", "120")
 
 
 def prefill_result(events: Iterable[wpb.PrefillEvent]) -> wpb.PrefillResponse:
