@@ -16,6 +16,7 @@ import redis
 from services.common.redis.server import RedisServer
 from services.up import Cluster, UpConfig, wait_for_router
 from tandem.client import TandemClient
+from tests.services.processes import stop
 
 
 @pytest.fixture(scope="session")
@@ -52,17 +53,6 @@ def spawn(module: str, *args: str) -> tuple[subprocess.Popen[str], str]:
     line = proc.stdout.readline()
     assert line.startswith("READY"), f"{module} failed to start: {line!r}"
     return proc, line.split()[-1]
-
-
-def stop(*procs: subprocess.Popen[str]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def worker(role: str, model_dir: Path, redis_url: str, worker_id: str, *extra: str):

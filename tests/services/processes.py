@@ -55,13 +55,19 @@ def worker_pair(
         )  # fmt: skip
         yield {"router": router, "prefill": prefill, "decode": decode}
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(*reversed(procs))
+
+
+def stop(*procs: subprocess.Popen[str]) -> None:
+    """Terminate `procs` in order, then wait for each (killed after 30 s)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def free_port() -> int:
