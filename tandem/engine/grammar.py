@@ -171,7 +171,8 @@ class DigitTable:
             if text[:1].isdigit():
                 words[token // 32] |= 1 << (token % 32)
         signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # the bits as int32
-        return cls(torch.tensor(signed, dtype=torch.int32), tuple(trailing), tuple(all_digits))
+        starts = torch.tensor(signed, dtype=torch.int32, device="cpu")  # masks are CPU
+        return cls(starts, tuple(trailing), tuple(all_digits))
 
     def after(self, run: int, token_id: int) -> int:
         """The digits ending the output once `token_id` follows an output ending in `run`."""
