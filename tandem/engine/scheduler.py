@@ -171,16 +171,15 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
-
-    def _admission_order(self) -> list[Request]:
-        """The waiting requests in the order they may start: first those whose KV is already
-        in place (a decode worker's committed hand-offs), then the rest as queued (preempted
-        requests first, then arrival order). A request holding blocks gives them back only
-        by running; behind one that needs more blocks than are free (a preempted request
-        recomputing a long context) it would wait forever, and so would the queue."""
-        holding = [r for r in self.waiting if r.num_computed_tokens > 0]
-        return holding + [r for r in self.waiting if r.num_computed_tokens == 0]
+        # First to start again, but behind the committed hand-offs at the queue's head: a
+        # request holding blocks gives them back only by running, and behind one that needs
+        # more blocks than are free (this one, recomputing a long context) it would wait
+        # forever, and so would the queue. The queue is thus always: the requests whose KV is
+        # in place (commit_kv puts them first), then the preempted, then arrivals.
+        holding = 0
+        while holding < len(self.waiting) and self.waiting[holding].num_computed_tokens > 0:
+            holding += 1
+        self.waiting.insert(holding, request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -206,9 +205,8 @@ class Scheduler:
 
         if out.preempted_ids:
             return out  # memory is short: admit nothing new this step
-        for request in self._admission_order():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
             hits: list[int] = []
             if request.num_computed_tokens == 0:
                 hits, num_cached = self.kv.get_computed_blocks(request)
@@ -221,7 +219,7 @@ class Scheduler:
             request.num_computed_tokens = start
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            self.waiting.remove(request)
+            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._schedule_one(request, start, num_new))

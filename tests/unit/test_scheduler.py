@@ -212,10 +212,10 @@ def test_reserve_and_commit_kv_for_decode_role() -> None:
 
 def test_committed_hand_offs_start_before_a_preempted_request_that_cannot() -> None:
     """A decode worker: p runs with 4 of 8 blocks; hand-offs b and c reserve and commit the
-    other 4. p's next token needs a fifth block, so p preempts itself and waits first in the
-    queue needing 5 blocks with 4 free, while b and c hold the rest and wait behind it.
-    Starting p first would wait forever (nothing runs, nothing frees a block); b and c
-    start, finish and give their blocks back, and then p recomputes and finishes."""
+    other 4. p's next token needs a fifth block, so p preempts itself and waits, needing 5
+    blocks with 4 free, while b and c hold the rest. Queued ahead of them, p would wait
+    forever (nothing runs, nothing frees a block); queued behind them, b and c start,
+    finish and give their blocks back, and then p recomputes and finishes."""
     s = make(num_blocks=8)
     s.add_request(req("p", 16, max_tokens=6))
     run_step(s)  # p's prompt: 4 blocks, its first token sampled
@@ -227,7 +227,9 @@ def test_committed_hand_offs_start_before_a_preempted_request_that_cannot() -> N
     assert s.kv.num_free_blocks == 0
     out = run_step(s)
     assert out.preempted_ids == ["p"] and not out.scheduled
-    assert [r.request_id for r in s.waiting] == ["p", "c", "b"]
+    # behind the committed hand-offs (newest commit first), ahead of any new arrival
+    s.add_request(req("n", 4, first=300))
+    assert [r.request_id for r in s.waiting] == ["c", "b", "p", "n"]
     out = run_step(s)
     assert plan(out) == [("c", 7, 1, True), ("b", 7, 1, True)]  # not stuck behind p
     steps = 0
