@@ -52,6 +52,16 @@ from tandem.model.linear import MatmulKind, matmul, pack
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)] * 30 + [(576, 49152)]
 
 
+def _middle(values: list[float]) -> float:
+    """The median of alternated timings (the upper middle of an even count)."""
+    return sorted(values)[len(values) // 2]
+
+
+def _packed_for(w: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    """`w` [in, out] in oneDNN's layout for `batch_hint` rows (`pack` always uses 1)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), batch_hint)
+
+
 def bench_matmuls(threads: int) -> list[dict[str, Any]]:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -165,7 +175,7 @@ def bench_attention(model_dir: Path, threads: int) -> dict[str, Any]:
         engine.model.fused_ops = fused
         for name, ts in times.items():
             if ts:
-                out[f"decode_step_bs{bs}_{name}_cpu_ms"] = sorted(ts)[len(ts) // 2] * 1e3
+                out[f"decode_step_bs{bs}_{name}_cpu_ms"] = _middle(ts) * 1e3
         for rid in ids:
             engine.abort(rid)
     print(
@@ -209,7 +219,7 @@ def bench_kernel(rows_list: tuple[int, ...] = (1, 4, 16), ctx: int = 300) -> dic
                     )  # fmt: skip
                 times[name].append(time.process_time() - t0)
         for name, ts in times.items():
-            out[f"rows{rows}_{name}_cpu_ms"] = sorted(ts)[len(ts) // 2] * 1e3
+            out[f"rows{rows}_{name}_cpu_ms"] = _middle(ts) * 1e3
     print(
         "kernel: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items() if k.endswith("_ms")),
         flush=True,
@@ -232,12 +242,12 @@ def _prefill_ms(engine: Any, first_id: int, tokens: int = 256, reps: int = 6) ->
             engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
         engine.abort(rid)
-    return sorted(times)[len(times) // 2]
+    return _middle(times)
 
 
 def _invariance_breaks(w: torch.Tensor, hint: int, rows: list[int]) -> list[int]:
     """Row counts m for which x[:m]'s product differs bitwise from rows [:m] of x's (300)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), hint)
+    packed = _packed_for(w, hint)
     x = torch.randn(300, w.shape[0], generator=torch.Generator().manual_seed(1)).bfloat16()
     linear = torch.ops.mkldnn._linear_pointwise
     full = linear(x, packed, None, "none", [], "")
@@ -281,10 +291,7 @@ def bench_prefill(model_dir: Path) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     mats = [(torch.randn(k, n, generator=gen) * 0.03).bfloat16() for k, n in SHAPES[:-1]]
     linear = torch.ops.mkldnn._linear_pointwise
-    packs = {
-        hint: [torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), hint) for w in mats]
-        for hint in (1, 256)
-    }
+    packs = {hint: [_packed_for(w, hint) for w in mats] for hint in (1, 256)}
     for m in (1, 16, 64, 256, 1024):
         xs = [torch.randn(m, w.shape[0], generator=gen).bfloat16() for w in mats]
         times: dict[int, list[float]] = {hint: [] for hint in packs}
@@ -295,7 +302,7 @@ def bench_prefill(model_dir: Path) -> dict[str, Any]:
                     linear(x, w, None, "none", [], "")
                 times[hint].append(time.process_time() - t0)
         for hint, ts in times.items():
-            out[f"layer_matmuls_hint{hint}_rows{m}_cpu_ms"] = sorted(ts)[2] * 1e3
+            out[f"layer_matmuls_hint{hint}_rows{m}_cpu_ms"] = _middle(ts) * 1e3
     rows = list(range(1, 41)) + [64, 100, 128, 256]
     shapes = {"smollm2": [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)],
               "tiny_small": [(512, 256), (512, 512), (512, 1536), (1536, 512), (512, 8192)],
@@ -329,7 +336,7 @@ def bench_prefill(model_dir: Path) -> dict[str, Any]:
                 fn()
             attn_times[name].append(time.process_time() - t0)
     for name, ts in attn_times.items():
-        out[f"attention_{name}_30_layers_cpu_ms"] = sorted(ts)[2] * 1e3
+        out[f"attention_{name}_30_layers_cpu_ms"] = _middle(ts) * 1e3
     for key, value in out.items():
         print(f"prefill: {key} {value}", flush=True)
     return out
