@@ -29,21 +29,22 @@ from .common import Context, Figures, PartSkipped, sync
 NIXL_OWNER, NIXL_READER = "gpu-check-owner", "gpu-check-reader"
 
 
-def configure_nixl_env() -> None:
-    """What a service does before it creates a transport (UCX settings, NIXL's logger)."""
+def configure_nixl_env(device: str) -> None:
+    """What a service on `device` does before it creates a transport (UCX settings, NIXL's
+    logger)."""
     try:
         from services.common.runtime.process import configure_native_libraries
     except ImportError:
         # services.common.runtime.process imports the gRPC health/reflection packages, which the GPU
-        # machine lacks; these are its two effects.
-        from tandem.transfer.nixl import UCX_ENV_DEFAULTS
+        # machine lacks unless they are carried; these are its two effects.
+        from tandem.transfer.nixl import ucx_env_defaults
 
-        for key, value in UCX_ENV_DEFAULTS.items():
+        for key, value in ucx_env_defaults(device).items():
             os.environ.setdefault(key, value)
         if not os.environ.get("NIXL_LOG_LEVEL"):
             logging.getLogger("nixl").setLevel(logging.WARNING)
         return
-    configure_native_libraries()
+    configure_native_libraries(device=device)
 
 
 def kv_contents(shape: Sequence[int], device: str, seed: int = 0) -> torch.Tensor:
@@ -57,7 +58,7 @@ def kv_contents(shape: Sequence[int], device: str, seed: int = 0) -> torch.Tenso
 
 def _nixl_owner(conn: Connection, device: str, shape: tuple[int, ...]) -> None:
     """Owner process: register a known KV cache, export on request, poll() in between."""
-    configure_nixl_env()
+    configure_nixl_env(device)
     from tandem.transfer import make_transport
 
     cache = kv_contents(shape, device)
@@ -124,7 +125,7 @@ def check_nixl(ctx: Context) -> Figures:
     if importlib.util.find_spec("nixl") is None:
         raise PartSkipped("nixl is not importable (carry its wheel: see GPU.md)")
     s, dev = ctx.sizes, ctx.device
-    configure_nixl_env()  # before the owner starts: it inherits the environment
+    configure_nixl_env(dev)  # before the owner starts: it inherits the environment
     from tandem.transfer import make_transport
 
     block_shape = s.nixl_block_shape
@@ -159,6 +160,7 @@ def check_nixl(ctx: Context) -> Figures:
         owner.stop()
     return {
         "memory_type": memory,
+        "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
         "block_shape": list(block_shape),
         "block_bytes": block_bytes,
         "dtype": "bfloat16",

@@ -47,6 +47,22 @@ _BACKEND = "UCX"
 #   +14% for a 12 MiB read and +5% for 192 MiB. The cost, longer individual progress calls,
 #   does not matter here because `read` blocks until the whole transfer is done anyway.
 UCX_ENV_DEFAULTS = {"UCX_CMA_SEG_SIZE": "32m"}
+# And on a CUDA worker:
+# - UCX_CUDA_IPC_ENABLE_GET_ZCOPY: UCX turns cuda_ipc GETs off ("auto") on a GPU without
+#   NVLink peers, and a read of VRAM then falls back to emulation over TCP: measured 0.5 GB/s
+#   for 2 MiB blocks between two processes on one H200 (benchmarks/results/gpu). A transfer
+#   here is always a GET (the decode worker reads), so it is turned on; peers (llm-d, Dynamo's
+#   same-node setups) set the same. Only on CUDA: a CPU process's UCX has no cuda_ipc and
+#   warns about an unused variable.
+UCX_CUDA_ENV_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
+
+def ucx_env_defaults(device: str) -> dict[str, str]:
+    """The UCX settings for a worker on `device` ("cpu", "cuda", "cuda:1")."""
+    cuda = UCX_CUDA_ENV_DEFAULTS if device.startswith("cuda") else {}
+    return {**UCX_ENV_DEFAULTS, **cuda}
+
+
 # Polling a read. With no progress thread the data moves inside the agent's calls, so a
 # read polls without pause at first: a small one is done within microseconds. But each poll
 # takes the GIL, and a pull of many MiB would spin for milliseconds against the engine and

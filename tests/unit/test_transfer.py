@@ -36,7 +36,7 @@ from tandem.transfer import (
     coalesce,
     make_transport,
 )
-from tandem.transfer.nixl import UCX_ENV_DEFAULTS
+from tandem.transfer.nixl import UCX_ENV_DEFAULTS, ucx_env_defaults
 
 # As a service does at start-up, before any NIXL agent exists: the UCX settings the transport
 # is tuned for, inherited by the owner processes; they import this module again (spawn), which
@@ -156,6 +156,16 @@ def test_configure_native_libraries_keeps_what_is_set() -> None:
         assert nixl_logger.level == logging.WARNING
     finally:
         nixl_logger.setLevel(saved_level)
+
+
+def test_cuda_workers_get_cuda_ipc_reads() -> None:
+    # A GET of VRAM without this falls back to TCP emulation on a GPU without NVLink peers
+    # (0.5 GB/s measured on an H200); a CPU process's UCX would warn it is unused.
+    environ: dict[str, str] = {}
+    configure_native_libraries(environ, device="cuda:1")
+    assert environ == {**UCX_ENV_DEFAULTS, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    assert ucx_env_defaults("cpu") == UCX_ENV_DEFAULTS
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in ucx_env_defaults("cpu")
 
 
 # -------------------------------------------------------------------------------- owner side

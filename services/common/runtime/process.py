@@ -142,21 +142,24 @@ class _JsonLogFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=True)
 
 
-def configure_native_libraries(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Set up UCX and NIXL for this process; call it before creating a NIXL transport.
+def configure_native_libraries(
+    environ: MutableMapping[str, str] = os.environ, device: str = "cpu"
+) -> None:
+    """Set up UCX and NIXL for a process whose KV cache lives on `device`; call it before
+    creating a NIXL transport.
 
-    UCX reads its settings from the environment when an agent creates its backend, so
-    `UCX_ENV_DEFAULTS` (what the NIXL transport is tuned for) must be in `environ` before the
-    transport is created; a value already set wins, so a deployment can override each one.
-    Child processes started afterwards inherit them. NIXL logs every agent creation at INFO
-    on stdout: its logger is set to WARNING unless NIXL_LOG_LEVEL is set (NIXL applies that
-    level itself).
+    UCX reads its settings from the environment when an agent creates its backend, so the
+    settings the NIXL transport is tuned for (`ucx_env_defaults(device)`) must be in `environ`
+    before the transport is created; a value already set wins, so a deployment can override
+    each one. Child processes started afterwards inherit them. NIXL logs every agent creation
+    at INFO on stdout: its logger is set to WARNING unless NIXL_LOG_LEVEL is set (NIXL
+    applies that level itself).
     """
     # Imported here, not at the top: loading NIXL costs every importer of this module, and
     # importing nixl configures its logger at INFO, which would undo an earlier setLevel.
-    from tandem.transfer.nixl import UCX_ENV_DEFAULTS
+    from tandem.transfer.nixl import ucx_env_defaults
 
-    for key, value in UCX_ENV_DEFAULTS.items():
+    for key, value in ucx_env_defaults(device).items():
         environ.setdefault(key, value)
     if not environ.get("NIXL_LOG_LEVEL"):
         logging.getLogger("nixl").setLevel(logging.WARNING)

@@ -425,7 +425,7 @@ def run_worker(server_cls: type[Worker], role: str) -> None:
     """Entry point of `python -m services.<role>`: flags -> WorkerConfig -> serve until stop."""
     config = parse_config(WorkerConfig, prog=f"python -m services.{role}", fixed={"role": role})
     setup_logging(role)
-    configure_native_libraries()  # before the worker creates its transport
+    configure_native_libraries(device=config.engine.device)  # before the transport exists
 
     async def run() -> None:
         try:
