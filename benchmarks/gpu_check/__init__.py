@@ -12,6 +12,9 @@ One module per part (each module's docstring says what its part checks):
   kernels_bench.py  the Triton attention kernels: correct on the device, decode GB/s vs a
                     device copy, prefill TFLOP/s vs torch SDPA
   e2e_bench.py      batch-1 inter-token latency, CUDA graphs vs eager, vs the weights roofline
+  quant_bench.py    fp8 / int8 / int4 weights through each scheme's production linear path and
+                    the FP8 KV kernels, correct on the device; the linears' speed vs bf16 in
+                    Llama-3-8B shapes; the engine with fp8 weights (and fp8 KV) vs bf16
   nixl_pull.py      a NIXL read of KV blocks from a second process vs a same-device copy, GB/s
                     (CUDA IPC on one GPU, not RDMA between pods)
   serve.py          prefill + decode worker + router as processes, token-identical to one engine
@@ -20,7 +23,7 @@ and around them:
   common.py         Context, Log, PartSkipped / PartFailed, environment(), timing, engine helpers
   cli.py            `main`: arguments, each part under its budget, gpu-check.json and .log
 
-Preflight, startup, parity, throughput, kernels and e2e import no grpc, redis or kubernetes
+Preflight, startup, parity, throughput, kernels, e2e and quant import no grpc, redis or kubernetes
 (serve and nixl import theirs lazily).
 """
 

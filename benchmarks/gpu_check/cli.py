@@ -39,13 +39,24 @@ from .kernels_bench import check_kernels, use_interpreter
 from .nixl_pull import check_nixl
 from .parity import check_parity
 from .preflight import check_preflight
+from .quant_bench import check_quant
 from .serve import check_serve
 from .sizes import CPU_SIZES, CUDA_SIZES
 from .startup import check_startup
 from .throughput import check_throughput
 
 DESCRIPTION = "The GPU check: what only a GPU can tell about the engine, as one prepared script."
-PARTS = ("preflight", "startup", "parity", "throughput", "kernels", "e2e", "nixl", "serve")
+PARTS = (
+    "preflight",
+    "startup",
+    "parity",
+    "throughput",
+    "kernels",
+    "e2e",
+    "quant",
+    "nixl",
+    "serve",
+)
 JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
 PART_FNS: dict[str, Callable[[Context], Figures]] = {
     "preflight": check_preflight,
@@ -54,6 +65,7 @@ PART_FNS: dict[str, Callable[[Context], Figures]] = {
     "throughput": check_throughput,
     "kernels": check_kernels,
     "e2e": check_e2e,
+    "quant": check_quant,
     "nixl": check_nixl,
     "serve": check_serve,
 }

@@ -163,8 +163,9 @@ def environment(device: str) -> Figures:
 def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> Any:
     """An engine with an explicit block count (no memory profiling), prefix caching on.
 
-    overrides: block_size, num_blocks; attention_backend, cuda_graphs (EngineConfig);
-    the rest go to SchedulerConfig (max_num_batched_tokens, max_num_seqs, max_model_len).
+    overrides: block_size, num_blocks; attention_backend, cuda_graphs, quantization,
+    kv_cache_dtype (EngineConfig); the rest go to SchedulerConfig (max_num_batched_tokens,
+    max_num_seqs, max_model_len).
     """
     from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
     from tandem.engine.engine import LLMEngine
@@ -172,9 +173,8 @@ def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> A
     cache = CacheConfig(
         block_size=overrides.pop("block_size"), num_blocks=overrides.pop("num_blocks", 512)
     )
-    engine_fields = {
-        key: overrides.pop(key) for key in ("attention_backend", "cuda_graphs") if key in overrides
-    }
+    engine_keys = ("attention_backend", "cuda_graphs", "quantization", "kv_cache_dtype")
+    engine_fields = {key: overrides.pop(key) for key in engine_keys if key in overrides}
     scheduler = SchedulerConfig(**overrides)
     return LLMEngine(
         EngineConfig(

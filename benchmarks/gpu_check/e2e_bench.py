@@ -16,7 +16,8 @@ Llama-3-8B-shaped model (random bf16 weights), against the memory roofline.
   part ran ok in the same run.
 
 The weights directory comes from the throughput part when it ran first (`SHARED_MODEL_DIR`),
-else this part builds and writes it; either way it removes it. With --cpu: the tiny fp32
+else this part builds and writes it; either way it removes it, unless the quant part follows
+(`release_weights`: quant takes it, then removes it). With --cpu: the tiny fp32
 model with attention_backend "torch"; CUDA graphs do not exist there (reported as skipped),
 and the figures are a smoke run, not performance. Imports no grpc, redis or kubernetes.
 """
@@ -43,19 +44,27 @@ from .common import (
 )
 from .throughput import SHARED_MODEL_DIR, build_random_llama, save_sharded
 
+# ctx.shared key of the part that wrote SHARED_MODEL_DIR's directory (absent: throughput)
+SHARED_MODEL_BUILDER = "llama_model_builder"
+
 ROOFLINE_TARGET = 0.7  # ITL_roofline / ITL_measured, graphs on
 THROUGHPUT_TARGET = 3.0  # engine / HF generate output tokens/s (the throughput part)
 BLOCK_SIZE = 16
 SMOKE = "smoke: tiny model on a CPU; the times are not performance figures"
 
 
-def weights_dir(ctx: Context) -> tuple[Path, Figures]:
-    """The throughput part's saved weights if it left them, else built and written here."""
+def weights_dir(ctx: Context, part: str = "e2e") -> tuple[Path, Figures]:
+    """The throughput part's saved weights if it left them, else built and written here
+    (by `part`, for the log and the directory's name)."""
     from tandem.model.loader import DTYPES
 
     shared = ctx.shared.pop(SHARED_MODEL_DIR, None)
+    builder = ctx.shared.pop(SHARED_MODEL_BUILDER, "throughput")
     if shared is not None and Path(shared).is_dir():
-        return Path(shared), {"weights_from": "the throughput part's directory"}
+        return Path(shared), {
+            "weights_from": f"the {builder} part's directory",
+            "weights_built_by": builder,
+        }
     s, dev = ctx.sizes, ctx.device
     t0 = time.perf_counter()
     hf = build_random_llama(s.tp_shape, DTYPES[s.tp_dtype], dev)
@@ -67,18 +76,29 @@ def weights_dir(ctx: Context) -> tuple[Path, Figures]:
         raise RuntimeError(
             f"{ctx.tmp_dir} has {free / 2**30:.1f} GiB free, need {need / 2**30:.1f}"
         )
-    out = ctx.tmp_dir / "e2e-model"
+    out = ctx.tmp_dir / f"{part}-model"
     t0 = time.perf_counter()
     save_sharded(hf, out)
     del hf
     free_memory(dev)
     figures = {
         "weights_from": "built by this part",
+        "weights_built_by": part,
         "hf_build_s": round(build_s, 2),
         "weights_write_s": round(time.perf_counter() - t0, 2),
     }
-    ctx.log(f"e2e: built and wrote the weights ({figures})")
+    ctx.log(f"{part}: built and wrote the weights ({figures})")
     return out, figures
+
+
+def release_weights(ctx: Context, model_dir: Path, builder: str, *takers: str) -> None:
+    """Leave the weights directory (written by the part `builder`) to a later part of
+    `takers` selected in this run (it takes it with `weights_dir`), else remove it."""
+    if any(part in ctx.parts for part in takers):
+        ctx.shared[SHARED_MODEL_DIR] = model_dir
+        ctx.shared[SHARED_MODEL_BUILDER] = builder
+    else:
+        shutil.rmtree(model_dir, ignore_errors=True)
 
 
 def step_bytes(engine: Any) -> tuple[int, int]:
@@ -134,10 +154,11 @@ def measure_itl(engine: Any, prompt: list[int], ctx: Context) -> tuple[Figures, 
     return figures, tokens
 
 
-def run_engine(
-    ctx: Context, model_dir: Path, cuda_graphs: bool, prompt: list[int]
-) -> tuple[Figures, list[int], tuple[int, int]]:
-    """Load, warm up, measure, free one engine. Returns (figures, tokens, step_bytes)."""
+def load_engine(
+    ctx: Context, model_dir: Path, cuda_graphs: bool, **config: Any
+) -> tuple[Any, Figures]:
+    """Load and warm up one engine of this part's config (`config`: more EngineConfig
+    fields, e.g. quantization). Returns (engine, figures)."""
     s, dev = ctx.sizes, ctx.device
     t0 = time.perf_counter()
     engine = make_engine(
@@ -151,6 +172,7 @@ def run_engine(
         max_num_batched_tokens=s.e2e_max_num_batched_tokens,
         attention_backend=ctx.attention_backend if ctx.cuda else "torch",
         cuda_graphs=cuda_graphs,
+        **config,
     )
     sync(dev)
     load_s = time.perf_counter() - t0
@@ -169,11 +191,20 @@ def run_engine(
         "attention_backend": type(engine.model.attention).__name__,
         "cuda_graph_sizes": list(graphs.sizes) if graphs is not None else None,
     }
+    return engine, figures
+
+
+def run_engine(
+    ctx: Context, model_dir: Path, cuda_graphs: bool, prompt: list[int]
+) -> tuple[Figures, list[int], tuple[int, int]]:
+    """Load, warm up, measure, free one engine. Returns (figures, tokens, step_bytes)."""
+    engine, figures = load_engine(ctx, model_dir, cuda_graphs)
+    graphs = engine.runner.graphs
     itl, tokens = measure_itl(engine, prompt, ctx)
     figures.update(itl)
     nbytes = step_bytes(engine)
     del engine, graphs
-    free_memory(dev)
+    free_memory(ctx.device)
     return figures, tokens, nbytes
 
 
@@ -233,7 +264,7 @@ def check_e2e(ctx: Context) -> Figures:
         figures["eager"], tokens["eager"], nbytes = run_engine(ctx, model_dir, False, prompt)
         ctx.log(f"e2e: eager: ITL {figures['eager']['itl_ms']} ms")
     finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        release_weights(ctx, model_dir, source["weights_built_by"], "quant")
 
     measured = figures["graphs"] if ctx.cuda else figures["eager"]
     if ctx.cuda:

@@ -1,5 +1,5 @@
 """What differs between the CUDA run and the `--cpu` smoke run: model shapes, workloads and
-each part's time budget (`CUDA_SIZES`: full sizes, budgets summing to 8 minutes on one H200;
+each part's time budget (`CUDA_SIZES`: full sizes, budgets summing to 580 s on one H200;
 `CPU_SIZES`: tiny, ~15 s in CI)."""
 
 from __future__ import annotations
@@ -52,6 +52,15 @@ class Sizes:
     e2e_num_blocks: int
     e2e_max_num_seqs: int  # sizes the CUDA graphs captured (1, 2, 4, ...)
     e2e_max_num_batched_tokens: int  # also warm_up's prefill
+    # quant: correctness of each scheme's production linear on one [N, K] matrix, speed of
+    # the linear alone in Llama-3-8B's shapes, then the engine with fp8 weights (e2e's config)
+    quant_check_shape: tuple[int, int]  # (out N, in K)
+    quant_check_rows: tuple[int, ...]  # activation rows M
+    quant_int4_group: int
+    quant_bench_shapes: tuple[tuple[str, int, int], ...]  # (name, out N, in K)
+    quant_bench_rows: tuple[int, ...]
+    quant_prefill_len: int  # one prompt, prefilled in one step (<= e2e_max_num_batched_tokens)
+    quant_prefill_reps: int  # prompts timed (median)
     # nixl: one KV block [num_layers, 2, block_size, num_kv_heads, head_dim] (bf16)
     nixl_block_shape: tuple[int, int, int, int, int]
     nixl_owner_blocks: int
@@ -130,6 +139,18 @@ CUDA_SIZES = Sizes(
     e2e_num_blocks=256,  # 4096 tokens, 512 MiB of bf16 KV
     e2e_max_num_seqs=4,
     e2e_max_num_batched_tokens=2048,
+    quant_check_shape=(4096, 4096),
+    quant_check_rows=(1, 16, 512),
+    quant_int4_group=128,
+    quant_bench_shapes=(
+        ("qkv", 6144, 4096),
+        ("o", 4096, 4096),
+        ("gate_up", 28672, 4096),
+        ("down", 4096, 14336),
+    ),
+    quant_bench_rows=(1, 16, 256, 4096),
+    quant_prefill_len=2048,
+    quant_prefill_reps=3,
     # Llama-3-8B's KV block: 2 MiB
     nixl_block_shape=(32, 2, 16, 8, 128),
     nixl_owner_blocks=1024,
@@ -140,10 +161,18 @@ CUDA_SIZES = Sizes(
     serve_prompt_len=(100, 600),
     serve_max_tokens=32,
     serve_num_blocks=1024,
-    # 480 s in all. Command 1 (preflight..e2e, nothing carried) 390 s, command 2 (preflight,
+    # 580 s in all. Command 1 (preflight..quant, nothing carried) 490 s, command 2 (preflight,
     # nixl, serve; nixl and the gRPC wheels carried) 90 s: see BENCHMARKS.md, "GPU check".
     budget_s=dict(
-        preflight=15, startup=45, parity=45, throughput=135, kernels=70, e2e=80, nixl=30, serve=60
+        preflight=15,
+        startup=45,
+        parity=45,
+        throughput=135,
+        kernels=70,
+        e2e=80,
+        quant=100,
+        nixl=30,
+        serve=60,
     ),
 )
 
@@ -201,6 +230,14 @@ CPU_SIZES = Sizes(
     e2e_num_blocks=64,
     e2e_max_num_seqs=4,
     e2e_max_num_batched_tokens=128,
+    # int4_packed needs N % 64 == 0; K a multiple of the group
+    quant_check_shape=(256, 256),
+    quant_check_rows=(1, 4),
+    quant_int4_group=128,
+    quant_bench_shapes=(("qkv", 384, 128), ("down", 128, 256)),
+    quant_bench_rows=(1, 4),
+    quant_prefill_len=32,
+    quant_prefill_reps=2,
     nixl_block_shape=(4, 2, 16, 4, 64),  # 64 KiB
     nixl_owner_blocks=512,
     nixl_read_blocks=(256,),
@@ -211,6 +248,14 @@ CPU_SIZES = Sizes(
     serve_max_tokens=8,
     serve_num_blocks=256,
     budget_s=dict(
-        preflight=30, startup=60, parity=60, throughput=60, kernels=60, e2e=60, nixl=60, serve=120
+        preflight=30,
+        startup=60,
+        parity=60,
+        throughput=60,
+        kernels=60,
+        e2e=60,
+        quant=60,
+        nixl=60,
+        serve=120,
     ),
 )

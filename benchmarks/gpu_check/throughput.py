@@ -1,9 +1,9 @@
 """Part 2, throughput: engine vs HF `generate` (static batches, left-padded) on workload W (64
 requests, prompts 32-512, outputs 16-256 tokens) with a Llama-3-8B-shaped model of random bf16
 weights; output tokens/s of both and their ratio. The engine is warmed up as a service does
-(`warm_up()`: on CUDA it captures the decode steps' CUDA graphs). When the e2e part follows,
-the weights directory is left to it (`ctx.shared[SHARED_MODEL_DIR]`) instead of being
-written twice. Imports no grpc, redis or kubernetes."""
+(`warm_up()`: on CUDA it captures the decode steps' CUDA graphs). When the e2e or quant part
+follows, the weights directory is left to them (`ctx.shared[SHARED_MODEL_DIR]`) instead of
+being written again. Imports no grpc, redis or kubernetes."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from .common import Context, Figures, free_memory, make_engine, sampling_params, sync
 from .sizes import Sizes
 
-# ctx.shared key of the saved Llama-3-8B-shaped weights directory (taken by e2e).
+# ctx.shared key of the saved Llama-3-8B-shaped weights directory (taken by e2e, then quant).
 SHARED_MODEL_DIR = "llama_model_dir"
 
 
@@ -231,8 +231,9 @@ def check_throughput(ctx: Context) -> Figures:
     figures["engine_load_s"] = round(time.perf_counter() - t0, 2)
     figures["engine_num_blocks"] = num_blocks
     ctx.log(f"throughput: engine loaded in {figures['engine_load_s']} s")
-    if "e2e" in ctx.parts:
-        ctx.shared[SHARED_MODEL_DIR] = model_dir  # e2e loads the same weights, then removes them
+    if "e2e" in ctx.parts or "quant" in ctx.parts:
+        # e2e (then quant) loads the same weights; the last of them removes them
+        ctx.shared[SHARED_MODEL_DIR] = model_dir
     else:
         shutil.rmtree(model_dir, ignore_errors=True)
     t0 = time.perf_counter()

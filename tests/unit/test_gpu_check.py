@@ -35,7 +35,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert report["environment"]["torch"]
     parts = report["parts"]
     assert list(parts) == [
-        "preflight", "startup", "parity", "throughput", "kernels", "e2e", "nixl", "serve"
+        "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "nixl", "serve"
     ]  # fmt: skip
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
     expected = {
@@ -45,6 +45,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         "throughput": "ok",
         "kernels": "ok",
         "e2e": "ok",
+        "quant": "ok",
         "nixl": nixl_status,
         "serve": "ok",
     }
@@ -102,6 +103,37 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert 0 < e2e["roofline"]["weight_bytes_read_per_step"] < e2e["roofline"]["weight_bytes"]
     assert e2e["throughput_target"]["measured"] == tp["ratio_engine_over_hf"]
 
+    # quant: each scheme's CPU path and the Triton kernels (interpreter) against the float32
+    # reference, the FP8 KV kernels, every linear case timed, the engines on throughput's
+    # weights (left by e2e).
+    quant = parts["quant"]["figures"]
+    linears = quant["linear_correctness"]
+    assert {s: r["production_path"] for s, r in linears.items()} == {
+        "fp8": "fp8_decoded",
+        "int8": "int8_packed",
+        "int4": "int4_packed",
+    }
+    for record in linears.values():
+        assert record["passed"] and set(record["paths"]) == {record["production_path"], "triton"}
+        cases = [c for p in record["paths"].values() for c in p["cases"]]
+        assert cases and all(c["passed"] and c["max_abs_diff"] < 0.04 for c in cases)
+    fp8_cases = linears["fp8"]["paths"]["triton"]["cases"]
+    assert all("vs_unquantized_activations" in c for c in fp8_cases)
+    kv = quant["fp8_kv_correctness"]
+    assert all(kv[name]["passed"] for name in ("write_kv", "decode", "prefill")), kv
+    shapes = quant["linear_speed"]["shapes"]
+    assert shapes and all(
+        c[s]["ms"] > 0 for shape in shapes for c in shape["cases"] for s in ("fp8", "int8", "int4")
+    )
+    assert all(shape["weight_bytes"]["int4"] < shape["weight_bytes"]["bf16"] for shape in shapes)
+    engine = quant["engine"]
+    assert engine["weights_from"] == "the throughput part's directory"
+    assert engine["fp8"]["linear_path"] == "fp8_decoded" and engine["fp8"]["itl_ms"] > 0
+    assert engine["float32"]["linear_path"] == "dense float32"
+    assert engine["fp8"]["weight_bytes"] < engine["float32"]["weight_bytes"]
+    assert engine["fp8_with_fp8_kv"]["prefill"]["steps_per_prompt"] == [1, 1]
+    assert set(engine["speedup_vs_float32"]) == {"fp8", "fp8_with_fp8_kv"}
+
     serve = parts["serve"]["figures"]
     assert serve["requests"] and all(r["identical"] for r in serve["requests"])
     assert all(r["disaggregated"] for r in serve["requests"])
@@ -109,9 +141,13 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
 
 
 def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:
-    """kernels as the first part (its interpreter set-up), e2e without throughput's weights."""
+    """kernels as the first part (its interpreter set-up), e2e without throughput's weights,
+    quant on the weights e2e wrote."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--out", str(tmp_path), "--parts", "kernels,e2e"],
+        [
+            *(sys.executable, str(SCRIPT), "--cpu", "--out", str(tmp_path)),
+            *("--parts", "kernels,e2e,quant"),
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -123,10 +159,12 @@ def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:
     assert {name: p["status"] for name, p in parts.items() if p["status"] != "skipped"} == {
         "kernels": "ok",
         "e2e": "ok",
+        "quant": "ok",
     }
     e2e = parts["e2e"]["figures"]
     assert e2e["weights_from"] == "built by this part"
     assert e2e["throughput_target"]["measured"] is None
+    assert parts["quant"]["figures"]["engine"]["weights_from"] == "the e2e part's directory"
 
 
 def test_gpu_check_rejects_unknown_parts(tmp_path: Path) -> None:
