@@ -1,6 +1,6 @@
 """The GPU check: what only a GPU can tell about the engine, as one prepared script.
 
-    scripts/gpu-check [--cpu] [--parts preflight,startup,parity,...,serve] [--out DIR]
+    scripts/gpu-check [--cpu] [--parts preflight,startup,parity,...,serve,tiles] [--out DIR]
 
 One module per part (each module's docstring says what its part checks):
   preflight.py      C compiler, Python.h, driver and CUDA versions, one Triton launch (if it
@@ -18,13 +18,15 @@ One module per part (each module's docstring says what its part checks):
   nixl_pull.py      a NIXL read of KV blocks from a second process vs a same-device copy, GB/s
                     (CUDA IPC on one GPU, not RDMA between pods)
   serve.py          prefill + decode worker + router as processes, token-identical to one engine
+  tiles_sweep.py    the attention kernels' launch configurations (tiles, stages, warps) timed on
+                    the device, each checked against the reference first
 and around them:
   sizes.py          the CUDA run's sizes and budgets, and the tiny ones of `--cpu` (CI)
   common.py         Context, Log, PartSkipped / PartFailed, environment(), timing, engine helpers
   cli.py            `main`: arguments, each part under its budget, gpu-check.json and .log
 
-Preflight, startup, parity, throughput, kernels, e2e and quant import no grpc, redis or kubernetes
-(serve and nixl import theirs lazily).
+Preflight, startup, parity, throughput, kernels, e2e, quant and tiles import no grpc, redis or
+kubernetes (serve and nixl import theirs lazily).
 """
 
 from .cli import main

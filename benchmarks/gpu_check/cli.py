@@ -44,6 +44,7 @@ from .serve import check_serve
 from .sizes import CPU_SIZES, CUDA_SIZES
 from .startup import check_startup
 from .throughput import check_throughput
+from .tiles_sweep import check_tiles
 
 DESCRIPTION = "The GPU check: what only a GPU can tell about the engine, as one prepared script."
 PARTS = (
@@ -56,6 +57,7 @@ PARTS = (
     "quant",
     "nixl",
     "serve",
+    "tiles",
 )
 JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
 PART_FNS: dict[str, Callable[[Context], Figures]] = {
@@ -68,6 +70,7 @@ PART_FNS: dict[str, Callable[[Context], Figures]] = {
     "quant": check_quant,
     "nixl": check_nixl,
     "serve": check_serve,
+    "tiles": check_tiles,
 }
 
 

@@ -35,7 +35,8 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert report["environment"]["torch"]
     parts = report["parts"]
     assert list(parts) == [
-        "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "nixl", "serve"
+        "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "nixl", "serve",
+        "tiles",
     ]  # fmt: skip
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
     expected = {
@@ -48,6 +49,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         "quant": "ok",
         "nixl": nixl_status,
         "serve": "ok",
+        "tiles": "ok",
     }
     assert {name: p["status"] for name, p in parts.items()} == expected, output
     for part in parts.values():
@@ -138,6 +140,14 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert serve["requests"] and all(r["identical"] for r in serve["requests"])
     assert all(r["disaggregated"] for r in serve["requests"])
     assert serve["kv_pulls_recomputed"] == 0
+
+    # tiles: every candidate checked against the reference before it is timed
+    tiles = parts["tiles"]["figures"]
+    for kind, case in (("decode", "b2_c256"), ("prefill", "b2_n32_p40")):
+        candidates = tiles[kind]["candidates"]
+        assert candidates and all(c["correct"] for c in candidates), candidates
+        assert all(c[case]["time_us" if kind == "decode" else "time_ms"] > 0 for c in candidates)
+        assert tiles[kind]["best"]["tiles"] in [c["tiles"] for c in candidates]
 
 
 def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:
