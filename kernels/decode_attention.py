@@ -59,14 +59,17 @@ class DecodeTiles(NamedTuple):
 def decode_tiles(dtype: torch.dtype, head_dim: int, block_size: int, use_dot: bool) -> DecodeTiles:
     """About 64 tokens of K and V per iteration on the 16-bit tensor-core path, 32 for fp32
     or the multiply-sum path (whose [heads, tokens, head_dim] product lives in registers),
-    in whole blocks; three stages; 8 warps from head_dim 128. Each of these compiles for
-    sm_90a with async copies, no spills and at most 128 registers (tests/kernels: ptxas);
-    not tuned on a GPU yet."""
-    tokens = 64 if use_dot and dtype != torch.float32 else 32
+    in whole blocks; three stages; 4 warps, 8 from head_dim 128 off the 16-bit dot path.
+    On an H200 (the GPU check's `tiles` part, benchmarks/results/gpu/run2: batch 64 x 4096
+    tokens, 8 kv heads x 128, bf16, block 16) 4 warps took 762 us where 8 took 1023 us; 8
+    or 16 blocks per iteration were slower still. Each of these compiles for sm_90a with
+    async copies, no spills and at most 128 registers (tests/kernels: ptxas)."""
+    half_dot = use_dot and dtype != torch.float32
+    tokens = 64 if half_dot else 32
     return DecodeTiles(
         tile_blocks=max(1, tokens // block_size),
         num_stages=3,
-        num_warps=8 if head_dim >= 128 else 4,
+        num_warps=8 if head_dim >= 128 and not half_dot else 4,
     )
 
 

@@ -197,6 +197,9 @@ def _nixl_case(
 
     for fn, what in ((nixl_read, "NIXL read"), (copy_blocks, "device copy")):
         out.zero_()
+        # UCX copies on its own CUDA streams, unordered with this one: without the wait, the
+        # zeroing could land after the read (it did for 1 GiB on the H200: "wrong data").
+        sync(dev)
         fn()
         sync(dev)
         if not torch.equal(bits(out), bits(expected)):

@@ -55,14 +55,15 @@ def decode_candidates(cuda: bool) -> list[Any]:
 
     if not cuda:
         return [DecodeTiles(1, 1, 4), DecodeTiles(2, 2, 4)]
-    # The default first (the baseline of `best`), then the grid around it.
-    grid = [(4, 3, 8)]
+    # The default first (the baseline of `best`), then the grid around it. The first H200
+    # sweep (benchmarks/results/gpu/run2) set the default to 4 blocks, 3 stages, 4 warps.
+    grid = [(4, 3, 4)]
     grid += [
         (tile_blocks, stages, warps)
-        for tile_blocks in (4, 8)
-        for stages in (2, 3, 4)
-        for warps in (4, 8)
-        if (tile_blocks, stages, warps) != (4, 3, 8)
+        for tile_blocks in (2, 4)
+        for stages in (3, 4, 5)
+        for warps in (2, 4)
+        if (tile_blocks, stages, warps) != (4, 3, 4)
     ]
     return [DecodeTiles(*g) for g in grid]
 
@@ -75,11 +76,20 @@ def prefill_candidates(cuda: bool, group: int) -> list[Any]:
     group_pad = triton.next_power_of_2(group)
     if not cuda:
         return [Tiles(16 // group_pad or 1, group_pad, 16, 4, 1)]
-    grid = [(64, 32, 8, 3)]  # the default first
+    # The default first: 128 x 128, 8 warps, 3 stages since the first H200 sweep
+    # (benchmarks/results/gpu/run2, which tried 64-128 rows x 32-128 keys); then around it.
+    grid = [(128, 128, 8, 3)]
     grid += [
         (rows, block_n, warps, stages)
-        for rows, block_n in ((64, 64), (128, 32), (128, 64), (128, 128))
-        for warps, stages in ((4, 2), (8, 2), (8, 3))
+        for rows, block_n, warps, stages in (
+            (128, 128, 8, 2),
+            (128, 128, 8, 4),
+            (128, 64, 8, 4),
+            (128, 128, 4, 3),
+            (64, 128, 4, 3),
+            (64, 128, 8, 3),
+            (128, 256, 8, 2),
+        )
     ]
     return [Tiles(max(rows // group_pad, 1), group_pad, n, w, st) for rows, n, w, st in grid]
 

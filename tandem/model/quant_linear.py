@@ -18,7 +18,8 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           (torch's CPU `_scaled_mm` computes the same, ~2x
                                           slower here)
   fp8_scaled_mm CUDA, compute capability  `torch._scaled_mm`: e4m3 x e4m3 on FP8 tensor cores,
-                >= 8.9, bfloat16          row-wise scales (token x channel)
+                >= 8.9, bfloat16          row-wise scales (token x channel); the activations
+                                          quantized by one kernel (`kernels.fp8_quant`)
   dequant       everywhere else           the reference dequantization, then x @ w.T: CPU
                                           float32 (exact to float32 rounding), CUDA without
                                           Triton
@@ -101,7 +102,8 @@ class QuantLinear:
         packed: int4_packed: torch's uint8 layout (module docstring); int8_packed: the int8
             [out, in] values (the same tensor as weight.qweight).
         packed_scales: int4_packed: [in // group, out, 2] (scale, zero) in the activations'
-            dtype; int8_packed: [out] scales in the activations' dtype.
+            dtype; int8_packed: [out] scales in the activations' dtype; fp8_scaled_mm: [1, out]
+            float32 channel scales (_scaled_mm's scale_b).
         group_size: int4: inputs per scale.
         workspace: the buffer per-call dequantizations reuse.
     """
@@ -201,6 +203,10 @@ def pack_quantized(
         return QuantLinear(
             w.scheme, path, *shape, w, w.qweight, w.scales.to(dtype), w.group_size, workspace
         )
+    if path is QuantPath.FP8_SCALED_MM:
+        # _scaled_mm's row-wise scale_b: [1, out] float32, built once here, not per call
+        scale_b = w.scales.float().expand(w.out_features).reshape(1, -1).contiguous()
+        return QuantLinear(w.scheme, path, *shape, w, None, scale_b, w.group_size, workspace)
     return QuantLinear(w.scheme, path, *shape, w, None, None, w.group_size, workspace)
 
 
@@ -231,11 +237,13 @@ def quant_matmul(
         w.copy_(ql.weight.qweight)  # e4m3 -> bf16/fp32 is exact
         y = (xq.to(x.dtype) @ w.t()).float().mul_(sx).mul_(ql.weight.scales).to(x.dtype)
     elif ql.path is QuantPath.FP8_SCALED_MM:
-        assert ql.weight is not None
-        xq, sx = quantize_fp8_activations(x)
-        scales = ql.weight.scales.expand(ql.out_features).reshape(1, -1).contiguous()
+        assert ql.weight is not None and ql.packed_scales is not None
+        from kernels.fp8_quant import quantize_fp8_rows
+
+        # One kernel for what quantize_fp8_activations does in eight (the same values).
+        xq, sx = quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous())
         y = torch._scaled_mm(
-            xq, ql.weight.qweight.t(), scale_a=sx, scale_b=scales, out_dtype=x.dtype
+            xq, ql.weight.qweight.t(), scale_a=sx, scale_b=ql.packed_scales, out_dtype=x.dtype
         )
     elif ql.path is QuantPath.TRITON:
         from kernels.quant_matmul import quantized_linear

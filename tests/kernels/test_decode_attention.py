@@ -324,8 +324,11 @@ def test_rejects_tensors_on_another_device() -> None:
 # launch specialises on, through Triton's own LLVM and ptxas: no GPU needed. Run in a fresh
 # interpreter without TRITON_INTERPRET, which swaps `triton.jit` for the interpreter. Exit
 # code 3: this Triton cannot target CUDA. The split kernel's loop must be pipelined (its K/V
-# loads become cp.async copies into shared memory) within REGISTER_BUDGET and no spills.
-REGISTER_BUDGET = 128
+# loads become cp.async copies into shared memory) with no spills, and a program's registers
+# (per thread x threads) within REGISTER_BUDGET: two programs' worth of an SM's 65,536, so
+# at least two stream at once. (4 warps at 139 registers measured faster on an H200 than 8
+# at 128: decode_tiles.)
+REGISTER_BUDGET = 32768
 LOWER_SCRIPT = r"""
 import sys
 
@@ -403,7 +406,8 @@ for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf1
         ptx = kernel.asm["ptx"]
         assert "cp.async" in ptx, f"{dtype} {head_dim} {group}: the loop is not pipelined"
         registers, spills = ptxas_usage(ptx)
-        assert registers <= BUDGET and spills == 0, (dtype, head_dim, group, registers, spills)
+        per_program = registers * tiles.num_warps * 32
+        assert per_program <= BUDGET and spills == 0, (dtype, head_dim, group, registers, spills)
         print(dtype, cache, head_dim, group, block_size, registers, "registers ok")
 
 for dtype in DTYPES:
