@@ -219,9 +219,15 @@ def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scales), one scale per token (row), absmax / 448, so each row's largest value is e4m3's
     largest and no row's range depends on another's (a per-tensor scale would push the
     tokens with small activations into e4m3's subnormals: +1 point of perplexity more on
-    SmolLM2-135M, BENCHMARKS.md)."""
+    SmolLM2-135M, BENCHMARKS.md).
+
+    The scale is the IEEE quotient absmax / 448 on every device: dividing by a tensor, since
+    torch on CUDA turns a division by a Python scalar into a multiplication by its reciprocal
+    (one bit off at times), which made the H200's result differ from the fused kernel's
+    (`kernels.fp8_quant`, which divides exactly) in a few activations."""
     xf = x.float()
-    scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_EPS)
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    scales = (absmax / absmax.new_tensor(FP8_MAX)).clamp_min(_EPS)
     return (xf / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
 
