@@ -57,19 +57,21 @@ class DecodeTiles(NamedTuple):
 
 
 def decode_tiles(dtype: torch.dtype, head_dim: int, block_size: int, use_dot: bool) -> DecodeTiles:
-    """About 64 tokens of K and V per iteration on the 16-bit tensor-core path, 32 for fp32
-    or the multiply-sum path (whose [heads, tokens, head_dim] product lives in registers),
-    in whole blocks; three stages; 4 warps, 8 from head_dim 128 off the 16-bit dot path.
-    On an H200 (the GPU check's `tiles` part, benchmarks/results/gpu/run2: batch 64 x 4096
-    tokens, 8 kv heads x 128, bf16, block 16) 4 warps took 762 us where 8 took 1023 us; 8
-    or 16 blocks per iteration were slower still. Each of these compiles for sm_90a with
-    async copies, no spills and at most 128 registers (tests/kernels: ptxas)."""
-    half_dot = use_dot and dtype != torch.float32
-    tokens = 64 if half_dot else 32
+    """The 16-bit tensor-core path: about 32 tokens of K and V per iteration, three stages,
+    2 warps, measured on an H200 (the GPU check's `tiles` part: batch 64 x 4096 tokens, 8 kv
+    heads x 128, bf16, block 16). The first sweep (benchmarks/results/gpu/run2) took 1023 us
+    with 64 tokens and 8 warps (the untuned default), 762 us with 4 warps, more with 128
+    tokens; the second (run3) 620 us with 32 tokens and 2 warps whatever the stages (3-5),
+    within 1% of the best of 12. fp32 or the multiply-sum path (whose [heads, tokens,
+    head_dim] product lives in registers): 32 tokens, three stages, 8 warps from head_dim 128
+    (not measured). In whole blocks. Each compiles for sm_90a with async copies and no
+    spills (tests/kernels: ptxas)."""
+    if use_dot and dtype != torch.float32:
+        return DecodeTiles(tile_blocks=max(1, 32 // block_size), num_stages=3, num_warps=2)
     return DecodeTiles(
-        tile_blocks=max(1, tokens // block_size),
+        tile_blocks=max(1, 32 // block_size),
         num_stages=3,
-        num_warps=8 if head_dim >= 128 and not half_dot else 4,
+        num_warps=8 if head_dim >= 128 else 4,
     )
 
 
