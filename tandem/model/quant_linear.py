@@ -24,7 +24,10 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           float32 (exact to float32 rounding), CUDA without
                                           Triton
   triton        CUDA                      the dequant-GEMM kernels
-                                          (`kernels.quant_matmul.quantized_linear`)
+                                          (`kernels.quant_matmul.quantized_linear`) up to
+                                          TRITON_MAX_ROWS rows (decode); above, the matrix
+                                          dequantized to the activations' dtype and one
+                                          cuBLAS GEMM (prefill)
 
 fp8 is W8A8 on every path (`tandem.model.quant`): the paths that multiply in the activations'
 dtype (dequant, triton) give it the per-token e4m3 activations dequantized to that dtype.
@@ -57,6 +60,14 @@ from tandem.model.quant import QuantizedWeight, WeightScheme, quantize_fp8_activ
 # (BENCHMARKS.md, issue 28: int4 crosses at ~64-100 rows, int8 at ~8-16).
 INT4_PACKED_MAX_ROWS = 64
 INT8_PACKED_MAX_ROWS = 8
+# Above this many rows the CUDA int8/int4 Triton kernels lose to dequantizing the matrix and
+# one cuBLAS GEMM: on an H200 (benchmarks/results/gpu/run2 and run3, Llama-3-8B shapes vs
+# bf16 F.linear) the kernels ran 0.7-1.6x bf16's speed at 16 rows (int8; int4 0.2-0.3x),
+# 0.35-0.5x at 256 (int4 0.03-0.06x) and 0.4x at 4096 (int4 0.03x: 45 ms for gate_up where
+# bf16 takes 1.2 ms). A dequantization reads the matrix once and writes it in 16 bits, about
+# as long as one bf16 GEMV, so from a few hundred rows it is the smaller cost; 256 is the
+# row count vLLM's AWQ switches at. Not itself measured here (the device time was spent).
+TRITON_MAX_ROWS = 256
 _INT4_BLOCK_N = 64  # output rows per block of torch's CPU int4 layout
 
 
@@ -245,7 +256,7 @@ def quant_matmul(
         y = torch._scaled_mm(
             xq, ql.weight.qweight.t(), scale_a=sx, scale_b=ql.packed_scales, out_dtype=x.dtype
         )
-    elif ql.path is QuantPath.TRITON:
+    elif ql.path is QuantPath.TRITON and x.shape[0] <= TRITON_MAX_ROWS:
         from kernels.quant_matmul import quantized_linear
 
         y = quantized_linear(fp8_activations(x, ql.scheme).contiguous(), ql.weight)

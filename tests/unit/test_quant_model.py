@@ -265,11 +265,22 @@ def test_a_quantized_checkpoint_is_kept_as_stored(
             torch.testing.assert_close(w.weight.dequantize(), ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("max_rows", [256, 2])
 @pytest.mark.parametrize("scheme", ["int4", "int8", "fp8"])
-def test_the_triton_path_matches_the_reference_under_the_interpreter(scheme: str) -> None:
+def test_the_triton_path_matches_the_reference_under_the_interpreter(
+    scheme: str, max_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """CUDA's path (kernels.quant_matmul.quantized_linear) dispatched by quant_matmul, run by
-    Triton's interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1)."""
+    Triton's interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1); with more
+    rows than TRITON_MAX_ROWS (2 here) its dequantize-then-GEMM branch, which must not call
+    the kernel."""
     pytest.importorskip("triton")
+    import kernels.quant_matmul
+    import tandem.model.quant_linear as quant_linear
+
+    monkeypatch.setattr(quant_linear, "TRITON_MAX_ROWS", max_rows)
+    if max_rows < 3:
+        monkeypatch.setattr(kernels.quant_matmul, "quantized_linear", None)  # not called
     g = torch.Generator().manual_seed(3)
     qw = quantize(torch.randn(64, 64, generator=g) * 0.05, WeightScheme(scheme), GROUP)
     ql = pack_quantized(qw, torch.float32, Workspace(), QuantPath.TRITON)
