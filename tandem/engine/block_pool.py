@@ -4,8 +4,12 @@ A block is *used* while some request holds it (ref_cnt > 0) and *free* otherwise
 block may still hold a cached prefix (it keeps its hash) and can be revived by a cache hit
 until allocation evicts it. Free blocks form one LRU queue:
 
-    free queue:  front [evicted first ... evicted last] back
+    free queue:  front [never used, by id ... evicted first ... evicted last] back
     allocate() pops from the front; free() appends to the back.
+
+The never-used blocks at the front are a counter, not entries: a block's record is made when
+it is first handed out, so a pool costs what its used blocks cost, not its size (a tiny model
+on a 141 GB GPU has 33 million blocks: building them all took 46 s of an H200 worker's start).
 
 Callers free a request's blocks tail-first, so a prefix's later blocks are evicted before
 its earlier ones (an earlier block is useful to more requests).
@@ -50,18 +54,20 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.record_events = record_events
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Records of the blocks handed out so far: ids [0, len(blocks)); ids from there up
+        # to num_blocks were never used and are the front of the free queue, in id order.
+        self.blocks: list[Block] = []
+        self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, after those
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._events: list[KVEvent] = []
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - len(self.blocks) + len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -69,7 +75,7 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (first evicted first)."""
-        return list(self._free)
+        return [*range(len(self.blocks), self.num_blocks), *self._free]
 
     def cached_hashes(self) -> list[int]:
         """Every prefix hash the pool can serve right now (used and free cached blocks)."""
@@ -86,16 +92,20 @@ class BlockPool:
         """
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             return None
         ids = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
+            if len(self.blocks) < self.num_blocks:  # a never-used block comes first
+                block = Block(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                block_id, _ = self._free.popitem(last=False)
+                block = self.blocks[block_id]
+                if block.block_hash is not None:
+                    self._evict(block)
             block.ref_cnt = 1
-            ids.append(block_id)
+            ids.append(block.block_id)
         return ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -109,9 +119,9 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in the given order (first freed = first evicted)."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_cnt <= 0:
+            if not 0 <= block_id < len(self.blocks) or self.blocks[block_id].ref_cnt <= 0:
                 raise ValueError(f"block {block_id} freed more times than it was taken")
+            block = self.blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
@@ -122,9 +132,9 @@ class BlockPool:
         Returns False if caching is off or another block already holds that prefix (the
         duplicate stays private to its request and is not cached).
         """
-        block = self.blocks[block_id]
-        if block.ref_cnt <= 0:
+        if not 0 <= block_id < len(self.blocks) or self.blocks[block_id].ref_cnt <= 0:
             raise ValueError(f"cannot cache free block {block_id}")
+        block = self.blocks[block_id]
         if not self.enable_caching or block.block_hash is not None:
             return False
         if block_hash in self._cached:
@@ -163,6 +173,8 @@ class BlockPool:
         """
         free_set = set(self._free)
         assert len(free_set) == len(self._free)
+        assert all(0 <= i < len(self.blocks) for i in free_set), "a never-used block was freed"
+        assert all(b.block_id == i for i, b in enumerate(self.blocks))
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             assert (block.ref_cnt == 0) == (block.block_id in free_set), (
@@ -178,4 +190,7 @@ class BlockPool:
                 )
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash
+        if expected_refs is not None:
+            unused = [i for i in expected_refs if not 0 <= i < len(self.blocks)]
+            assert not unused, f"tables hold blocks never handed out: {unused[:8]}"
         assert self.num_free_blocks + sum(b.ref_cnt > 0 for b in self.blocks) == self.num_blocks

@@ -19,6 +19,23 @@ def test_allocate_takes_lowest_ids_first_and_none_when_short() -> None:
     pool.check_integrity({i: 1 for i in range(5)})
 
 
+def test_a_huge_pool_costs_only_its_used_blocks() -> None:
+    # A tiny model on a 141 GB GPU sizes its cache to ~33M blocks: a record per block built
+    # up front took 46 s of a worker's start. Never-used blocks are a counter instead.
+    pool = BlockPool(10**12)
+    assert pool.num_free_blocks == 10**12 and pool.num_used_blocks == 0
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.free([1])
+    # never-used blocks still come first, then the freed ones in LRU order
+    assert pool.allocate(2) == [3, 4]
+    assert len(pool.blocks) == 5 and pool.num_free_blocks == 10**12 - 4
+    pool.check_integrity({0: 1, 2: 1, 3: 1, 4: 1})
+    with pytest.raises(ValueError, match="freed more times"):
+        pool.free([7])  # never handed out
+    with pytest.raises(ValueError, match="cannot cache free block"):
+        pool.cache_block(7, 123)
+
+
 def test_freed_blocks_are_reused_last_in_lru_order() -> None:
     pool = BlockPool(4)
     a = pool.allocate(4)
