@@ -71,11 +71,6 @@ def shard_for(config: EngineConfig, rank: int) -> Shard:
 def check_tensor_parallel(model: ModelConfig, config: EngineConfig) -> None:
     """Raise ValueError unless `config.tensor_parallel_size` ranks can serve `model`."""
     check_shardable(model, config.tensor_parallel_size)
-    if config.quantization != "none":
-        raise ValueError(
-            f"tensor_parallel_size {config.tensor_parallel_size} serves unquantized weights "
-            f"only for now, not quantization {config.quantization}"
-        )
 
 
 def load_model_and_cache(

@@ -25,8 +25,14 @@ from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul, pack
 from tandem.model.moe import MoeWeights, moe_forward
-from tandem.model.quant import QuantizedWeight
-from tandem.model.quant_linear import QuantLinear, Workspace, pack_quantized
+from tandem.model.quant import QuantizedWeight, WeightScheme
+from tandem.model.quant_linear import (
+    QuantLinear,
+    QuantPath,
+    Workspace,
+    pack_quantized,
+    quant_matmul,
+)
 from tandem.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -176,12 +182,24 @@ class LlamaModel:
         as `_pack` gives it."""
         if self.reduce_f32 and isinstance(w, torch.Tensor):
             return w.float()
+        if self.reduce_f32 and isinstance(w, QuantizedWeight):
+            # multiplied in float32 too: dequantized to float32 per call (the reference path)
+            return pack_quantized(w, torch.float32, self.workspace, QuantPath.DEQUANT)
         return self._pack(w, dtype)
 
     def _row_parallel(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """x [n, in] times this rank's rows of a row-parallel matrix, summed over the ranks,
         in x's dtype: where `reduce_f32`, multiplied and summed in float32, rounded once."""
         assert self.tp is not None
+        if isinstance(w, QuantLinear):
+            # fp8 quantizes its input per token: with the whole token's absmax (over every
+            # rank's columns), so each rank's e4m3 values are one rank's (exact to TP=1)
+            absmax = None
+            if w.scheme is WeightScheme.FP8:
+                absmax = self.tp.all_reduce_max(x.float().abs().amax(dim=-1, keepdim=True))
+            if not self.reduce_f32:
+                return self.tp.all_reduce(quant_matmul(x, w, act_absmax=absmax))
+            return self.tp.all_reduce(quant_matmul(x.float(), w, act_absmax=absmax)).to(x.dtype)
         if not self.reduce_f32:
             return self.tp.all_reduce(matmul(x, w, self.matmul))
         if isinstance(w, torch.Tensor):  # float32 (_pack_row_parallel)
@@ -193,7 +211,6 @@ class LlamaModel:
                 # as one rank's bfloat16 GEMM does (a cached prefix must match a recompute).
                 return self.tp.all_reduce((xf.expand(2, -1) @ w)[:1]).to(x.dtype)
             return self.tp.all_reduce(xf @ w).to(x.dtype)
-        # a quantized matrix (not served with TP yet): its product rounded, then summed once
         return self.tp.all_reduce(matmul(x, w, self.matmul).float()).to(x.dtype)
 
     def _pack(self, w: Weight, dtype: torch.dtype) -> Weight:

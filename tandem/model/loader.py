@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -115,8 +115,15 @@ class WeightBuilder:
         device: torch.device,
         quantization: WeightScheme = WeightScheme.NONE,
         group_size: int = 64,
+        row_parallel: frozenset[str] = frozenset(),
+        reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """`row_parallel`: the tensors this tensor-parallel rank holds some columns of;
+        `reduce_max`: the elementwise maximum over the ranks (a collective), which gives
+        their quantized rows the whole row's scales (`quantized_matrix`)."""
         self.reader = reader
+        self.row_parallel = row_parallel
+        self.reduce_max = reduce_max
         self.shapes = shapes
         self.dtype = dtype
         self.device = device
@@ -191,9 +198,11 @@ class WeightBuilder:
         ([out, in], tandem.model.quant_load) when the builder quantizes."""
         if self.quantization is WeightScheme.NONE:
             return self.fused(names, transpose=True)
+        split = self.reduce_max is not None and any(n in self.row_parallel for n in names)
         return quantized_matrix(
-            self.reader, names, self.quantization, self.group_size, self.device, self.dtype
-        )
+            self.reader, names, self.quantization, self.group_size, self.device, self.dtype,
+            row_absmax=self.reduce_max if split else None,
+        )  # fmt: skip
 
     def vocab(self, name: str, rows: int | None) -> torch.Tensor:
         """The embedding ([vocab, hid]) or lm_head ([hid, vocab], transposed like every
@@ -291,12 +300,15 @@ def load_weights(
     quantization: WeightScheme = WeightScheme.NONE,
     group_size: int = 64,
     shard: Shard | None = None,
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> ModelWeights:
     """Check, then stream the weights of `model_dir` into our layout (see the module doc).
     `quantization`: the layer matrices' scheme (quantized as they load, or kept as a
     quantized checkpoint or kept GGUF stores them: tandem.model.quant_load); `group_size`:
     int4's. `shard`: a tensor-parallel rank's part only (tandem.model.sharding), read as
-    slices of the stored tensors: no rank ever holds the whole model.
+    slices of the stored tensors: no rank ever holds the whole model. `reduce_max`: the
+    group's elementwise-maximum collective, with which a rank quantizing its columns of a
+    row-parallel matrix takes the whole rows' int8 / fp8 scales.
 
     Raises:
         FileNotFoundError: a weight file is missing.
@@ -322,10 +334,12 @@ def load_weights(
     check_entries(entries, stored)
     slices, vocab_rows = {}, None
     if shard is not None and shard.size > 1:
-        if quant or kept is not None or quantization is not WeightScheme.NONE:
+        if quant or kept is not None:
+            stored_as = f"a {quant.format} checkpoint" if quant else f"{GGUF_FILE}'s blocks"
             raise ValueError(
-                "tensor_parallel_size > 1 serves unquantized weights only (quantization none, "
-                "no quantized checkpoint) for now"
+                f"tensor_parallel_size > 1 cannot split the weights of {stored_as} yet: serve "
+                f"it with tensor_parallel_size 1, or quantize as it loads (--quantization "
+                f"with an unquantized checkpoint: each rank quantizes its shard)"
             )
         check_shardable(config, shard.size)
         slices = tensor_slices(config, shard)
@@ -346,9 +360,11 @@ def load_weights(
         source = QuantizedReader(reader, quant, quantized) if quant else reader
         if kept is not None:
             kept.dense, source = reader, kept
+        row_parallel = frozenset(n for n, s in slices.items() if s.dim == 1)
         builder = WeightBuilder(
-            source, sliced_shapes(shapes, slices), dtype, device, quantization, group_size
-        )
+            source, sliced_shapes(shapes, slices), dtype, device, quantization, group_size,
+            row_parallel, reduce_max,
+        )  # fmt: skip
         experts = local_experts(config, shard) if config.moe and shard else None
         weights = builder.model(config, vocab_rows, experts)
     assert reader.num_read == len(stored), f"read {reader.num_read} of {len(stored)} tensors"
@@ -397,8 +413,9 @@ def load_model(
     scheme = WeightScheme(quantization)
     shard = tp.shard if tp is not None else None
     weights = load_weights(
-        path, config, DTYPES[dtype], dev, progress, scheme, quantization_group_size, shard
-    )
+        path, config, DTYPES[dtype], dev, progress, scheme, quantization_group_size, shard,
+        tp.all_reduce_max if tp is not None else None,
+    )  # fmt: skip
     mm = choose_matmul(dev, DTYPES[dtype], onednn_bf16_available())
     logger.info("matmuls: %s (%s on %s)", mm.value, dtype, dev)
     model = LlamaModel(

@@ -59,6 +59,11 @@ class TPGroup:
         dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of `x` over the ranks, in place."""
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, n] on every rank -> [rows, size * n], rank 0's columns first."""
         parts = [torch.empty_like(x) for _ in range(self.size)]

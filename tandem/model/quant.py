@@ -170,10 +170,14 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
-    """Reference int8: per output channel, symmetric, scale = absmax / 127. w: [out, in]."""
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None) -> QuantizedWeight:
+    """Reference int8: per output channel, symmetric, scale = absmax / 127. w: [out, in];
+    `absmax` ([out] float32): each row's largest |value| when w holds only some of its
+    columns (a tensor-parallel rank's shard of a row-parallel matrix: the whole row's)."""
     wf = w.float()
-    scales = (wf.abs().amax(dim=1) / 127.0).clamp_min(_EPS)  # [out]
+    if absmax is None:
+        absmax = wf.abs().amax(dim=1)
+    scales = (absmax / 127.0).clamp_min(_EPS)  # [out]
     q = torch.round(wf / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(WeightScheme.INT8, q, scales, None, int(w.shape[1]))
 
@@ -204,17 +208,23 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
     return QuantizedWeight(WeightScheme.INT4, packed, scales, zeros, group_size)
 
 
-def quantize_fp8(w: torch.Tensor, per_tensor: bool = False) -> QuantizedWeight:
+def quantize_fp8(
+    w: torch.Tensor, per_tensor: bool = False, absmax: torch.Tensor | None = None
+) -> QuantizedWeight:
     """Reference fp8 (e4m3): scale = absmax / 448 per output channel (or for the whole
-    tensor), values rounded to the nearest e4m3. w: [out, in]."""
+    tensor), values rounded to the nearest e4m3. w: [out, in]; `absmax` as int8's (per
+    channel)."""
     wf = w.float()
-    absmax = wf.abs().amax().view(1) if per_tensor else wf.abs().amax(dim=1)
+    if absmax is None:
+        absmax = wf.abs().amax().view(1) if per_tensor else wf.abs().amax(dim=1)
     scales = (absmax / FP8_MAX).clamp_min(_EPS)
     q = (wf / scales.view(-1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(WeightScheme.FP8, q, scales, None, int(w.shape[1]))
 
 
-def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_activations(
+    x: torch.Tensor, absmax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8's dynamic activation quantization: x [n, in] -> (e4m3 [n, in], float32 [n, 1]
     scales), one scale per token (row), absmax / 448, so each row's largest value is e4m3's
     largest and no row's range depends on another's (a per-tensor scale would push the
@@ -224,9 +234,13 @@ def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     The scale is the IEEE quotient absmax / 448 on every device: dividing by a tensor, since
     torch on CUDA turns a division by a Python scalar into a multiplication by its reciprocal
     (one bit off at times), which made the H200's result differ from the fused kernel's
-    (`kernels.fp8_quant`, which divides exactly) in a few activations."""
+    (`kernels.fp8_quant`, which divides exactly) in a few activations.
+
+    `absmax` ([n, 1] float32): each row's largest |value| when x holds only some of its
+    columns (a tensor-parallel rank's input to a row-parallel matrix: the whole row's)."""
     xf = x.float()
-    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    if absmax is None:
+        absmax = xf.abs().amax(dim=-1, keepdim=True)
     scales = (absmax / absmax.new_tensor(FP8_MAX)).clamp_min(_EPS)
     return (xf / scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
@@ -240,12 +254,21 @@ def fp8_reference_matmul(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return (xq.float() @ w.qweight.float().t()) * sx * w.scales.view(1, -1)
 
 
-def quantize(w: torch.Tensor, scheme: WeightScheme, group_size: int = 128) -> QuantizedWeight:
-    """Quantize an [out, in] matrix with the reference algorithm of `scheme`."""
+def quantize(
+    w: torch.Tensor,
+    scheme: WeightScheme,
+    group_size: int = 128,
+    absmax: torch.Tensor | None = None,
+) -> QuantizedWeight:
+    """Quantize an [out, in] matrix with the reference algorithm of `scheme`; `absmax`: the
+    rows' largest |value| for the per-channel schemes (int8, fp8) when w is part of its
+    rows (int4's groups lie inside a row's part: it takes none)."""
     if scheme is WeightScheme.INT8:
-        return quantize_int8(w)
+        return quantize_int8(w, absmax)
     if scheme is WeightScheme.INT4:
+        if absmax is not None:
+            raise ValueError("int4 scales are per input group: no whole-row absmax")
         return quantize_int4(w, group_size)
     if scheme is WeightScheme.FP8:
-        return quantize_fp8(w)
+        return quantize_fp8(w, absmax=absmax)
     raise ValueError(f"scheme must be int8, int4 or fp8, got {scheme!r}")

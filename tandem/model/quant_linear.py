@@ -222,9 +222,14 @@ def pack_quantized(
 
 
 def quant_matmul(
-    x: torch.Tensor, ql: QuantLinear, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    ql: QuantLinear,
+    bias: torch.Tensor | None = None,
+    act_absmax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [n, in] times the matrix transposed, plus `bias` ([out]) if given: [n, out]."""
+    """x [n, in] times the matrix transposed, plus `bias` ([out]) if given: [n, out].
+    `act_absmax` (fp8, [n, 1]): the rows' largest |value| over all their columns, when x is
+    a tensor-parallel rank's columns of them (`quantize_fp8_activations`)."""
     if ql.path is QuantPath.INT4_PACKED:
         assert ql.packed is not None and ql.packed_scales is not None
         if x.shape[0] <= INT4_PACKED_MAX_ROWS:
@@ -243,7 +248,7 @@ def quant_matmul(
             y = (x @ wq.t()).mul_(ql.packed_scales)
     elif ql.path is QuantPath.FP8_DECODED:
         assert ql.weight is not None
-        xq, sx = quantize_fp8_activations(x)
+        xq, sx = quantize_fp8_activations(x, act_absmax)
         w = ql.workspace.take((ql.out_features, ql.in_features), x.dtype, x.device)
         w.copy_(ql.weight.qweight)  # e4m3 -> bf16/fp32 is exact
         y = (xq.to(x.dtype) @ w.t()).float().mul_(sx).mul_(ql.weight.scales).to(x.dtype)
@@ -252,26 +257,31 @@ def quant_matmul(
         from kernels.fp8_quant import quantize_fp8_rows
 
         # One kernel for what quantize_fp8_activations does in eight (the same values).
-        xq, sx = quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous())
+        if act_absmax is None:
+            xq, sx = quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous())
+        else:
+            xq, sx = quantize_fp8_activations(x, act_absmax)
         y = torch._scaled_mm(
             xq, ql.weight.qweight.t(), scale_a=sx, scale_b=ql.packed_scales, out_dtype=x.dtype
         )
     elif ql.path is QuantPath.TRITON and x.shape[0] <= TRITON_MAX_ROWS:
         from kernels.quant_matmul import quantized_linear
 
-        y = quantized_linear(fp8_activations(x, ql.scheme).contiguous(), ql.weight)
+        y = quantized_linear(fp8_activations(x, ql.scheme, act_absmax).contiguous(), ql.weight)
     else:
         assert ql.weight is not None
-        y = fp8_activations(x, ql.scheme) @ ql.weight.dequantize(x.dtype).t()
+        y = fp8_activations(x, ql.scheme, act_absmax) @ ql.weight.dequantize(x.dtype).t()
     return y if bias is None else y.add_(bias)
 
 
-def fp8_activations(x: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+def fp8_activations(
+    x: torch.Tensor, scheme: WeightScheme, absmax: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp8: x quantized per token to e4m3 and back in x's dtype (the W8A8 product's
     activations, for the paths that multiply in that dtype); other schemes: x."""
     if scheme is not WeightScheme.FP8:
         return x
-    xq, sx = quantize_fp8_activations(x)
+    xq, sx = quantize_fp8_activations(x, absmax)
     return (xq.float() * sx).to(x.dtype)
 
 

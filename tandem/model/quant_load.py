@@ -19,7 +19,7 @@ reads; peers (vLLM, AWQ, GPTQ) keep it dense by default too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,7 @@ def quantized_matrix(
     group_size: int,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    row_absmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> QuantizedWeight | torch.Tensor:
     """The rows of `names`' matrices ([out_i, in] each) concatenated, as one QuantizedWeight
     [sum(out_i), in] on `device`: kept as stored where `source` holds one in `scheme`
@@ -50,6 +51,12 @@ def quantized_matrix(
     Stored int4 parts whose groups differ (GPTQ act-order with a g_idx per projection) cannot
     share one matrix: they come back dequantized, dense [in, out] in `dtype` (logged),
     rather than rounded a second time.
+
+    `row_absmax`, for a tensor-parallel rank's columns of a row-parallel matrix: maps each
+    row's largest |value| in this rank's columns to the whole row's (a MAX all-reduce over
+    the ranks), so per-channel scales (int8, fp8) are the unsplit matrix's and every rank's
+    values those of one quantized matrix. Called once per part, in the same order on every
+    rank. int4's groups lie inside a rank's columns and need none.
 
     Raises:
         ValueError: int4 with a group size that does not divide the input features.
@@ -68,7 +75,10 @@ def quantized_matrix(
             parts.append(to_device(qw, device))
             continue
         dense = source.read(name).to(device=device, dtype=torch.float32)
-        parts.append(quantize(dense, scheme, group_size))
+        absmax = None
+        if row_absmax is not None and scheme in (WeightScheme.INT8, WeightScheme.FP8):
+            absmax = row_absmax(dense.abs().amax(dim=1))
+        parts.append(quantize(dense, scheme, group_size, absmax))
         del dense
     fused = cat_rows(parts)
     if fused is None:

@@ -309,8 +309,46 @@ def test_an_unshardable_model_is_refused_before_any_rank_starts(hf_model, engine
     model_dir, _ = hf_model("llama")  # 4 query heads
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 exceeds num_key_value_heads"):
         engine_factory(model_dir, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="serves unquantized weights only"):
-        engine_factory(model_dir, tensor_parallel_size=2, quantization="int8")
+
+
+
+def test_a_quantized_checkpoint_is_refused_with_tensor_parallelism(
+    hf_model, engine_factory, tmp_path
+) -> None:
+    from tests.unit.test_quant_checkpoints import write_quantized_checkpoint
+
+    src, _ = hf_model("llama")
+    write_quantized_checkpoint(src, tmp_path / "awq", "awq-g32")
+    with pytest.raises(ValueError, match="cannot split the weights of a awq checkpoint"):
+        engine_factory(tmp_path / "awq", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_tp2_quantized_as_it_loads_matches_tp1(hf_model, engine_factory, tp_engine, scheme):
+    """Each rank quantizes its shard as it loads, yet holds exactly the values of one
+    quantized matrix: int8 / fp8 row-parallel shards (o, down) take the whole rows' scales
+    (a MAX all-reduce at load), int4's groups of 32 lie inside a shard, and fp8 quantizes a
+    row-parallel input per token with the whole token's absmax (a MAX all-reduce per layer).
+    So TP=2's logits are TP=1's within 1e-5 (float32: only the sums' order differs) and the
+    greedy tokens identical; with per-shard scales int8 differed by 0.05 and fp8 by 0.3."""
+    model_dir, _ = hf_model("llama")
+    rng = random.Random(5)
+    shared = rng.choices(range(256), k=12)
+    prompts = [rng.choices(range(256), k=rng.randint(5, 30)) for _ in range(2)]
+    prompts += [shared + [1, 2], shared + [3, 4, 5]]
+    quant = dict(quantization=scheme, quantization_group_size=32, max_num_batched_tokens=9)
+    one = engine_factory(model_dir, **quant)
+    two = tp_engine(model_dir, 2, **quant)
+    dense = engine_factory(model_dir, max_num_batched_tokens=9)
+    runs = [logits_by_row(engine, prompts, 5) for engine in (one, two, dense)]
+    assert set(runs[0]) == set(runs[1])  # the same greedy tokens
+    for key, a in runs[0].items():
+        torch.testing.assert_close(runs[1][key], a, atol=ATOL, rtol=0)
+    # quantization is in effect: the dense model's logits are elsewhere
+    shared_keys = runs[0].keys() & runs[2].keys()
+    assert max((runs[0][k] - runs[2][k]).abs().max().item() for k in shared_keys) > 1e-3
+    assert two.weight_bytes < dense.weight_bytes
+    two.check_integrity()
 
 
 # -- supervision ----------------------------------------------------------------------------
