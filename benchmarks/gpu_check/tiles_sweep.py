@@ -103,6 +103,36 @@ def _try(ctx: Context, fn: Callable[[], Figures]) -> Figures:
         return {"passed": False, "raised": True, "error": error}
 
 
+def _sweep(
+    ctx: Context,
+    kind: str,
+    module: Any,
+    chooser: str,
+    candidates: list[Any],
+    default: Any,
+    check: Callable[[], Figures],
+    measure: Callable[[Figures], None],
+) -> list[Figures]:
+    """Each candidate: `module.chooser` made to return it, `check` (against the reference),
+    then `measure(record)` if it passed; a record per candidate, in order."""
+    results = []
+    for tiles in candidates:
+        record: Figures = {"tiles": tiles._asdict(), "default": tiles == default}
+        results.append(record)
+        if ctx.left_s() < MIN_CASE_S:
+            record["skipped"] = "out of the part's time budget"
+            continue
+        with patched(module, chooser, tiles):
+            result = _try(ctx, check)
+            record.update(correct=result["passed"], raised=result.get("raised", False))
+            if not result["passed"]:
+                record["error"] = result.get("error")
+                continue
+            measure(record)
+        ctx.log(f"tiles: {kind} {tuple(tiles)}: {_summary(record)}")
+    return results
+
+
 def sweep_decode(ctx: Context, shape: Shape, copy_gb_s: float) -> Figures:
     from kernels import decode_attention
 
@@ -130,29 +160,22 @@ def sweep_decode(ctx: Context, shape: Shape, copy_gb_s: float) -> Figures:
             )  # fmt: skip
             cases.append((batch, context, splits, run))
     default = decode_attention.decode_tiles(s.dtype, s.head_dim, s.block_size, True)
-    results = []
-    for tiles in decode_candidates(ctx.cuda):
-        record: Figures = {"tiles": tiles._asdict(), "default": tiles == default}
-        results.append(record)
-        if ctx.left_s() < MIN_CASE_S:
-            record["skipped"] = "out of the part's time budget"
-            continue
-        with patched(decode_attention, "decode_tiles", tiles):
-            check = _try(ctx, lambda: check_decode(s, sz.kn_check_context_lens, dev))
-            record.update(correct=check["passed"], raised=check.get("raised", False))
-            if not check["passed"]:
-                record["error"] = check.get("error")
-                continue
-            for batch, context, splits, run in cases:
-                seconds = median_time_s(run, dev, reps=sz.kn_reps, warmup=3)
-                gb_s = s.kv_bytes(batch * context) / seconds / 1e9
-                record[f"b{batch}_c{context}"] = {
-                    "splits": splits,
-                    "time_us": round(seconds * 1e6, 1),
-                    "gb_s": sig(gb_s),
-                    "ratio_vs_copy": round(gb_s / copy_gb_s, 3),
-                }
-        ctx.log(f"tiles: decode {tuple(tiles)}: {_summary(record)}")
+
+    def measure(record: Figures) -> None:
+        for batch, context, splits, run in cases:
+            seconds = median_time_s(run, dev, reps=sz.kn_reps, warmup=3)
+            gb_s = s.kv_bytes(batch * context) / seconds / 1e9
+            record[f"b{batch}_c{context}"] = {
+                "splits": splits,
+                "time_us": round(seconds * 1e6, 1),
+                "gb_s": sig(gb_s),
+                "ratio_vs_copy": round(gb_s / copy_gb_s, 3),
+            }
+
+    results = _sweep(
+        ctx, "decode", decode_attention, "decode_tiles", decode_candidates(ctx.cuda), default,
+        lambda: check_decode(s, sz.kn_check_context_lens, dev), measure,
+    )  # fmt: skip
     del kv_layer
     free_memory(dev)
     return {"candidates": results, "best": _best(results, f"b{batches[-1]}_c{contexts[0]}")}
@@ -181,26 +204,16 @@ def sweep_prefill(ctx: Context, shape: Shape) -> Figures:
     flops = causal_flops(batch, chunk, prefix, s)
     group = s.num_q_heads // s.num_kv_heads
     default = prefill_attention.tiles_for(s.dtype, s.head_dim, group)
-    results = []
     key = f"b{batch}_n{chunk}_p{prefix}"
-    for tiles in prefill_candidates(ctx.cuda, group):
-        record: Figures = {"tiles": tiles._asdict(), "default": tiles == default}
-        results.append(record)
-        if ctx.left_s() < MIN_CASE_S:
-            record["skipped"] = "out of the part's time budget"
-            continue
-        with patched(prefill_attention, "tiles_for", tiles):
-            check = _try(ctx, lambda: check_prefill(s, sz.kn_check_chunks, dev))
-            record.update(correct=check["passed"], raised=check.get("raised", False))
-            if not check["passed"]:
-                record["error"] = check.get("error")
-                continue
-            seconds = median_time_s(run, dev, reps=sz.kn_reps, warmup=2)
-            record[key] = {
-                "time_ms": round(seconds * 1e3, 3),
-                "tflop_s": sig(flops / seconds / 1e12),
-            }
-        ctx.log(f"tiles: prefill {tuple(tiles)}: {_summary(record)}")
+
+    def measure(record: Figures) -> None:
+        seconds = median_time_s(run, dev, reps=sz.kn_reps, warmup=2)
+        record[key] = {"time_ms": round(seconds * 1e3, 3), "tflop_s": sig(flops / seconds / 1e12)}
+
+    results = _sweep(
+        ctx, "prefill", prefill_attention, "tiles_for", prefill_candidates(ctx.cuda, group),
+        default, lambda: check_prefill(s, sz.kn_check_chunks, dev), measure,
+    )  # fmt: skip
     del kv_layer
     free_memory(dev)
     return {"case": key, "candidates": results, "best": _best(results, key)}

@@ -63,3 +63,32 @@ def ptxas_usage(ptx: str, arch: int = 90) -> tuple[int, int]:
     spills = re.search(r"(\d+) bytes spill stores", report)
     assert registers and spills, report
     return int(registers.group(1)), int(spills.group(1))
+
+
+def compile_sm90(
+    kernel: object,
+    signature: dict[str, str],
+    constants: dict[str, object],
+    attrs: dict[tuple[int, ...], list[list[object]]] | None = None,
+    **options: object,
+) -> object:
+    """`kernel` compiled for sm_90 (an H100/H200) by Triton's own LLVM and ptxas, no GPU
+    needed. For the LOWER scripts `assert_lowers` runs: exits 3 (skip) when this Triton
+    cannot target CUDA."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile
+    except ImportError as exc:
+        print(exc)
+        sys.exit(3)
+    try:
+        return compile(
+            ASTSource(kernel, signature, constants, attrs or {}),
+            target=GPUTarget("cuda", 90, 32),
+            options=options,
+        )
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower():
+            print(exc)
+            sys.exit(3)
+        raise

@@ -334,34 +334,19 @@ import sys
 
 import torch
 
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-except ImportError as exc:
-    print(exc)
-    sys.exit(3)
-
 from kernels.decode_attention import (
     _MIN_DOT_DIM, _decode_reduce_kernel, _decode_split_kernel, decode_tiles,
 )
-from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 BUDGET = int(sys.argv[1])
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def build(kernel, signature, constants, attrs, num_warps):
-    try:
-        return compile(
-            ASTSource(kernel, signature, constants, attrs),
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=num_warps, enable_fp_fusion=True),
-        )
-    except RuntimeError as exc:
-        if "ptxas" in str(exc).lower():
-            print(exc)
-            sys.exit(3)
-        raise
+    return compile_sm90(
+        kernel, signature, constants, attrs, num_warps=num_warps, enable_fp_fusion=True
+    )
 
 
 names = _decode_split_kernel.arg_names

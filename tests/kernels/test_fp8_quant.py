@@ -54,16 +54,8 @@ def test_strided_rows_and_empty_batch() -> None:
 
 
 LOWER_SCRIPT = """
-import sys
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-except ImportError as exc:
-    print(exc)
-    sys.exit(3)
-
 from kernels.fp8_quant import _fp8_rows_kernel
-from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 for x in ("fp16", "bf16", "fp32"):
     for block, warps in ((1024, 4), (64, 1)):
@@ -74,18 +66,8 @@ for x in ("fp16", "bf16", "fp32"):
             for a in _fp8_rows_kernel.arg_names
         }
         names = ["x_ptr", "q_ptr", "stride_x", "stride_q"]
-        try:
-            compiled = compile(
-                ASTSource(_fp8_rows_kernel, signature, constants,
-                          aligned_attrs(_fp8_rows_kernel, names)),
-                target=GPUTarget("cuda", 90, 32),
-                options=dict(num_warps=warps),
-            )
-        except RuntimeError as exc:
-            if "ptxas" in str(exc).lower():
-                print(exc)
-                sys.exit(3)
-            raise
+        attrs = aligned_attrs(_fp8_rows_kernel, names)
+        compiled = compile_sm90(_fp8_rows_kernel, signature, constants, attrs, num_warps=warps)
         registers, spills = ptxas_usage(compiled.asm["ptx"])
         assert spills == 0, (x, block, registers, spills)
         assert "div.rn.f32" in compiled.asm["ptx"], "an IEEE division"

@@ -105,17 +105,8 @@ def test_rejects_bad_arguments() -> None:
 # wrapper's tiles, in a fresh interpreter without TRITON_INTERPRET. Exit code 3: this Triton
 # cannot target CUDA.
 LOWER_SCRIPT = r"""
-import sys
-
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-except ImportError as exc:
-    print(exc)
-    sys.exit(3)
-
 from kernels.fused_moe import _down_kernel, _gate_up_kernel, _tiles
-from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 POINTERS = {
     _gate_up_kernel: ("x_ptr", "w_ptr", "act_ptr"),
@@ -139,17 +130,10 @@ for kernel in (_gate_up_kernel, _down_kernel):
                 else:
                     signature[arg] = "i32"
             names = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride_")]
-            try:
-                compiled = compile(
-                    ASTSource(kernel, signature, constants, aligned_attrs(kernel, names)),
-                    target=GPUTarget("cuda", 90, 32),
-                    options=dict(num_warps=4 if block_m == 16 else 8, enable_fp_fusion=True),
-                )
-            except RuntimeError as exc:
-                if "ptxas" in str(exc).lower():
-                    print(exc)
-                    sys.exit(3)
-                raise
+            compiled = compile_sm90(
+                kernel, signature, constants, aligned_attrs(kernel, names),
+                num_warps=4 if block_m == 16 else 8, enable_fp_fusion=True,
+            )
             registers, spills = ptxas_usage(compiled.asm["ptx"])
             assert spills == 0, (kernel.fn.__name__, block_m, x, registers, spills)
             print(kernel.fn.__name__, block_m, x, registers, "registers ok")

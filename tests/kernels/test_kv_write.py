@@ -154,16 +154,8 @@ def test_rejects_bad_arguments(override: dict[str, torch.Tensor], match: str) ->
 # Compiles the kernel for sm_90 (Triton's own LLVM and ptxas, no GPU needed) in a fresh
 # interpreter without TRITON_INTERPRET. Exit code 3: this Triton cannot target CUDA.
 LOWER_SCRIPT = r"""
-import sys
-
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-except ImportError as exc:
-    print(exc)
-    sys.exit(3)
-
 from kernels.kv_write import _write_kv_kernel
+from tests.kernels.compile_check import compile_sm90
 
 # (k/v dtype, cache dtype): an fp8 cache quantizes 16-bit k/v on the way in.
 for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")):
@@ -183,17 +175,7 @@ for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf1
                 signature[name] = "fp32"
             else:
                 signature[name] = "i64" if name == "stride_c_block" else "i32"
-        try:
-            kernel = compile(
-                ASTSource(_write_kv_kernel, signature, constants),
-                target=GPUTarget("cuda", 90, 32),
-                options=dict(enable_fp_fusion=True),
-            )
-        except RuntimeError as exc:
-            if "ptxas" in str(exc).lower():
-                print(exc)
-                sys.exit(3)
-            raise
+        kernel = compile_sm90(_write_kv_kernel, signature, constants, enable_fp_fusion=True)
         assert "cubin" in kernel.asm
         print(dtype, cache, index, "ok")
 """

@@ -280,19 +280,10 @@ def test_rejects_bad_arguments(override: dict[str, object], match: str) -> None:
 # TRITON_INTERPRET, which swaps `triton.jit` for the interpreter. Exit code 3: this Triton
 # cannot target CUDA.
 LOWER_SCRIPT = r"""
-import sys
-
 import torch
 
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-except ImportError as exc:
-    print(exc)
-    sys.exit(3)
-
 from kernels.prefill_attention import _prefill_kernel, tiles_for
-from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 # Pointers and the q/out/cache strides are multiples of 16 in serving (a launch specialises
 # on that); the block table's row stride is not specialised, the others are 1.
@@ -333,17 +324,10 @@ for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf1
                 signature[name] = "fp32"
             else:
                 signature[name] = "i64" if name == "stride_c_block" else "i32"
-        try:
-            kernel = compile(
-                ASTSource(_prefill_kernel, signature, constants, ALIGNED),
-                target=GPUTarget("cuda", 90, 32),
-                options=dict(num_warps=tiles.num_warps, enable_fp_fusion=True),
-            )
-        except RuntimeError as exc:
-            if "ptxas" in str(exc).lower():
-                print(exc)
-                sys.exit(3)
-            raise
+        kernel = compile_sm90(
+            _prefill_kernel, signature, constants, ALIGNED,
+            num_warps=tiles.num_warps, enable_fp_fusion=True,
+        )
         ptx = kernel.asm["ptx"]
         assert "cp.async" in ptx, f"{dtype} {head_dim} {group}: the key loop is not pipelined"
         registers, spills = ptxas_usage(ptx)

@@ -198,19 +198,10 @@ def test_scaled_rejects_bad_arguments(override: dict[str, object], match: str) -
 # the wrapper's tiles, in a fresh interpreter without TRITON_INTERPRET. Exit code 3: this
 # Triton cannot target CUDA.
 LOWER_SCRIPT = r"""
-import sys
-
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-except ImportError as exc:
-    print(exc)
-    sys.exit(3)
-
 from kernels.quant_matmul import (
     G_IDX_BLOCK_K, _int4_matmul_kernel, _scaled_matmul_kernel, tiles_for,
 )
-from tests.kernels.compile_check import aligned_attrs, ptxas_usage
+from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 
 def build(kernel, constants, types, num_warps, name):
@@ -224,17 +215,9 @@ def build(kernel, constants, types, num_warps, name):
     # on that): without it, every pointer of a tile is computed in 64 bits, twice the registers.
     names = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride_")]
     aligned = aligned_attrs(kernel, [n for n in names if n != "stride_s"])
-    try:
-        compiled = compile(
-            ASTSource(kernel, signature, constants, aligned),
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=num_warps, enable_fp_fusion=True),
-        )
-    except RuntimeError as exc:
-        if "ptxas" in str(exc).lower():
-            print(exc)
-            sys.exit(3)
-        raise
+    compiled = compile_sm90(
+        kernel, signature, constants, aligned, num_warps=num_warps, enable_fp_fusion=True
+    )
     registers, spills = ptxas_usage(compiled.asm["ptx"])
     assert spills == 0, (name, registers, spills)
     print(name, registers, "registers ok")
