@@ -293,7 +293,8 @@ class TorchAttention:
         # matmul): the queries become a block-diagonal matrix, each query head's row holding
         # its values only in the columns of the KV head it reads (GQA: q head h reads kv head
         # h // group_size), zeros elsewhere. The zeros cost num_kv_heads x the (tiny) FLOPs
-        # and add exact zeros, so every score is the same number the per-head product gives.
+        # and add exact zeros, so every score is the per-head product's sum, in the order the
+        # CPU's GEMM sums it (bit for bit on an Intel Xeon; the last float32 bit on AMD EPYC).
         #   q_blocks[r, kv, g, kv', :] = q[r, kv * group_size + g, :] if kv == kv' else 0
         q_blocks = q.new_zeros(num_rows, num_kv_heads, group_size, num_kv_heads, head_dim)
         q_blocks.diagonal(dim1=1, dim2=3).copy_(
