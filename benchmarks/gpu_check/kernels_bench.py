@@ -141,26 +141,66 @@ def check_write_kv(shape: Shape, device: str, num_tokens: int = 37) -> Figures:
     return compare(cache, expected, atol=0.0, rtol=0.0)
 
 
-def check_decode(shape: Shape, context_lens: Sequence[int], device: str) -> Figures:
+def fp8_layer(kv_layer: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
+    """`kv_layer` (a layer view of a 2-layer cache) quantized into layer 1 of a new e4m3
+    cache with the scales (`quantize_kv_reference`): the strided view the engine hands the
+    kernels. NaN slots stay NaN. Written through uint8 views (plain byte copies)."""
+    from kernels.reference import quantize_kv_reference
+
+    num_blocks, _, block_size, heads, dim = kv_layer.shape
+    shape = (num_blocks, 2, 2, block_size, heads, dim)
+    cache = torch.zeros(shape, dtype=torch.uint8, device=kv_layer.device)
+    for i, scale in ((0, k_scale), (1, v_scale)):
+        cache[:, 1, i] = quantize_kv_reference(kv_layer[:, i], scale).view(torch.uint8)
+    return cache.view(torch.float8_e4m3fn)[:, 1]
+
+
+def kernel_cache(
+    kv_layer: torch.Tensor, kv_scales: tuple[float, float] | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(the cache the kernel reads, the values the reference reads, the kernel's scale
+    arguments): `kv_layer` itself, or with `kv_scales` its e4m3 copy and that dequantized."""
+    if kv_scales is None:
+        return kv_layer, kv_layer, {}
+    from kernels.reference import dequantize_kv_reference
+
+    kv8 = fp8_layer(kv_layer, *kv_scales)
+    values = dequantize_kv_reference(kv8, *kv_scales)  # float32, what the kernel reads
+    return kv8, values, {"k_scale": kv_scales[0], "v_scale": kv_scales[1]}
+
+
+def check_decode(
+    shape: Shape,
+    context_lens: Sequence[int],
+    device: str,
+    kv_scales: tuple[float, float] | None = None,
+) -> Figures:
+    """kv_scales: an e4m3 cache with these (K, V) scales."""
     from kernels.decode_attention import paged_decode_attention
     from kernels.reference import paged_attention
 
     s = shape
     kv_layer, tables = poisoned_case(s, context_lens, device)
+    cache, values, scales = kernel_cache(kv_layer, kv_scales)
     q = torch.randn(len(context_lens), s.num_q_heads, s.head_dim, device=device).to(s.dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    out = paged_decode_attention(q, kv_layer, tables, lens, s.scale)
+    out = paged_decode_attention(q, cache, tables, lens, s.scale, **scales)
     expected = torch.cat(
         [
-            paged_attention(q[r : r + 1], kv_layer, tables[r].tolist(), n, s.scale)
+            paged_attention(q[r : r + 1], values, tables[r].tolist(), n, s.scale)
             for r, n in enumerate(context_lens)
         ]
     )
     return compare(out, expected, *TOLERANCES[s.dtype])
 
 
-def check_prefill(shape: Shape, chunks: Sequence[tuple[int, int]], device: str) -> Figures:
-    """chunks: (new tokens, context including them) per request."""
+def check_prefill(
+    shape: Shape,
+    chunks: Sequence[tuple[int, int]],
+    device: str,
+    kv_scales: tuple[float, float] | None = None,
+) -> Figures:
+    """chunks: (new tokens, context including them) per request; kv_scales as decode's."""
     from kernels.prefill_attention import paged_prefill_attention
     from kernels.reference import paged_attention
 
@@ -168,20 +208,22 @@ def check_prefill(shape: Shape, chunks: Sequence[tuple[int, int]], device: str) 
     news = [n for n, _ in chunks]
     contexts = [c for _, c in chunks]
     kv_layer, tables = poisoned_case(s, contexts, device)
+    cache, values, scales = kernel_cache(kv_layer, kv_scales)
     q = torch.randn(sum(news), s.num_q_heads, s.head_dim, device=device).to(s.dtype)
     starts = [0, *torch.tensor(news).cumsum(0).tolist()]
     out = paged_prefill_attention(
         q,
-        kv_layer,
+        cache,
         tables,
         torch.tensor(starts, dtype=torch.int32, device=device),
         torch.tensor(contexts, dtype=torch.int32, device=device),
         max(news),
         s.scale,
+        **scales,
     )
     expected = torch.cat(
         [
-            paged_attention(q[starts[r] : starts[r + 1]], kv_layer, tables[r].tolist(), c, s.scale)
+            paged_attention(q[starts[r] : starts[r + 1]], values, tables[r].tolist(), c, s.scale)
             for r, c in enumerate(contexts)
         ]
     )

@@ -68,11 +68,11 @@ from .e2e_bench import (
     weights_dir,
 )
 from .kernels_bench import (
-    TOLERANCES,
     Shape,
     cdiv,
+    check_decode,
+    check_prefill,
     compare,
-    poisoned_case,
     sig,
     use_interpreter,
 )
@@ -85,6 +85,7 @@ WEIGHT_STD = 0.02  # Llama's initializer range
 # test_quant_matmul.py's bf16 tolerance (output rounding plus fp32 summation order).
 LINEAR_TOLERANCE = (4e-2, 2e-2)
 K_SCALE, V_SCALE = 0.5, 0.25  # the FP8 KV scales of tests/kernels/test_fp8_kv_kernels.py
+KV_SCALES = (K_SCALE, V_SCALE)
 FP8 = torch.float8_e4m3fn
 MIN_CASE_S = 5.0  # a timed linear case starts only with this much of the budget left
 MIN_ENGINE_S = 20.0  # an engine (load, warm-up, measure) starts only with this much left
@@ -186,20 +187,6 @@ def check_linear(scheme: str, ctx: Context) -> Figures:
     return record
 
 
-def fp8_layer(kv_layer: torch.Tensor) -> torch.Tensor:
-    """`kv_layer` (a layer view of a 2-layer cache) quantized into layer 1 of a new e4m3
-    cache with K_SCALE / V_SCALE (`quantize_kv_reference`): the strided view the engine hands
-    the kernels. NaN slots stay NaN. Written through uint8 views (plain byte copies)."""
-    from kernels.reference import quantize_kv_reference
-
-    num_blocks, _, block_size, heads, dim = kv_layer.shape
-    shape = (num_blocks, 2, 2, block_size, heads, dim)
-    cache = torch.zeros(shape, dtype=torch.uint8, device=kv_layer.device)
-    for i, scale in ((0, K_SCALE), (1, V_SCALE)):
-        cache[:, 1, i] = quantize_kv_reference(kv_layer[:, i], scale).view(torch.uint8)
-    return cache.view(FP8)[:, 1]
-
-
 def check_fp8_write_kv(shape: Shape, device: str, num_tokens: int = 37) -> Figures:
     from kernels.kv_write import write_kv
     from kernels.reference import quantize_kv_reference
@@ -223,58 +210,6 @@ def check_fp8_write_kv(shape: Shape, device: str, num_tokens: int = 37) -> Figur
         "bytes_differing": wrong,
         "error": None if wrong == 0 else f"{wrong} stored bytes differ from the reference",
     }
-
-
-def check_fp8_decode(shape: Shape, context_lens: tuple[int, ...], device: str) -> Figures:
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.reference import dequantize_kv_reference, paged_attention
-
-    s = shape
-    kv_layer, tables = poisoned_case(s, context_lens, device)
-    kv8 = fp8_layer(kv_layer)
-    values = dequantize_kv_reference(kv8, K_SCALE, V_SCALE)  # float32, what the kernel reads
-    q = torch.randn(len(context_lens), s.num_q_heads, s.head_dim, device=device).to(s.dtype)
-    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    out = paged_decode_attention(q, kv8, tables, lens, s.scale, k_scale=K_SCALE, v_scale=V_SCALE)
-    expected = torch.cat(
-        [
-            paged_attention(q[r : r + 1], values, tables[r].tolist(), n, s.scale)
-            for r, n in enumerate(context_lens)
-        ]
-    )
-    return compare(out, expected, *TOLERANCES[s.dtype])
-
-
-def check_fp8_prefill(shape: Shape, chunks: tuple[tuple[int, int], ...], device: str) -> Figures:
-    from kernels.prefill_attention import paged_prefill_attention
-    from kernels.reference import dequantize_kv_reference, paged_attention
-
-    s = shape
-    news = [n for n, _ in chunks]
-    contexts = [c for _, c in chunks]
-    kv_layer, tables = poisoned_case(s, contexts, device)
-    kv8 = fp8_layer(kv_layer)
-    values = dequantize_kv_reference(kv8, K_SCALE, V_SCALE)
-    q = torch.randn(sum(news), s.num_q_heads, s.head_dim, device=device).to(s.dtype)
-    starts = [0, *torch.tensor(news).cumsum(0).tolist()]
-    out = paged_prefill_attention(
-        q,
-        kv8,
-        tables,
-        torch.tensor(starts, dtype=torch.int32, device=device),
-        torch.tensor(contexts, dtype=torch.int32, device=device),
-        max(news),
-        s.scale,
-        k_scale=K_SCALE,
-        v_scale=V_SCALE,
-    )
-    expected = torch.cat(
-        [
-            paged_attention(q[starts[r] : starts[r + 1]], values, tables[r].tolist(), c, s.scale)
-            for r, c in enumerate(contexts)
-        ]
-    )
-    return compare(out, expected, *TOLERANCES[s.dtype])
 
 
 # -- 2. the linear's speed ------------------------------------------------------------------
@@ -522,8 +457,8 @@ def check_quant(ctx: Context) -> Figures:
     )
     checks: dict[str, Callable[[], Figures]] = {
         "write_kv": lambda: check_fp8_write_kv(shape, dev),
-        "decode": lambda: check_fp8_decode(shape, sz.kn_check_context_lens, dev),
-        "prefill": lambda: check_fp8_prefill(shape, sz.kn_check_chunks, dev),
+        "decode": lambda: check_decode(shape, sz.kn_check_context_lens, dev, KV_SCALES),
+        "prefill": lambda: check_prefill(shape, sz.kn_check_chunks, dev, KV_SCALES),
     }
     kv: Figures = {
         "shape": {**shape._asdict(), "dtype": sz.kn_dtype},
