@@ -1,14 +1,16 @@
-"""Tensor parallelism on the CPU (issue 29): one engine of 1 rank vs one of 2 (gloo), same
-weights, same run, alternating, on the `small` tiny model and the default model
-(SmolLM2-135M-Instruct, when converted under ~/.cache/tandem/models).
+"""Tensor parallelism on the CPU (issue 29): one engine of 1 rank vs two of 2 (gloo; exact
+sums and Megatron's split), same weights, same run, alternating, on the `small` tiny model
+and the default model (SmolLM2-135M-Instruct, when converted under ~/.cache/tandem/models).
 
     .venv/bin/python benchmarks/bench_tensor_parallel.py [--dtype auto] [--reps 3]
 
 - batch-1 decode: a 32-token prompt, 64 greedy tokens; ms per decode step (median of every
   decode step of every rep);
 - batch 8: 8 such requests at once, generated tokens per second of wall time;
-- whether the greedy tokens of both engines agree (they must in float32; bfloat16 rounds
-  the partial sums of the all-reduces differently from one full matmul).
+- whether the greedy tokens agree with one rank's: two ranks run twice, with exact sums
+  (o and down split by their outputs, the CPU's default: one rank's logits bit for bit in
+  any dtype) and with Megatron's all-reduced partial sums (CUDA's split: float32 agrees to
+  1e-5, bfloat16 rounds the sums differently from one full matmul).
 
 Each engine gets the host's threads shared out (tandem.engine.ranks.threads_per_rank: on 2
 cores, 2 threads at 1 rank and 1 per rank at 2). Writes
@@ -60,41 +62,52 @@ def decode_step_ms(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[fl
     return steps, len(prompts) * NEW_TOKENS / elapsed, [list(r.output_token_ids) for r in requests]
 
 
+# (label, ranks, EngineConfig.tp_exact_sums): one rank; two with o and down split by their
+# outputs (the CPU's default: exact); two with Megatron's all-reduced partial sums.
+VARIANTS = (("tp1", 1, None), ("tp2", 2, True), ("tp2_megatron", 2, False))
+
+
 def bench_model(name: str, model_dir: Path, dtype: str, reps: int) -> dict[str, Any]:
     engines = {
-        tp: LLMEngine(
+        label: LLMEngine(
             EngineConfig(
                 str(model_dir),
                 dtype=dtype,
                 tensor_parallel_size=tp,
+                tp_exact_sums=exact,
                 cache=CacheConfig(kv_cache_bytes=64 << 20),
             )
         )  # fmt: skip
-        for tp in (1, 2)
+        for label, tp, exact in VARIANTS
     }
-    vocab = engines[1].model.config.vocab_size
+    vocab = engines["tp1"].model.config.vocab_size
     prompts = [[(17 * i + 31 * j) % vocab for j in range(PROMPT_TOKENS)] for i in range(BATCH)]
     for engine in engines.values():
         engine.warm_up()
-    steps: dict[int, list[float]] = {1: [], 2: []}
-    rates: dict[int, list[float]] = {1: [], 2: []}
-    tokens: dict[int, list] = {}
+    steps: dict[str, list[float]] = {label: [] for label in engines}
+    rates: dict[str, list[float]] = {label: [] for label in engines}
+    tokens: dict[str, list] = {}
     for _ in range(reps):
-        for tp, engine in engines.items():  # alternating: both see the same load
+        for label, engine in engines.items():  # alternating: all see the same load
             s, _, out = decode_step_ms(engine, prompts[:1])
-            steps[tp] += s
+            steps[label] += s
             _, rate, batch_out = decode_step_ms(engine, prompts)
-            rates[tp].append(rate)
-            tokens[tp] = out + batch_out
+            rates[label].append(rate)
+            tokens[label] = out + batch_out
     for engine in engines.values():
         engine.close()
-    agree = sum(a == b for a, b in zip(tokens[1], tokens[2], strict=True))
+    agree = {
+        label: f"{sum(a == b for a, b in zip(tokens['tp1'], tokens[label], strict=True))} of "
+        f"{len(tokens['tp1'])}"
+        for label in engines
+        if label != "tp1"
+    }
     return {
         "model": name,
-        "dtype": engines[1].config.resolved_dtype,
-        "decode_ms_per_token_b1": {tp: statistics.median(s) for tp, s in steps.items()},
-        "tokens_per_s_b8": {tp: statistics.median(r) for tp, r in rates.items()},
-        "greedy_identical": f"{agree} of {len(tokens[1])}",
+        "dtype": engines["tp1"].config.resolved_dtype,
+        "decode_ms_per_token_b1": {label: statistics.median(s) for label, s in steps.items()},
+        "tokens_per_s_b8": {label: statistics.median(r) for label, r in rates.items()},
+        "greedy_identical_to_tp1": agree,
     }
 
 
@@ -114,14 +127,23 @@ def main() -> None:
     out = result_path(RESULTS_DIR, "tensor_parallel", f"-{args.dtype}")
     write_json(out, {"machine": info, "results": results}, indent=2)
     print(f"({machine_summary(info)})\n")
-    print("| model | dtype | batch-1 decode ms/token, TP=1 / TP=2 | batch-8 tokens/s, TP=1 / "
-          "TP=2 | greedy outputs identical |")  # fmt: skip
+    three = "TP=1 / TP=2 / TP=2 Megatron"
+    print(
+        f"| model | dtype | batch-1 decode ms/token, {three} | batch-8 tokens/s, {three} | "
+        "greedy outputs as TP=1's, TP=2 / Megatron |"
+    )
     print("|---|---|---|---|---|")
     for r in results:
-        ms, tps = r["decode_ms_per_token_b1"], r["tokens_per_s_b8"]
+        ms, tps, same = (
+            r["decode_ms_per_token_b1"],
+            r["tokens_per_s_b8"],
+            r["greedy_identical_to_tp1"],
+        )
+        labels = [label for label, _, _ in VARIANTS]
         print(
-            f"| {r['model']} | {r['dtype']} | {ms[1]:.1f} / {ms[2]:.1f} | "
-            f"{tps[1]:.1f} / {tps[2]:.1f} | {r['greedy_identical']} |"
+            f"| {r['model']} | {r['dtype']} | {' / '.join(f'{ms[k]:.1f}' for k in labels)} | "
+            f"{' / '.join(f'{tps[k]:.1f}' for k in labels)} | {same['tp2']} / "
+            f"{same['tp2_megatron']} |"
         )
 
 

@@ -134,6 +134,11 @@ class EngineConfig:
         replicate_attention: with tensor_parallel_size > 1, every rank computes every
             attention head (no all-reduce after o; each rank's KV cache holds every head):
             expert parallelism without TP attention.
+        tp_exact_sums: with tensor_parallel_size > 1, split o and down by their outputs
+            and gather their inputs (`tandem.model.sharding.Shard.exact_sums`): outputs
+            bit-identical to one rank's, two all-gathers per matrix instead of one
+            all-reduce. None: on a CPU yes (gloo over loopback), on CUDA no (Megatron's
+            all-reduce over NVLink).
     """
 
     model_dir: str
@@ -151,6 +156,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     replicate_attention: bool = False
+    tp_exact_sums: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -65,6 +65,11 @@ def shard_for(config: EngineConfig, rank: int) -> Shard:
         config.tensor_parallel_size,
         expert_parallel=config.expert_parallel,
         replicate_attention=config.replicate_attention,
+        exact_sums=(
+            torch.device(config.device).type == "cpu"
+            if config.tp_exact_sums is None
+            else config.tp_exact_sums
+        ),
     )
 
 

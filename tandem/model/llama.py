@@ -14,6 +14,7 @@ the model's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from tandem.model.quant_linear import (
     quant_matmul,
 )
 from tandem.model.rope import RotaryEmbedding, apply_rotary
+from tandem.model.sharding import hidden_columns
 
 if TYPE_CHECKING:
     from tandem.model.parallel import TPGroup
@@ -140,19 +142,30 @@ class LlamaModel:
             and dtype in (torch.bfloat16, torch.float16)
             and weights.embed.device.type == "cpu"
         )
+        # o and down split by their outputs (Shard.exact_sums) or Megatron's by their inputs
+        self._exact = self.tp is not None and self.tp.shard.exact_sums
         self._reduce_o = self.tp is not None and not self.tp.shard.replicate_attention
+        split = self._pack if self._exact else self._pack_row_parallel
         for lw in weights.layers:
             lw.qkv = self._pack(lw.qkv, dtype)
-            lw.o = (
-                self._pack_row_parallel(lw.o, dtype) if self._reduce_o else self._pack(lw.o, dtype)
-            )
+            lw.o = split(lw.o, dtype) if self._reduce_o else self._pack(lw.o, dtype)
             if lw.moe is not None and self.reduce_f32:
                 lw.moe.down = lw.moe.down.float()
             if lw.gate_up is not None and lw.down is not None:
-                lw.gate_up, lw.down = (
-                    self._pack(lw.gate_up, dtype),
-                    self._pack_row_parallel(lw.down, dtype),
-                )
+                lw.gate_up, lw.down = self._pack(lw.gate_up, dtype), split(lw.down, dtype)
+        # exact_sums: every rank's widths of what is gathered (attention's heads, the MLP's
+        # intermediate columns, o's and down's output columns)
+        self._widths: tuple[tuple[int, ...], ...] = ()
+        if self.tp is not None and self._exact:
+            shard = self.tp.shard
+            ranks = [dataclasses.replace(shard, rank=r) for r in range(shard.size)]
+            local = [config.num_q_heads * config.head_dim, config.intermediate_size]
+            gathered = self.tp.gather_ints(local, str(weights.embed.device))
+            self._widths = (
+                tuple(g[0] for g in gathered),
+                tuple(g[1] for g in gathered),
+                tuple(len(hidden_columns(config, s)) for s in ranks),
+            )
         if matmul is not MatmulKind.PLAIN:
             weights.lm_head = pack(weights.lm_head, matmul)
         self.weights = weights
@@ -213,6 +226,14 @@ class LlamaModel:
             return self.tp.all_reduce(xf @ w).to(x.dtype)
         return self.tp.all_reduce(matmul(x, w, self.matmul).float()).to(x.dtype)
 
+    def _output_split(self, x: torch.Tensor, w: Weight, widths: tuple[int, ...]) -> torch.Tensor:
+        """x [n, widths[rank]] (this rank's heads or intermediate columns) times a matrix
+        split by its outputs (Shard.exact_sums): the ranks' inputs gathered whole, this
+        rank's output columns computed over all of it, the ranks' columns gathered."""
+        assert self.tp is not None
+        whole = self.tp.all_gather_columns(x, widths)
+        return self.tp.all_gather_columns(matmul(whole, w, self.matmul), self._widths[2])
+
     def _pack(self, w: Weight, dtype: torch.dtype) -> Weight:
         if isinstance(w, QuantizedWeight):
             return pack_quantized(w, dtype, self.workspace)
@@ -261,7 +282,9 @@ class LlamaModel:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
             attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
-            if self._reduce_o:  # row-parallel: each rank's heads' share of the sum
+            if self._exact and self._reduce_o:  # every head's output, this rank's columns
+                o = self._output_split(attn.reshape(n, self._q_size), lw.o, self._widths[0])
+            elif self._reduce_o:  # row-parallel: each rank's heads' share of the sum
                 o = self._row_parallel(attn.reshape(n, self._q_size), lw.o)
             else:
                 o = matmul(attn.reshape(n, self._q_size), lw.o, mm)
@@ -279,7 +302,9 @@ class LlamaModel:
                 assert lw.gate_up is not None and lw.down is not None
                 gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
                 act = F.silu(gate) * up
-                if self.tp is not None:
+                if self._exact:
+                    pending = self._output_split(act, lw.down, self._widths[1])
+                elif self.tp is not None:
                     pending = self._row_parallel(act, lw.down)
                 else:
                     pending = matmul(act, lw.down, mm)

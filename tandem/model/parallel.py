@@ -70,6 +70,26 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
+    def all_gather_columns(self, x: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
+        """[rows, widths[rank]] on every rank -> [rows, sum(widths)], rank 0's columns
+        first. Uneven widths travel padded to the widest (gloo gathers equal shapes)."""
+        widest = max(widths)
+        x = x.contiguous()
+        if x.shape[-1] < widest:
+            x = torch.nn.functional.pad(x, (0, widest - x.shape[-1]))
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x)
+        if widest == min(widths):
+            return torch.cat(parts, dim=-1)
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths, strict=True)], dim=-1)
+
+    def gather_ints(self, values: list[int], device: str) -> list[list[int]]:
+        """Every rank's `values` (the same count on each), by rank."""
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t)
+        return [p.tolist() for p in parts]
+
     def min_int(self, value: int, device: str) -> int:
         """The smallest of every rank's `value` (e.g. the KV blocks each rank's device can
         hold: the group serves with the least)."""

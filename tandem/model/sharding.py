@@ -10,6 +10,8 @@ holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
     o       row-parallel: the input rows of rank r's q heads; one all-reduce after it
     gate/up column-parallel: intermediate columns [r*I//T, (r+1)*I//T)
     down    row-parallel: the same intermediate rows; one all-reduce after it
+            (`Shard.exact_sums`: o and down split by their outputs instead, hidden columns
+            [r*H//T, (r+1)*H//T); their inputs and outputs all-gathered)
     experts (mixture of experts) each expert as the MLP: its gate/up columns and down rows
             [r*I'//T, (r+1)*I'//T) of its I' = moe_intermediate_size; or, with expert
             parallelism (`Shard.expert_parallel`, EP = T), experts [r*E//T, (r+1)*E//T)
@@ -41,12 +43,21 @@ class Shard:
     """One rank of a tensor-parallel group of `size` ranks; `expert_parallel`: a mixture of
     experts' experts are split whole among the ranks (EP = size), not each expert's
     columns; `replicate_attention`: every rank computes every head (attention not split,
-    no all-reduce after o; its KV cache holds every head)."""
+    no all-reduce after o; its KV cache holds every head).
+
+    `exact_sums`: o and a dense MLP's down are split by their output columns, not their
+    inputs: each rank gathers the whole input (the ranks' heads / intermediate columns),
+    computes its outputs' whole dot products and the outputs are gathered. Every sum is
+    then one GEMM's over the whole input, as at one rank, so the forward equals one rank's
+    bit for bit in any dtype (partial sums added after their GEMMs round differently);
+    the price is two all-gathers per matrix where Megatron's split has one all-reduce.
+    Sparse layers' experts keep the all-reduce."""
 
     rank: int
     size: int
     expert_parallel: bool = False
     replicate_attention: bool = False
+    exact_sums: bool = False
 
     def __post_init__(self) -> None:
         if self.size <= 0 or not 0 <= self.rank < self.size:
@@ -118,6 +129,12 @@ def kv_heads(config: ModelConfig, shard: Shard) -> range:
 def intermediate(config: ModelConfig, shard: Shard) -> range:
     """The MLP's intermediate columns rank `shard.rank` computes."""
     return _part(config.intermediate_size, shard)
+
+
+def hidden_columns(config: ModelConfig, shard: Shard) -> range:
+    """The hidden columns of o's and down's outputs rank `shard.rank` computes
+    (`Shard.exact_sums`)."""
+    return _part(config.hidden_size, shard)
 
 
 def expert_intermediate(config: ModelConfig, shard: Shard) -> range:
@@ -197,6 +214,9 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
     mlp_part = intermediate(config, shard)
     inter = (mlp_part.start, mlp_part.stop)
     vocab = vocab_rows(config, shard)
+    exact = shard.exact_sums
+    hidden = hidden_columns(config, shard)
+    out = (hidden.start, hidden.stop)
     slices: dict[str, TensorSlice] = {}
     for i in range(config.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -208,7 +228,7 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
                 slices[attn + "q_proj.bias"] = TensorSlice(0, *qs)
                 slices[attn + "k_proj.bias"] = TensorSlice(0, *kvs)
                 slices[attn + "v_proj.bias"] = TensorSlice(0, *kvs)
-            slices[attn + "o_proj.weight"] = TensorSlice(1, *qs)
+            slices[attn + "o_proj.weight"] = TensorSlice(0, *out) if exact else TensorSlice(1, *qs)
         if config.moe is not None and i in config.moe.sparse_layers:
             part = expert_intermediate(config, shard)
             if shard.expert_parallel:  # its own experts whole
@@ -221,7 +241,7 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
             continue
         slices[mlp + "gate_proj.weight"] = TensorSlice(0, *inter)
         slices[mlp + "up_proj.weight"] = TensorSlice(0, *inter)
-        slices[mlp + "down_proj.weight"] = TensorSlice(1, *inter)
+        slices[mlp + "down_proj.weight"] = TensorSlice(0, *out) if exact else TensorSlice(1, *inter)
     slices["model.embed_tokens.weight"] = TensorSlice(0, vocab.start, vocab.stop)
     if not config.tie_word_embeddings:
         slices["lm_head.weight"] = TensorSlice(0, vocab.start, vocab.stop)

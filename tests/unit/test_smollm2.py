@@ -181,3 +181,43 @@ def test_more_prompts_match_transformers_batched(
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ours = [c.token_ids for c in engine.generate(prompts, greedy)]  # one batch
     assert ours == [_hf_greedy(hf_model, p, 16) for p in prompts]
+
+
+def test_tp2_bfloat16_answers_as_one_rank(
+    smollm2: tuple[Path, Path], engine_factory: Callable[..., Any], tokenizer: Tokenizer
+) -> None:
+    """`tandem up --tp 2`'s engines on the default model: two ranks (gloo, exact sums: o and
+    down split by their outputs) give one rank's bfloat16 logits bit for bit, so the same
+    greedy answers; Megatron's all-reduced partial sums parted on some of these."""
+    model_dir, _ = smollm2
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain in two sentences why the sky is blue.",
+        "Name the planets of the solar system in order.",
+    ]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": q}])[0] for q in questions]
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        engine = engine_factory(model_dir, dtype="bfloat16", tensor_parallel_size=tp)
+        logits: list[torch.Tensor] = []
+        inner = engine.runner.sampler
+
+        def record(
+            batch: torch.Tensor, rows: list[Any], inner: Any = inner, logits: Any = logits
+        ) -> Any:
+            logits.append(batch.clone())
+            return inner(batch, rows)
+
+        engine.runner.sampler = record
+        done = engine.generate(prompts, greedy)
+        engine.runner.sampler = inner
+        runs.append(([c.token_ids for c in done], logits))
+        if tp == 2:
+            engine.close()
+    (one, one_logits), (two, two_logits) = runs
+    assert two == one
+    assert len(two_logits) == len(one_logits)
+    assert all(torch.equal(a, b) for a, b in zip(one_logits, two_logits, strict=True))
+    assert tokenizer.decode(two[0]).startswith("The capital of France is Paris")
