@@ -68,43 +68,46 @@ VARIANTS = (("tp1", 1, None), ("tp2", 2, True), ("tp2_megatron", 2, False))
 
 
 def bench_model(name: str, model_dir: Path, dtype: str, reps: int) -> dict[str, Any]:
-    engines = {
-        label: LLMEngine(
-            EngineConfig(
-                str(model_dir),
-                dtype=dtype,
-                tensor_parallel_size=tp,
-                tp_exact_sums=exact,
-                cache=CacheConfig(kv_cache_bytes=64 << 20),
-            )
-        )  # fmt: skip
-        for label, tp, exact in VARIANTS
-    }
-    vocab = engines["tp1"].model.config.vocab_size
+    def engine(tp: int, exact: bool | None) -> LLMEngine:
+        config = EngineConfig(
+            str(model_dir),
+            dtype=dtype,
+            tensor_parallel_size=tp,
+            tp_exact_sums=exact,
+            cache=CacheConfig(kv_cache_bytes=64 << 20),
+        )
+        built = LLMEngine(config)
+        built.warm_up()
+        return built
+
+    one = engine(1, None)
+    vocab = one.model.config.vocab_size
     prompts = [[(17 * i + 31 * j) % vocab for j in range(PROMPT_TOKENS)] for i in range(BATCH)]
-    for engine in engines.values():
-        engine.warm_up()
-    steps: dict[str, list[float]] = {label: [] for label in engines}
-    rates: dict[str, list[float]] = {label: [] for label in engines}
+    labels = [label for label, _, _ in VARIANTS]
+    steps: dict[str, list[float]] = {label: [] for label in labels}
+    rates: dict[str, list[float]] = {label: [] for label in labels}
     tokens: dict[str, list] = {}
-    for _ in range(reps):
-        for label, engine in engines.items():  # alternating: all see the same load
-            s, _, out = decode_step_ms(engine, prompts[:1])
-            steps[label] += s
-            _, rate, batch_out = decode_step_ms(engine, prompts)
-            rates[label].append(rate)
-            tokens[label] = out + batch_out
-    for engine in engines.values():
-        engine.close()
+    # One process holds one tensor-parallel group at a time (torch.distributed's default
+    # group): each two-rank variant in turn, alternating with the one rank throughout.
+    for label, tp, exact in VARIANTS[1:]:
+        two = engine(tp, exact)
+        for _ in range(reps):
+            for key, e in (("tp1", one), (label, two)):  # alternating: the same load
+                s, _, out = decode_step_ms(e, prompts[:1])
+                steps[key] += s
+                _, rate, batch_out = decode_step_ms(e, prompts)
+                rates[key].append(rate)
+                tokens[key] = out + batch_out
+        two.close()
+    one.close()
     agree = {
         label: f"{sum(a == b for a, b in zip(tokens['tp1'], tokens[label], strict=True))} of "
         f"{len(tokens['tp1'])}"
-        for label in engines
-        if label != "tp1"
+        for label in labels[1:]
     }
     return {
         "model": name,
-        "dtype": engines["tp1"].config.resolved_dtype,
+        "dtype": one.config.resolved_dtype,
         "decode_ms_per_token_b1": {label: statistics.median(s) for label, s in steps.items()},
         "tokens_per_s_b8": {label: statistics.median(r) for label, r in rates.items()},
         "greedy_identical_to_tp1": agree,

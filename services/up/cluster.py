@@ -150,6 +150,8 @@ class Cluster:
             str(cfg.expert_parallel).lower(),
             "--replicate-attention",
             str(cfg.replicate_attention).lower(),
+            "--tp-exact-sums",
+            "none" if cfg.tp_exact_sums is None else str(cfg.tp_exact_sums).lower(),
         ]
         started = [
             self._spawn_worker(role)

@@ -129,6 +129,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "tensor_parallel_size": ("2", 2),
     "expert_parallel": ("true", True),
     "replicate_attention": ("true", True),
+    "tp_exact_sums": ("false", False),
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("32", 32),
     "disagg_min_uncached_tokens": ("0", 0),
