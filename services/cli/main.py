@@ -163,6 +163,9 @@ ENGINE_FLAGS = (
     "kv_cache_bytes",
     "gpu_memory_utilization",
     "tensor_parallel_size",
+    "expert_parallel",
+    "replicate_attention",
+    "tp_exact_sums",
 )
 
 
@@ -206,6 +209,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             quantization_group_size=args.quantization_group_size,
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,
+            expert_parallel=args.expert_parallel,
+            replicate_attention=args.replicate_attention,
+            tp_exact_sums=args.tp_exact_sums,
             cache=CacheConfig(
                 kv_cache_bytes=kv_cache_bytes(args),
                 gpu_memory_utilization=args.gpu_memory_utilization,

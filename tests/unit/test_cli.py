@@ -369,13 +369,15 @@ def test_generate_shares_the_engine_flags_of_up(
 
     shared = option_help("generate")
     assert sorted(shared) == [
-        "--device", "--dtype", "--gpu-memory-utilization", "--kv-cache-bytes",
-        "--kv-cache-dtype", "--kv-cache-mb", "--quantization", "--quantization-group-size",
-        "--tensor-parallel-size",
+        "--device", "--dtype", "--expert-parallel", "--gpu-memory-utilization",
+        "--kv-cache-bytes", "--kv-cache-dtype", "--kv-cache-mb", "--quantization",
+        "--quantization-group-size", "--replicate-attention", "--tensor-parallel-size",
+        "--tp-exact-sums",
     ]  # fmt: skip
     assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
     argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",
-            "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8"]  # fmt: skip
+            "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8",
+            "--expert-parallel", "true", "--tp-exact-sums", "false"]  # fmt: skip
     up_env.setenv("TANDEM_DTYPE", "bfloat16")  # both read the variables
     engine = _engine_config(build_parser().parse_args(["generate", *argv, "--model", "m", "hi"]))
     assert engine == up_config(up_args(*argv, "--model", "m")).engine_config()
@@ -384,7 +386,11 @@ def test_generate_shares_the_engine_flags_of_up(
         "float16",
         3 << 20,
     )
-    assert engine.kv_cache_dtype == "fp8"
+    assert (engine.kv_cache_dtype, engine.expert_parallel, engine.tp_exact_sums) == (
+        "fp8",
+        True,
+        False,
+    )
     assert _engine_config(build_parser().parse_args(["generate", "hi"])).dtype == "bfloat16"
     with pytest.raises(SystemExit) as exc:
         _engine_config(build_parser().parse_args(["generate", "--gpu-memory-utilization", "2"]))
