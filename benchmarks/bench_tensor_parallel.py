@@ -1,6 +1,8 @@
-"""Tensor parallelism on the CPU (issue 29): one engine of 1 rank vs two of 2 (gloo; exact
-sums and Megatron's split), same weights, same run, alternating, on the `small` tiny model
-and the default model (SmolLM2-135M-Instruct, when converted under ~/.cache/tandem/models).
+"""Tensor parallelism on the CPU (issue 29): one engine of 1 rank vs engines of 2 (exact sums
+and Megatron's split; the collectives through shared memory, and exact sums once more over
+gloo alone, `TANDEM_TP_SHM=0`), same weights, same run, alternating, on the `small` tiny
+model and the default model (SmolLM2-135M-Instruct, when converted under
+~/.cache/tandem/models).
 
     .venv/bin/python benchmarks/bench_tensor_parallel.py [--dtype auto] [--reps 3]
 
@@ -20,6 +22,7 @@ benchmarks/results/tensor_parallel-<dtype>.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -62,13 +65,20 @@ def decode_step_ms(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[fl
     return steps, len(prompts) * NEW_TOKENS / elapsed, [list(r.output_token_ids) for r in requests]
 
 
-# (label, ranks, EngineConfig.tp_exact_sums): one rank; two with o and down split by their
-# outputs (the CPU's default: exact); two with Megatron's all-reduced partial sums.
-VARIANTS = (("tp1", 1, None), ("tp2", 2, True), ("tp2_megatron", 2, False))
+# (label, ranks, EngineConfig.tp_exact_sums, collectives through shared memory): one rank;
+# two with o and down split by their outputs (the CPU's default: exact), the same over gloo
+# alone, and two with Megatron's all-reduced partial sums.
+VARIANTS = (
+    ("tp1", 1, None, True),
+    ("tp2", 2, True, True),
+    ("tp2_gloo", 2, True, False),
+    ("tp2_megatron", 2, False, True),
+)
 
 
 def bench_model(name: str, model_dir: Path, dtype: str, reps: int) -> dict[str, Any]:
-    def engine(tp: int, exact: bool | None) -> LLMEngine:
+    def engine(tp: int, exact: bool | None, shm: bool = True) -> LLMEngine:
+        os.environ["TANDEM_TP_SHM"] = "1" if shm else "0"  # read as the ranks' group forms
         config = EngineConfig(
             str(model_dir),
             dtype=dtype,
@@ -83,14 +93,14 @@ def bench_model(name: str, model_dir: Path, dtype: str, reps: int) -> dict[str, 
     one = engine(1, None)
     vocab = one.model.config.vocab_size
     prompts = [[(17 * i + 31 * j) % vocab for j in range(PROMPT_TOKENS)] for i in range(BATCH)]
-    labels = [label for label, _, _ in VARIANTS]
+    labels = [label for label, *_ in VARIANTS]
     steps: dict[str, list[float]] = {label: [] for label in labels}
     rates: dict[str, list[float]] = {label: [] for label in labels}
     tokens: dict[str, list] = {}
     # One process holds one tensor-parallel group at a time (torch.distributed's default
     # group): each two-rank variant in turn, alternating with the one rank throughout.
-    for label, tp, exact in VARIANTS[1:]:
-        two = engine(tp, exact)
+    for label, tp, exact, shm in VARIANTS[1:]:
+        two = engine(tp, exact, shm)
         for _ in range(reps):
             for key, e in (("tp1", one), (label, two)):  # alternating: the same load
                 s, _, out = decode_step_ms(e, prompts[:1])
@@ -130,10 +140,10 @@ def main() -> None:
     out = result_path(RESULTS_DIR, "tensor_parallel", f"-{args.dtype}")
     write_json(out, {"machine": info, "results": results}, indent=2)
     print(f"({machine_summary(info)})\n")
-    three = "TP=1 / TP=2 / TP=2 Megatron"
+    four = "TP=1 / TP=2 / TP=2 gloo only / TP=2 Megatron"
     print(
-        f"| model | dtype | batch-1 decode ms/token, {three} | batch-8 tokens/s, {three} | "
-        "greedy outputs as TP=1's, TP=2 / Megatron |"
+        f"| model | dtype | batch-1 decode ms/token, {four} | batch-8 tokens/s, {four} | "
+        "greedy outputs as TP=1's, TP=2 / gloo only / Megatron |"
     )
     print("|---|---|---|---|---|")
     for r in results:
@@ -142,11 +152,11 @@ def main() -> None:
             r["tokens_per_s_b8"],
             r["greedy_identical_to_tp1"],
         )
-        labels = [label for label, _, _ in VARIANTS]
+        labels = [label for label, *_ in VARIANTS]
         print(
             f"| {r['model']} | {r['dtype']} | {' / '.join(f'{ms[k]:.1f}' for k in labels)} | "
-            f"{' / '.join(f'{tps[k]:.1f}' for k in labels)} | {same['tp2']} / "
-            f"{same['tp2_megatron']} |"
+            f"{' / '.join(f'{tps[k]:.1f}' for k in labels)} | "
+            f"{' / '.join(same[k] for k in labels[1:])} |"
         )
 
 

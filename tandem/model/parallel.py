@@ -1,17 +1,26 @@
 """The collectives a tensor-parallel forward needs, over one torch.distributed group.
 
-Backend: gloo on a CPU, NCCL on CUDA (`backend_for`). A model of one rank has no group at
-all (`LlamaModel(tp=None)`): the single-device path runs no collective and pays nothing.
+Backend: gloo on a CPU, NCCL on CUDA (`backend_for`). On a CPU the forward's collectives go
+through shared memory instead where they fit (`tandem.model.shm_collectives`: tens of
+microseconds a call where gloo's loopback TCP takes 0.5-1 ms); `TANDEM_TP_SHM=0` keeps
+them on gloo. A model of one rank has no group at all (`LlamaModel(tp=None)`): the
+single-device path runs no collective and pays nothing.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from tandem.model import shm_collectives
 from tandem.model.sharding import Shard
+
+log = logging.getLogger(__name__)
 
 # A collective waiting longer than this means a rank is gone (a rank that dies ends the
 # worker first: tandem.engine.ranks); idle ranks wait on their step pipe, not in a collective.
@@ -31,20 +40,28 @@ class TPGroup:
     every rank).
     """
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, shm: shm_collectives.ShmExchange | None = None) -> None:
         self.shard = shard
+        self.shm = shm  # the forward's collectives through shared memory (a CPU's ranks)
 
     @classmethod
     def init(cls, shard: Shard, address: str, device: str) -> TPGroup:
         """Join the group rendezvousing at `address` ("host:port", rank 0 listens there)."""
+        backend = backend_for(device)
         dist.init_process_group(
-            backend_for(device),
+            backend,
             init_method=f"tcp://{address}",
             rank=shard.rank,
             world_size=shard.size,
             timeout=COLLECTIVE_TIMEOUT,
         )
-        return cls(shard)
+        shm = None
+        if backend == "gloo" and wants_shm():
+            try:
+                shm = shm_collectives.ShmExchange.create(shard.rank, shard.size)
+            except OSError as exc:  # every rank: rank 0's failure is broadcast
+                log.warning("tensor-parallel collectives stay on gloo: %s", exc)
+        return cls(shard, shm)
 
     @property
     def rank(self) -> int:
@@ -54,25 +71,54 @@ class TPGroup:
     def size(self) -> int:
         return self.shard.size
 
+    def _shm_parts(
+        self, x: torch.Tensor, shapes: Sequence[tuple[int, ...]]
+    ) -> list[torch.Tensor] | None:
+        """Every rank's `x` through shared memory, or None where the group has none or the
+        largest part does not fit (the same answer on every rank: it depends on shapes)."""
+        if self.shm is None:
+            return None
+        largest = max(_numel(s) for s in shapes) * x.element_size()
+        return self.shm.gather(x, shapes) if self.shm.fits(largest) else None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, in place."""
-        dist.all_reduce(x)
+        """Sum of `x` over the ranks, in place (through shared memory: added in rank order,
+        the same bits on every rank)."""
+        parts = self._shm_parts(x, [tuple(x.shape)] * self.size)
+        if parts is None:
+            dist.all_reduce(x)
+            return x
+        x.copy_(parts[0])
+        for part in parts[1:]:
+            x.add_(part)
         return x
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum of `x` over the ranks, in place."""
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        parts = self._shm_parts(x, [tuple(x.shape)] * self.size)
+        if parts is None:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            return x
+        x.copy_(parts[0])
+        for part in parts[1:]:
+            torch.maximum(x, part, out=x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, n] on every rank -> [rows, size * n], rank 0's columns first."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        parts = self._shm_parts(x, [tuple(x.shape)] * self.size)
+        if parts is None:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
     def all_gather_columns(self, x: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
         """[rows, widths[rank]] on every rank -> [rows, sum(widths)], rank 0's columns
-        first. Uneven widths travel padded to the widest (gloo gathers equal shapes)."""
+        first. Over gloo uneven widths travel padded to the widest (it gathers equal
+        shapes)."""
+        parts = self._shm_parts(x, [(*x.shape[:-1], w) for w in widths])
+        if parts is not None:
+            return torch.cat(parts, dim=-1)
         widest = max(widths)
         x = x.contiguous()
         if x.shape[-1] < widest:
@@ -98,5 +144,18 @@ class TPGroup:
         return int(t.item())
 
     def close(self) -> None:
+        self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def wants_shm() -> bool:
+    """Shared-memory collectives where they are safe, unless TANDEM_TP_SHM=0."""
+    return os.environ.get("TANDEM_TP_SHM", "1") != "0" and shm_collectives.available()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
