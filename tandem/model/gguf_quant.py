@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from tandem.model.gguf import QK, hf_tensor_name, tensor_shape, unpermute_rotary
 from tandem.model.quant import QuantizedWeight, WeightScheme, pack_int4, quantize_int8
+from tandem.model.sharding import TensorSlice
 
 GGUF_FILE = "model.gguf"  # the source GGUF, kept in a converted model directory
 SOURCE_MARKER = "tandem-source.json"  # tandem.model.fetch's record of a converted GGUF
@@ -45,6 +47,11 @@ NATIVE_SCHEMES = {
     GGMLQuantizationType.Q8_0: WeightScheme.INT8,
     GGMLQuantizationType.Q4_0: WeightScheme.INT4,
     GGMLQuantizationType.Q4_1: WeightScheme.INT4,
+}
+_BLOCK_BYTES = {
+    GGMLQuantizationType.Q8_0: 2 + QK,
+    GGMLQuantizationType.Q4_0: 2 + QK // 2,
+    GGMLQuantizationType.Q4_1: 4 + QK // 2,
 }
 _LAYER_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -61,18 +68,10 @@ def quantized_tensor(
     if qtype not in NATIVE_SCHEMES:
         raise ValueError(f"{qtype.name} has no quantized scheme here; Q8_0, Q4_0, Q4_1 do")
     out, inp = shape
-    block_bytes = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18}.get(qtype, 20)
-    buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-    if inp % QK or buf.size != out * inp // QK * block_bytes:
-        raise ValueError(f"{qtype.name} tensor of shape {shape}: {buf.size} bytes do not fit")
-    blocks = buf.reshape(out, inp // QK, block_bytes)  # [out, blocks per row, block_bytes]
+    blocks = _blocks(raw, qtype, shape)  # [out, blocks per row, block_bytes]
     d = _f16(blocks, 0)  # [out, in // 32]
     if qtype == GGMLQuantizationType.Q8_0:
-        q8 = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
-        # [out, in // 32, 32] -> float per row, one row block at a time would save memory;
-        # a matrix's worth of float32 is the loader's transient either way.
-        values = (q8.float() * d.unsqueeze(-1)).view(out, inp)
-        return quantize_int8(values)
+        return quantize_int8(_q8_0_values(blocks, d))
     start = 2 if qtype == GGMLQuantizationType.Q4_0 else 4
     packed = blocks[..., start:]  # [out, in // 32, 16]
     low, high = packed & np.uint8(0xF), packed >> np.uint8(4)
@@ -86,6 +85,71 @@ def quantized_tensor(
     scales = torch.where(d == 0, torch.full_like(d, 1e-12), d)
     zeros = torch.where(d == 0, -m / 1e-12, -m / safe)
     return QuantizedWeight(WeightScheme.INT4, pack_int4(q), scales, zeros, QK)
+
+
+def _blocks(
+    raw: npt.NDArray[Any], qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> npt.NDArray[np.uint8]:
+    """A matrix's stored bytes as [out, blocks per row, block bytes]."""
+    out, inp = shape
+    block_bytes = _BLOCK_BYTES[qtype]
+    buf = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    if inp % QK or buf.size != out * inp // QK * block_bytes:
+        raise ValueError(f"{qtype.name} tensor of shape {shape}: {buf.size} bytes do not fit")
+    return buf.reshape(out, inp // QK, block_bytes)
+
+
+def _q8_0_values(blocks: npt.NDArray[np.uint8], d: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks [out, n, 34] and their scales d [out, n] -> float32 values [out, n * 32]."""
+    q8 = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+    # [out, in // 32, 32] -> float per row, one row block at a time would save memory;
+    # a matrix's worth of float32 is the loader's transient either way.
+    return (q8.float() * d.unsqueeze(-1)).view(blocks.shape[0], -1)
+
+
+def quantized_slice(
+    raw: npt.NDArray[Any],
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, int],
+    sl: TensorSlice,
+    row_absmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> QuantizedWeight:
+    """A tensor-parallel rank's part `sl` (rows, dim 0, or columns, dim 1, of [out, in] =
+    `shape`) of a Q8_0/Q4_0/Q4_1 matrix, from only the blocks that hold it (`raw` is
+    GGUFReader's memory map: the other bytes are never read): exactly those rows or columns
+    of `quantized_tensor`'s. Q8_0 columns take the whole rows' int8 scales from
+    `row_absmax`, each row's largest |value| over every rank (a MAX all-reduce).
+
+    Raises:
+        ValueError: Q4_x columns that split a block of 32 (int4 groups start at a shard's
+            first column), or Q8_0 columns without `row_absmax`.
+    """
+    out, inp = shape
+    dim, a, b = sl
+    rows = np.asarray(raw).reshape(out, -1)  # [out, bytes per row], still the memory map
+    block_bytes = _BLOCK_BYTES[qtype]
+    if dim == 0:
+        return quantized_tensor(rows[a:b], qtype, (b - a, inp))
+    first, last = a // QK, -(-b // QK)
+    if qtype == GGMLQuantizationType.Q8_0:
+        if row_absmax is None:
+            raise ValueError(
+                "a Q8_0 matrix's columns need the whole rows' largest values (the "
+                "tensor-parallel group's MAX all-reduce) to take one matrix's int8 scales"
+            )
+        blocks = _blocks(rows[:, first * block_bytes : last * block_bytes], qtype,
+                         (out, (last - first) * QK))  # fmt: skip
+        values = _q8_0_values(blocks, _f16(blocks, 0))[:, a - first * QK : b - first * QK]
+        return quantize_int8(values, row_absmax(values.abs().amax(dim=1)))
+    if a % QK or b % QK:
+        raise ValueError(
+            f"{qtype.name} blocks of {QK} inputs: this tensor-parallel rank's input columns "
+            f"[{a}, {b}) of {inp} split a block (int4 groups must start at the shard's first "
+            "column): split o and down by their outputs instead (tp_exact_sums true, "
+            "--tp-exact-sums true), serve the dequantized weights (--quantization none), or "
+            "use a tensor_parallel_size whose shard boundaries fall on multiples of 32"
+        )
+    return quantized_tensor(rows[:, first * block_bytes : last * block_bytes], qtype, (out, b - a))
 
 
 def _f16(blocks: npt.NDArray[np.uint8], start: int) -> torch.Tensor:
@@ -111,7 +175,11 @@ def permute_rows(qw: QuantizedWeight, num_heads: int) -> QuantizedWeight:
 class GGUFMatrices:
     """The loader's source for a converted GGUF directory: layer matrices whose GGUF type
     maps to `scheme` come from the GGUF's blocks (`read_quantized`); every other tensor
-    from `dense` (the directory's safetensors). `layers`: the names served quantized."""
+    from `dense` (the directory's safetensors). `layers`: the names served quantized.
+
+    A tensor-parallel rank's loader sets `slices` (HF name -> its part,
+    tandem.model.sharding.tensor_slices) and `row_absmax` (the group's MAX all-reduce):
+    those matrices come back as that part only (`quantized_slice`)."""
 
     def __init__(self, path: Path, dense: Any, scheme: WeightScheme, config: Any) -> None:
         self.reader = GGUFReader(str(path))
@@ -120,6 +188,8 @@ class GGUFMatrices:
         self.num_kv_heads = config.num_kv_heads
         self.tensors = {}
         self.layers: dict[str, tuple[int, int]] = {}
+        self.slices: dict[str, TensorSlice] = {}
+        self.row_absmax: Callable[[torch.Tensor], torch.Tensor] | None = None
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
             if name.split(".")[-2] not in _LAYER_MATRICES:
@@ -131,11 +201,17 @@ class GGUFMatrices:
 
     def read_quantized(self, name: str) -> QuantizedWeight:
         t = self.tensors[name]
-        qw = quantized_tensor(t.data, t.tensor_type, self.layers[name])
+        out, inp = self.layers[name]
+        sl = self.slices.get(name)
+        if sl is None:
+            qw = quantized_tensor(t.data, t.tensor_type, (out, inp))
+        else:
+            qw = quantized_slice(t.data, t.tensor_type, (out, inp), sl, self.row_absmax)
+        # Q and K rows: permuted within each head, so a rank's whole heads are its own rows
         if ".self_attn.q_proj." in name:
-            qw = permute_rows(qw, self.num_heads)
+            qw = permute_rows(qw, self.num_heads * qw.out_features // out)
         elif ".self_attn.k_proj." in name:
-            qw = permute_rows(qw, self.num_kv_heads)
+            qw = permute_rows(qw, self.num_kv_heads * qw.out_features // out)
         return qw
 
     def read(self, name: str) -> torch.Tensor:

@@ -28,7 +28,12 @@ from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights, Weight
 from tandem.model.moe import MoeWeights, expert_names, router_name
 from tandem.model.parallel import TPGroup
 from tandem.model.quant import WeightScheme
-from tandem.model.quant_checkpoints import QuantizedReader, read_checkpoint_quant, stored_shapes
+from tandem.model.quant_checkpoints import (
+    QuantizedReader,
+    read_checkpoint_quant,
+    stored_shapes,
+    stored_slices,
+)
 from tandem.model.quant_linear import QuantLinear
 from tandem.model.quant_load import quantized_matrix
 from tandem.model.safetensors_io import (
@@ -40,6 +45,7 @@ from tandem.model.safetensors_io import (
 )
 from tandem.model.sharding import (
     Shard,
+    TensorSlice,
     check_shardable,
     foreign_experts,
     local_config,
@@ -306,13 +312,18 @@ def load_weights(
     `quantization`: the layer matrices' scheme (quantized as they load, or kept as a
     quantized checkpoint or kept GGUF stores them: tandem.model.quant_load); `group_size`:
     int4's. `shard`: a tensor-parallel rank's part only (tandem.model.sharding), read as
-    slices of the stored tensors: no rank ever holds the whole model. `reduce_max`: the
-    group's elementwise-maximum collective, with which a rank quantizing its columns of a
-    row-parallel matrix takes the whole rows' int8 / fp8 scales.
+    slices of the stored tensors: no rank ever holds the whole model. A quantized
+    checkpoint's layers and a kept GGUF's blocks are sliced the same way, in their own
+    packing (`quant_checkpoints.stored_slices`, `gguf_quant.quantized_slice`): each rank
+    holds exactly its rows or columns of what one rank would hold. `reduce_max`: the
+    group's elementwise-maximum collective, with which a rank quantizing (or taking a Q8_0
+    GGUF's) columns of a row-parallel matrix takes the whole rows' int8 / fp8 scales.
 
     Raises:
         FileNotFoundError: a weight file is missing.
-        ValueError: a corrupt file, a missing or misshapen tensor.
+        ValueError: a corrupt file, a missing or misshapen tensor; a tensor-parallel
+            rank's input columns that split a quantization group of a layer kept quantized
+            (Megatron's split of o or down: `quant_checkpoints.convert_slice`).
     """
     t0 = time.perf_counter()
     files = safetensors_files(model_dir)
@@ -332,18 +343,20 @@ def load_weights(
     if kept is not None:
         stored = {n: s for n, s in stored.items() if n not in kept.layers}
     check_entries(entries, stored)
-    slices, vocab_rows = {}, None
+    slices: dict[str, TensorSlice] = {}
+    vocab_rows = None
     if shard is not None and shard.size > 1:
-        if quant or kept is not None:
-            stored_as = f"a {quant.format} checkpoint" if quant else f"{GGUF_FILE}'s blocks"
-            raise ValueError(
-                f"tensor_parallel_size > 1 cannot split the weights of {stored_as} yet: serve "
-                f"it with tensor_parallel_size 1, or quantize as it loads (--quantization "
-                f"with an unquantized checkpoint: each rank quantizes its shard)"
-            )
         check_shardable(config, shard.size)
         slices = tensor_slices(config, shard)
         vocab_rows = vocab_per_rank(config, shard.size)
+    # A tensor-parallel rank reads its part of a quantized layer as parts of the stored
+    # tensors (quant_checkpoints.stored_slices), or of a kept GGUF's blocks.
+    read_slices = dict(slices)
+    if quant:
+        read_slices.update(stored_slices(quant, quantized, slices))
+    if kept is not None:
+        kept.slices = {n: s for n, s in slices.items() if n in kept.layers}
+        kept.row_absmax = reduce_max
     file_bytes = sum(entries[n].num_bytes for n in stored)
     logger.info(
         "loading %s: %d tensors, %.1f MiB in %d file(s), as %s on %s%s",
@@ -355,9 +368,9 @@ def load_weights(
         device,
         f" ({quant.format} checkpoint, {len(quantized)} layers dequantized)" if quant else "",
     )
-    with TensorReader(entries, list(stored), progress, slices) as reader:
+    with TensorReader(entries, list(stored), progress, read_slices) as reader:
         source: TensorReader | QuantizedReader | GGUFMatrices
-        source = QuantizedReader(reader, quant, quantized) if quant else reader
+        source = QuantizedReader(reader, quant, quantized, slices) if quant else reader
         if kept is not None:
             kept.dense, source = reader, kept
         row_parallel = frozenset(n for n, s in slices.items() if s.dim == 1)

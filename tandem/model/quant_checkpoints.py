@@ -31,7 +31,7 @@ is exact. What cannot be expressed exactly is refused with a ValueError naming t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tandem.model.quant import INT4_GROUP_SIZES, QuantizedWeight, WeightScheme, pack_int4
+from tandem.model.sharding import TensorSlice
 
 # AWQ's GEMM packing: nibble i of a word holds output 8c + AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -310,7 +311,15 @@ def _int4(
 def _convert_awq(
     quant: CheckpointQuant, prefix: str, read: Callable[[str], torch.Tensor], out: int, inp: int
 ) -> QuantizedWeight:
-    group = quant.group_size or inp
+    q, zeros, scales = _awq_values(prefix, read)
+    return _int4(prefix, q.contiguous(), zeros, scales, quant.group_size or inp, None)
+
+
+def _awq_values(
+    prefix: str, read: Callable[[str], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An AWQ layer's (or the part the reader hands out) values q [out, in], zeros and scales
+    [out, groups]."""
     # Undo the nibble order: field i of word c is output 8c + AWQ_ORDER[i].
     where = torch.tensor(AWQ_ORDER, device="cpu").argsort()  # output 8c + k sits in field where[k]
 
@@ -320,18 +329,35 @@ def _convert_awq(
     q = unpack(read(f"{prefix}.qweight")).t()  # [out, in]
     zeros = unpack(read(f"{prefix}.qzeros")).t()  # [out, groups]
     scales = read(f"{prefix}.scales").t()  # [out, groups]
-    return _int4(prefix, q.contiguous(), zeros, scales, group, None)
+    return q, zeros, scales
 
 
 def _convert_gptq(
     quant: CheckpointQuant, prefix: str, read: Callable[[str], torch.Tensor], out: int, inp: int
 ) -> QuantizedWeight:
-    group = quant.group_size or inp
     q = unpack_words(read(f"{prefix}.qweight").t(), quant.bits).flatten(1)  # [out, in]
     zeros = unpack_words(read(f"{prefix}.qzeros"), quant.bits).flatten(1).t()  # [out, groups]
-    zeros = zeros + quant.zero_offset
     scales = read(f"{prefix}.scales").t()  # [out, groups]
     g_idx = read(f"{prefix}.g_idx")
+    result = _gptq_from(quant, prefix, q, zeros + quant.zero_offset, scales, g_idx, inp)
+    assert isinstance(result, QuantizedWeight)
+    return result
+
+
+def _gptq_from(
+    quant: CheckpointQuant,
+    prefix: str,
+    q: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    inp: int,
+    columns: tuple[int, int] | None = None,
+    dense: bool = False,
+) -> QuantizedWeight | torch.Tensor:
+    """GPTQ values q [out, n] (all `inp` inputs, or with `columns` (a, b) inputs [a, b) only),
+    zeros (offset added) and scales [out, groups], g_idx [n] (the inputs' groups) -> the
+    layer's QuantizedWeight, or dense (`_int4_columns`)."""
     if int(g_idx.min()) < 0 or int(g_idx.max()) >= scales.shape[1]:
         raise ValueError(f"{prefix}.g_idx names groups outside 0..{scales.shape[1] - 1}")
     if quant.bits == 8:
@@ -342,30 +368,54 @@ def _convert_gptq(
                 f"{sorted(set(zeros.flatten().tolist()))[:4]}"
             )
         values = (q - 128).to(torch.int8)
-        return QuantizedWeight(
-            WeightScheme.INT8, values, scales[:, 0].float().contiguous(), None, inp
+        qw = QuantizedWeight(
+            WeightScheme.INT8, values, scales[:, 0].float().contiguous(), None, q.shape[1]
         )
-    return _int4(prefix, q.contiguous(), zeros, scales, group, g_idx)
+        return qw.dequantize(torch.float32) if dense else qw
+    group = quant.group_size or inp
+    if columns is None:
+        qw = _int4(prefix, q.contiguous(), zeros, scales, group, g_idx)
+        return qw.dequantize(torch.float32) if dense else qw
+    a, b = columns
+    standard = torch.equal(g_idx.long(), torch.arange(a, b, device=g_idx.device) // group)
+    return _int4_columns(
+        prefix, q, zeros, scales, g_idx.long(), columns, inp, group, standard, dense
+    )
 
 
 def _convert_fp8(
-    quant: CheckpointQuant, prefix: str, read: Callable[[str], torch.Tensor], out: int, inp: int
+    quant: CheckpointQuant,
+    prefix: str,
+    read: Callable[[str], torch.Tensor],
+    out: int,
+    inp: int,
+    rows: tuple[int, int] | None = None,
 ) -> QuantizedWeight:
+    """fp8 (or compressed-tensors int8) layer [out, in]; `rows` (a, b): the reader hands out
+    the weight's rows [a, b) (or, without `rows`, whatever part it was given: a
+    tensor-parallel rank's columns) and the scale whole, which is cut to those rows."""
     weight = read(f"{prefix}.weight")
     name = f"{prefix}.{scale_name(quant)}"
     scale = read(name).float()
+    cols = int(weight.shape[1])
+
+    def build(scheme: WeightScheme, scale: torch.Tensor) -> QuantizedWeight:
+        if rows is not None and scale.numel() != 1:
+            scale = scale[rows[0] : rows[1]]
+        return QuantizedWeight(scheme, weight, scale.contiguous(), None, cols)
+
     if quant.int_weights:
         if weight.dtype != torch.int8 or scale.numel() != out:
             raise ValueError(
                 f"{prefix}: int-quantized weights must be int8 with {out} scales, got "
                 f"{weight.dtype} and scale shape {tuple(scale.shape)}"
             )
-        return QuantizedWeight(WeightScheme.INT8, weight, scale.reshape(out), None, inp)
+        return build(WeightScheme.INT8, scale.reshape(out))
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{prefix}.weight must be float8_e4m3fn, got {weight.dtype}")
     if quant.block_size is not None and scale.numel() > 1 and scale.numel() != out:
-        rows, cols = quant.block_size
-        grid = (-(-out // rows), -(-inp // cols))
+        block_rows, block_cols = quant.block_size
+        grid = (-(-out // block_rows), -(-inp // block_cols))
         if tuple(scale.shape) != grid:
             raise ValueError(
                 f"{name} must be {grid} for weight_block_size, got {tuple(scale.shape)}"
@@ -376,12 +426,12 @@ def _convert_fp8(
                 f"{list(quant.block_size)}, {grid[1]} blocks along in_features {inp}) are not "
                 "supported: the fp8 format holds per-channel or per-tensor scales only"
             )
-        scale = scale[:, 0].repeat_interleave(rows)[:out]  # one block column: per channel
+        scale = scale[:, 0].repeat_interleave(block_rows)[:out]  # one block column: per channel
     if scale.numel() == 1:
-        return QuantizedWeight(WeightScheme.FP8, weight, scale.reshape(1), None, inp)
+        return build(WeightScheme.FP8, scale.reshape(1))
     if scale.numel() != out:
         raise ValueError(f"{name} must hold 1 or {out} scales, got shape {tuple(scale.shape)}")
-    return QuantizedWeight(WeightScheme.FP8, weight, scale.reshape(out).contiguous(), None, inp)
+    return build(WeightScheme.FP8, scale.reshape(out))
 
 
 def stored_shapes(
@@ -419,24 +469,248 @@ def stored_shapes(
     return stored, layers
 
 
+# -- tensor parallelism: a rank's slice of a quantized layer ----------------------------------
+#
+# A rank's part of a layer (tandem.model.sharding.tensor_slices: outputs [a, b), dim 0 of
+# [out, in], or inputs [a, b), dim 1) is read as parts of the stored tensors
+# (`stored_slices`), converted (`convert_slice`) and holds exactly the values of those rows or
+# columns of the whole layer's conversion:
+#
+#   format  outputs [a, b)                           inputs [a, b)
+#   awq     qweight, qzeros: words [a/8, b/8)        qweight: rows [a, b)
+#           (rounded out, trimmed after unpacking)   qzeros, scales: groups [a/G, b/G)
+#           scales: columns of those words
+#   gptq    qweight, scales: columns [a, b)          qweight: words [a/8, b/8) (rounded out)
+#           qzeros: words [a/8, b/8) (rounded out)   g_idx: [a, b)
+#           g_idx: whole                             qzeros, scales: whole (an act-order
+#                                                    g_idx may name any group; 1/G of qweight)
+#   fp8     weight: rows [a, b)                      weight: columns [a, b)
+#           scale: whole (at most one per row)       scale: whole
+#
+# Outputs always split exactly. Inputs split int4's groups: a rank's columns hold int4 groups
+# of 32/64/128 that start at its first column and lie inside the checkpoint's groups; when
+# none fits (a shard boundary inside a group, as with 48 columns in groups of 32) the layer is
+# refused (ValueError naming the alternatives) unless it is read dense. GPTQ act-order ranks
+# whose columns use more groups than their width holds come back dense (float32), as act-order
+# projections that cannot share one fused matrix do at one rank. int8 and fp8 scales are per
+# output row: any columns keep them.
+
+
+def stored_slices(
+    quant: CheckpointQuant,
+    layers: Mapping[str, tuple[int, int]],
+    slices: Mapping[str, TensorSlice],
+) -> dict[str, TensorSlice]:
+    """The parts of the stored tensors a tensor-parallel rank reads for its `slices` (dense
+    weight name -> its part, in [out, in] terms) of the quantized `layers` (dense weight name
+    -> [out, in]): the table above. Stored tensors not named are read whole."""
+    parts: dict[str, TensorSlice] = {}
+    for name, (_, inp) in layers.items():
+        sl = slices.get(name)
+        if sl is not None:
+            parts.update(_layer_slices(quant, name.removesuffix(".weight"), inp, sl))
+    return parts
+
+
+def _layer_slices(
+    quant: CheckpointQuant, prefix: str, inp: int, sl: TensorSlice
+) -> dict[str, TensorSlice]:
+    dim, a, b = sl
+    if quant.format is CheckpointFormat.AWQ:
+        if dim == 0:
+            wa, wb = a // 8, -(-b // 8)
+            return {
+                f"{prefix}.qweight": TensorSlice(1, wa, wb),
+                f"{prefix}.qzeros": TensorSlice(1, wa, wb),
+                f"{prefix}.scales": TensorSlice(1, 8 * wa, 8 * wb),
+            }
+        group = quant.group_size or inp
+        ga, gb = a // group, -(-b // group)
+        return {
+            f"{prefix}.qweight": TensorSlice(0, a, b),
+            f"{prefix}.qzeros": TensorSlice(0, ga, gb),
+            f"{prefix}.scales": TensorSlice(0, ga, gb),
+        }
+    if quant.format is CheckpointFormat.GPTQ:
+        per_word = 32 // quant.bits
+        wa, wb = a // per_word, -(-b // per_word)
+        if dim == 0:
+            return {
+                f"{prefix}.qweight": TensorSlice(1, a, b),
+                f"{prefix}.qzeros": TensorSlice(1, wa, wb),
+                f"{prefix}.scales": TensorSlice(1, a, b),
+            }
+        return {
+            f"{prefix}.qweight": TensorSlice(0, wa, wb),
+            f"{prefix}.g_idx": TensorSlice(0, a, b),
+        }
+    return {f"{prefix}.weight": sl}
+
+
+def convert_slice(
+    quant: CheckpointQuant,
+    prefix: str,
+    read: Callable[[str], torch.Tensor],
+    out: int,
+    inp: int,
+    sl: TensorSlice,
+    dense: bool = False,
+) -> QuantizedWeight | torch.Tensor:
+    """Layer `prefix` ([out, in])'s part `sl`, from its stored tensors' parts as
+    `stored_slices` names them (`read(name)` hands those out): a QuantizedWeight of exactly
+    those rows or columns of `convert`'s, or with `dense` its dequantization (float32, the
+    part's shape), which any part has. A GPTQ act-order part whose groups do not fit its
+    width comes back dense either way (the section's comment).
+
+    Raises:
+        ValueError: what `convert` refuses; without `dense`, int4 columns that split a group.
+    """
+
+    def copy(name: str) -> torch.Tensor:  # a reader may hand out views of one shared buffer
+        return read(name).clone()
+
+    dim, a, b = sl
+    got: QuantizedWeight | torch.Tensor
+    if quant.format is CheckpointFormat.AWQ:
+        q, zeros, scales = _awq_values(prefix, copy)
+        group = quant.group_size or inp
+        if dim == 0:
+            start = a // 8 * 8  # the words read: outputs [start, ...)
+            qw = _int4(prefix, q.contiguous(), zeros, scales, group, None)
+            got = take_rows(qw, a - start, b - start)
+        else:
+            groups = torch.arange(a, b) // group - a // group
+            return _int4_columns(prefix, q, zeros, scales, groups, (a, b), inp, group, True, dense)
+    elif quant.format is CheckpointFormat.GPTQ:
+        per_word = 32 // quant.bits
+        skip = a % per_word  # values before `a` in the first word read
+        q = unpack_words(copy(f"{prefix}.qweight").t(), quant.bits).flatten(1)
+        zeros = unpack_words(copy(f"{prefix}.qzeros"), quant.bits).flatten(1)  # [groups, out']
+        scales = copy(f"{prefix}.scales").t()  # [out', groups]
+        g_idx = copy(f"{prefix}.g_idx")
+        if dim == 0:
+            zeros = zeros[:, skip : skip + b - a]
+            args = (quant, prefix, q, zeros.t() + quant.zero_offset, scales, g_idx, inp)
+            return _gptq_from(*args, dense=dense)
+        q = q[:, skip : skip + b - a]
+        args = (quant, prefix, q, zeros.t() + quant.zero_offset, scales, g_idx, inp)
+        return _gptq_from(*args, columns=(a, b), dense=dense)
+    else:
+        got = _convert_fp8(quant, prefix, copy, out, inp, (a, b) if dim == 0 else None)
+    if dense and isinstance(got, QuantizedWeight):
+        return got.dequantize(torch.float32)
+    return got
+
+
+def take_rows(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Rows [start, stop) of a quantized matrix, with their scales and zero points."""
+    if (start, stop) == (0, qw.out_features):
+        return qw
+    per_tensor = qw.scheme is WeightScheme.FP8 and tuple(qw.scales.shape) == (1,)
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[start:stop].contiguous()
+
+    return QuantizedWeight(
+        qw.scheme,
+        qw.qweight[start:stop].contiguous(),
+        qw.scales if per_tensor else qw.scales[start:stop].contiguous(),
+        cut(qw.zeros),
+        qw.group_size,
+        qw.g_idx,
+    )
+
+
+def _int4_columns(
+    prefix: str,
+    q: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    groups: torch.Tensor,
+    columns: tuple[int, int],
+    inp: int,
+    group: int,
+    standard: bool,
+    dense: bool,
+) -> QuantizedWeight | torch.Tensor:
+    """Inputs [a, b) (`columns`) of an int4 layer of `inp` inputs in groups of `group`: q
+    [out, b - a] values, zeros (offset added) and scales [out, k], `groups` [b - a] each
+    input's column of them; `standard`: input i is in group i // `group` (no act-order).
+
+    Raises:
+        ValueError: standard groups that no int4 group size splits at `a` (unless `dense`).
+    """
+    a, b = columns
+    n = b - a
+    if dense:
+        return (q.float() - zeros.float()[:, groups]) * scales.float()[:, groups]
+    if standard:
+        fits = [t for t in INT4_GROUP_SIZES if group % t == 0 and a % t == 0 and n % t == 0]
+        if not fits:
+            raise ValueError(
+                f"{prefix}: this tensor-parallel rank's input columns [{a}, {b}) of {inp} "
+                f"split a quantization group of {group} (int4 groups of "
+                f"{'/'.join(map(str, INT4_GROUP_SIZES))} must start at the shard's first "
+                "column and lie inside the checkpoint's groups): split o and down by their "
+                "outputs instead (tp_exact_sums true, --tp-exact-sums true), read the "
+                "checkpoint dequantized (--quantization none), or use a tensor_parallel_size "
+                "whose shard boundaries fall on group boundaries"
+            )
+        cols = groups[:: fits[-1]]  # each int4 group's column
+        return _int4(prefix, q.contiguous(), zeros[:, cols], scales[:, cols], fits[-1], None)
+    used = torch.unique(groups)  # sorted
+    fits = [t for t in INT4_GROUP_SIZES if n % t == 0 and n // t >= used.numel()]
+    if not fits:
+        return (q.float() - zeros.float()[:, groups]) * scales.float()[:, groups]
+    width = n // fits[-1]  # the int4 groups the part has room for
+    cols = torch.cat([used, used[-1:].expand(width - used.numel())])
+    local = torch.searchsorted(used, groups).to(torch.int32)
+    return _int4(prefix, q.contiguous(), zeros[:, cols], scales[:, cols], fits[-1], local)
+
+
 class QuantizedReader:
     """Reads a quantized checkpoint for the loader: a quantized layer's weight is converted
     (`read_quantized`) and, through `read`, handed back dequantized to float32 [out, in] (the
-    model's dense fallback); every other tensor as stored."""
+    model's dense fallback); every other tensor as stored.
+
+    `slices` (tensor parallelism: dense weight name -> this rank's part, tandem.model.sharding):
+    those layers come back as that part only, from the parts of their stored tensors that
+    `stored_slices` gave `reader` (`convert_slice`)."""
 
     def __init__(
-        self, reader: Any, quant: CheckpointQuant, layers: dict[str, tuple[int, int]]
+        self,
+        reader: Any,
+        quant: CheckpointQuant,
+        layers: dict[str, tuple[int, int]],
+        slices: Mapping[str, TensorSlice] | None = None,
     ) -> None:
         self.reader = reader  # has read(name) -> tensor (safetensors_io.TensorReader)
         self.quant = quant
         self.layers = layers
+        self.slices = dict(slices or {})
 
-    def read_quantized(self, name: str) -> QuantizedWeight:
-        """Dense weight name (`prefix.weight`) of a quantized layer -> its QuantizedWeight."""
+    def read_quantized(self, name: str) -> QuantizedWeight | torch.Tensor:
+        """Dense weight name (`prefix.weight`) of a quantized layer -> its QuantizedWeight
+        (this rank's part with `slices`), or float32 [out, in] where the part has no int4
+        form (GPTQ act-order columns: `convert_slice`)."""
         out, inp = self.layers[name]
-        return convert(self.quant, name.removesuffix(".weight"), self.reader.read, out, inp)
+        prefix = name.removesuffix(".weight")
+        sl = self.slices.get(name)
+        if sl is None:
+            return convert(self.quant, prefix, self.reader.read, out, inp)
+        return convert_slice(self.quant, prefix, self.reader.read, out, inp, sl)
 
     def read(self, name: str) -> torch.Tensor:
-        if name in self.layers:
-            return self.read_quantized(name).dequantize(torch.float32)
-        return self.reader.read(name)
+        if name not in self.layers:
+            return self.reader.read(name)
+        sl = self.slices.get(name)
+        if sl is None:
+            return convert(
+                self.quant, name.removesuffix(".weight"), self.reader.read, *self.layers[name]
+            ).dequantize(torch.float32)
+        out, inp = self.layers[name]
+        got = convert_slice(
+            self.quant, name.removesuffix(".weight"), self.reader.read, out, inp, sl, dense=True
+        )
+        assert isinstance(got, torch.Tensor)
+        return got

@@ -50,7 +50,10 @@ def quantized_matrix(
     (`source.read_quantized(name)`, for the names in `source.layers`), else quantized here.
     Stored int4 parts whose groups differ (GPTQ act-order with a g_idx per projection) cannot
     share one matrix: they come back dequantized, dense [in, out] in `dtype` (logged),
-    rather than rounded a second time.
+    rather than rounded a second time; so does a part `source` hands back dense (a
+    tensor-parallel rank's columns of GPTQ act-order groups: quant_checkpoints.convert_slice).
+    A stored part in another scheme is dequantized and quantized again, with `row_absmax`
+    like a dense part.
 
     `row_absmax`, for a tensor-parallel rank's columns of a row-parallel matrix: maps each
     row's largest |value| in this rank's columns to the whole row's (a MAX all-reduce over
@@ -62,28 +65,47 @@ def quantized_matrix(
         ValueError: int4 with a group size that does not divide the input features.
     """
     stored = getattr(source, "layers", None) or {}
-    parts: list[QuantizedWeight] = []
+    split = row_absmax is not None and scheme in (WeightScheme.INT8, WeightScheme.FP8)
+    parts: list[QuantizedWeight | torch.Tensor] = []
     for name in names:
         if name in stored:
-            qw: QuantizedWeight = source.read_quantized(name)  # type: ignore[attr-defined]
-            if qw.scheme is not scheme:
+            read_quantized = source.read_quantized  # type: ignore[attr-defined]
+            got: QuantizedWeight | torch.Tensor = read_quantized(name)
+            if isinstance(got, torch.Tensor) and scheme is WeightScheme.INT4:
+                parts.append(got.to(device=device, dtype=torch.float32))  # kept dense
+                continue
+            if isinstance(got, QuantizedWeight):
+                if got.scheme is scheme:
+                    parts.append(to_device(got, device))
+                    continue
                 logger.warning(
                     "%s is stored as %s: dequantized and quantized again as %s",
-                    name, qw.scheme.value, scheme.value,
+                    name, got.scheme.value, scheme.value,
                 )  # fmt: skip
-                qw = quantize(qw.dequantize(torch.float32).to(device), scheme, group_size)
-            parts.append(to_device(qw, device))
-            continue
-        dense = source.read(name).to(device=device, dtype=torch.float32)
+                got = got.dequantize(torch.float32)
+            dense = got.to(device=device, dtype=torch.float32)
+        else:
+            dense = source.read(name).to(device=device, dtype=torch.float32)
         absmax = None
-        if row_absmax is not None and scheme in (WeightScheme.INT8, WeightScheme.FP8):
+        if split and row_absmax is not None:
             absmax = row_absmax(dense.abs().amax(dim=1))
         parts.append(quantize(dense, scheme, group_size, absmax))
         del dense
-    fused = cat_rows(parts)
+    quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+    fused = cat_rows(quantized) if len(quantized) == len(parts) else None
     if fused is None:
-        logger.warning("%s: int4 parts with different groups are kept dense", ", ".join(names))
-        return torch.cat([p.dequantize(torch.float32) for p in parts]).t().contiguous().to(dtype)
+        logger.warning(
+            "%s: int4 parts with different groups (GPTQ act-order) are kept dense",
+            ", ".join(names),
+        )
+        return (
+            torch.cat(
+                [p if isinstance(p, torch.Tensor) else p.dequantize(torch.float32) for p in parts]
+            )
+            .t()
+            .contiguous()
+            .to(dtype)
+        )
     return fused
 
 

@@ -336,17 +336,6 @@ def test_an_unshardable_model_is_refused_before_any_rank_starts(hf_model, engine
         engine_factory(model_dir, tensor_parallel_size=3)
 
 
-def test_a_quantized_checkpoint_is_refused_with_tensor_parallelism(
-    hf_model, engine_factory, tmp_path
-) -> None:
-    from tests.unit.test_quant_checkpoints import write_quantized_checkpoint
-
-    src, _ = hf_model("llama")
-    write_quantized_checkpoint(src, tmp_path / "awq", "awq-g32")
-    with pytest.raises(ValueError, match="cannot split the weights of a awq checkpoint"):
-        engine_factory(tmp_path / "awq", tensor_parallel_size=2)
-
-
 @pytest.mark.parametrize("exact", [True, False], ids=["exact-sums", "megatron"])
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
 def test_tp2_quantized_as_it_loads_matches_tp1(
