@@ -137,8 +137,8 @@ def quantized_slice(
                 "a Q8_0 matrix's columns need the whole rows' largest values (the "
                 "tensor-parallel group's MAX all-reduce) to take one matrix's int8 scales"
             )
-        blocks = _blocks(rows[:, first * block_bytes : last * block_bytes], qtype,
-                         (out, (last - first) * QK))  # fmt: skip
+        covering = rows[:, first * block_bytes : last * block_bytes]  # whole blocks
+        blocks = _blocks(covering, qtype, (out, (last - first) * QK))
         values = _q8_0_values(blocks, _f16(blocks, 0))[:, a - first * QK : b - first * QK]
         return quantize_int8(values, row_absmax(values.abs().amax(dim=1)))
     if a % QK or b % QK:
