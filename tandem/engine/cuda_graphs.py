@@ -23,8 +23,16 @@ depend only on tensor shapes, never on values such as context lengths):
     else:
         hidden = <eager forward, as today>   # prefill tokens, or more rows than captured
 
-`capture_sizes`, `graph_size_for` and `DecodeBuffers` are pure (tensors on the caller's
-device, no CUDA calls) and unit-tested on CPU; only `DecodeGraphs` touches `torch.cuda`.
+With tensor parallelism every rank captures and replays in lockstep: the graphs hold the
+forward's NCCL collectives, and a captured collective is one of the whole group, so every
+rank captures the same sizes in the same order (`CapturePlan`, derived alike on every rank)
+and every step replays the same size on every rank or runs eagerly on every rank (rank 0
+decides and sends the decision with the step: tandem.engine.runner, tandem.engine.ranks).
+
+`capture_sizes`, `graph_size_for`, `CapturePlan` and `DecodeBuffers` are pure (tensors on the
+caller's device, no CUDA calls) and unit-tested on CPU; only `DecodeGraphs` touches
+`torch.cuda`, in three methods (`_warm_up`, `_record`, `_launch`) that a CPU stand-in can
+replace to run the rest of it (tests/unit/test_tensor_parallel_graphs.py).
 """
 
 from __future__ import annotations
@@ -65,6 +73,57 @@ def graph_size_for(batch: int, sizes: Sequence[int]) -> int | None:
         raise ValueError(f"batch must be positive, got {batch}")
     i = bisect.bisect_left(sizes, batch)
     return sizes[i] if i < len(sizes) else None
+
+
+def capture_order(sizes: Sequence[int]) -> tuple[int, ...]:
+    """The order `DecodeGraphs.capture` captures `sizes` in: largest first (the smaller
+    graphs reuse the memory pool the larger ones freed)."""
+    return tuple(sorted(sizes, reverse=True))
+
+
+class CapturePlan(NamedTuple):
+    """What a rank captures: graphs of `sizes` (ascending; captured in `capture_order`) over
+    buffers `max_blocks` wide whose padding rows use `padding_block_id`. Every rank of a
+    tensor-parallel worker derives it from the same inputs and must get the same plan: the
+    graphs' collectives pair up across ranks only when every rank captures the same shapes
+    in the same order, and rank 0's block tables (the padding block included) are every
+    rank's."""
+
+    sizes: tuple[int, ...]
+    max_blocks: int
+    padding_block_id: int
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        return capture_order(self.sizes)
+
+
+def capture_plan(
+    max_num_seqs: int, max_model_len: int, block_size: int, padding_block_id: int
+) -> CapturePlan:
+    """The graphs a rank captures: `capture_sizes(max_num_seqs)` over block tables wide
+    enough for `max_model_len` tokens. Pure: the same arguments give every rank the same
+    plan."""
+    if max_model_len < 1 or block_size < 1:
+        raise ValueError(
+            f"max_model_len and block_size must be positive, got {max_model_len}, {block_size}"
+        )
+    max_blocks = -(-max_model_len // block_size)
+    return CapturePlan(capture_sizes(max_num_seqs), max_blocks, padding_block_id)
+
+
+def check_capture_plan(sent: CapturePlan, own: CapturePlan) -> None:
+    """A follower rank's check of rank 0's plan against the one it derived itself.
+
+    Raises:
+        ValueError: they differ (capturing either would pair different collectives across
+            the ranks: a hang or wrong sums on the first replay).
+    """
+    if sent != own:
+        raise ValueError(
+            f"rank 0 captures decode graphs as {sent}, this rank derives {own}: the ranks' "
+            "configs or KV caches differ"
+        )
 
 
 class DecodeInputs(NamedTuple):
@@ -223,43 +282,83 @@ class DecodeGraphs:
         ValueError: buffers not on CUDA (graphs need CUDA), or bad sizes.
     """
 
+    device_type = "cuda"  # where the buffers must live (a CPU stand-in in tests: "cpu")
+
     def __init__(self, buffers: DecodeBuffers, sizes: Sequence[int]) -> None:
-        if buffers.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the buffers are on {buffers.device}")
+        if buffers.device.type != self.device_type:
+            raise ValueError(
+                f"CUDA graphs need a {self.device_type.upper()} device; the buffers are on "
+                f"{buffers.device}"
+            )
         if not sizes or list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"sizes must be positive, sorted and unique, got {list(sizes)}")
         if sizes[-1] > buffers.num_rows:
             raise ValueError(f"largest size {sizes[-1]} exceeds the {buffers.num_rows} buffer rows")
         self.buffers = buffers
         self.sizes = tuple(sizes)
+        self.captured: list[int] = []  # sizes captured so far, in capture order
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # the graphs' memory pool
 
     def capture(self, run_fn: Callable[[DecodeInputs], torch.Tensor]) -> None:
-        """Capture `run_fn(buffers.views(size))` for every size.
+        """Capture `run_fn(buffers.views(size))` for every size, in `capture_order`.
 
         `run_fn` must read its inputs only from the views and return one tensor whose first
         dimension is the row. Each size runs once eagerly first (lazy initialization, Triton
         compilation and allocator growth must not happen inside a capture), on all-padding
         rows, so warm-up writes only the padding block. Largest first, in one memory pool: the
         smaller graphs reuse what the larger ones freed.
+
+        With tensor parallelism `run_fn` runs collectives: every rank calls this with the
+        same sizes at the same point of its step sequence; each size's eager run is then a
+        collective step of the group, and each capture records the same collectives on
+        every rank (NCCL pairs a graph's collectives with the graphs the other ranks
+        captured at the same time).
         """
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
+        for size in capture_order(self.sizes):
             self.buffers.reset()
             inputs = self.buffers.views(size)
+            self._warm_up(run_fn, inputs)
+            self._record(size, run_fn, inputs)
+            self.captured.append(size)
+
+    def _warm_up(
+        self, run_fn: Callable[[DecodeInputs], torch.Tensor], inputs: DecodeInputs
+    ) -> None:
+        """One eager run before a capture, on a side stream (as torch asks of warm-up
+        before capturing work that holds NCCL collectives), then the device idle: nothing
+        of it (or of an eager step's collective) is in flight when the capture begins."""
+        device = self.buffers.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
             run_fn(inputs)
-            torch.cuda.synchronize(self.buffers.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                output = run_fn(inputs)
-            self._graphs[size] = graph
-            self._outputs[size] = output
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+
+    def _record(
+        self, size: int, run_fn: Callable[[DecodeInputs], torch.Tensor], inputs: DecodeInputs
+    ) -> None:
+        """Capture `run_fn(inputs)` as the graph of `size` (on torch's capture stream; a
+        collective joins the process group's NCCL stream to the capture and back)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = run_fn(inputs)
         torch.cuda.synchronize(self.buffers.device)
+        self._graphs[size] = graph
+        self._outputs[size] = output
+
+    def _launch(self, size: int) -> torch.Tensor:
+        """Replay the graph of `size` on the current stream; its static output."""
+        self._graphs[size].replay()
+        return self._outputs[size]
 
     def can_serve(self, n: int) -> bool:
         """Whether a decode-only step of n rows can replay a captured graph."""
-        return bool(self._graphs) and 1 <= n <= self.sizes[-1]
+        return bool(self.captured) and 1 <= n <= self.sizes[-1]
 
     def replay(
         self,
@@ -280,10 +379,9 @@ class DecodeGraphs:
         if input_ids.shape[0] != n:
             raise ValueError(f"n is {n} but input_ids has {input_ids.shape[0]} rows")
         size = graph_size_for(n, self.sizes)
-        if size is None or size not in self._graphs:
+        if size is None or size not in self.captured:
             raise ValueError(f"no captured graph holds {n} rows (sizes {list(self.sizes)})")
         self.buffers.fill(
             size, input_ids, positions, slot_block_ids, slot_offsets, block_tables, context_lens
         )
-        self._graphs[size].replay()
-        return self._outputs[size][:n]
+        return self._launch(size)[:n]

@@ -34,7 +34,13 @@ from tandem.engine.loading import (
     shard_for,
     wants_decode_graphs,
 )
-from tandem.engine.ranks import Followers, exit_on_rank_death, free_address, threads_per_rank
+from tandem.engine.ranks import (
+    Followers,
+    decode_capture_plan,
+    exit_on_rank_death,
+    free_address,
+    threads_per_rank,
+)
 from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
@@ -183,7 +189,8 @@ class LLMEngine:
         """Run one prefill step at the full token budget and a few decode steps before
         traffic, so the first requests do not pay for allocator growth and kernel set-up,
         compile the attention kernel variants those steps did not hit, then (on CUDA with
-        the Triton backend) capture the decode steps' CUDA graphs.
+        the Triton backend) capture the decode steps' CUDA graphs (with tensor parallelism
+        every rank captures the same ones, the collectives inside: `decode_capture_plan`).
         Leaves no trace: no cached prefix, no KV events, no counters.
 
         Makes the engine's device current in the calling thread, which should be the one
@@ -217,9 +224,9 @@ class LLMEngine:
         )
         if self._graphs_wanted and self.runner.graphs is None:
             t0 = time.perf_counter()
-            sizes = self.runner.capture_decode_graphs(
-                self.config.scheduler.max_num_seqs, self.max_model_len, self.num_blocks
-            )
+            plan = decode_capture_plan(self.config, self.max_model_len, self.num_blocks)
+            self.runner.capture_graphs(plan)
+            sizes = plan.sizes
             log.info(
                 "captured CUDA graphs of decode steps for %d batch sizes (1..%d) in %.1fs",
                 len(sizes), sizes[-1], time.perf_counter() - t0,

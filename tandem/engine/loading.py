@@ -47,14 +47,14 @@ class LoadedModel(NamedTuple):
 def wants_decode_graphs(config: EngineConfig, paged_backend: bool) -> bool:
     """Whether warm-up captures CUDA graphs of decode steps: on CUDA, with a backend whose
     launch grids depend only on shapes (`paged_backend`), unless the role never decodes (a
-    prefill worker hands each request off after its first token). Not with tensor
-    parallelism yet (the collectives are not captured)."""
+    prefill worker hands each request off after its first token). With tensor parallelism
+    too: every rank captures the same graphs, the NCCL collectives inside
+    (tandem.engine.ranks). The same answer on every rank (the same config)."""
     return (
         config.cuda_graphs
         and paged_backend
         and torch.device(config.device).type == "cuda"
         and config.role != EngineRole.PREFILL
-        and config.tensor_parallel_size == 1
     )
 
 
@@ -141,9 +141,9 @@ def load_model_and_cache(
     # A CUDA graph's padding rows write one scratch block outside the pool's range.
     graphs = wants_decode_graphs(config, model.attention.needs_paged_batch)
     if kv_share and tp is not None and tp.size > 1 and device.type == "cpu":
-        rank_kv = _share_kv_caches(
-            ModelConfig.from_dir(model_dir), tp, kv_share, num_blocks, block_size, kv_dtype
-        )
+        full = ModelConfig.from_dir(model_dir)
+        blocks = num_blocks + int(graphs)  # the graphs' scratch block too, as below
+        rank_kv = _share_kv_caches(full, tp, kv_share, blocks, block_size, kv_dtype)
         kv_cache = rank_kv[0][0]
         rank_kv = rank_kv if tp.rank == 0 else ()
     else:

@@ -7,9 +7,12 @@ shards (tandem.model.sharding) and nothing else.
       forward on shard 0   <- all-reduce ->   forward on shard r
       logits (all-gather), sample             (logits dropped)
 
-Each step's plan (rows, their tokens and block tables, released requests: a few hundred
-bytes for a decode step) goes to every follower through its own pipe, so an idle follower
-waits in `recv`, never in a collective that could time out. Supervision both ways: rank 0
+Each step's plan (rows, their tokens and block tables, released requests, whether every
+rank replays a decode CUDA graph and which: a few hundred bytes for a decode step) goes to
+every follower through its own pipe, so an idle follower waits in `recv`, never in a
+collective that could time out. On CUDA, rank 0's warm-up sends `CaptureGraphs` through
+the same pipe: every rank then captures the same decode graphs, the forward's NCCL
+collectives inside, in the same order (`decode_capture_plan`). Supervision both ways: rank 0
 watches its followers' process sentinels and calls `on_rank_exit` when one dies (the
 default ends rank 0's process, so the worker's requests migrate and it restarts); a
 follower whose pipe closes (rank 0 died) exits.
@@ -32,9 +35,10 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.cuda_graphs import CapturePlan, capture_plan, check_capture_plan
 from tandem.engine.device import use_device
-from tandem.engine.loading import load_model_and_cache, shard_for
-from tandem.engine.runner import ModelRunner, StepPlan
+from tandem.engine.loading import LoadedModel, load_model_and_cache, shard_for
+from tandem.engine.runner import CaptureGraphs, ModelRunner, StepPlan
 from tandem.engine.sampling import Sampler
 from tandem.model.parallel import TPGroup
 
@@ -58,6 +62,18 @@ def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def decode_capture_plan(config: EngineConfig, max_model_len: int, num_blocks: int) -> CapturePlan:
+    """The decode CUDA graphs a rank captures, from its config and what it loaded: every
+    rank derives the same plan. Safe because each input is the same on every rank: the
+    config is rank 0's (a follower's differs in its device only), and `max_model_len` and
+    `num_blocks` come from `load_model_and_cache`, which gives every rank the fewest blocks
+    any rank can hold (an all-reduce) and the context that many blocks fit. The padding
+    block is the one past the pool's, which every rank's cache holds (loading.py)."""
+    return capture_plan(
+        config.scheduler.max_num_seqs, max_model_len, config.cache.block_size, num_blocks
+    )
 
 
 def exit_on_rank_death(rank: int, exitcode: int | None) -> None:
@@ -109,9 +125,9 @@ class Followers:
         self._watcher = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
         self._watcher.start()
 
-    def send(self, plan: StepPlan) -> None:
+    def send(self, message: StepPlan | CaptureGraphs) -> None:
         for pipe in self._pipes:
-            pipe.send(plan)
+            pipe.send(message)
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, 1)}
@@ -150,7 +166,8 @@ def follow(
 ) -> None:
     """A follower's life: join the group, build its shard of the model and KV cache exactly
     as rank 0 builds its own (the same collectives in the same order), then run every step
-    rank 0 sends until the end-of-steps message or rank 0's end."""
+    rank 0 sends (and capture decode graphs when it does) until the end-of-steps message or
+    rank 0's end."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(message)s")
     # The worker's stdout is where it announces itself (READY): a follower must not keep it
     # open past rank 0's end (a supervisor reading it would wait for it).
@@ -171,15 +188,36 @@ def follow(
     try:
         while True:
             try:
-                plan = steps.recv()
+                message = steps.recv()
             except (EOFError, OSError):
                 log.error("rank 0 is gone: rank %d exits", rank)
                 os._exit(RANK_DIED_EXIT)
-            if plan is None:
+            if message is None:
                 break
-            runner.follow(plan)
+            if isinstance(message, CaptureGraphs):
+                capture_like_rank_0(runner, config, loaded, message.plan)
+            else:
+                runner.follow(message)
     finally:
         group.close()
+
+
+def capture_like_rank_0(
+    runner: ModelRunner, config: EngineConfig, loaded: LoadedModel, sent: CapturePlan
+) -> None:
+    """Capture this rank's decode graphs: the plan it derives itself, which must be the one
+    rank 0 sent (else this rank exits with the error, and rank 0 with it, rather than
+    capture collectives that pair with none of rank 0's).
+
+    Raises:
+        ValueError: this rank wants no graphs (no scratch block in its cache) or derives
+            another plan.
+    """
+    if not loaded.graphs_wanted:
+        raise ValueError("rank 0 captures decode graphs; this rank's config wants none")
+    own = decode_capture_plan(config, loaded.max_model_len, loaded.num_blocks)
+    check_capture_plan(sent, own)
+    runner.capture_graphs(own)
 
 
 def _exit_with_parent(rank: int, interval_s: float = 1.0) -> None:

@@ -6,7 +6,14 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from tandem.engine.cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeInputs, capture_sizes
+from tandem.engine.cuda_graphs import (
+    CapturePlan,
+    DecodeBuffers,
+    DecodeGraphs,
+    DecodeInputs,
+    capture_plan,
+    graph_size_for,
+)
 from tandem.engine.sampling import Sampler, SampleResult, SampleRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.step_inputs import BlockTables, HostStaging
@@ -42,17 +49,29 @@ class StepRow(NamedTuple):
 
 
 class StepPlan(NamedTuple):
-    """A step for the other ranks: its rows in the order the runner runs them, and the
-    requests released since the last step (their block table rows are freed first)."""
+    """A step for the other ranks: its rows in the order the runner runs them, the
+    requests released since the last step (their block table rows are freed first), and
+    rank 0's decision on CUDA graphs: the captured size every rank replays, or None: every
+    rank runs the step eagerly (a graph's collectives pair only with the same graph's on
+    the other ranks, so no rank decides for itself)."""
 
     rows: list[StepRow]
     released: list[str]
+    graph_size: int | None = None
+
+
+class CaptureGraphs(NamedTuple):
+    """Rank 0 captures decode graphs now (`ModelRunner.capture_graphs`), as `plan`: every
+    rank captures at this point of its step sequence, each its own plan, which must be
+    rank 0's (tandem.engine.ranks checks)."""
+
+    plan: CapturePlan
 
 
 class StepFollowers(Protocol):
     """The other ranks of a tensor-parallel worker (tandem.engine.ranks.Followers)."""
 
-    def send(self, plan: StepPlan) -> None: ...
+    def send(self, message: StepPlan | CaptureGraphs) -> None: ...
 
 
 class StepInputs(NamedTuple):
@@ -64,6 +83,15 @@ class StepInputs(NamedTuple):
     meta: AttentionMetadata
     last_idx: torch.Tensor  # [num_sampled] int64: each sampling row's last token
     num_decode: int
+
+
+def replay_size(rows: list[StepRow], graphs: DecodeGraphs | None) -> int | None:
+    """Rank 0's decision for a step: the captured graph size its rows replay (a decode-only
+    step that a graph holds), or None: the step runs eagerly."""
+    n = len(rows)
+    if graphs is None or not n or not all(r.is_decode for r in rows) or not graphs.can_serve(n):
+        return None
+    return graph_size_for(n, graphs.sizes)
 
 
 def order_rows(out: SchedulerOutput) -> list[ScheduledRequest]:
@@ -227,11 +255,12 @@ class ModelRunner:
         if out.is_empty:
             return {}
         rows = order_rows(out)
-        plan = StepPlan([StepRow.of(s) for s in rows], self._released)
+        step_rows = [StepRow.of(s) for s in rows]
+        plan = StepPlan(step_rows, self._released, replay_size(step_rows, self.graphs))
         if self.followers is not None:  # the other ranks run the same step on their shards
             self.followers.send(plan)
             self._released = []
-        logits = self._logits(self.prepare_rows(plan.rows))
+        logits = self._logits(self.prepare_rows(plan.rows), plan.graph_size)
         if logits is None:
             return {}
         sampled_rows = [s for s in rows if s.sample]
@@ -250,24 +279,36 @@ class ModelRunner:
 
     def follow(self, plan: StepPlan) -> None:
         """Another rank's step (tandem.engine.ranks): the same forward on this shard, its
-        collectives matching the sending rank's; the logits are that rank's to sample."""
+        collectives matching the sending rank's (its graph replayed where that rank replays
+        it, else eagerly); the logits are that rank's to sample."""
         for request_id in plan.released:
             self.release(request_id)
         if plan.rows:
-            self._logits(self.prepare_rows(plan.rows))
+            self._logits(self.prepare_rows(plan.rows), plan.graph_size)
 
-    def _logits(self, step: StepInputs) -> torch.Tensor | None:
-        """Run the model over a step; the logits of its sampling rows (None: no row
-        samples)."""
+    def _logits(self, step: StepInputs, graph_size: int | None) -> torch.Tensor | None:
+        """Run the model over a step, replaying the captured graph of `graph_size` (the
+        step's `replay_size`, decided by rank 0) or eagerly (None); the logits of its
+        sampling rows (None: no row samples).
+
+        Raises:
+            RuntimeError: told to replay a graph this rank has not captured for these rows.
+        """
         meta = step.meta
         num_rows, num_sampled = len(step.rows), step.last_idx.shape[0]
         graphs, paged = self.graphs, meta.paged
-        if (
-            graphs is not None
-            and paged is not None
-            and step.num_decode == num_rows
-            and graphs.can_serve(num_rows)
-        ):
+        if graph_size is not None:
+            if (
+                graphs is None
+                or paged is None
+                or step.num_decode != num_rows
+                or graph_size_for(num_rows, graphs.sizes) != graph_size
+            ):
+                sizes = None if graphs is None else list(graphs.sizes)
+                raise RuntimeError(
+                    f"told to replay the decode graph of {graph_size} rows for a step of "
+                    f"{num_rows} rows ({step.num_decode} decoding); this rank's graphs: {sizes}"
+                )
             logits = graphs.replay(
                 num_rows,
                 step.input_ids,
@@ -291,17 +332,24 @@ class ModelRunner:
         self, max_num_seqs: int, max_model_len: int, padding_block_id: int
     ) -> tuple[int, ...]:
         """Capture decode-only steps for the padded batch sizes of `capture_sizes`; later
-        decode-only steps that fit replay them. Needs CUDA and a backend whose launch grids
-        depend only on shapes (`needs_paged_batch`). Returns the captured sizes."""
+        decode-only steps that fit replay them (`capture_graphs`). Returns the sizes."""
+        plan = capture_plan(max_num_seqs, max_model_len, self.block_size, padding_block_id)
+        self.capture_graphs(plan)
+        return plan.sizes
+
+    def capture_graphs(self, plan: CapturePlan) -> None:
+        """Capture the decode graphs of `plan`. Needs CUDA and a backend whose launch grids
+        depend only on shapes (`needs_paged_batch`). With followers they are told first and
+        capture the same plan alongside (tandem.engine.ranks): the graphs' collectives are
+        captured on every rank at once."""
         if not self.model.attention.needs_paged_batch:
             raise ValueError("CUDA graphs need the Triton attention backend")
-        sizes = capture_sizes(max_num_seqs)
-        max_blocks = -(-max_model_len // self.block_size)
-        buffers = DecodeBuffers(sizes[-1], max_blocks, padding_block_id, self.device)
-        graphs = DecodeGraphs(buffers, sizes)
+        if self.followers is not None:
+            self.followers.send(CaptureGraphs(plan))
+        buffers = DecodeBuffers(plan.sizes[-1], plan.max_blocks, plan.padding_block_id, self.device)
+        graphs = DecodeGraphs(buffers, plan.sizes)
         graphs.capture(self._graph_forward)
         self.graphs = graphs
-        return sizes
 
     def _graph_forward(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode-only step over static buffers: what a graph records."""
