@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU (issue 29): one engine of 1 rank vs engines of 2 (exact sums
 and Megatron's split; the collectives through shared memory, and exact sums once more over
-gloo alone, `TANDEM_TP_SHM=0`), same weights, same run, alternating, on the `small` tiny
+gloo alone, `tp_shared_memory=False`), same weights, same run, alternating, on the `small` tiny
 model and the default model (SmolLM2-135M-Instruct, when converted under
 ~/.cache/tandem/models).
 
@@ -22,7 +22,6 @@ benchmarks/results/tensor_parallel-<dtype>.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -78,12 +77,12 @@ VARIANTS = (
 
 def bench_model(name: str, model_dir: Path, dtype: str, reps: int) -> dict[str, Any]:
     def engine(tp: int, exact: bool | None, shm: bool = True) -> LLMEngine:
-        os.environ["TANDEM_TP_SHM"] = "1" if shm else "0"  # read as the ranks' group forms
         config = EngineConfig(
             str(model_dir),
             dtype=dtype,
             tensor_parallel_size=tp,
             tp_exact_sums=exact,
+            tp_shared_memory=shm,
             cache=CacheConfig(kv_cache_bytes=64 << 20),
         )
         built = LLMEngine(config)

@@ -139,6 +139,9 @@ class EngineConfig:
             bit-identical to one rank's, two all-gathers per matrix instead of one
             all-reduce. None: on a CPU yes (gloo over loopback), on CUDA no (Megatron's
             all-reduce over NVLink).
+        tp_shared_memory: with tensor_parallel_size > 1 on a CPU, the forward's collectives
+            through /dev/shm (tandem.model.shm_collectives; x86-64 Linux), not gloo's
+            loopback TCP.
     """
 
     model_dir: str
@@ -157,6 +160,7 @@ class EngineConfig:
     expert_parallel: bool = False
     replicate_attention: bool = False
     tp_exact_sums: bool | None = None
+    tp_shared_memory: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

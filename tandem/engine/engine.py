@@ -136,7 +136,7 @@ class LLMEngine:
         try:
             if self.followers is not None:
                 shard = shard_for(config, 0)
-                self.tp = TPGroup.init(shard, address, config.device)
+                self.tp = TPGroup.init(shard, address, config.device, config.tp_shared_memory)
             loaded = load_model_and_cache(config, self.tp, progress, kv_share)
         except BaseException:
             self.close()

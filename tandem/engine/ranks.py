@@ -179,7 +179,7 @@ def follow(
     use_device(config.device)
     torch.set_num_threads(threads_per_rank(config))
     shard = shard_for(config, rank)
-    group = TPGroup.init(shard, address, config.device)
+    group = TPGroup.init(shard, address, config.device, config.tp_shared_memory)
     loaded = load_model_and_cache(config, group, kv_share=kv_share)
     sampler = Sampler(torch.Generator(device=config.device))  # never samples: rank 0 does
     runner = ModelRunner(

@@ -2,15 +2,14 @@
 
 Backend: gloo on a CPU, NCCL on CUDA (`backend_for`). On a CPU the forward's collectives go
 through shared memory instead where they fit (`tandem.model.shm_collectives`: tens of
-microseconds a call where gloo's loopback TCP takes 0.5-1 ms); `TANDEM_TP_SHM=0` keeps
-them on gloo. A model of one rank has no group at all (`LlamaModel(tp=None)`): the
-single-device path runs no collective and pays nothing.
+microseconds a call where gloo's loopback TCP takes 0.5-1 ms); `shared_memory=False`
+(`EngineConfig.tp_shared_memory`) keeps them on gloo. A model of one rank has no group at
+all (`LlamaModel(tp=None)`): the single-device path runs no collective and pays nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -45,8 +44,11 @@ class TPGroup:
         self.shm = shm  # the forward's collectives through shared memory (a CPU's ranks)
 
     @classmethod
-    def init(cls, shard: Shard, address: str, device: str) -> TPGroup:
-        """Join the group rendezvousing at `address` ("host:port", rank 0 listens there)."""
+    def init(
+        cls, shard: Shard, address: str, device: str, shared_memory: bool = True
+    ) -> TPGroup:
+        """Join the group rendezvousing at `address` ("host:port", rank 0 listens there);
+        `shared_memory`: a CPU group's forward collectives through /dev/shm where safe."""
         backend = backend_for(device)
         dist.init_process_group(
             backend,
@@ -56,7 +58,7 @@ class TPGroup:
             timeout=COLLECTIVE_TIMEOUT,
         )
         shm = None
-        if backend == "gloo" and wants_shm():
+        if backend == "gloo" and shared_memory and shm_collectives.available():
             try:
                 shm = shm_collectives.ShmExchange.create(shard.rank, shard.size)
             except OSError as exc:  # every rank: rank 0's failure is broadcast
@@ -147,11 +149,6 @@ class TPGroup:
         self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def wants_shm() -> bool:
-    """Shared-memory collectives where they are safe, unless TANDEM_TP_SHM=0."""
-    return os.environ.get("TANDEM_TP_SHM", "1") != "0" and shm_collectives.available()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

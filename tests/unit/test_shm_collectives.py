@@ -113,7 +113,8 @@ def test_shared_memory_collectives_give_gloos_results_on_every_rank(size: int) -
         assert report["seq"] == [160, 160], f"rank {rank}"
     # Every rank holds the same bits after every call (sums added in rank order everywhere).
     for got in reports[1:]:
-        assert all(np.array_equal(a, b) for a, b in zip(reports[0]["results"], got["results"]))
+        pairs = zip(reports[0]["results"], got["results"], strict=True)
+        assert all(np.array_equal(a, b) for a, b in pairs)
     assert len(reports[0]["results"]) == 160
 
 
