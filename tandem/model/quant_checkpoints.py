@@ -579,7 +579,7 @@ def convert_slice(
             qw = _int4(prefix, q.contiguous(), zeros, scales, group, None)
             got = take_rows(qw, a - start, b - start)
         else:
-            groups = torch.arange(a, b) // group - a // group
+            groups = torch.arange(a, b, device=q.device) // group - a // group
             return _int4_columns(prefix, q, zeros, scales, groups, (a, b), inp, group, True, dense)
     elif quant.format is CheckpointFormat.GPTQ:
         per_word = 32 // quant.bits

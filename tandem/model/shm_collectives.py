@@ -109,8 +109,9 @@ class ShmExchange:
             raise made[0]
         if rank != 0:
             buf = _map(str(made[0]), nbytes, create=False)
-        pids = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_gather(pids, torch.tensor([os.getpid()], dtype=torch.int64))  # all mapped
+        pids = [torch.empty(1, dtype=torch.int64, device="cpu") for _ in range(size)]
+        own = torch.tensor([os.getpid()], dtype=torch.int64, device="cpu")
+        dist.all_gather(pids, own)  # every rank has mapped the file
         if rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(str(made[0]))

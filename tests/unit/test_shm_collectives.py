@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -155,10 +156,11 @@ def test_process_runs_tells_a_zombie_from_a_live_process() -> None:
     if pid == 0:
         os._exit(0)
     try:
-        for _ in range(1000):  # until the child has exited (a zombie: not yet reaped)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the child has exited (a zombie: unreaped)
             if not shm_collectives.process_runs(pid):
                 break
-            os.sched_yield()
+            time.sleep(0.01)
         assert not shm_collectives.process_runs(pid)
     finally:
         os.waitpid(pid, 0)
@@ -169,7 +171,6 @@ def test_a_rank_may_run_one_call_ahead_without_touching_the_parts_a_peer_still_r
     """Two ranks (threads) over one buffer: rank 1 holds its views of call 1 while rank 0
     goes on to write call 2; with one parity rank 0 would overwrite what rank 1 reads."""
     import threading
-    import time
 
     slot = 256
     buf = torch.zeros(shm_collectives.file_bytes(2, slot), dtype=torch.uint8)
