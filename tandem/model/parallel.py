@@ -10,6 +10,7 @@ all (`LlamaModel(tp=None)`): the single-device path runs no collective and pays 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -80,7 +81,7 @@ class TPGroup:
         largest part does not fit (the same answer on every rank: it depends on shapes)."""
         if self.shm is None:
             return None
-        largest = max(_numel(s) for s in shapes) * x.element_size()
+        largest = max(math.prod(s) for s in shapes) * x.element_size()
         return self.shm.gather(x, shapes) if self.shm.fits(largest) else None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +150,3 @@ class TPGroup:
         self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import mmap
 import os
 import platform
@@ -137,10 +138,8 @@ class ShmExchange:
     def _part(
         self, parity: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
-        return self._slots[parity, rank, : numel * dtype.itemsize].view(dtype).view(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._slots[parity, rank, :nbytes].view(dtype).view(shape)
 
     def _wait(self, peer: int) -> None:
         flags, seq = self._flags, self._seq
@@ -200,4 +199,3 @@ def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
     finally:
         os.close(fd)
     return torch.frombuffer(buf, dtype=torch.uint8)
-
