@@ -4,6 +4,7 @@
         [--duration-s S] [--warmup-s S] [--model ''|random|DIR|FILE.gguf] [--seed N]
         [--max-queue-delay-s S] [--num-prefill N] [--num-decode N] [--results-dir DIR]
         [--early-disconnect-fraction F] [--kv-cache-mb MB] [--controller-args ARGS]
+        [--cpu-matmul auto|plain|onednn]
 
 A cluster as a new user starts one (`tandem up`: services.up.Cluster with tandem up's model
 and KV cache choices; by default the real default model, SmolLM2-135M-Instruct, and 1 prefill
@@ -112,6 +113,7 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> UpConfig:
         "kv_cache_bytes": kv_bytes,
         "device": args.device,
         "autoscale": args.autoscale,
+        "cpu_matmul": args.cpu_matmul,
         "admin_port": free_port("127.0.0.1") if args.autoscale else 50061,
         "controller_args": tuple(shlex.split(args.controller_args)),
     }
@@ -259,6 +261,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-decode", type=int, default=1)
     p.add_argument("--kv-cache-mb", type=int, help="default: tandem up's choice")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--cpu-matmul", default="auto", help="tandem up --cpu-matmul: auto, plain or onednn"
+    )
     p.add_argument("--max-queue-delay-s", type=float, help="default: tandem up's")
     p.add_argument("--controller-args", default="", help="as tandem up --controller-args")
     p.add_argument(
@@ -293,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_prefill": config.num_prefill,
         "num_decode": config.num_decode,
         "autoscale": config.autoscale,
+        "cpu_matmul": config.cpu_matmul,
         "overload": args.overload,
         "controller_args": list(config.controller_args),
         "transport": config.transport,
@@ -344,6 +350,8 @@ def _stem(args: argparse.Namespace) -> str:
         "autoscale" if args.autoscale else "",
         "overload" if args.overload else "",
         "quick" if args.quick else "",
+        "" if args.cpu_matmul == "auto" else args.cpu_matmul,
+        "" if args.duration_s in (None, 60, 120, 300) else f"{args.duration_s / 60:g}min",
     ]
     return "-".join(p for p in parts if p)
 

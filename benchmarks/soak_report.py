@@ -4,12 +4,14 @@ and the TTFT of each streamed request over the run."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from report import machine_summary, verdict
+from soak_memory import trough_trend
 
 
 def _ms(x: Any) -> str:
@@ -128,13 +130,26 @@ def plot(r: dict[str, Any], path: Path) -> bool:
     ax.set_title("KV blocks in use per worker")
     ax.legend(fontsize=8)
     ax = axes[0][1]
+    warmup_s = r["setup"]["warmup_s"]
+    traffic_end_s = r.get("traffic_end_s", math.inf)
     for name in sorted({n for x in samples for n in x["rss_bytes"]}):
         pts = [(x["t_s"], x["rss_bytes"][name] / 2**20) for x in samples if name in x["rss_bytes"]]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", label=name)
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", ms=2, label=name)
+        trend = trough_trend([p for p in pts if p[0] <= traffic_end_s], warmup_s)
+        if trend is not None:
+            ts_ = [t for t, _ in trend.troughs]
+            ax.plot(ts_, [v for _, v in trend.troughs], "x", color=line.get_color())
+            ax.plot(
+                [ts_[0], ts_[-1]],
+                [trend.start_bytes, trend.end_bytes],
+                "--",
+                color=line.get_color(),
+                lw=1,
+            )
     _traffic_lines(ax, r)
-    ax.axvline(r["setup"]["warmup_s"], color="grey", ls=":", lw=1)
+    ax.axvline(warmup_s, color="grey", ls=":", lw=1)
     ax.set_ylabel("RSS (MiB, with children)")
-    ax.set_title("Resident memory per process (dotted: end of warm-up)")
+    ax.set_title("Resident memory per process (x: troughs, dashed: their trend)")
     ax.legend(fontsize=8)
     ax = axes[1][0]
     kinds = sorted(r["outcomes"])

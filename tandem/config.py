@@ -142,6 +142,9 @@ class EngineConfig:
         tp_shared_memory: with tensor_parallel_size > 1 on a CPU, the forward's collectives
             through /dev/shm (tandem.model.shm_collectives; x86-64 Linux), not gloo's
             loopback TCP.
+        cpu_matmul: on a CPU, how weight matrices are multiplied (tandem.model.linear):
+            "auto" (oneDNN's prepacked matmuls for bfloat16 where the CPU runs it natively,
+            else plain `x @ w`), "plain", or "onednn" (float32 too, on any CPU oneDNN runs).
     """
 
     model_dir: str
@@ -161,6 +164,7 @@ class EngineConfig:
     replicate_attention: bool = False
     tp_exact_sums: bool | None = None
     tp_shared_memory: bool = True
+    cpu_matmul: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -189,6 +193,10 @@ class EngineConfig:
         if self.tensor_parallel_size <= 0:
             raise ValueError(
                 f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
+            )
+        if self.cpu_matmul not in ("auto", "plain", "onednn"):
+            raise ValueError(
+                f"cpu_matmul must be auto, plain or onednn, got {self.cpu_matmul!r}"
             )
         if self.attention_backend not in ("auto", "torch", "native", "triton"):
             raise ValueError(

@@ -166,6 +166,7 @@ ENGINE_FLAGS = (
     "expert_parallel",
     "replicate_attention",
     "tp_exact_sums",
+    "cpu_matmul",
 )
 
 
@@ -212,6 +213,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             expert_parallel=args.expert_parallel,
             replicate_attention=args.replicate_attention,
             tp_exact_sums=args.tp_exact_sums,
+            cpu_matmul=args.cpu_matmul,
             cache=CacheConfig(
                 kv_cache_bytes=kv_cache_bytes(args),
                 gpu_memory_utilization=args.gpu_memory_utilization,

@@ -29,6 +29,7 @@ from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.device import use_device
 from tandem.engine.engine import LLMEngine
+from tandem.engine.footprint import StateSize
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec
 from tandem.transfer import KVHandoff, LeaseTable, prompt_hashes, sign_handoff
@@ -182,6 +183,12 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         found = bool(self.leases.revoke(request_id))  # the abort frees the blocks
         tracing.end_lease(self._lease_spans.pop(request_id, None), "revoked")
         return super().abort(request_id) or found
+
+    def footprint(self) -> dict[str, StateSize]:
+        sizes = super().footprint()
+        sizes["leases"] = StateSize(len(self.leases), None)
+        sizes["lease_spans"] = StateSize(len(self._lease_spans), None)
+        return sizes
 
     def owns(self, request_id: str) -> bool:
         return super().owns(request_id) or self.leases.holds(request_id)

@@ -152,6 +152,8 @@ class Cluster:
             str(cfg.replicate_attention).lower(),
             "--tp-exact-sums",
             "none" if cfg.tp_exact_sums is None else str(cfg.tp_exact_sums).lower(),
+            "--cpu-matmul",
+            cfg.cpu_matmul,
         ]
         started = [
             self._spawn_worker(role)

@@ -71,6 +71,7 @@ class UpConfig:
         tp_exact_sums: with tensor_parallel_size > 1, o and down split by their outputs so
             every rank count answers bit for bit as one rank (None: yes on a CPU;
             tandem.config.EngineConfig.tp_exact_sums).
+        cpu_matmul: on a CPU, auto, plain or onednn (tandem.config.EngineConfig.cpu_matmul).
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
@@ -118,6 +119,7 @@ class UpConfig:
     expert_parallel: bool = False
     replicate_attention: bool = False
     tp_exact_sums: bool | None = None
+    cpu_matmul: str = "auto"
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     tool_call_parser: str = "auto"
@@ -174,6 +176,7 @@ class UpConfig:
             expert_parallel=self.expert_parallel,
             replicate_attention=self.replicate_attention,
             tp_exact_sums=self.tp_exact_sums,
+            cpu_matmul=self.cpu_matmul,
             cache=CacheConfig(
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -104,6 +104,7 @@ def load_model_and_cache(
         quantization=config.quantization,
         quantization_group_size=config.quantization_group_size,
         tp=tp,
+        cpu_matmul=config.cpu_matmul,
     )
     mcfg = model.config
     max_model_len = min(

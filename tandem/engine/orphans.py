@@ -68,6 +68,9 @@ class RecentIds:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._ids
 
+    def __len__(self) -> int:
+        return len(self._ids)
+
     def _trim(self, now: float) -> None:
         while self._ids:
             oldest, t = next(iter(self._ids.items()))

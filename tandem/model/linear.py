@@ -12,6 +12,15 @@ dtype (`choose_matmul`), logged at load.
            at batch 4-16, 2.4x for a 256-1024-token prefill; unpacked bfloat16 `x @ w` is
            slower than float32 at batch 1.
 
+oneDNN compiles a kernel for each product shape it meets and keeps it in its primitive cache
+(1,024 entries by default), so a oneDNN product of n rows is computed at `onednn_rows(n)`
+rows (zero rows appended, their results dropped): exact up to 64 rows (decode batches), then
+rounded up to an eighth of n's power of two (at most 12.5% more rows). Unrounded, every
+distinct prefill length was a new shape: a long prefill worker churned the cache, compiling
+and evicting kernels, and the heap it churned in grew without bound (1.0 -> 1.9 GB in 1,400
+products; rounded, 0.39 -> 0.48 GB and flat, as fast; BENCHMARKS.md "The prefill worker's
+memory", `benchmarks/bench_memory.py`).
+
 A packed matrix is an opaque tensor: only `matmul` may read it. A quantized matrix
 (`tandem.model.quant_linear.QuantLinear`, packed at load by its own rule) goes to
 `quant_matmul` whatever the kind.
@@ -32,15 +41,65 @@ class MatmulKind(StrEnum):
     ONEDNN = "onednn"
 
 
+# Products of up to this many rows keep their row count (decode batches: every batch size
+# its own kernel, and a row's result as it was).
+ONEDNN_EXACT_ROWS = 64
+# Above it, row counts are rounded up to a multiple of 2 ** (bit_length - this): eight
+# counts per doubling, so at most 1/8 of the rows are padding.
+_ONEDNN_STEPS_LOG2 = 4
+
+
+def onednn_rows(num_rows: int) -> int:
+    """The row count a oneDNN product of `num_rows` rows is computed at (>= num_rows; one of
+    `onednn_row_counts`' values)."""
+    if num_rows <= ONEDNN_EXACT_ROWS:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - _ONEDNN_STEPS_LOG2)
+    return -(-num_rows // step) * step
+
+
+def onednn_row_counts(max_rows: int) -> list[int]:
+    """Every row count a oneDNN product of 1..max_rows rows is computed at, ascending: the
+    bound on the shapes per matrix that oneDNN compiles a kernel for."""
+    counts = list(range(1, min(max_rows, ONEDNN_EXACT_ROWS) + 1))
+    n = ONEDNN_EXACT_ROWS + 1
+    while n <= max_rows:
+        counts.append(onednn_rows(n))
+        n = counts[-1] + 1
+    return counts
+
+
 def onednn_bf16_available() -> bool:
     """oneDNN is built in and this CPU runs bfloat16 natively (AVX512-BF16 or AMX)."""
     mkldnn = torch.backends.mkldnn
     return bool(mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def choose_matmul(device: torch.device, dtype: torch.dtype, onednn_bf16: bool) -> MatmulKind:
-    """The matmul for a model on `device` in `dtype`; `onednn_bf16`: `onednn_bf16_available()`."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and onednn_bf16:
+CPU_MATMULS = ("auto", "plain", "onednn")
+
+
+def choose_matmul(
+    device: torch.device, dtype: torch.dtype, onednn_bf16: bool, cpu_matmul: str = "auto"
+) -> MatmulKind:
+    """The matmul for a model on `device` in `dtype`; `onednn_bf16`: `onednn_bf16_available()`;
+    `cpu_matmul` (EngineConfig.cpu_matmul): "auto" (oneDNN for bfloat16 on a CPU that runs
+    it natively, else plain), "plain" or "onednn" (a CPU in float32, or bfloat16 natively).
+
+    Raises:
+        ValueError: "onednn" where oneDNN cannot run this dtype.
+    """
+    if cpu_matmul not in CPU_MATMULS:
+        raise ValueError(f"cpu_matmul must be one of {', '.join(CPU_MATMULS)}, got {cpu_matmul!r}")
+    if device.type != "cpu" or cpu_matmul == "plain":
+        return MatmulKind.PLAIN
+    if cpu_matmul == "onednn":
+        if dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16):
+            return MatmulKind.ONEDNN
+        raise ValueError(
+            f"cpu_matmul onednn runs float32, or bfloat16 on a CPU with AVX512-BF16 or AMX; "
+            f"not {dtype} here: use cpu_matmul auto or plain"
+        )
+    if dtype == torch.bfloat16 and onednn_bf16:
         return MatmulKind.ONEDNN
     return MatmulKind.PLAIN
 
@@ -75,5 +134,9 @@ def matmul(
         y = fp8_activations(x, w.scheme) @ w.dequantize(x.dtype).t()
         return y if bias is None else y + bias
     if kind is MatmulKind.ONEDNN:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+        n = x.shape[0]
+        rows = onednn_rows(n)
+        if rows != n:
+            x = torch.nn.functional.pad(x, (0, 0, 0, rows - n))  # x [rows, in], zero rows
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")[:n]
     return x @ w if bias is None else torch.addmm(bias, x, w)

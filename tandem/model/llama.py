@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tandem.model import cpu_kernels
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
-from tandem.model.linear import MatmulKind, matmul, pack
+from tandem.model.linear import MatmulKind, matmul, onednn_rows, pack
 from tandem.model.moe import MoeWeights, moe_forward
 from tandem.model.quant import QuantizedWeight, WeightScheme
 from tandem.model.quant_linear import (
@@ -134,6 +134,9 @@ class LlamaModel:
         self.config = config
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.matmul = matmul
+        # The row counts oneDNN products were computed at (one kernel per count and matrix
+        # shape in oneDNN's cache; bounded by `linear.onednn_row_counts`). Empty when PLAIN.
+        self.onednn_row_counts: set[int] = set()
         self.workspace = Workspace()  # what per-call dequantizations reuse
         dtype = weights.embed.dtype
         # The row-parallel partial sums in float32 (class docstring); CUDA keeps its dtype.
@@ -265,6 +268,8 @@ class LlamaModel:
         h = self._embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, h.dtype)
         n = input_ids.shape[0]
+        if mm is MatmulKind.ONEDNN:
+            self.onednn_row_counts.add(onednn_rows(n))
         pending: torch.Tensor | None = None  # the last layer's MLP output, not yet added to h
         for layer_idx, lw in enumerate(w.layers):
             h, x = self._add_norm(h, pending, lw.input_norm, eps)
@@ -339,6 +344,8 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab] in float32 (on every rank
         of a tensor-parallel group)."""
+        if self.matmul is MatmulKind.ONEDNN:
+            self.onednn_row_counts.add(onednn_rows(hidden.shape[0]))
         logits = matmul(hidden, self.weights.lm_head, self.matmul)
         if self.tp is not None:  # [rows, vocab / tp] per rank, the padding dropped
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]

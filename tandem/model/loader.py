@@ -407,10 +407,12 @@ def load_model(
     quantization: str = "none",
     quantization_group_size: int = 64,
     tp: TPGroup | None = None,
+    cpu_matmul: str = "auto",
 ) -> LlamaModel:
     """Load config and weights from a HuggingFace directory; `quantization` (none, int8,
     int4, fp8) quantizes the layer matrices (tandem.model.quant_load). `tp`: this process
-    is one rank of a tensor-parallel group: it loads and runs its shard only.
+    is one rank of a tensor-parallel group: it loads and runs its shard only. `cpu_matmul`:
+    tandem.model.linear.choose_matmul.
 
     Raises:
         FileNotFoundError: config.json or a weight file is missing.
@@ -429,7 +431,7 @@ def load_model(
         path, config, DTYPES[dtype], dev, progress, scheme, quantization_group_size, shard,
         tp.all_reduce_max if tp is not None else None,
     )  # fmt: skip
-    mm = choose_matmul(dev, DTYPES[dtype], onednn_bf16_available())
+    mm = choose_matmul(dev, DTYPES[dtype], onednn_bf16_available(), cpu_matmul)
     logger.info("matmuls: %s (%s on %s)", mm.value, dtype, dev)
     model = LlamaModel(
         config if shard is None else local_config(config, shard),

@@ -130,6 +130,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "expert_parallel": ("true", True),
     "replicate_attention": ("true", True),
     "tp_exact_sums": ("false", False),
+    "cpu_matmul": ("onednn", "onednn"),
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("32", 32),
     "disagg_min_uncached_tokens": ("0", 0),
@@ -369,7 +370,7 @@ def test_generate_shares_the_engine_flags_of_up(
 
     shared = option_help("generate")
     assert sorted(shared) == [
-        "--device", "--dtype", "--expert-parallel", "--gpu-memory-utilization",
+        "--cpu-matmul", "--device", "--dtype", "--expert-parallel", "--gpu-memory-utilization",
         "--kv-cache-bytes", "--kv-cache-dtype", "--kv-cache-mb", "--quantization",
         "--quantization-group-size", "--replicate-attention", "--tensor-parallel-size",
         "--tp-exact-sums",
@@ -377,7 +378,8 @@ def test_generate_shares_the_engine_flags_of_up(
     assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
     argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",
             "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8",
-            "--expert-parallel", "true", "--tp-exact-sums", "false"]  # fmt: skip
+            "--expert-parallel", "true", "--tp-exact-sums", "false",
+            "--cpu-matmul", "plain"]  # fmt: skip
     up_env.setenv("TANDEM_DTYPE", "bfloat16")  # both read the variables
     engine = _engine_config(build_parser().parse_args(["generate", *argv, "--model", "m", "hi"]))
     assert engine == up_config(up_args(*argv, "--model", "m")).engine_config()
@@ -391,6 +393,7 @@ def test_generate_shares_the_engine_flags_of_up(
         True,
         False,
     )
+    assert engine.cpu_matmul == "plain"
     assert _engine_config(build_parser().parse_args(["generate", "hi"])).dtype == "bfloat16"
     with pytest.raises(SystemExit) as exc:
         _engine_config(build_parser().parse_args(["generate", "--gpu-memory-utilization", "2"]))

@@ -14,6 +14,8 @@ from tandem.model.linear import (
     choose_matmul,
     matmul,
     onednn_bf16_available,
+    onednn_row_counts,
+    onednn_rows,
     pack,
 )
 
@@ -29,6 +31,21 @@ def test_choose_matmul_packs_only_bf16_on_a_cpu_that_runs_it() -> None:
     assert choose_matmul(CPU, torch.float32, True) is MatmulKind.PLAIN
     assert choose_matmul(CPU, torch.float16, True) is MatmulKind.PLAIN
     assert choose_matmul(CUDA, torch.bfloat16, True) is MatmulKind.PLAIN
+
+
+def test_cpu_matmul_setting_overrides_the_choice_where_onednn_runs_the_dtype() -> None:
+    assert choose_matmul(CPU, torch.bfloat16, True, "plain") is MatmulKind.PLAIN
+    assert choose_matmul(CPU, torch.float32, False, "onednn") is MatmulKind.ONEDNN
+    assert choose_matmul(CPU, torch.bfloat16, True, "onednn") is MatmulKind.ONEDNN
+    assert choose_matmul(CUDA, torch.float32, True, "onednn") is MatmulKind.PLAIN  # CPU only
+    with pytest.raises(ValueError, match="AVX512-BF16 or AMX"):
+        choose_matmul(CPU, torch.bfloat16, False, "onednn")
+    with pytest.raises(ValueError, match="float16"):
+        choose_matmul(CPU, torch.float16, True, "onednn")
+    with pytest.raises(ValueError, match="cpu_matmul must be one of"):
+        choose_matmul(CPU, torch.float32, True, "mkl")
+    with pytest.raises(ValueError, match="cpu_matmul must be auto, plain or onednn"):
+        EngineConfig(model_dir="m", cpu_matmul="mkl")
 
 
 def test_plain_is_x_at_w_with_or_without_bias() -> None:
@@ -79,6 +96,36 @@ def test_onednn_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(matmul(x[:m].contiguous(), packed, MatmulKind.ONEDNN), full[:m])
     # a chunk in the middle of a step (decode rows before it)
     assert torch.equal(matmul(x[37:].contiguous(), packed, MatmulKind.ONEDNN), full[37:])
+
+
+def test_onednn_rows_are_exact_to_64_then_rounded_up_by_less_than_an_eighth() -> None:
+    """Issue 38: every distinct row count is a kernel in oneDNN's cache; the counts are
+    bounded by rounding, never by more than 1/8 of the rows."""
+    assert [onednn_rows(n) for n in (1, 17, 64, 65, 72, 73, 128, 129, 2047, 2048, 2049)] == [
+        1, 17, 64, 72, 72, 80, 128, 144, 2048, 2048, 2304,
+    ]  # fmt: skip
+    counts = onednn_row_counts(4096)
+    assert counts == sorted(set(counts)) and counts[-1] == 4096
+    for n in range(1, 4097):
+        rows = onednn_rows(n)
+        assert rows in counts and n <= rows and 8 * (rows - n) < max(n, 1)
+    # 64 exact counts, then 8 per doubling: SmolLM2's 2048-token budget gives 104 kernels
+    # per matrix shape, against 2048 unrounded.
+    assert len(onednn_row_counts(2048)) == 64 + 8 * 5
+    assert onednn_row_counts(10) == list(range(1, 11))
+
+
+@pytest.mark.parametrize("num_rows", [1, 63, 64, 65, 100, 300])
+def test_onednn_product_of_padded_rows_is_the_product_of_the_rows(num_rows: int) -> None:
+    """The zero rows appended to reach `onednn_rows` are dropped: [n, out], each row the
+    product of its own input (float32 packed weights run on any oneDNN CPU)."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(num_rows, 96, generator=g)
+    packed = pack(w, MatmulKind.ONEDNN)
+    got = matmul(x, packed, MatmulKind.ONEDNN, b)
+    assert got.shape == (num_rows, 40) and got.is_contiguous()
+    torch.testing.assert_close(got, x @ w + b, rtol=1e-5, atol=1e-4)
 
 
 def test_auto_dtype_is_bf16_on_cuda_and_on_a_cpu_that_runs_it(

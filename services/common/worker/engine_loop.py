@@ -29,6 +29,7 @@ import torch
 from services.common.observe.metrics import WorkerMetrics
 from tandem.engine.device import use_device
 from tandem.engine.engine import EngineStats, LLMEngine, RequestOutput
+from tandem.engine.footprint import StateSize
 from tandem.routing.stall import HopProgress
 from tandem.types import FinishReason
 
@@ -165,6 +166,13 @@ class EngineLoop:
         # a step: load figures (GetStats, heartbeats) and queue positions (progress).
         self.snapshot: EngineStats = engine.stats()
         self._positions: dict[str, int] = {}
+
+    def footprint(self) -> dict[str, StateSize]:
+        """The loop's per-request structures (tandem.engine.footprint)."""
+        return {
+            "output_streams": StateSize(len(self._streams), None),
+            "queue_positions": StateSize(len(self._positions), None),
+        }
 
     def start(self) -> None:
         self._thread.start()

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from services.common.observe import tracing
+from services.common.observe.memory import MemoryCollector
 from services.common.observe.metrics import WorkerMetrics, start_metrics_server, stop_metrics_server
 from services.common.redis.index import RedisPrefixIndex
 from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
@@ -42,6 +43,7 @@ from services.common.worker.engine_loop import EngineLoop, OutputQueue
 from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineRole
 from tandem.engine.engine import WARMUP_REQUEST_ID, EngineStats, LLMEngine
+from tandem.engine.footprint import StateSize, engine_footprint
 from tandem.engine.orphans import OrphanTracker, RecentIds
 from tandem.engine.request import RequestSpec, Resume
 from tandem.gpus import check_device
@@ -90,6 +92,7 @@ class Worker:
         # scheduler's queues while the engine changes them).
         self.metrics = WorkerMetrics(self.role.value, self._published_stats)
         self.metrics.weights(self.engine.weight_bytes, config.engine.quantization)
+        self.metrics.registry.register(MemoryCollector(self.role.value, self.footprint))
         self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
         self._metrics_server: HTTPServer | None = None
         with _phase(f"KV cache registered with the {config.transport} transport"):
@@ -306,6 +309,16 @@ class Worker:
         self.metrics.aborts.inc()
         log.info("abort %s (%s)", request_id, "running here" if found else "not known here")
         return found
+
+    def footprint(self) -> dict[str, StateSize]:
+        """Every structure of this worker that grows with traffic (tandem.engine.footprint):
+        the engine's, the engine loop's and the worker's own. Any thread, as a hint."""
+        sizes = engine_footprint(self.engine)
+        if self.loop_runner is not None:
+            sizes.update(self.loop_runner.footprint())
+        sizes["aborted_ids"] = StateSize(len(self._aborted), self._aborted.max_ids)
+        sizes["orphan_candidates"] = StateSize(len(self._orphans), None)
+        return sizes
 
     def owns(self, request_id: str) -> bool:
         """Does a call (or, on a prefill worker, a lease) still hold `request_id`? Any

@@ -1,0 +1,60 @@
+"""What an engine holds besides its weights and KV cache, structure by structure.
+
+Two kinds, told apart by their bound:
+
+  per request   one entry per request the engine holds (`bound` None): back to 0 whenever
+                no request is in flight; a count that stays above 0 is a request's state
+                that outlived it.
+  bounded       a cache keyed by something other than a request (a grammar, a product
+                shape): at most `bound` entries, however long the worker runs.
+
+A worker exports both (`tandem_worker_state_entries` and `tandem_worker_state_bound` by
+structure); the prefill-memory test and the soak read them. The reads are single `len`
+calls, safe from another thread as a hint (the numbers may be one step old).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from tandem.model.linear import MatmulKind, onednn_row_counts
+
+if TYPE_CHECKING:
+    from tandem.engine.engine import LLMEngine
+
+
+class StateSize(NamedTuple):
+    entries: int
+    bound: int | None  # None: per request, 0 when the engine holds none
+
+
+def engine_footprint(engine: LLMEngine) -> dict[str, StateSize]:
+    """Every structure of `engine` that grows with its traffic, by name."""
+    sched = engine.scheduler
+    sizes = {
+        "engine_requests": StateSize(len(engine._requests), None),
+        "engine_text_streams": StateSize(len(engine._text), None),
+        "scheduler_requests": StateSize(
+            len(sched.waiting)
+            + len(sched.running)
+            + len(sched.waiting_for_kv)
+            + len(sched.handed_off),
+            None,
+        ),
+        "kv_block_tables": StateSize(len(engine.kv.block_tables), None),
+        "kv_published_requests": StateSize(len(engine.kv._num_cached_blocks), None),
+    }
+    tables = engine.runner.block_tables
+    if tables is not None:
+        sizes["device_block_table_rows"] = StateSize(len(tables.request_ids()), None)
+    if engine.grammars is not None:
+        grammars = engine.grammars
+        sizes["grammar_cache"] = StateSize(len(grammars._compiled), grammars.cache_size)
+    model = engine.model
+    if getattr(model, "matmul", None) is MatmulKind.ONEDNN:
+        cfg = engine.config.scheduler
+        max_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        sizes["onednn_row_counts"] = StateSize(
+            len(model.onednn_row_counts), len(onednn_row_counts(max_rows))
+        )
+    return sizes
