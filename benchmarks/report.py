@@ -105,6 +105,19 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
     return times[len(times) // 2] * 1e3
 
 
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the Agg backend (no display on servers and CI); None without
+    matplotlib (a benchmark then writes no plot and says so)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_text(path: Path, text: str) -> None:
     """Write-then-rename, creating the parent folder: an interrupted run never leaves half a
     file behind (for a plot, or for the next run to read)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
-from report import machine_summary, verdict
+from report import machine_summary, pyplot, verdict
 from soak_memory import trough_trend
 
 
@@ -109,12 +109,9 @@ def markdown(r: dict[str, Any], stem: str, plotted: bool, results: str) -> str:
 
 def plot(r: dict[str, Any], path: Path) -> bool:
     """Write the plot; False (and nothing written) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     samples = r["samples"]
     ts = [x["t_s"] for x in samples]

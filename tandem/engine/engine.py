@@ -17,7 +17,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from tandem.engine.loading import (
     shard_for,
     wants_decode_graphs,
 )
+from tandem.engine.outputs import Completion, EngineStats, RequestOutput
 from tandem.engine.ranks import (
     Followers,
     decode_capture_plan,
@@ -43,7 +43,7 @@ from tandem.engine.ranks import (
 )
 from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
+from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.model.config import ModelConfig
 from tandem.model.detokenize import TextStream
@@ -52,53 +52,12 @@ from tandem.model.loader import ProgressFn
 from tandem.model.parallel import TPGroup
 from tandem.model.tokenizer import Tokenizer
 
-__all__ = ["LLMEngine", "wants_decode_graphs"]  # the latter for tests: tandem.engine.loading
+# EngineStats, RequestOutput and Completion live in tandem.engine.outputs and are named here
+# too (what a step and generate() return); wants_decode_graphs for tests (tandem.engine.loading)
+__all__ = ["Completion", "EngineStats", "LLMEngine", "RequestOutput", "wants_decode_graphs"]
 
 log = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "__tandem_warmup__"
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    handed_off: bool = False
-    stop_reason: int | str | None = None  # the stop token id or string that ended it
-    num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits
-    block_ids: list[int] = field(default_factory=list)  # handed off: the pinned blocks
-    # (logprob, top-n) of each new token, when the request asked for logprobs
-    logprobs: list[LogprobEntry] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Load figures a worker publishes with its heartbeat."""
-
-    num_running: int
-    num_waiting: int
-    num_handed_off: int
-    queued_prefill_tokens: int
-    num_blocks: int
-    num_free_blocks: int
-    num_preemptions: int = 0  # since start (a request preempted twice counts twice)
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A finished request, as returned by `generate()`."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    num_cached_tokens: int
-    logprobs: list[LogprobEntry]
 
 
 class LLMEngine:

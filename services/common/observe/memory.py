@@ -53,7 +53,7 @@ def _glibc_mallinfo2() -> Callable[[], _MallInfo2] | None:
         return None
     fn.restype = _MallInfo2
     fn.argtypes = []
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _MALLINFO2 = _glibc_mallinfo2()
