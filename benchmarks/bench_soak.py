@@ -4,7 +4,7 @@
         [--duration-s S] [--warmup-s S] [--model ''|random|DIR|FILE.gguf] [--seed N]
         [--max-queue-delay-s S] [--num-prefill N] [--num-decode N] [--results-dir DIR]
         [--early-disconnect-fraction F] [--kv-cache-mb MB] [--controller-args ARGS]
-        [--cpu-matmul auto|plain|onednn]
+        [--cpu-matmul auto|plain|onednn] [--quantization Q] [--tp N] [--structured-fraction F]
 
 A cluster as a new user starts one (`tandem up`: services.up.Cluster with tandem up's model
 and KV cache choices; by default the real default model, SmolLM2-135M-Instruct, and 1 prefill
@@ -114,6 +114,8 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> UpConfig:
         "device": args.device,
         "autoscale": args.autoscale,
         "cpu_matmul": args.cpu_matmul,
+        "quantization": args.quantization,
+        "tensor_parallel_size": args.tp,
         "admin_port": free_port("127.0.0.1") if args.autoscale else 50061,
         "controller_args": tuple(shlex.split(args.controller_args)),
     }
@@ -264,6 +266,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--cpu-matmul", default="auto", help="tandem up --cpu-matmul: auto, plain or onednn"
     )
+    p.add_argument("--quantization", default="none", help="tandem up --quantization")
+    p.add_argument("--tp", type=int, default=1, help="tandem up --tp: ranks per worker")
     p.add_argument("--max-queue-delay-s", type=float, help="default: tandem up's")
     p.add_argument("--controller-args", default="", help="as tandem up --controller-args")
     p.add_argument(
@@ -271,6 +275,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="also give up this fraction of requests before their first chunk (default 0)",
+    )
+    p.add_argument(
+        "--structured-fraction",
+        type=float,
+        default=0.0,
+        help="this fraction of valid requests answer in JSON to one of many schemas",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-interval-s", type=float, default=5.0)
@@ -291,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     mix = OVERLOAD_MIX if args.overload else Mix()
     if args.early_disconnect_fraction:
         mix = dataclasses.replace(mix, early_disconnect_fraction=args.early_disconnect_fraction)
+    if args.structured_fraction:
+        mix = dataclasses.replace(mix, structured_fraction=args.structured_fraction)
     setup = {
         "model_dir": str(model_dir),
         "model": model_dir.name,
@@ -299,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "num_decode": config.num_decode,
         "autoscale": config.autoscale,
         "cpu_matmul": config.cpu_matmul,
+        "quantization": config.quantization,
+        "tensor_parallel_size": config.tensor_parallel_size,
         "overload": args.overload,
         "controller_args": list(config.controller_args),
         "transport": config.transport,
@@ -351,6 +365,9 @@ def _stem(args: argparse.Namespace) -> str:
         "overload" if args.overload else "",
         "quick" if args.quick else "",
         "" if args.cpu_matmul == "auto" else args.cpu_matmul,
+        "" if args.quantization == "none" else args.quantization,
+        "" if args.tp == 1 else f"tp{args.tp}",
+        "structured" if args.structured_fraction else "",
         "" if args.duration_s in (None, 60, 120, 300) else f"{args.duration_s / 60:g}min",
     ]
     return "-".join(p for p in parts if p)

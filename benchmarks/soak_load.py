@@ -118,12 +118,20 @@ class Mix:
     chat_max_tokens: int = 32
     document_max_tokens: int = 96
     temperature: float = 0.7
+    # of valid requests, answering in JSON to a schema (one of STRUCTURED_KEYS' many, so
+    # that the workers' grammar caches fill and evict): kind "<kind>_json"
+    structured_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         weights = (self.chat_weight, self.document_weight, self.invalid_weight)
         if min(weights) < 0 or sum(weights) <= 0:
             raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
-        for name in ("chat_stream_fraction", "disconnect_fraction", "early_disconnect_fraction"):
+        for name in (
+            "chat_stream_fraction",
+            "disconnect_fraction",
+            "early_disconnect_fraction",
+            "structured_fraction",
+        ):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("disconnect_chunks", "document_words"):
@@ -200,6 +208,23 @@ def document(rng: random.Random, num_words: int) -> str:
     return " ".join(sentences)
 
 
+# The structured requests' schemas: an object with one required string property, named from
+# these (more than a worker's grammar cache holds, tandem.engine.grammar.DEFAULT_CACHE_SIZE).
+STRUCTURED_KEYS = tuple(f"{w}_{i}" for i in range(20) for w in ("answer", "summary", "topic"))
+
+
+def structured_format(rng: random.Random) -> dict[str, Any]:
+    """An OpenAI `response_format` asking for {"<key>": "<string>"}."""
+    key = rng.choice(STRUCTURED_KEYS)
+    schema = {
+        "type": "object",
+        "properties": {key: {"type": "string", "maxLength": 40}},
+        "required": [key],
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": key, "schema": schema}}
+
+
 def make_spec(rng: random.Random, mix: Mix, max_model_len: int) -> Spec:
     """The next request of a client."""
     kind = rng.choices(
@@ -228,6 +253,9 @@ def make_spec(rng: random.Random, mix: Mix, max_model_len: int) -> Spec:
     )
     give_up_after_s = rng.uniform(*mix.early_disconnect_s) if early else None
     name = "chat_stream" if kind == "chat" and stream else kind
+    if mix.structured_fraction and rng.random() < mix.structured_fraction:
+        body["response_format"] = structured_format(rng)
+        name += "_json"
     return Spec(name, body, stream, disconnect_after, give_up_after_s)
 
 

@@ -29,7 +29,7 @@ from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.workers import prefill_result, signed_worker_args
 
-LEASE_TTL_S = 1.0
+LEASE_TTL_S = 3.0  # short, so the lapsed ones end within the test; long enough to confirm
 BUDGET = 24  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
 NUM_REQUESTS = 48
 # Structures that hold one entry per request: all must be back at 0 (issue 38's list of
