@@ -196,6 +196,10 @@ class Sample:
     rss_bytes: dict[str, int] = field(default_factory=dict)  # child name -> bytes
     pids: dict[str, int] = field(default_factory=dict)
     unreadable: list[str] = field(default_factory=list)  # /metrics that did not answer
+    # worker -> {structure: entries} (tandem_worker_state_entries) and {in_use, free} heap
+    # bytes (tandem_worker_heap_bytes), where the worker exports them (issue 38)
+    state_entries: dict[str, dict[str, float]] = field(default_factory=dict)
+    heap_bytes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -206,6 +210,8 @@ class Sample:
             "rss_bytes": self.rss_bytes,
             "pids": self.pids,
             "unreadable": self.unreadable,
+            "state_entries": self.state_entries,
+            "heap_bytes": self.heap_bytes,
         }
 
 
@@ -230,6 +236,12 @@ def sample_cluster(cluster: Cluster, t_s: float) -> Sample:
             continue
         s.kv_blocks_used[name] = page.total(KV_USED)
         s.kv_blocks_capacity[name] = page.total(KV_CAPACITY)
+        entries = {lb["structure"]: v for lb, v in page.select("tandem_worker_state_entries")}
+        if entries:
+            s.state_entries[name] = entries
+        heap = {lb["state"]: v for lb, v in page.select("tandem_worker_heap_bytes")}
+        if heap:
+            s.heap_bytes[name] = heap
     s.pids = child_pids(cluster)
     s.rss_bytes = tree_rss_bytes(s.pids)
     return s

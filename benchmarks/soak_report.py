@@ -99,12 +99,38 @@ def markdown(r: dict[str, Any], stem: str, plotted: bool, results: str) -> str:
     ]
     if s["autoscale"]:
         lines.append(f"- controller decisions by role: {_na(m['controller_decisions'])}")
+    lines += _structures(r)
     lines.append("")
     if plotted:
         lines += [f"![soak]({results}/{stem}.png)", ""]
     else:
         lines += ["(no plot: matplotlib is not installed)", ""]
     return "\n".join(lines)
+
+
+def _structures(r: dict[str, Any]) -> list[str]:
+    """Per worker, its bounded structures and glibc heap at the end of warm-up and at the end
+    of the traffic (issue 38; samples without them, from older builds, give nothing)."""
+    during = [x for x in r["samples"] if x["t_s"] <= r.get("traffic_end_s", math.inf)]
+    first = next((x for x in during if x["t_s"] >= r["setup"]["warmup_s"]), None)
+    if first is None or not during[-1].get("state_entries"):
+        return []
+    last = during[-1]
+    out = []
+    for name in sorted(last["state_entries"]):
+        a, b = first.get("state_entries", {}).get(name, {}), last["state_entries"][name]
+        held = {k: int(v) for k, v in b.items() if k in ("onednn_row_counts", "grammar_cache")}
+        was = {k: int(a.get(k, 0)) for k in held}
+        ha, hb = first.get("heap_bytes", {}).get(name, {}), last.get("heap_bytes", {}).get(name, {})
+        heap = (
+            f"; heap in use / free {ha.get('in_use', 0) / 2**20:.0f} / "
+            f"{ha.get('free', 0) / 2**20:.0f} -> {hb.get('in_use', 0) / 2**20:.0f} / "
+            f"{hb.get('free', 0) / 2**20:.0f} MiB"
+            if hb
+            else ""
+        )
+        out.append(f"- {name} after warm-up -> end: bounded structures {was} -> {held}{heap}")
+    return out
 
 
 def plot(r: dict[str, Any], path: Path) -> bool:
