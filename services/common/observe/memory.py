@@ -15,7 +15,6 @@ Read at scrape time, never on the engine's step path.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
@@ -44,11 +43,8 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _glibc_mallinfo2() -> Callable[[], _MallInfo2] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).mallinfo2 if name else None
-    except (OSError, AttributeError):  # not glibc, or glibc before 2.33
-        return None
+    # The C library this process already runs (dlopen(NULL)): no search, no subprocess.
+    fn = getattr(ctypes.CDLL(None), "mallinfo2", None)  # None: not glibc, or before 2.33
     if fn is None:
         return None
     fn.restype = _MallInfo2
