@@ -14,7 +14,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from soak_load import OK_OUTCOMES, Record
-from soak_memory import WINDOWS, trough_trend
+from soak_memory import WINDOWS, TroughTrend, trough_trend
 from soak_metrics import Sample, Scrape, bucket_quantile, diff_buckets, is_worker
 
 from tandem.types import Role
@@ -293,24 +293,26 @@ def explained_check(decisions: list[dict[str, Any]] | None) -> Check:
     )
 
 
-def rss_trends(run: Run, warmup_s: float) -> dict[str, Any]:
+def rss_trends(run: Run, warmup_s: float) -> dict[str, TroughTrend]:
     """Per process alive through the traffic (one pid): its trough trend after warm-up
-    (soak_memory), None where the run after warm-up is too short for one."""
+    (soak_memory); left out where the run after warm-up is too short for one."""
     during = [s for s in run.samples if s.t_s <= run.traffic_end_s]
-    trends: dict[str, Any] = {}
+    trends: dict[str, TroughTrend] = {}
     for name in sorted({n for s in during for n in s.rss_bytes}):
         pids = {s.pids.get(name) for s in during if name in s.rss_bytes and s.t_s >= warmup_s}
         if len(pids) != 1:
             continue  # restarted (or gone) after warm-up: its trend spans two processes
         points = [(s.t_s, s.rss_bytes[name]) for s in during if name in s.rss_bytes]
-        trends[name] = trough_trend(points, warmup_s)
+        trend = trough_trend(points, warmup_s)
+        if trend is not None:
+            trends[name] = trend
     return trends
 
 
 def _rss_check(run: Run, warmup_s: float) -> Check:
     name = "RSS troughs flat after warm-up"
     target = f"< {100 * RSS_GROWTH_MAX:g}% growth per process ({WINDOWS} windows' troughs)"
-    trends = {k: v for k, v in rss_trends(run, warmup_s).items() if v is not None}
+    trends = rss_trends(run, warmup_s)
     if not trends:
         return Check(name, None, f"run too short after a warm-up of {warmup_s:g} s", target)
     worst = max(trends, key=lambda k: trends[k].growth)

@@ -55,10 +55,10 @@ def _glibc_mallinfo2() -> Callable[[], _MallInfo2] | None:
 _MALLINFO2 = _glibc_mallinfo2()
 
 
-def resident_bytes(pid: int | str = "self") -> int:
-    """Resident set size of a process (this one by default), from /proc; 0 where unreadable."""
+def resident_bytes() -> int:
+    """Resident set size of this process, from /proc; 0 where unreadable."""
     try:
-        with open(f"/proc/{pid}/statm") as f:
+        with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return 0
