@@ -29,6 +29,7 @@ from tandem.engine.kv_cache import shared_kv_dir
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.loading import (
     check_tensor_parallel,
+    compile_matmuls,
     load_model_and_cache,
     shard_for,
     wants_decode_graphs,
@@ -147,7 +148,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run one prefill step at the full token budget and a few decode steps before
         traffic, so the first requests do not pay for allocator growth and kernel set-up,
-        compile the attention kernel variants those steps did not hit, then (on CUDA with
+        compile every oneDNN matmul kernel the engine can need (`compile_matmuls`) and the
+        attention kernel variants those steps did not hit, then (on CUDA with
         the Triton backend) capture the decode steps' CUDA graphs (with tensor parallelism
         every rank captures the same ones, the collectives inside: `decode_capture_plan`).
         Leaves no trace: no cached prefix, no KV events, no counters.
@@ -178,6 +180,7 @@ class LLMEngine:
         self.kv.pool.reset_prefix_cache()
         self.take_kv_events()
         self.num_steps = self.num_tokens_computed = 0
+        compile_matmuls(self.model, self.config)
         self.model.attention.warm_up(
             self.kv_cache[:, 0], self.model.config.num_q_heads, self.max_model_len
         )

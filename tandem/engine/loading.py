@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -76,6 +77,21 @@ def shard_for(config: EngineConfig, rank: int) -> Shard:
 def check_tensor_parallel(model: ModelConfig, config: EngineConfig) -> None:
     """Raise ValueError unless `config.tensor_parallel_size` ranks can serve `model`."""
     check_shardable(model, config.tensor_parallel_size)
+
+
+def compile_matmuls(model: LlamaModel, config: EngineConfig) -> None:
+    """Compile the model's oneDNN kernels for every step this config can run
+    (`LlamaModel.compile_matmuls`): on every rank, at warm-up, before traffic."""
+    sched = config.scheduler
+    t0 = time.perf_counter()
+    runs = model.compile_matmuls(
+        max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs
+    )
+    if runs:
+        log.info(
+            "compiled oneDNN matmul kernels for %d row counts (%d products) in %.1fs",
+            len(model.onednn_row_counts), runs, time.perf_counter() - t0,
+        )  # fmt: skip
 
 
 def load_model_and_cache(

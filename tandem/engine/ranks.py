@@ -37,7 +37,12 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.cuda_graphs import CapturePlan, capture_plan, check_capture_plan
 from tandem.engine.device import use_device
-from tandem.engine.loading import LoadedModel, load_model_and_cache, shard_for
+from tandem.engine.loading import (
+    LoadedModel,
+    compile_matmuls,
+    load_model_and_cache,
+    shard_for,
+)
 from tandem.engine.runner import CaptureGraphs, ModelRunner, StepPlan
 from tandem.engine.sampling import Sampler
 from tandem.model.parallel import TPGroup
@@ -185,6 +190,7 @@ def follow(
     runner = ModelRunner(
         loaded.model, loaded.kv_cache, config.cache.block_size, sampler, loaded.max_model_len
     )
+    compile_matmuls(loaded.model, config)  # as rank 0's warm-up does (no collective)
     try:
         while True:
             try:

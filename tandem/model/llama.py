@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tandem.model import cpu_kernels
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
-from tandem.model.linear import MatmulKind, matmul, onednn_rows, pack
+from tandem.model.linear import MatmulKind, matmul, onednn_row_counts, onednn_rows, pack
 from tandem.model.moe import MoeWeights, moe_forward
 from tandem.model.quant import QuantizedWeight, WeightScheme
 from tandem.model.quant_linear import (
@@ -350,3 +350,35 @@ class LlamaModel:
         if self.tp is not None:  # [rows, vocab / tp] per rank, the padding dropped
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits.float()
+
+    @torch.inference_mode()
+    def compile_matmuls(self, max_rows: int, max_logit_rows: int) -> int:
+        """oneDNN: compile now the kernel of every product the forward can ask for (each
+        distinct packed matrix shape, at every `onednn_rows` count of 1..max_rows rows; the
+        lm_head at 1..max_logit_rows), so a worker's memory is at its bound before traffic,
+        not filling towards it for hours (oneDNN keeps ~0.5 MiB per kernel; BENCHMARKS.md
+        "The prefill worker's memory"). This rank's matrices only: no collective. Returns
+        the number of products run; 0 when the matmul is not oneDNN."""
+        if self.matmul is not MatmulKind.ONEDNN:
+            return 0
+        w = self.weights
+        body: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for lw in w.layers:
+            pairs = ((lw.qkv, lw.qkv_bias), (lw.o, None), (lw.gate_up, None), (lw.down, None))
+            for m, bias in pairs:
+                if isinstance(m, torch.Tensor) and m.is_mkldnn:  # packed by `pack`
+                    key = (tuple(m.shape), m.dtype, bias is not None)
+                    body.setdefault(key, (m, bias))
+        jobs = [(m, bias, onednn_row_counts(max_rows)) for m, bias in body.values()]
+        if w.lm_head.is_mkldnn:
+            jobs.append((w.lm_head, None, onednn_row_counts(max_logit_rows)))
+        runs = 0
+        for m, bias, counts in jobs:
+            # m: [out, in]; largest first, so each product's output fits in the memory its
+            # predecessor's freed (ascending, the heap kept ~350 MiB of freed outputs)
+            zeros = torch.zeros(counts[-1], m.shape[1], dtype=m.dtype)
+            for rows in reversed(counts):
+                matmul(zeros[:rows], m, self.matmul, bias)
+                runs += 1
+            self.onednn_row_counts.update(counts)
+        return runs

@@ -3,6 +3,10 @@ path against the plain product, and dtype "auto" on a CPU."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -157,3 +161,43 @@ def test_cpu_threads_per_worker_leave_a_core_and_split_the_rest(
     cores: int, workers: int, autoscale: bool, threads: int
 ) -> None:
     assert cpu_threads_per_worker(cores, workers, autoscale) == threads
+
+
+def test_warm_up_compiles_every_onednn_kernel_the_engine_can_ask_for(
+    tiny_model_dir: Path, engine_factory: Callable[..., Any]
+) -> None:
+    """Issue 38: a oneDNN worker's kernel set is complete after warm-up (every packed shape
+    at every `onednn_rows` count up to the token budget, the lm_head up to max_num_seqs),
+    so traffic of any prompt lengths and batch sizes compiles nothing more and its memory
+    does not fill towards the bound for hours."""
+    from tandem.engine.footprint import engine_footprint
+    from tandem.engine.request import RequestSpec
+    from tandem.engine.sampling import SamplingParams
+
+    budget, seqs = 160, 6
+    engine = engine_factory(
+        tiny_model_dir, cpu_matmul="onednn", max_num_batched_tokens=budget, max_num_seqs=seqs
+    )
+    model = engine.model
+    assert model.matmul is MatmulKind.ONEDNN and not model.onednn_row_counts
+    engine.warm_up()
+    assert model.onednn_row_counts == set(onednn_row_counts(budget))
+    # the tiny preset's four layer shapes (qkv, o, gate_up, down), then the lm_head
+    runs = model.compile_matmuls(budget, seqs)
+    assert runs == 4 * len(onednn_row_counts(budget)) + len(onednn_row_counts(seqs))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for i, length in enumerate((1, 5, 29, 64, 65, 97, 150)):
+        prompt = tuple((3 + 7 * j) % 50 + 1 for j in range(length))
+        engine.add_request(RequestSpec(f"r{i}", prompt, params))
+    while engine.has_unfinished():
+        engine.step()
+    assert model.onednn_row_counts == set(onednn_row_counts(budget))
+    entries = engine_footprint(engine)["onednn_row_counts"]
+    assert entries.entries == entries.bound == len(onednn_row_counts(budget))
+
+
+def test_compile_matmuls_runs_nothing_for_plain_matmuls(
+    tiny_model_dir: Path, engine_factory: Callable[..., Any]
+) -> None:
+    engine = engine_factory(tiny_model_dir, cpu_matmul="plain")
+    assert engine.model.compile_matmuls(64, 8) == 0 and not engine.model.onednn_row_counts
