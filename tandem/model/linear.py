@@ -19,7 +19,8 @@ rounded up to an eighth of n's power of two (at most 12.5% more rows). Unrounded
 distinct prefill length was a new shape: a long prefill worker churned the cache, compiling
 and evicting kernels, and the heap it churned in grew without bound (1.0 -> 1.9 GB in 1,400
 products; rounded, 0.39 -> 0.48 GB and flat, as fast; BENCHMARKS.md "The prefill worker's
-memory", `benchmarks/bench_memory.py`).
+memory", `benchmarks/bench_memory.py`). The engine's warm-up compiles every count's kernel
+for every packed shape (`LlamaModel.compile_matmuls`), so the set is full before traffic.
 
 A packed matrix is an opaque tensor: only `matmul` may read it. A quantized matrix
 (`tandem.model.quant_linear.QuantLinear`, packed at load by its own rule) goes to
