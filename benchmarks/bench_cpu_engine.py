@@ -191,15 +191,15 @@ def bench_kernel(rows_list: tuple[int, ...] = (1, 4, 16), ctx: int = 300) -> dic
     interleaved per block, blocks scattered, the cache far larger than L3), 30 layers called
     in turn as a step does: the AVX512-BF16 path against the plain loops, alternated,
     process CPU time per 30-layer call (median of 9), 1 thread."""
-    from tandem.model import cpu_kernels
+    from kernels import cpu_ops
 
-    lib = cpu_kernels.load()
+    lib = cpu_ops.load()
     if lib is None:
         return {"skipped": "no C compiler"}
     torch.set_num_threads(1)
     layers, q_heads, kv_heads, dim, bs = 30, 9, 3, 64, 16
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, Any] = {"bf16_dot": cpu_kernels.has_bf16_dot(lib), "context": ctx}
+    out: dict[str, Any] = {"bf16_dot": cpu_ops.has_bf16_dot(lib), "context": ctx}
     for rows in rows_list:
         per_row = -(-ctx // bs)
         num_blocks = rows * per_row + 64
@@ -213,7 +213,7 @@ def bench_kernel(rows_list: tuple[int, ...] = (1, 4, 16), ctx: int = 300) -> dic
                 t0 = time.process_time()
                 for layer in range(layers):
                     kv = cache[:, layer]
-                    cpu_kernels.decode_attention(
+                    cpu_ops.decode_attention(
                         lib, qs[layer], kv[:, 0], kv[:, 1], tables, lens, dim**-0.5,
                         vector=name == "vector",
                     )  # fmt: skip

@@ -25,7 +25,7 @@ from report import RESULTS_DIR, machine_info, result_path, write_json
 from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
-from tandem.model.tiny import make_tiny_model
+from tandem.weights.tiny import make_tiny_model
 
 RESULT_JSON = result_path(RESULTS_DIR, "dtype")
 

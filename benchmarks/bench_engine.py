@@ -41,8 +41,8 @@ from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul
 from tandem.model.llama import LayerWeights, ModelWeights
-from tandem.model.loader import load_weights, safetensors_files
-from tandem.model.tiny import SPECIAL_TOKENS, make_tiny_model
+from tandem.weights.loader import load_weights, safetensors_files
+from tandem.weights.tiny import SPECIAL_TOKENS, make_tiny_model
 
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
 # Special tokens take the first ids; random prompts avoid them so no BOS/EOS lands mid-prompt.
@@ -436,9 +436,7 @@ class ReadBandwidth:
         }
 
 
-def matmul_times(
-    weights: ModelWeights, kind: MatmulKind, reps: int
-) -> tuple[list[float], int]:
+def matmul_times(weights: ModelWeights, kind: MatmulKind, reps: int) -> tuple[list[float], int]:
     """Seconds per pass of the batch-1 products of every matrix a decode step multiplies by
     (all but the embedding, which it indexes), as the model applies them (`kind`), and their
     bytes: a decode step with everything but the weight matmuls taken away, which splits the
@@ -664,7 +662,7 @@ def load_weights_read_all(
 
 LOADERS = {
     "read-all": load_weights_read_all,  # baseline: every tensor first, then fused copies
-    "streaming": load_weights,  # tandem.model.loader
+    "streaming": load_weights,  # tandem.weights.loader
 }
 
 

@@ -86,8 +86,8 @@ from report import (
 
 from tandem.client import AsyncTandemClient, Result, TandemError
 from tandem.engine.prefix_hash import hash_blocks
-from tandem.model.tiny import make_tiny_model
 from tandem.routing.policy import home_rank, prefix_key
+from tandem.weights.tiny import make_tiny_model
 
 SECTION = "## Fault tolerance (issue 14)"
 BEFORE_SECTION = "## GPU check"  # the new section goes in front of this one

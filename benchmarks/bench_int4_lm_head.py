@@ -5,7 +5,7 @@ GGUF) that is also its tied lm_head, is quantized here and the rest served as `n
     .venv/bin/python benchmarks/bench_int4_lm_head.py --model-dir DIR
         [--variants none,int4-g32,int4-g64,intzero-g32,intzero-g64] [--ppl-tokens 51200]
 
-Variants: `int4-gN` is `tandem.model.quant.quantize_int4` (min/max with a float zero point);
+Variants: `int4-gN` is `tandem.quant.weight.quantize_int4` (min/max with a float zero point);
 `intzero-gN` the integer-zero rule it replaced (range stretched to hold 0, zero point rounded
 into 0..15, AWQ's and GPTQ's); `fp8`, `int8` the other schemes' quantizers. Perplexity as
 `bench_quant.py` (same text, windows and function), lm_head replaced by the oneDNN-packed
@@ -43,7 +43,7 @@ def intzero_int4(w: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def variant_weight(emb: torch.Tensor, variant: str) -> torch.Tensor:
-    from tandem.model.quant import WeightScheme, quantize
+    from tandem.quant.weight import WeightScheme, quantize
 
     if variant == "none":
         return emb
@@ -68,7 +68,7 @@ def main() -> int:
     from safetensors.torch import load_file
 
     from tandem.model.linear import MatmulKind, pack
-    from tandem.model.tokenizer import Tokenizer
+    from tandem.tokenizer.tokenizer import Tokenizer
 
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     ids = Tokenizer.from_dir(args.model_dir).encode(text, add_special_tokens=False)

@@ -40,7 +40,7 @@ from tandem.engine.kv_cache import block_bytes
 from tandem.engine.sampling import SamplingParams
 from tandem.model.attention import AttentionMetadata, PrefillSpan
 from tandem.model.config import ModelConfig
-from tandem.model.kv_quant import FP8_DTYPE, KVScales
+from tandem.quant.kv import FP8_DTYPE, KVScales
 
 RESULT_JSON = result_path(RESULTS_DIR, "kv_fp8")
 DEFAULT_MODEL = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"

@@ -46,8 +46,8 @@ WINDOW = 1024
 
 def bench_matmuls() -> list[dict[str, Any]]:
     from tandem.model.linear import MatmulKind, matmul, pack
-    from tandem.model.quant import quantize_fp8, quantize_int4, quantize_int8
-    from tandem.model.quant_linear import QuantPath, Workspace, pack_quantized, quant_matmul
+    from tandem.quant.linear import QuantPath, Workspace, pack_quantized, quant_matmul
+    from tandem.quant.weight import quantize_fp8, quantize_int4, quantize_int8
 
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=g) * 0.02 for i, o in SHAPES]  # [out, in]
@@ -224,7 +224,7 @@ def main() -> int:
     if parts & {"accuracy", "speed"}:
         import pydoc_data.topics
 
-        from tandem.model.tokenizer import Tokenizer
+        from tandem.tokenizer.tokenizer import Tokenizer
 
         text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
         ids = Tokenizer.from_dir(args.model_dir).encode(text, add_special_tokens=False)

@@ -77,7 +77,7 @@ from report import (
 )
 
 from services.up import Cluster, UpConfig, wait_for_router
-from tandem.model.tiny import make_tiny_model
+from tandem.weights.tiny import make_tiny_model
 
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
 SECTION = "## Serving (issue 3)"

@@ -35,7 +35,7 @@ from report import RESULTS_DIR, machine_info, machine_summary, result_path, writ
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
-from tandem.model.tiny import make_tiny_model
+from tandem.weights.tiny import make_tiny_model
 
 DEFAULT_MODEL = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
 PROMPT_TOKENS = 32

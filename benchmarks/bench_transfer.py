@@ -50,7 +50,7 @@ from services.common.runtime.process import configure_native_libraries
 from tandem.transfer import RemoteKV, coalesce
 from tandem.transfer.nixl import NixlTransport, advise_hugepages
 
-# The `small` preset (tandem/model/tiny.py) with the default block size, one block:
+# The `small` preset (tandem/weights/tiny.py) with the default block size, one block:
 # [num_layers, 2 (K and V), block_size, num_kv_heads, head_dim]
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 12, 16, 4, 64
 BLOCK_SHAPE = (NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)

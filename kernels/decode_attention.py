@@ -19,7 +19,7 @@ one has splits that start past its context: such a split writes only lse = -inf,
 reduction neither weighs nor reads its partial.
 
 An fp8 (e4m3) cache is dequantized as it is loaded, in registers: K and V tiles become
-float32(stored) * scale in q's dtype (tandem.model.kv_quant), so the rest of the kernel is
+float32(stored) * scale in q's dtype (tandem.quant.kv), so the rest of the kernel is
 the same for every cache; it reads half the bytes of a 16-bit one.
 """
 

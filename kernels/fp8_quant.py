@@ -1,5 +1,5 @@
 """fp8 (W8A8) activation quantization in one kernel: x [n, in] -> e4m3 [n, in] and one
-float32 scale per row, the same values as `tandem.model.quant.quantize_fp8_activations`
+float32 scale per row, the same values as `tandem.quant.weight.quantize_fp8_activations`
 (scale = max(absmax / 448, eps); q = e4m3(clamp(x / scale, -448, 448)), rounded to nearest).
 
 Why a kernel: in torch that is eight element-wise launches (cast, abs, amax, divide, clamp,
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.model.quant import _EPS, FP8_MAX
+from tandem.quant.weight import _EPS, FP8_MAX
 
 _BLOCK = 1024  # columns per loop iteration
 

@@ -30,7 +30,7 @@ The grid is (batch, num_kv_heads, cdiv(max_query_len, BLOCK_Q)): shapes only, no
 host sync; tiles past a request's chunk return at once.
 
 An fp8 (e4m3) cache is dequantized as each K/V tile is loaded: float32(stored) * scale in q's
-dtype (tandem.model.kv_quant); the rest of the kernel does not change.
+dtype (tandem.quant.kv); the rest of the kernel does not change.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Dequant-GEMM: y[n, out] = x[n, in] @ dequant(W).T with W quantized (tandem.model.quant's
+"""Dequant-GEMM: y[n, out] = x[n, in] @ dequant(W).T with W quantized (tandem.quant.weight's
 layout, output-major [out, in]), dequantized in registers, never in memory.
 
   scaled_matmul   int8 (W8A16) or fp8 e4m3: the tile's integers/e4m3 values are exact in
@@ -156,12 +156,8 @@ def _int4_matmul_kernel(  # type: ignore[no-untyped-def]
             s_lo = tl.load(s_rows[:, None] + g_lo[None, :], mask=wmask, other=0.0)
             s_hi = tl.load(s_rows[:, None] + g_hi[None, :], mask=wmask, other=0.0)
             if HAS_ZEROS:
-                z_lo = tl.load(z_rows[:, None] + g_lo[None, :], mask=wmask, other=0).to(
-                    tl.float32
-                )
-                z_hi = tl.load(z_rows[:, None] + g_hi[None, :], mask=wmask, other=0).to(
-                    tl.float32
-                )
+                z_lo = tl.load(z_rows[:, None] + g_lo[None, :], mask=wmask, other=0).to(tl.float32)
+                z_hi = tl.load(z_rows[:, None] + g_hi[None, :], mask=wmask, other=0).to(tl.float32)
             else:
                 z_lo = 8.0
                 z_hi = 8.0
@@ -176,9 +172,7 @@ def _int4_matmul_kernel(  # type: ignore[no-untyped-def]
                 z_lo = tl.full((BLOCK_N, 1), 8.0, tl.float32)
             z_hi = z_lo
         x_lo = tl.load(x_rows + even[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-        x_hi = tl.load(
-            x_rows + even[None, :] + 1, mask=row_ok[:, None] & j_ok[None, :], other=0.0
-        )
+        x_hi = tl.load(x_rows + even[None, :] + 1, mask=row_ok[:, None] & j_ok[None, :], other=0.0)
         # Dequantized in fp32, rounded once to x's dtype for the dot (as the reference does).
         w_lo = ((lo - z_lo) * s_lo).to(x_lo.dtype)  # [BLOCK_N, BLOCK_K / 2]
         w_hi = ((hi - z_hi) * s_hi).to(x_lo.dtype)
@@ -380,7 +374,7 @@ def int4_matmul(
 
 
 def quantized_linear(x: torch.Tensor, qw: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequant(qw).T for a `tandem.model.quant.QuantizedWeight` (read by its fields, so
+    """x @ dequant(qw).T for a `tandem.quant.weight.QuantizedWeight` (read by its fields, so
     kernels need not import tandem): int4 -> int4_matmul, int8/fp8 -> scaled_matmul."""
     if qw.scheme == "int4":
         return int4_matmul(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, qw.g_idx, out)

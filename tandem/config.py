@@ -14,7 +14,7 @@ from tandem.types import Role
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block; routers and workers must agree
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # tandem.model.quant.WeightScheme's values
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")  # tandem.quant.weight.WeightScheme's values
 
 
 class EngineRole(StrEnum):
@@ -109,15 +109,15 @@ class EngineConfig:
             channel), "int4" (group-wise with zero points) or "fp8" (e4m3 per channel);
             embeddings, norms and lm_head stay in the model's dtype. A checkpoint that stores
             them in that scheme (AWQ, GPTQ, fp8, a GGUF's Q8_0/Q4_x) is kept as stored, else
-            they are quantized as they load (tandem.model.quant_load).
+            they are quantized as they load (tandem.quant.online).
         quantization_group_size: int4's inputs per scale: 32, 64 or 128 (it must divide
             the model's hidden and intermediate sizes).
         kv_cache_dtype: dtype of the KV cache: "auto" = the model's dtype; "fp8" = e4m3 with
-            per-layer K and V scales from the checkpoint, else 1.0 (tandem.model.kv_quant):
+            per-layer K and V scales from the checkpoint, else 1.0 (tandem.quant.kv):
             half the bytes per token of bfloat16.
         attention_backend: "auto" (Triton paged kernels on CUDA; on a CPU the native paged
             decode kernel when it builds, else torch ops), "torch" (torch ops only), "native"
-            (the CPU decode kernel, built with the system's C compiler: tandem.model.cpu_kernels)
+            (the CPU decode kernel, built with the system's C compiler: kernels.cpu_ops)
             or "triton" (on a CPU, Triton runs only under TRITON_INTERPRET=1: tests).
         cuda_graphs: on CUDA with the Triton backend, capture decode-only steps in CUDA
             graphs during warm-up and replay them (see tandem.engine.cuda_graphs).
@@ -125,7 +125,7 @@ class EngineConfig:
         model_id: name that partitions the prefix cache; defaults to the directory name.
         num_threads: torch intra-op threads; None = torch's default (with tensor
             parallelism on a CPU, shared out among the ranks).
-        tensor_parallel_size: ranks the model is split over (tandem.model.sharding): this
+        tensor_parallel_size: ranks the model is split over (tandem.parallel.sharding): this
             engine is rank 0 and spawns the others (tandem.engine.ranks); on CUDA rank r
             runs on the r-th device from `device`, on a CPU all share the host (gloo).
         expert_parallel: with tensor_parallel_size N > 1 and a mixture-of-experts model,
@@ -135,12 +135,12 @@ class EngineConfig:
             attention head (no all-reduce after o; each rank's KV cache holds every head):
             expert parallelism without TP attention.
         tp_exact_sums: with tensor_parallel_size > 1, split o and down by their outputs
-            and gather their inputs (`tandem.model.sharding.Shard.exact_sums`): outputs
+            and gather their inputs (`tandem.parallel.sharding.Shard.exact_sums`): outputs
             bit-identical to one rank's, two all-gathers per matrix instead of one
             all-reduce. None: on a CPU yes (gloo over loopback), on CUDA no (Megatron's
             all-reduce over NVLink).
         tp_shared_memory: with tensor_parallel_size > 1 on a CPU, the forward's collectives
-            through /dev/shm (tandem.model.shm_collectives; x86-64 Linux), not gloo's
+            through /dev/shm (tandem.parallel.shm; x86-64 Linux), not gloo's
             loopback TCP.
         cpu_matmul: on a CPU, how weight matrices are multiplied (tandem.model.linear):
             "auto" (oneDNN's prepacked matmuls for bfloat16 where the CPU runs it natively,
@@ -195,9 +195,7 @@ class EngineConfig:
                 f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}"
             )
         if self.cpu_matmul not in ("auto", "plain", "onednn"):
-            raise ValueError(
-                f"cpu_matmul must be auto, plain or onednn, got {self.cpu_matmul!r}"
-            )
+            raise ValueError(f"cpu_matmul must be auto, plain or onednn, got {self.cpu_matmul!r}")
         if self.attention_backend not in ("auto", "torch", "native", "triton"):
             raise ValueError(
                 "attention_backend must be auto, torch, native or triton, "

@@ -143,7 +143,7 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded default model generator's `tiny` preset (with tokenizer)."""
-    from tandem.model.tiny import make_tiny_model
+    from tandem.weights.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)
 

@@ -56,7 +56,7 @@ SMOKE = "smoke: tiny model on a CPU; the times are not performance figures"
 def weights_dir(ctx: Context, part: str = "e2e") -> tuple[Path, Figures]:
     """The throughput part's saved weights if it left them, else built and written here
     (by `part`, for the log and the directory's name)."""
-    from tandem.model.loader import DTYPES
+    from tandem.weights.loader import DTYPES
 
     shared = ctx.shared.pop(SHARED_MODEL_DIR, None)
     builder = ctx.shared.pop(SHARED_MODEL_BUILDER, "throughput")

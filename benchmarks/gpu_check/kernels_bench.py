@@ -495,7 +495,7 @@ def check_kernels(ctx: Context) -> Figures:
     if not ctx.cuda:
         use_interpreter()
     from kernels import decode_attention, kv_write, prefill_attention
-    from tandem.model.loader import DTYPES
+    from tandem.weights.loader import DTYPES
 
     jitted = [kv_write._write_kv_kernel, decode_attention._decode_split_kernel]
     jitted.append(prefill_attention._prefill_kernel)

@@ -1,12 +1,12 @@
 """Part `quant`: weight quantization (fp8, int8, int4) and the FP8 KV cache on the device, each
-through the path the model takes there (`tandem.model.quant_linear.pack_quantized` chooses
+through the path the model takes there (`tandem.quant.linear.pack_quantized` chooses
 it once per matrix: `torch._scaled_mm` for fp8 on CUDA >= 8.9 with bf16 activations, the
 Triton dequant-GEMM kernels of `kernels.quant_matmul` for int8 / int4, torch's packed CPU
 kernels on a CPU). Three steps, each guarded: a step that raises is recorded and the later
 ones still run.
 
 1. Correctness first, on one random bf16 weight [N, K] (4096 x 4096; std 0.02, Llama's init)
-   per scheme (int4: group 128), quantized by `tandem.model.quant.quantize` (the reference
+   per scheme (int4: group 128), quantized by `tandem.quant.weight.quantize` (the reference
    quantizer), applied by `quant_matmul` to M = 1 / 16 / 512 rows of bf16 activations and
    compared with x @ dequantize().T in float32: int8 and int4 (weight-only) against that;
    fp8 (W8A8, activations quantized per token at run time) against `fp8_reference_matmul`
@@ -115,14 +115,14 @@ def error_figures(y: torch.Tensor, ref: torch.Tensor) -> Figures:
 def check_linear(scheme: str, ctx: Context) -> Figures:
     """One scheme: its production path (and Triton's, where that is not it) at every row
     count of the sizes against the float32 reference."""
-    from tandem.model.quant import WeightScheme, fp8_reference_matmul, quantize
-    from tandem.model.quant_linear import (
+    from tandem.quant.linear import (
         QuantPath,
         Workspace,
         choose_path,
         pack_quantized,
         quant_matmul,
     )
+    from tandem.quant.weight import WeightScheme, fp8_reference_matmul, quantize
 
     sz, dev = ctx.sizes, ctx.device
     # The references in true float32 (TF32 is off by default; kept off whatever ran before).
@@ -217,8 +217,8 @@ def check_fp8_write_kv(shape: Shape, device: str, num_tokens: int = 37) -> Figur
 
 def bench_linears(ctx: Context, schemes: list[str], flush: torch.Tensor | None) -> Figures:
     """Every shape x row count: bf16 F.linear and each scheme's production path."""
-    from tandem.model.quant import WeightScheme, quantize
-    from tandem.model.quant_linear import Workspace, pack_quantized, quant_matmul
+    from tandem.quant.linear import Workspace, pack_quantized, quant_matmul
+    from tandem.quant.weight import WeightScheme, quantize
 
     sz, dev = ctx.sizes, ctx.device
     shapes: list[Figures] = []
@@ -403,7 +403,7 @@ def check_quant(ctx: Context) -> Figures:
     if not ctx.cuda:
         use_interpreter()
     from kernels import decode_attention, kv_write, prefill_attention, quant_matmul
-    from tandem.model.loader import DTYPES
+    from tandem.weights.loader import DTYPES
 
     jitted = [quant_matmul._scaled_matmul_kernel, quant_matmul._int4_matmul_kernel]
     jitted += [kv_write._write_kv_kernel, decode_attention._decode_split_kernel]

@@ -100,7 +100,7 @@ def check_serve(ctx: Context) -> Figures:
         except Exception as exc:  # ImportError, or generated code refusing its runtime
             raise PartSkipped(f"cannot import {module}: {type(exc).__name__}: {exc}") from None
     from tandem.client import TandemClient
-    from tandem.model.tiny import make_tiny_model
+    from tandem.weights.tiny import make_tiny_model
 
     s, dev = ctx.sizes, ctx.device
     model_dir = make_tiny_model(ctx.tmp_dir / "serve-tiny", preset="tiny", seed=0)

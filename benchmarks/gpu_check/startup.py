@@ -49,7 +49,7 @@ def worker_engine_config(ctx: Context, model_dir: str):  # type: ignore[no-untyp
 
 def check_startup(ctx: Context) -> Figures:
     from tandem.engine.engine import LLMEngine
-    from tandem.model.tiny import make_tiny_model
+    from tandem.weights.tiny import make_tiny_model
 
     s = ctx.sizes
     model_dir = make_tiny_model(ctx.tmp_dir / "startup-tiny", preset="tiny", seed=0)

@@ -174,7 +174,7 @@ def check_throughput(ctx: Context) -> Figures:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    from tandem.model.loader import DTYPES
+    from tandem.weights.loader import DTYPES
 
     s, dev = ctx.sizes, ctx.device
     dtype = DTYPES[s.tp_dtype]

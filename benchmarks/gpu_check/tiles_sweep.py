@@ -255,7 +255,7 @@ def check_tiles(ctx: Context) -> Figures:
     sz, dev = ctx.sizes, ctx.device
     if not ctx.cuda:
         use_interpreter()
-    from tandem.model.loader import DTYPES
+    from tandem.weights.loader import DTYPES
 
     shape = Shape(
         sz.kn_num_q_heads, sz.kn_num_kv_heads, sz.kn_head_dim, sz.kn_block_size, DTYPES[sz.kn_dtype]

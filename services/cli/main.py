@@ -46,7 +46,7 @@ def _progress_bar(desc: str):  # type: ignore[no-untyped-def]
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from tandem.model.tiny import make_tiny_model, num_params
+    from tandem.weights.tiny import make_tiny_model, num_params
 
     out = make_tiny_model(
         args.dir, preset=args.preset, seed=args.seed, progress=lambda m: print(m, file=sys.stderr)

@@ -36,7 +36,7 @@ def ensure_default_model(
     the random model in `model_dir` (default: `cache_dir / DEFAULT_MODEL_DIR.name`) instead: it
     needs no network, but its text is gibberish.
     """
-    from tandem.model.fetch import SMOLLM2_135M_INSTRUCT, FetchError, fetch_gguf_model
+    from tandem.weights.fetch import SMOLLM2_135M_INSTRUCT, FetchError, fetch_gguf_model
 
     choice = os.environ.get(DEFAULT_MODEL_ENV, "") if choice is None else choice
     if choice not in ("", "smollm2", "random"):
@@ -57,7 +57,7 @@ def ensure_random_model(model_dir: Path, preset: str = "small") -> Path:
     """Generate the random model once (deterministic, so a cache is safe)."""
     if (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file():
         return model_dir
-    from tandem.model.tiny import make_tiny_model
+    from tandem.weights.tiny import make_tiny_model
 
     print(f"generating the random model ({preset}) in {model_dir} ...", file=sys.stderr)
     return make_tiny_model(model_dir, preset=preset, progress=lambda m: print(m, file=sys.stderr))
@@ -70,7 +70,7 @@ def resolve_model(model: str | None, cache_dir: Path = MODEL_CACHE_DIR) -> Path:
         return ensure_default_model(cache_dir=cache_dir)
     path = Path(model)
     if path.suffix.lower() == ".gguf" and path.is_file():
-        from tandem.model.fetch import FetchError, convert_gguf_file
+        from tandem.weights.fetch import FetchError, convert_gguf_file
 
         try:
             return convert_gguf_file(path, cache_dir)

@@ -51,7 +51,7 @@ from services.router.openai_responses_tools import ToolReply
 from services.router.openai_sse import EventStream as _EventStream
 from services.router.openai_sse import error_response as _error_response
 from services.router.openai_sse import unless_disconnected as _unless_disconnected
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.tools import ToolFormat
 from tandem.v1 import router_pb2 as rpb
 

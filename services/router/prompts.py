@@ -15,7 +15,7 @@ from tandem.chat import ChatError, check_messages
 from tandem.engine.request import RequestSpec, check_prompt
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.tools import (
     DEFAULT_FORMAT,
     ChoiceMode,

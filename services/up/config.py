@@ -57,9 +57,9 @@ class UpConfig:
         quantization_group_size: int4's inputs per scale: 32, 64 or 128.
         kv_cache_dtype: KV cache dtype of every worker: auto (the model's dtype) or fp8
             (e4m3 with per-layer scales: twice the tokens per byte of bfloat16; prefill and
-            decode workers must agree, tandem.model.kv_quant).
+            decode workers must agree, tandem.quant.kv).
         tensor_parallel_size: ranks per worker (`--tp`; tensor parallelism,
-            tandem.model.sharding): every worker spawns that many rank processes, each
+            tandem.parallel.sharding): every worker spawns that many rank processes, each
             holding 1/N of the model and of its KV heads (gloo on a CPU; `num_threads` is
             then per rank). `tandem up` places one GPU per worker, so on CUDA it stays 1
             (the chart's per-role tensorParallelSize gives a pod that many GPUs).

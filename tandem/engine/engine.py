@@ -47,11 +47,11 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.model.config import ModelConfig
-from tandem.model.detokenize import TextStream
-from tandem.model.kv_quant import KVScales
-from tandem.model.loader import ProgressFn
-from tandem.model.parallel import TPGroup
-from tandem.model.tokenizer import Tokenizer
+from tandem.parallel.group import TPGroup
+from tandem.quant.kv import KVScales
+from tandem.tokenizer.detokenize import TextStream
+from tandem.tokenizer.tokenizer import Tokenizer
+from tandem.weights.loader import ProgressFn
 
 # EngineStats, RequestOutput and Completion live in tandem.engine.outputs and are named here
 # too (what a step and generate() return); wants_decode_graphs for tests (tandem.engine.loading)

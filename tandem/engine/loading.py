@@ -22,18 +22,18 @@ from tandem.engine.kv_manager import cdiv
 from tandem.engine.memory import fit_context
 from tandem.engine.profile import size_kv_cache
 from tandem.model.config import ModelConfig
-from tandem.model.kv_quant import FP8_DTYPE, KVScales, kv_format, load_kv_scales
 from tandem.model.llama import LlamaModel
-from tandem.model.loader import DTYPES, ProgressFn, load_model
-from tandem.model.parallel import TPGroup
-from tandem.model.sharding import Shard, check_shardable, kv_heads
 from tandem.model.triton_attention import make_attention
+from tandem.parallel.group import TPGroup
+from tandem.parallel.sharding import Shard, check_shardable, kv_heads
+from tandem.quant.kv import FP8_DTYPE, KVScales, kv_format, load_kv_scales
+from tandem.weights.loader import DTYPES, ProgressFn, load_model
 
 log = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
-    model: LlamaModel  # this rank's shard (its config: its heads; tandem.model.sharding)
+    model: LlamaModel  # this rank's shard (its config: its heads; tandem.parallel.sharding)
     kv_cache: torch.Tensor  # [num_blocks (+1 with graphs), layers, 2, block, kv_heads, dim]
     kv_scales: KVScales | None  # an FP8 cache's scales
     kv_format: str  # what the registry advertises (dtype, scaled or not)
@@ -127,7 +127,7 @@ def load_model_and_cache(
         sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
     )
     dtype = DTYPES[config.resolved_dtype]
-    # FP8 KV (tandem.model.kv_quant): the backend quantizes on write with these scales.
+    # FP8 KV (tandem.quant.kv): the backend quantizes on write with these scales.
     kv_scales: KVScales | None = None
     if config.kv_cache_dtype == "fp8":
         kv_scales = load_kv_scales(model_dir, mcfg.num_layers)

@@ -62,7 +62,7 @@ def hash_keys(model_id: str, cache_salt: str = "", kv_format: str = "") -> tuple
     """The extra keys of a request's block hashes: the model, and its cache salt if any.
     Every party that hashes a prompt (router, prefill, decode, signature checks) uses this.
 
-    `kv_format`: a scaled (FP8) cache's format (`tandem.model.kv_quant.kv_format`), "" for a
+    `kv_format`: a scaled (FP8) cache's format (`tandem.quant.kv.kv_format`), "" for a
     cache in the model's dtype. It follows the salt, which is then always present, so the
     three-key form can never equal a two-key one: fp8 blocks never share a hash with bf16
     ones, nor with another tenant's salt.
@@ -74,7 +74,7 @@ def hash_keys(model_id: str, cache_salt: str = "", kv_format: str = "") -> tuple
 
 def kv_hash_format(kv_format: str) -> str:
     """The `hash_keys` kv_format of a worker advertising `kv_format`
-    (`tandem.model.kv_quant.kv_format`): itself for a scaled (fp8) cache, whose format names
+    (`tandem.quant.kv.kv_format`): itself for a scaled (fp8) cache, whose format names
     its scales after a "/", and "" for a cache in the model's dtype (unchanged hashes)."""
     return kv_format if "/" in kv_format else ""
 

@@ -1,6 +1,6 @@
 """The ranks of a tensor-parallel worker: rank 0 is the engine (scheduler, sampler, the
 worker's process); ranks 1..N-1 are processes it spawns that run the same forward on their
-shards (tandem.model.sharding) and nothing else.
+shards (tandem.parallel.sharding) and nothing else.
 
     rank 0 (engine)                         rank r (follower)
       schedule -> StepPlan ---- pipe ---->    recv StepPlan
@@ -45,7 +45,7 @@ from tandem.engine.loading import (
 )
 from tandem.engine.runner import CaptureGraphs, ModelRunner, StepPlan
 from tandem.engine.sampling import Sampler
-from tandem.model.parallel import TPGroup
+from tandem.parallel.group import TPGroup
 
 log = logging.getLogger(__name__)
 

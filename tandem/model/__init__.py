@@ -1,9 +1,3 @@
-"""Llama-family decoder, HuggingFace loader, tokenizer and the tiny-model generator."""
-
-from tandem.model.config import ModelConfig
-from tandem.model.detokenize import IncrementalDetokenizer
-from tandem.model.llama import LlamaModel
-from tandem.model.loader import load_model
-from tandem.model.tokenizer import Tokenizer
-
-__all__ = ["IncrementalDetokenizer", "LlamaModel", "ModelConfig", "Tokenizer", "load_model"]
+"""The model: a Llama-family decoder (`llama`) with its config, attention backends, RoPE,
+matmuls and MoE layers. Loading it is `tandem.weights`, quantized matrices `tandem.quant`,
+tokenizers `tandem.tokenizer`, tensor parallelism `tandem.parallel`."""

@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from tandem.model import cpu_kernels
-from tandem.model.kv_quant import KVScales, dequantize_kv, layer_index, quantize_kv
+from kernels import cpu_ops
+from tandem.quant.kv import KVScales, dequantize_kv, layer_index, quantize_kv
 
 # Up to this many KV heads, CPU decode attention multiplies block-diagonal queries (one
 # contiguous batched matmul per product; measured 1.5-1.8x faster than per-head products at
@@ -153,7 +153,7 @@ class AttentionBackend(Protocol):
         ...
 
     def use_fp8_kv(self, scales: KVScales, dtype: torch.dtype) -> None:
-        """The cache is float8_e4m3fn with `scales` (tandem.model.kv_quant): quantize K/V on
+        """The cache is float8_e4m3fn with `scales` (tandem.quant.kv): quantize K/V on
         write, dequantize to the model's `dtype` on read. Called before the first step."""
         ...
 
@@ -165,7 +165,7 @@ class AttentionBackend(Protocol):
 
 class TorchAttention:
     """CPU attention with torch ops: gather the context's blocks, then SDPA; decode rows
-    through `decode_kernel` (tandem.model.cpu_kernels: paged, reading blocks in place) when
+    through `decode_kernel` (kernels.cpu_ops: paged, reading blocks in place) when
     one is given and takes the cache.
 
     Gathers go into a reused workspace: a fresh multi-MB tensor per layer costs page faults
@@ -178,7 +178,7 @@ class TorchAttention:
         self.decode_kernel = decode_kernel
         # Allocated on first use, on the cache's device and in its dtype.
         self._workspace: torch.Tensor | None = None
-        # Set by the engine for an FP8 cache (tandem.model.kv_quant): K/V are quantized on
+        # Set by the engine for an FP8 cache (tandem.quant.kv): K/V are quantized on
         # write and dequantized after each gather.
         self.kv_scales: KVScales | None = None
 
@@ -270,8 +270,8 @@ class TorchAttention:
         """The group's attention output; the native kernel writes it into `out` (the
         layer's output rows) when given, the torch ops return their own tensor."""
         lib = self.decode_kernel
-        if lib is not None and group.context_lens is not None and cpu_kernels.supports(q, k_cache):
-            return cpu_kernels.decode_attention(
+        if lib is not None and group.context_lens is not None and cpu_ops.supports(q, k_cache):
+            return cpu_ops.decode_attention(
                 lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale, out=out
             )
         tables = group.block_tables

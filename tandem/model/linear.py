@@ -23,7 +23,7 @@ memory", `benchmarks/bench_memory.py`). The engine's warm-up compiles every coun
 for every packed shape (`LlamaModel.compile_matmuls`), so the set is full before traffic.
 
 A packed matrix is an opaque tensor: only `matmul` may read it. A quantized matrix
-(`tandem.model.quant_linear.QuantLinear`, packed at load by its own rule) goes to
+(`tandem.quant.linear.QuantLinear`, packed at load by its own rule) goes to
 `quant_matmul` whatever the kind.
 """
 
@@ -33,8 +33,8 @@ from enum import StrEnum
 
 import torch
 
-from tandem.model.quant import QuantizedWeight
-from tandem.model.quant_linear import QuantLinear, fp8_activations, quant_matmul
+from tandem.quant.linear import QuantLinear, fp8_activations, quant_matmul
+from tandem.quant.weight import QuantizedWeight
 
 
 class MatmulKind(StrEnum):

@@ -8,7 +8,7 @@ transposed, [in_features, out_features], and applied by `tandem.model.linear.mat
 form the device's matmul wants (`LlamaModel(matmul=...)`: `x @ w` as loaded, or prepacked
 once for oneDNN on a bfloat16 CPU); decode at batch 1 is bound by reading the weights.
 A layer matrix may instead be a `QuantizedWeight` (`--quantization`), packed here for its
-device's quantized path (`tandem.model.quant_linear`); embeddings, norms and lm_head stay in
+device's quantized path (`tandem.quant.linear`); embeddings, norms and lm_head stay in
 the model's dtype.
 """
 
@@ -21,24 +21,24 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tandem.model import cpu_kernels
+from kernels import cpu_ops
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul, onednn_row_counts, onednn_rows, pack
 from tandem.model.moe import MoeWeights, moe_forward
-from tandem.model.quant import QuantizedWeight, WeightScheme
-from tandem.model.quant_linear import (
+from tandem.model.rope import RotaryEmbedding, apply_rotary
+from tandem.parallel.sharding import hidden_columns
+from tandem.quant.linear import (
     QuantLinear,
     QuantPath,
     Workspace,
     pack_quantized,
     quant_matmul,
 )
-from tandem.model.rope import RotaryEmbedding, apply_rotary
-from tandem.model.sharding import hidden_columns
+from tandem.quant.weight import QuantizedWeight, WeightScheme
 
 if TYPE_CHECKING:
-    from tandem.model.parallel import TPGroup
+    from tandem.parallel.group import TPGroup
 
 # A layer matrix: dense [in, out] (as loaded, or packed for oneDNN), quantized [out, in] as
 # loaded, or quantized and packed for its path (LlamaModel does that).
@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """The decoder. Stateless apart from weights and RoPE tables; KV lives in the cache.
 
-    With `tp` (a rank of a tensor-parallel group, tandem.model.sharding) `config` is this
+    With `tp` (a rank of a tensor-parallel group, tandem.parallel.sharding) `config` is this
     rank's share (its query and KV heads, its part of the MLP; the vocabulary and layers
     the model's) and `weights` its shard; the forward adds one all-reduce after o, one
     after down, one after the vocabulary-parallel embedding, and an all-gather of the
@@ -175,7 +175,7 @@ class LlamaModel:
         self.attention = attention
         # bfloat16 on a CPU with the native kernels (the attention backend's choice): the
         # residual add and RMSNorm as one call, RoPE as one call, bitwise what the torch ops
-        # give (tests/unit/test_cpu_kernels.py).
+        # give (tests/unit/test_cpu_ops.py).
         native = getattr(attention, "decode_kernel", None)
         self.fused_ops = native if dtype == torch.bfloat16 else None
         self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
@@ -282,7 +282,7 @@ class LlamaModel:
                 qk = torch.cat((rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)), 1)
             # Query and key heads rotated together: one set of element-wise ops, not two.
             if self.fused_ops is not None:  # bfloat16: the same roundings in one call
-                qk = cpu_kernels.rope(self.fused_ops, qk, cos, sin)
+                qk = cpu_ops.rope(self.fused_ops, qk, cos, sin)
             else:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
@@ -335,7 +335,7 @@ class LlamaModel:
         """(h + y, rms_norm(h + y)); y None: (h, rms_norm(h)). The native path adds in place
         (h is the forward's own residual stream)."""
         if self.fused_ops is not None and h.is_contiguous():
-            return h, cpu_kernels.add_rms_norm(self.fused_ops, h, y, weight, eps)
+            return h, cpu_ops.add_rms_norm(self.fused_ops, h, y, weight, eps)
         if y is not None:
             h = h + y
         return h, rms_norm(h, weight, eps)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tandem.model.attention import AttentionMetadata
-from tandem.model.kv_quant import KVScales, layer_index
+from tandem.quant.kv import KVScales, layer_index
 
 
 class TritonAttention:
@@ -33,7 +33,7 @@ class TritonAttention:
         self._choose_num_splits: Any = decode_attention.choose_num_splits
         self._device_num_sms: Any = decode_attention.device_num_sms
         self._num_sms: int | None = None  # read from the device at the first decode
-        # Set by the engine for an FP8 cache (tandem.model.kv_quant): the kernels quantize
+        # Set by the engine for an FP8 cache (tandem.quant.kv): the kernels quantize
         # on write and dequantize on read with the layer's scales.
         self.kv_scales: KVScales | None = None
         self._q_dtype: torch.dtype | None = None  # the model's dtype, with an fp8 cache
@@ -119,24 +119,24 @@ def make_attention(name: str, device: str) -> Any:
       triton  the paged Triton kernels (CUDA; the CPU only under TRITON_INTERPRET=1);
       torch   TorchAttention with torch ops only;
       native  TorchAttention with its decode rows through the native paged CPU kernel
-              (tandem.model.cpu_kernels, built with the system's C compiler);
+              (kernels.cpu_ops, built with the system's C compiler);
       auto    Triton on CUDA; on a CPU native when the kernel builds, else torch.
 
     Raises:
         ValueError: an unknown name, or native where the kernel cannot be built.
     """
-    from tandem.model import cpu_kernels
+    from kernels import cpu_ops
     from tandem.model.attention import TorchAttention
 
     is_cuda = torch.device(device).type == "cuda"
     if name == "auto":
         if is_cuda:
             return TritonAttention()
-        return TorchAttention(cpu_kernels.load())
+        return TorchAttention(cpu_ops.load())
     if name == "torch":
         return TorchAttention()
     if name == "native":
-        lib = None if is_cuda else cpu_kernels.load()
+        lib = None if is_cuda else cpu_ops.load()
         if lib is None:
             raise ValueError(
                 "attention_backend native: the CPU kernel is unavailable (a CPU device and a C "

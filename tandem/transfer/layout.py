@@ -11,7 +11,7 @@ bytes (`check_compatible`), before it moves any:
 Where the bytes live (memory type, device) may differ between the sides: NIXL reads VRAM into
 DRAM and across devices.
 
-An FP8 cache's bytes mean something only with its scales (tandem.model.kv_quant): the layout
+An FP8 cache's bytes mean something only with its scales (tandem.quant.kv): the layout
 carries them as a manifest, `k_scales` and `v_scales` (one per layer; empty for a cache in the
 model's dtype), matched exactly like the dtype, and signed with the rest of the handle. Equal
 fp8 bytes under other scales are other numbers: a peer that drops or changes them serves

@@ -14,7 +14,7 @@ from benchmarks.fleet import WAIT_S as WAIT_S  # re-exported for the tests
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
-from tandem.model.tiny import make_tiny_model
+from tandem.weights.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="package")

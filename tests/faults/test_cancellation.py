@@ -24,10 +24,10 @@ import pytest
 
 from benchmarks.fleet import Fleet, wait_until
 from tandem.client import AsyncTandemClient, TandemError
-from tandem.model.tiny import make_tiny_model
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
+from tandem.weights.tiny import make_tiny_model
 
 LONG = 8000  # tokens: one prefill step of several seconds on one thread
 

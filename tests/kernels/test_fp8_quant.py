@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.fp8_quant import quantize_fp8_rows
-from tandem.model.quant import quantize_fp8_activations
+from tandem.quant.weight import quantize_fp8_activations
 from tests.kernels.compile_check import assert_lowers
 
 

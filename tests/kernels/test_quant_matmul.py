@@ -18,7 +18,7 @@ from kernels.reference import (
     int4_matmul_reference,
     scaled_matmul_reference,
 )
-from tandem.model.quant import QuantizedWeight, WeightScheme, quantize_fp8, quantize_int8
+from tandem.quant.weight import QuantizedWeight, WeightScheme, quantize_fp8, quantize_int8
 from tests.kernels.compile_check import assert_lowers
 
 TOLERANCES = {  # (atol, rtol): output rounding plus fp32 summation order

@@ -22,9 +22,9 @@ import pytest
 
 from services.up import Cluster, UpConfig
 from tandem.client import TandemClient, TandemError
-from tandem.model.tiny import make_tiny_model
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
+from tandem.weights.tiny import make_tiny_model
 
 CONTROLLER_ARGS = (
     "--interval-s", "1", "--window-s", "6", "--min-requests", "3",

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from tandem.client import TandemClient, TandemError
-from tandem.model.tiny import make_tiny_model
+from tandem.weights.tiny import make_tiny_model
 from tests.services.processes import alive, children_of
 
 KV_BYTES = 64 << 20

@@ -23,10 +23,10 @@ from tandem.client import AsyncTandemClient, TandemClient, TandemError
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
-from tandem.model.tiny import make_tiny_model
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
+from tandem.weights.tiny import make_tiny_model
 from tests.services.conftest import KV_BYTES, up_cluster
 from tests.services.workers import (
     assert_all_free,

@@ -12,8 +12,8 @@ import pytest
 from services.common.redis.server import RedisServer
 from tandem.client import TandemClient, TandemError
 from tandem.engine.prefix_hash import hash_blocks
-from tandem.model.tiny import make_tiny_model
 from tandem.routing.policy import home_rank
+from tandem.weights.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

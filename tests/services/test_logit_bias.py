@@ -13,7 +13,7 @@ import pytest
 from services.up import Cluster
 from tandem.client import TandemClient, TandemError
 from tandem.model.config import ModelConfig
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
 
 
 def long_prompt() -> str:

@@ -16,7 +16,7 @@ from services.up import Cluster
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.model.config import ModelConfig
-from tandem.model.tiny import make_tiny_model
+from tandem.weights.tiny import make_tiny_model
 from tests.conftest import build_hf_model
 from tests.services.conftest import KV_BYTES, up_cluster
 from tests.services.workers import assert_all_free, assert_answers_as_the_single_engine

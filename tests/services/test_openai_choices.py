@@ -20,7 +20,7 @@ from services.up import Cluster
 from tandem.client import TandemClient
 from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.model.config import ModelConfig
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.v1 import worker_pb2 as wpb
 from tests.services.workers import assert_all_free, worker_stub
 

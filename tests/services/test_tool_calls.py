@@ -22,10 +22,10 @@ import pytest
 
 from services.up import Cluster
 from tandem.client import TandemClient
-from tandem.model.tiny import EOS_ID, EOT_ID
 from tandem.tools import FORMATS, MAX_FORCED_CALLS
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
+from tandem.weights.tiny import EOS_ID, EOT_ID
 
 WEATHER = {
     "type": "object",

@@ -19,9 +19,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsg
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from services.up import Cluster
-from tandem.model.tiny import make_tiny_model
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
+from tandem.weights.tiny import make_tiny_model
 from tests.services.conftest import up_cluster
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

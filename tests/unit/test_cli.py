@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from services.up import UpConfig
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess[str]:

@@ -16,15 +16,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
-from tandem.model.gguf import (
+from tandem.tokenizer.tokenizer import Tokenizer
+from tandem.weights.gguf import (
     convert_gguf,
     dequantize,
     hf_tensor_name,
     tensor_shape,
     unpermute_rotary,
 )
-from tandem.model.tiny import CHAT_TEMPLATE
-from tandem.model.tokenizer import Tokenizer
+from tandem.weights.tiny import CHAT_TEMPLATE
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 TEXTS = (

@@ -13,11 +13,11 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from tandem.engine.sampling import SamplingParams
-from tandem.model.fetch import convert_gguf_file
-from tandem.model.gguf import dequantize
-from tandem.model.gguf_quant import GGUF_FILE, quantized_tensor
-from tandem.model.quant import WeightScheme
-from tandem.model.quant_linear import QuantLinear
+from tandem.quant.gguf import GGUF_FILE, quantized_tensor
+from tandem.quant.linear import QuantLinear
+from tandem.quant.weight import WeightScheme
+from tandem.weights.fetch import convert_gguf_file
+from tandem.weights.gguf import dequantize
 from tests.conftest import make_engine
 from tests.unit.test_gguf import _write_gguf
 
@@ -113,14 +113,14 @@ def test_int4_keeps_q4_1_blocks_whatever_the_group_size_asked(
     (rows in HF order, q/k/v and gate/up concatenated), and the log says so."""
     import logging
 
-    from tandem.model.loader import load_model
+    from tandem.weights.loader import load_model
     from tests.unit.test_gguf import _write_gguf
 
     path = tmp_path / "tiny.gguf"
     stored = _write_gguf(tiny_model_dir, path, QT.Q4_1)
     converted = convert_gguf_file(path, tmp_path / "cache", progress=lambda _: None)
     for group in (64, 128):
-        with caplog.at_level(logging.INFO, logger="tandem.model.gguf_quant"):
+        with caplog.at_level(logging.INFO, logger="tandem.quant.gguf"):
             model = load_model(converted, quantization="int4", quantization_group_size=group)
         assert any(
             "served from model.gguf's own Q4_1 blocks" in r.getMessage() for r in caplog.records
@@ -148,12 +148,12 @@ def test_a_converted_gguf_without_its_gguf_warns_of_double_rounding(
     weights again, which the log names (not silently)."""
     import logging
 
-    from tandem.model.loader import load_model
+    from tandem.weights.loader import load_model
 
     path = tmp_path / "tiny.gguf"
     _write_gguf(tiny_model_dir, path, QT.Q4_1)
     converted = convert_gguf_file(path, tmp_path / "cache", progress=lambda _: None)
     (converted / GGUF_FILE).unlink()
-    with caplog.at_level(logging.WARNING, logger="tandem.model.gguf_quant"):
+    with caplog.at_level(logging.WARNING, logger="tandem.quant.gguf"):
         load_model(converted, quantization="int4", quantization_group_size=32)
     assert any("rounding them twice" in r.getMessage() for r in caplog.records)

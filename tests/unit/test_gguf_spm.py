@@ -17,10 +17,10 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
-from tandem.model.detokenize import IncrementalDetokenizer
-from tandem.model.gguf import convert_gguf
-from tandem.model.gguf_tokenizer import _merges_from_scores, build_tokenizer
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.detokenize import IncrementalDetokenizer
+from tandem.tokenizer.gguf import _merges_from_scores, build_tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
+from tandem.weights.gguf import convert_gguf
 
 SPACE = "\u2581"
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6

@@ -30,7 +30,7 @@ ON_MACHINE = {
 # parts import from them).
 ENTRY_MODULES = (
     "tandem.engine",
-    "tandem.model.loader",
+    "tandem.weights.loader",
     "kernels.decode_attention",
     "services.prefill.__main__",
     "services.decode.__main__",

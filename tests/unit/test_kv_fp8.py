@@ -20,7 +20,7 @@ from tandem.engine.prefix_hash import hash_blocks, hash_keys, kv_hash_format
 from tandem.engine.sampling import SamplingParams
 from tandem.model.attention import TorchAttention
 from tandem.model.config import ModelConfig
-from tandem.model.kv_quant import (
+from tandem.quant.kv import (
     FP8_DTYPE,
     KVScales,
     kv_format,

@@ -1,8 +1,9 @@
 """Layering, checked on the source with `ast` (nothing is imported to check it).
 
-1. The pure core (engine, model, routing, control, index, transfer, sim, kernels) imports no
-   `services`, no grpc and no asyncio, and does not touch the process environment: services
-   parse flags and environment and pass plain config in (STYLE.md 1, 3, 16).
+1. The pure core (engine, model, quant, weights, tokenizer, parallel, routing, control, index,
+   transfer, sim, kernels) imports no `services`, no grpc and no asyncio, and does not touch
+   the process environment: services parse flags and environment and pass plain config in
+   (STYLE.md 1, 3, 16).
 2. Nothing under `tandem/` imports `services` (the `tandem` command lives in services.cli).
 3. The project's own modules (`tandem`, `services`, `kernels`) import each other without a
    cycle.
@@ -22,6 +23,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PURE_DIRS = (
     "tandem/engine",
     "tandem/model",
+    "tandem/quant",
+    "tandem/weights",
+    "tandem/tokenizer",
+    "tandem/parallel",
     "tandem/routing",
     "tandem/control",
     "tandem/index",

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.model import loader
 from tandem.model.config import ModelConfig
 from tandem.model.llama import ModelWeights
-from tandem.model.loader import DTYPES, expected_shapes, load_model
+from tandem.weights import loader
+from tandem.weights.loader import DTYPES, expected_shapes, load_model
 
 
 def copy_dir(src: Path, tmp_path: Path) -> Path:
@@ -120,12 +120,12 @@ def test_tensors_stream_one_at_a_time(hf_model, monkeypatch, arch):
 def test_progress_and_log_lines(hf_model, caplog):
     model_dir, _ = hf_model("llama")
     calls: list[tuple[int, int]] = []
-    with caplog.at_level(logging.INFO, logger="tandem.model.loader"):
+    with caplog.at_level(logging.INFO, logger="tandem.weights.loader"):
         model = load_model(model_dir, progress=lambda done, total: calls.append((done, total)))
     n = len(expected_shapes(model.config))
     assert calls == [(i, n) for i in range(1, n + 1)]
     start, end, matmuls = [
-        r.getMessage() for r in caplog.records if r.name == "tandem.model.loader"
+        r.getMessage() for r in caplog.records if r.name == "tandem.weights.loader"
     ]
     assert matmuls == "matmuls: plain (float32 on cpu)"
     assert start.startswith(f"loading {model_dir}: {n} tensors") and "float32 on cpu" in start

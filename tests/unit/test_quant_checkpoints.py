@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.model.loader import load_model
-from tandem.model.quant import WeightScheme
-from tandem.model.quant_checkpoints import (
+from tandem.quant.checkpoint import (
     LINEAR_SUFFIXES,
     CheckpointQuant,
     convert,
     parse_quant_config,
 )
+from tandem.quant.weight import WeightScheme
+from tandem.weights.loader import load_model
 
 Tensors = dict[str, torch.Tensor]
 

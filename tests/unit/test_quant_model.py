@@ -16,20 +16,20 @@ from safetensors.torch import load_file, save_file
 
 from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
 from tandem.model.linear import onednn_bf16_available
-from tandem.model.quant import (
-    WeightScheme,
-    fp8_reference_matmul,
-    quantize,
-    quantize_fp8,
-    quantize_fp8_activations,
-)
-from tandem.model.quant_linear import (
+from tandem.quant.linear import (
     INT4_PACKED_MAX_ROWS,
     QuantLinear,
     QuantPath,
     Workspace,
     pack_quantized,
     quant_matmul,
+)
+from tandem.quant.weight import (
+    WeightScheme,
+    fp8_reference_matmul,
+    quantize,
+    quantize_fp8,
+    quantize_fp8_activations,
 )
 from tests.conftest import make_engine
 
@@ -237,7 +237,7 @@ def test_a_quantized_checkpoint_is_kept_as_stored(
     """--quantization of the checkpoint's scheme: each layer matrix stays the checkpoint's
     integers (its dequantization equals the dense weights the checkpoint stands for, exactly;
     q/k/v and gate/up concatenated by rows; fp8 per-tensor scales repeated per row)."""
-    from tandem.model.loader import load_model
+    from tandem.weights.loader import load_model
     from tests.unit.test_quant_checkpoints import write_quantized_checkpoint
 
     src, _ = hf_model("llama")
@@ -276,7 +276,7 @@ def test_the_triton_path_matches_the_reference_under_the_interpreter(
     the kernel."""
     pytest.importorskip("triton")
     import kernels.quant_matmul
-    import tandem.model.quant_linear as quant_linear
+    import tandem.quant.linear as quant_linear
 
     monkeypatch.setattr(quant_linear, "TRITON_MAX_ROWS", max_rows)
     if max_rows < 3:

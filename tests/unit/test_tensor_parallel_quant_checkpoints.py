@@ -18,16 +18,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from tandem.model import gguf_quant
 from tandem.model.config import ModelConfig
-from tandem.model.fetch import convert_gguf_file
-from tandem.model.gguf_quant import quantized_slice, quantized_tensor
 from tandem.model.llama import ModelWeights
-from tandem.model.loader import load_weights
-from tandem.model.quant import QuantizedWeight, WeightScheme
-from tandem.model.quant_checkpoints import convert, convert_slice, parse_quant_config
-from tandem.model.safetensors_io import TensorReader
-from tandem.model.sharding import Shard, TensorSlice, tensor_slices
+from tandem.parallel.sharding import Shard, TensorSlice, tensor_slices
+from tandem.quant import gguf as gguf_quant
+from tandem.quant.checkpoint import convert, convert_slice, parse_quant_config
+from tandem.quant.gguf import quantized_slice, quantized_tensor
+from tandem.quant.weight import QuantizedWeight, WeightScheme
+from tandem.weights.fetch import convert_gguf_file
+from tandem.weights.loader import load_weights
+from tandem.weights.safetensors_io import TensorReader
 from tests.conftest import build_hf_model
 from tests.unit.test_gguf import _write_gguf
 from tests.unit.test_quant_checkpoints import (
@@ -360,7 +360,7 @@ class CountingReader(TensorReader):
 
 def bytes_read(monkeypatch, model_dir: Path, scheme: str, shard: Shard | None) -> dict[str, int]:
     CountingReader.handed = {}
-    monkeypatch.setattr("tandem.model.loader.TensorReader", CountingReader)
+    monkeypatch.setattr("tandem.weights.loader.TensorReader", CountingReader)
     load(model_dir, scheme, shard, reduce_max=lambda x: x)  # one rank: its own max
     return dict(CountingReader.handed)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tandem.model.tiny import (
+from tandem.weights.tiny import (
     BOS_ID,
     EOS_ID,
     EOT_ID,
@@ -74,7 +74,9 @@ def test_different_seed_changes_only_weights(tiny_dir: Path, tmp_path: Path) -> 
 def test_identical_across_processes(tiny_dir: Path, tmp_path: Path) -> None:
     # A fresh interpreter with another hash seed must produce the same bytes (tokenizer
     # training and weight init must not depend on dict/set order or process state).
-    code = "import sys; from tandem.model.tiny import make_tiny_model; make_tiny_model(sys.argv[1])"
+    code = (
+        "import sys; from tandem.weights.tiny import make_tiny_model; make_tiny_model(sys.argv[1])"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, env=env)
     assert _hashes(tmp_path) == _hashes(tiny_dir)

@@ -12,9 +12,10 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from tandem.model import tokenizer as tokenizer_module
-from tandem.model.detokenize import IncrementalDetokenizer, TextStream
-from tandem.model.tiny import (
+from tandem.tokenizer import tokenizer as tokenizer_module
+from tandem.tokenizer.detokenize import IncrementalDetokenizer, TextStream
+from tandem.tokenizer.tokenizer import Tokenizer
+from tandem.weights.tiny import (
     BOS_ID,
     END_HEADER_ID,
     EOS_ID,
@@ -23,7 +24,6 @@ from tandem.model.tiny import (
     _corpus,
     make_tiny_model,
 )
-from tandem.model.tokenizer import Tokenizer
 
 TEXTS = (
     "Hello world, the man said.",

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tandem.engine.grammar import GrammarCompiler, token_bitmask
-from tandem.model.tiny import EOT_ID
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.tools import (
     FORMATS,
     MAX_FORCED_CALLS,
@@ -41,6 +40,7 @@ from tandem.tools import (
     tools_from_json,
 )
 from tandem.tools.spec import NO_PARAMETERS
+from tandem.weights.tiny import EOT_ID
 
 WEATHER = {
     "type": "object",

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tandem.model.config import ModelConfig
-from tandem.model.sharding import Shard, kv_heads
+from tandem.parallel.sharding import Shard, kv_heads
 from tandem.transfer import KVHandoff, RankKV, make_transport, sign_handoff, verify_handoff
 from tandem.transfer.base import RemoteKV
 
@@ -23,7 +23,7 @@ BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 12, 2, 4, 8
 
 
 def rank_caches(num_kv_heads: int, tp: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, int]]:
-    """Each rank's cache and first head, as tandem.model.sharding splits `num_kv_heads`."""
+    """Each rank's cache and first head, as tandem.parallel.sharding splits `num_kv_heads`."""
     config = _config(num_kv_heads, tp)
     out = []
     for r in range(tp):

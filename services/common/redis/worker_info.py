@@ -61,10 +61,10 @@ class WorkerInfo:
     prefill_tokens_per_s: float = 0.0
     draining: bool = False
     updated_at: float = 0.0
-    # The KV cache's format (tandem.model.kv_quant.kv_format: dtype, and an fp8 cache's
+    # The KV cache's format (tandem.quant.kv.kv_format: dtype, and an fp8 cache's
     # scales digest); "" from a worker that predates it. The router pairs equal formats only.
     kv_format: str = ""
-    # Ranks the worker's model is split over (tensor parallelism, tandem.model.sharding);
+    # Ranks the worker's model is split over (tensor parallelism, tandem.parallel.sharding);
     # 1 from a worker that predates it.
     tensor_parallel_size: int = 1
     # Whether a tensor-parallel worker's KV can be handed off (its rank 0 maps every rank's

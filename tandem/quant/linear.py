@@ -29,7 +29,7 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           dequantized to the activations' dtype and one
                                           cuBLAS GEMM (prefill)
 
-fp8 is W8A8 on every path (`tandem.model.quant`): the paths that multiply in the activations'
+fp8 is W8A8 on every path (`tandem.quant.weight`): the paths that multiply in the activations'
 dtype (dequant, triton) give it the per-token e4m3 activations dequantized to that dtype.
 
 Measured on SmolLM2-135M's 120 layer matrices (BENCHMARKS.md, issue 28): at batch 1 the
@@ -54,7 +54,7 @@ from enum import StrEnum
 
 import torch
 
-from tandem.model.quant import QuantizedWeight, WeightScheme, quantize_fp8_activations
+from tandem.quant.weight import QuantizedWeight, WeightScheme, quantize_fp8_activations
 
 # Rows (tokens in a step) up to which the packed CPU kernels beat dequantize-then-GEMM
 # (BENCHMARKS.md, issue 28: int4 crosses at ~64-100 rows, int8 at ~8-16).
@@ -199,7 +199,7 @@ def pack_quantized(
                 f"int4_packed needs int4 without g_idx and out_features a multiple of "
                 f"{_INT4_BLOCK_N}, got {w.scheme} {shape} g_idx={w.g_idx is not None}"
             )
-        from tandem.model.quant import unpack_int4
+        from tandem.quant.weight import unpack_int4
 
         q = unpack_int4(w.qweight).to(torch.int32)  # [out, in]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

@@ -8,7 +8,7 @@ or cast weights, one transposed part), not the 2x of reading every tensor and th
 fused copies of them. On a GPU a matrix is copied to the device as it is in the file and
 transposed there: host transposes of every matrix would cost minutes for a 70B model.
 
-The files are read by `tandem.model.safetensors_io` (one tensor at a time, no mmap).
+The files are read by `tandem.weights.safetensors_io` (one tensor at a time, no mmap).
 """
 
 from __future__ import annotations
@@ -22,28 +22,11 @@ import torch
 
 from tandem.model.attention import AttentionBackend, TorchAttention
 from tandem.model.config import ModelConfig
-from tandem.model.gguf_quant import GGUF_FILE, GGUFMatrices, gguf_matrices
 from tandem.model.linear import choose_matmul, onednn_bf16_available
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights, Weight
 from tandem.model.moe import MoeWeights, expert_names, router_name
-from tandem.model.parallel import TPGroup
-from tandem.model.quant import WeightScheme
-from tandem.model.quant_checkpoints import (
-    QuantizedReader,
-    read_checkpoint_quant,
-    stored_shapes,
-    stored_slices,
-)
-from tandem.model.quant_linear import QuantLinear
-from tandem.model.quant_load import quantized_matrix
-from tandem.model.safetensors_io import (
-    ProgressFn,
-    TensorEntry,
-    TensorReader,
-    read_header,
-    safetensors_files,
-)
-from tandem.model.sharding import (
+from tandem.parallel.group import TPGroup
+from tandem.parallel.sharding import (
     Shard,
     TensorSlice,
     check_shardable,
@@ -53,6 +36,23 @@ from tandem.model.sharding import (
     sliced_shapes,
     tensor_slices,
     vocab_per_rank,
+)
+from tandem.quant.checkpoint import (
+    QuantizedReader,
+    read_checkpoint_quant,
+    stored_shapes,
+    stored_slices,
+)
+from tandem.quant.gguf import GGUF_FILE, GGUFMatrices, gguf_matrices
+from tandem.quant.linear import QuantLinear
+from tandem.quant.online import quantized_matrix
+from tandem.quant.weight import WeightScheme
+from tandem.weights.safetensors_io import (
+    ProgressFn,
+    TensorEntry,
+    TensorReader,
+    read_header,
+    safetensors_files,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class WeightBuilder:
         self.shapes = shapes
         self.dtype = dtype
         self.device = device
-        self.quantization = quantization  # the layer matrices' scheme (tandem.model.quant_load)
+        self.quantization = quantization  # the layer matrices' scheme (tandem.quant.online)
         self.group_size = group_size
         self.transpose_on_device = device.type != "cpu"
         self._staging: torch.Tensor | None = None  # copy_transposed's reused buffer
@@ -201,7 +201,7 @@ class WeightBuilder:
 
     def matrix(self, names: Sequence[str]) -> Weight:
         """A layer matrix: dense and transposed ([in, out], `fused`), or quantized as loaded
-        ([out, in], tandem.model.quant_load) when the builder quantizes."""
+        ([out, in], tandem.quant.online) when the builder quantizes."""
         if self.quantization is WeightScheme.NONE:
             return self.fused(names, transpose=True)
         split = self.reduce_max is not None and any(n in self.row_parallel for n in names)
@@ -281,7 +281,7 @@ class WeightBuilder:
         self, config: ModelConfig, vocab_rows: int | None = None, experts: range | None = None
     ) -> ModelWeights:
         """`vocab_rows`: a vocabulary-parallel rank's rows per rank; its embedding and
-        lm_head are padded with zero rows to that many (tandem.model.sharding). `experts`:
+        lm_head are padded with zero rows to that many (tandem.parallel.sharding). `experts`:
         the experts an expert-parallel rank holds (default all)."""
         layers = [self.layer(config, i, experts) for i in range(config.num_layers)]
         embed = self.vocab("model.embed_tokens.weight", vocab_rows)
@@ -310,8 +310,8 @@ def load_weights(
 ) -> ModelWeights:
     """Check, then stream the weights of `model_dir` into our layout (see the module doc).
     `quantization`: the layer matrices' scheme (quantized as they load, or kept as a
-    quantized checkpoint or kept GGUF stores them: tandem.model.quant_load); `group_size`:
-    int4's. `shard`: a tensor-parallel rank's part only (tandem.model.sharding), read as
+    quantized checkpoint or kept GGUF stores them: tandem.quant.online); `group_size`:
+    int4's. `shard`: a tensor-parallel rank's part only (tandem.parallel.sharding), read as
     slices of the stored tensors: no rank ever holds the whole model. A quantized
     checkpoint's layers and a kept GGUF's blocks are sliced the same way, in their own
     packing (`quant_checkpoints.stored_slices`, `gguf_quant.quantized_slice`): each rank
@@ -335,7 +335,7 @@ def load_weights(
         foreign = foreign_experts(config, shard)  # other ranks' experts: never read here
         shapes = {n: s for n, s in shapes.items() if n not in foreign}
     # A quantized checkpoint (config.json's quantization_config) stores its linear layers
-    # in its own tensors: read those, converted by tandem.model.quant_checkpoints.
+    # in its own tensors: read those, converted by tandem.quant.checkpoint.
     quant = read_checkpoint_quant(model_dir)
     stored, quantized = stored_shapes(quant, shapes, entries) if quant else (shapes, {})
     # A converted GGUF kept beside its safetensors serves its matrices in their own scheme.
@@ -410,7 +410,7 @@ def load_model(
     cpu_matmul: str = "auto",
 ) -> LlamaModel:
     """Load config and weights from a HuggingFace directory; `quantization` (none, int8,
-    int4, fp8) quantizes the layer matrices (tandem.model.quant_load). `tp`: this process
+    int4, fp8) quantizes the layer matrices (tandem.quant.online). `tp`: this process
     is one rank of a tensor-parallel group: it loads and runs its shard only. `cpu_matmul`:
     tandem.model.linear.choose_matmul.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.model.tokenizer import Tokenizer
+from tandem.tokenizer.tokenizer import Tokenizer
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded alongside generated ones, so decoders that depend on the preceding

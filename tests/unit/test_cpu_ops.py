@@ -1,4 +1,4 @@
-"""The native paged CPU decode attention (tandem/model/cpu_kernels.py) against the torch
+"""The native paged CPU decode attention (kernels/cpu_ops.py) against the torch
 path it replaces and the kernels' reference: ragged contexts read from blocks in place."""
 
 from __future__ import annotations
@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import reference
-from tandem.model import cpu_kernels
+from kernels import cpu_ops, reference
 from tandem.model.attention import DecodeGroup, TorchAttention
 
 
 @pytest.fixture(scope="module")
 def lib():  # type: ignore[no-untyped-def]
-    built = cpu_kernels.load()
+    built = cpu_ops.load()
     assert built is not None, "a C compiler is here: the kernel must build"
     return built
 
@@ -56,7 +55,7 @@ def test_native_decode_matches_the_reference(
     lens = [1, 7, 33, block_size * 3, 300]  # one key, non-multiples, a full last block
     cache, tables, ctx, q = _case(rng, lens, block_size, q_heads, kv_heads, dim, dtype)
     layer = cache[:, 1]
-    out = cpu_kernels.decode_attention(
+    out = cpu_ops.decode_attention(
         lib, q, layer[:, 0], layer[:, 1], tables, ctx, 0.125, vector=vector
     )
     assert out.dtype == dtype and tuple(out.shape) == (len(lens), q_heads, dim)
@@ -87,7 +86,7 @@ def test_native_and_torch_decode_agree_and_rows_are_batch_independent(lib):
     plain = TorchAttention()._decode(q, k_cache, v_cache, group, 0.125)
     torch.testing.assert_close(native.float(), plain.float(), atol=2e-2, rtol=2e-2)
     for i in range(len(lens)):
-        alone = cpu_kernels.decode_attention(
+        alone = cpu_ops.decode_attention(
             lib, q[i : i + 1], k_cache, v_cache, tables[i : i + 1], ctx[i : i + 1], 0.125
         )
         assert torch.equal(alone[0], native[i])
@@ -98,7 +97,7 @@ def test_the_bf16_products_are_built_where_the_cpu_has_them(lib):
     that silently drops it is correct but slow)."""
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
     wanted = {"avx512f", "avx512_bf16"} <= set(flags)
-    assert cpu_kernels.has_bf16_dot(lib) == wanted
+    assert cpu_ops.has_bf16_dot(lib) == wanted
 
 
 def test_the_vector_and_plain_paths_agree(lib):
@@ -107,18 +106,18 @@ def test_the_vector_and_plain_paths_agree(lib):
     lens = [5, 16, 17, 250]
     cache, tables, ctx, q = _case(rng, lens, 16, 9, 3, 64, torch.bfloat16)
     k_cache, v_cache = cache[:, 0, 0], cache[:, 0, 1]
-    fast = cpu_kernels.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125)
-    plain = cpu_kernels.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125, vector=False)
+    fast = cpu_ops.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125)
+    plain = cpu_ops.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125, vector=False)
     torch.testing.assert_close(fast.float(), plain.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_unsupported_inputs_keep_the_torch_path(lib):
     q = torch.randn(1, 4, 32)
     cache = torch.randn(8, 4, 2, 32)
-    assert cpu_kernels.supports(q, cache)
-    assert not cpu_kernels.supports(q.half(), cache.half())  # dtype
+    assert cpu_ops.supports(q, cache)
+    assert not cpu_ops.supports(q.half(), cache.half())  # dtype
     big = torch.randn(1, 4, 512)  # head_dim past MAX_HEAD_DIM
-    assert not cpu_kernels.supports(big, torch.randn(8, 4, 2, 512))
+    assert not cpu_ops.supports(big, torch.randn(8, 4, 2, 512))
     group = DecodeGroup(0, 1, torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, 4))
     # no context lengths (a group built by hand): torch ops, the same answer as before
     out = TorchAttention(lib)._decode(q, cache, cache, group, 1.0)
@@ -136,13 +135,13 @@ def test_fused_add_rms_norm_is_bitwise_the_torch_ops(lib, rows, dim):
     y = torch.randn(rows, dim, generator=gen).bfloat16()
     w = torch.randn(dim, generator=gen).bfloat16()
     fused_h = h.clone()
-    out = cpu_kernels.add_rms_norm(lib, fused_h, y, w, 1e-5)
+    out = cpu_ops.add_rms_norm(lib, fused_h, y, w, 1e-5)
     assert torch.equal(fused_h, h + y)
     assert torch.equal(out, rms_norm(h + y, w, 1e-5))
-    alone = cpu_kernels.add_rms_norm(lib, h.clone(), None, w, 1e-5)
+    alone = cpu_ops.add_rms_norm(lib, h.clone(), None, w, 1e-5)
     assert torch.equal(alone, rms_norm(h, w, 1e-5))
     with pytest.raises(ValueError, match="bfloat16"):
-        cpu_kernels.add_rms_norm(lib, h.float(), None, w, 1e-5)
+        cpu_ops.add_rms_norm(lib, h.float(), None, w, 1e-5)
 
 
 def test_native_rope_is_bitwise_apply_rotary(lib):
@@ -155,9 +154,9 @@ def test_native_rope_is_bitwise_apply_rotary(lib):
     qk = qkv[:, : 12 * 64].view(7, 12, 64)  # rows strided by 15 heads
     cos = torch.randn(7, 1, 64, generator=gen).bfloat16()
     sin = torch.randn(7, 1, 64, generator=gen).bfloat16()
-    assert torch.equal(cpu_kernels.rope(lib, qk, cos, sin), apply_rotary(qk, cos, sin))
+    assert torch.equal(cpu_ops.rope(lib, qk, cos, sin), apply_rotary(qk, cos, sin))
     with pytest.raises(ValueError, match="bfloat16"):
-        cpu_kernels.rope(lib, qk.float(), cos, sin)
+        cpu_ops.rope(lib, qk.float(), cos, sin)
 
 
 def test_writes_into_the_given_rows_and_refuses_contexts_past_the_table(lib):
@@ -165,21 +164,19 @@ def test_writes_into_the_given_rows_and_refuses_contexts_past_the_table(lib):
     lens = [9, 30]
     cache, tables, ctx, q = _case(rng, lens, 16, 9, 3, 64, torch.bfloat16)
     k_cache, v_cache = cache[:, 0, 0], cache[:, 0, 1]
-    want = cpu_kernels.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125)
+    want = cpu_ops.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125)
     layer_out = torch.zeros(5, 9, 64, dtype=torch.bfloat16)  # the rows land at 1 and 2
-    got = cpu_kernels.decode_attention(
-        lib, q, k_cache, v_cache, tables, ctx, 0.125, out=layer_out[1:3]
-    )
+    got = cpu_ops.decode_attention(lib, q, k_cache, v_cache, tables, ctx, 0.125, out=layer_out[1:3])
     assert got.data_ptr() == layer_out[1].data_ptr()
     assert torch.equal(layer_out[1:3], want)
     assert not layer_out[0].any() and not layer_out[3:].any()
     with pytest.raises(ValueError, match="must be contiguous"):
-        cpu_kernels.decode_attention(
+        cpu_ops.decode_attention(
             lib, q, k_cache, v_cache, tables, ctx, 0.125, out=layer_out[:, :, :64:2]
         )
     # 2 blocks of 16 hold 32 keys: 33 (or 0) would read past the row's table
     for bad in (33, 0):
         with pytest.raises(ValueError, match=r"must lie in \[1, 2 blocks of 16\]"):
-            cpu_kernels.decode_attention(
+            cpu_ops.decode_attention(
                 lib, q, k_cache, v_cache, tables, torch.tensor([9, bad]), 0.125
             )

@@ -50,7 +50,7 @@ SPINS = 2000  # flag checks before yielding
 YIELDS = 20000  # sched_yield calls before sleeping
 SLEEP_S = 50e-6
 CHECK_PEERS_S = 1.0  # how often a long wait checks that its peers still run
-TIMEOUT_S = 600.0  # as tandem.model.parallel.COLLECTIVE_TIMEOUT
+TIMEOUT_S = 600.0  # as tandem.parallel.group.COLLECTIVE_TIMEOUT
 
 
 def available() -> bool:

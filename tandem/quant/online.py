@@ -1,13 +1,13 @@
 """Weights quantized as they load (`--quantization int8|int4|fp8`): each layer matrix is read,
-quantized with the reference quantizer of its scheme (`tandem.model.quant`) and its
+quantized with the reference quantizer of its scheme (`tandem.quant.weight`) and its
 full-precision copy dropped before the next is read, so peak memory is the quantized model
 plus one full-precision tensor, never both models. A fused matrix (qkv, gate_up) is
 quantized part by part and its parts' rows concatenated: every scheme's scales are per
 output row (int4: per row and input group), so that equals quantizing the fused matrix.
 
 A checkpoint that already holds a matrix in the asked scheme (an AWQ/GPTQ/fp8 checkpoint
-through `tandem.model.quant_checkpoints`, a GGUF's Q8_0/Q4_x blocks through
-`tandem.model.gguf_quant`) hands it over as stored; one in another scheme is dequantized and
+through `tandem.quant.checkpoint`, a GGUF's Q8_0/Q4_x blocks through
+`tandem.quant.gguf`) hands it over as stored; one in another scheme is dequantized and
 quantized again (logged: that costs accuracy twice).
 
 What stays in the model's dtype: embeddings (a row gather, not a matmul), norms and biases
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tandem.model.quant import QuantizedWeight, WeightScheme, quantize
+from tandem.quant.weight import QuantizedWeight, WeightScheme, quantize
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The collectives a tensor-parallel forward needs, over one torch.distributed group.
 
 Backend: gloo on a CPU, NCCL on CUDA (`backend_for`). On a CPU the forward's collectives go
-through shared memory instead where they fit (`tandem.model.shm_collectives`: tens of
+through shared memory instead where they fit (`tandem.parallel.shm`: tens of
 microseconds a call where gloo's loopback TCP takes 0.5-1 ms); `shared_memory=False`
 (`EngineConfig.tp_shared_memory`) keeps them on gloo. A model of one rank has no group at
 all (`LlamaModel(tp=None)`): the single-device path runs no collective and pays nothing.
@@ -17,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.model import shm_collectives
-from tandem.model.sharding import Shard
+from tandem.parallel import shm as shm_exchange
+from tandem.parallel.sharding import Shard
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +40,12 @@ class TPGroup:
     every rank).
     """
 
-    def __init__(self, shard: Shard, shm: shm_collectives.ShmExchange | None = None) -> None:
+    def __init__(self, shard: Shard, shm: shm_exchange.ShmExchange | None = None) -> None:
         self.shard = shard
         self.shm = shm  # the forward's collectives through shared memory (a CPU's ranks)
 
     @classmethod
-    def init(
-        cls, shard: Shard, address: str, device: str, shared_memory: bool = True
-    ) -> TPGroup:
+    def init(cls, shard: Shard, address: str, device: str, shared_memory: bool = True) -> TPGroup:
         """Join the group rendezvousing at `address` ("host:port", rank 0 listens there);
         `shared_memory`: a CPU group's forward collectives through /dev/shm where safe."""
         backend = backend_for(device)
@@ -59,9 +57,9 @@ class TPGroup:
             timeout=COLLECTIVE_TIMEOUT,
         )
         shm = None
-        if backend == "gloo" and shared_memory and shm_collectives.available():
+        if backend == "gloo" and shared_memory and shm_exchange.available():
             try:
-                shm = shm_collectives.ShmExchange.create(shard.rank, shard.size)
+                shm = shm_exchange.ShmExchange.create(shard.rank, shard.size)
             except OSError as exc:  # every rank: rank 0's failure is broadcast
                 log.warning("tensor-parallel collectives stay on gloo: %s", exc)
         return cls(shard, shm)

@@ -7,7 +7,7 @@ sha256, stream the GGUF out of the zip and convert it with `convert_gguf` into a
 directory that the engine loads like any other model directory.
 
 A cache entry is complete when it holds the model files, the GGUF itself (`model.gguf`,
-`tandem.model.gguf_quant`: with `--quantization` of its scheme the layer matrices are served
+`tandem.quant.gguf`: with `--quantization` of its scheme the layer matrices are served
 from its blocks as shipped) and a marker recording the source's sha256. An entry converted
 before the GGUF was kept is therefore fetched and converted again, once: without its blocks,
 `--quantization int4` would quantize the dequantized Q4_1 a second time (+21% to +30%
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.model.gguf import convert_gguf
-from tandem.model.gguf_quant import GGUF_FILE
+from tandem.quant.gguf import GGUF_FILE
+from tandem.weights.gguf import convert_gguf
 
 MARKER = "tandem-source.json"  # the source's sha256; written last, so it marks completeness
 MODEL_FILES = (

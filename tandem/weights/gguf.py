@@ -22,8 +22,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from safetensors.torch import save_file
 
-from tandem.model.gguf_tokenizer import build_tokenizer
-from tandem.model.gguf_tokenizer import metadata as _field
+from tandem.tokenizer.gguf import build_tokenizer
+from tandem.tokenizer.gguf import metadata as _field
 
 QK = 32  # elements per block of Q8_0, Q4_0 and Q4_1
 

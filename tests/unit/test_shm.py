@@ -1,4 +1,4 @@
-"""Shared-memory collectives (tandem.model.shm_collectives) between real rank processes:
+"""Shared-memory collectives (tandem.parallel.shm) between real rank processes:
 every call gives what gloo gives, the same bits on every rank, through both parities and
 across many calls; a message larger than a slot goes through gloo; a dead peer ends the
 wait with an error naming it."""
@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.model import shm_collectives
-from tandem.model.parallel import TPGroup
-from tandem.model.sharding import Shard
+from tandem.parallel import shm
+from tandem.parallel.group import TPGroup
+from tandem.parallel.sharding import Shard
 
 pytestmark = pytest.mark.skipif(
-    not shm_collectives.available(), reason="shared-memory collectives need x86-64 Linux"
+    not shm.available(), reason="shared-memory collectives need x86-64 Linux"
 )
 
 
@@ -43,8 +43,8 @@ def _rank_main(rank: int, size: int, address: str, slot_bytes: int, out: Connect
     group = TPGroup.init(shard, address, "cpu")
     assert group.shm is not None
     # The same group's shared file with small slots: the oversize path is reachable.
-    group.shm = shm_collectives.ShmExchange(
-        group.shm._buf[: shm_collectives.file_bytes(size, slot_bytes)],
+    group.shm = shm.ShmExchange(
+        group.shm._buf[: shm.file_bytes(size, slot_bytes)],
         rank,
         size,
         group.shm._pids,
@@ -151,20 +151,20 @@ def test_a_dead_peer_ends_the_wait_with_an_error_naming_it() -> None:
 
 
 def test_process_runs_tells_a_zombie_from_a_live_process() -> None:
-    assert shm_collectives.process_runs(os.getpid())
+    assert shm.process_runs(os.getpid())
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # until the child has exited (a zombie: unreaped)
-            if not shm_collectives.process_runs(pid):
+            if not shm.process_runs(pid):
                 break
             time.sleep(0.01)
-        assert not shm_collectives.process_runs(pid)
+        assert not shm.process_runs(pid)
     finally:
         os.waitpid(pid, 0)
-    assert not shm_collectives.process_runs(pid)  # reaped: gone
+    assert not shm.process_runs(pid)  # reaped: gone
 
 
 def test_a_rank_may_run_one_call_ahead_without_touching_the_parts_a_peer_still_reads() -> None:
@@ -173,8 +173,8 @@ def test_a_rank_may_run_one_call_ahead_without_touching_the_parts_a_peer_still_r
     import threading
 
     slot = 256
-    buf = torch.zeros(shm_collectives.file_bytes(2, slot), dtype=torch.uint8)
-    ranks = [shm_collectives.ShmExchange(buf, r, 2, [os.getpid()] * 2, slot) for r in (0, 1)]
+    buf = torch.zeros(shm.file_bytes(2, slot), dtype=torch.uint8)
+    ranks = [shm.ShmExchange(buf, r, 2, [os.getpid()] * 2, slot) for r in (0, 1)]
     seen: list[torch.Tensor] = []
 
     def rank1() -> None:

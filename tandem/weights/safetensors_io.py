@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from tandem.model.sharding import TensorSlice
+from tandem.parallel.sharding import TensorSlice
 
 # Called as progress(tensors_loaded, tensors_total).
 ProgressFn = Callable[[int, int], None]
@@ -128,7 +128,7 @@ class TensorReader:
     it into place at once and keep no reference. A context manager: leaving it closes the
     files.
 
-    `slices` (tensor parallelism, tandem.model.sharding): those tensors are read only in
+    `slices` (tensor parallelism, tandem.parallel.sharding): those tensors are read only in
     part, and the buffer is sized for the parts. Rows are one contiguous read; columns
     (a 2-D tensor's) are read in runs of whole rows through a small chunk and copied out:
 

@@ -1,5 +1,5 @@
 """Tokenizer wrapper (HF `tokenizer.json` + config files) and chat templates; streaming decode
-is tandem.model.detokenize."""
+is tandem.tokenizer.detokenize."""
 
 from __future__ import annotations
 

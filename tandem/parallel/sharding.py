@@ -1,6 +1,6 @@
 """Tensor parallelism's split of a model (Megatron-style): which part of every weight a rank
 holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
-(those are `tandem.model.parallel`).
+(those are `tandem.parallel.group`).
 
     q/k/v   column-parallel by heads: rank r holds KV heads [r*K//T, (r+1)*K//T) and the
             query heads of their groups (shares as even as can be: SmolLM2's 3 KV heads

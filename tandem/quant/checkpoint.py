@@ -1,5 +1,5 @@
 """Quantized HF checkpoints (AWQ, GPTQ, FP8, compressed-tensors) converted into the one
-in-memory format, `tandem.model.quant.QuantizedWeight`.
+in-memory format, `tandem.quant.weight.QuantizedWeight`.
 
 Which format a checkpoint is in is read from config.json's `quantization_config`
 (`read_checkpoint_quant`). A linear layer `prefix` (e.g. `model.layers.0.mlp.down_proj`) is
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from tandem.model.quant import INT4_GROUP_SIZES, QuantizedWeight, WeightScheme, pack_int4
-from tandem.model.sharding import TensorSlice
+from tandem.parallel.sharding import TensorSlice
+from tandem.quant.weight import INT4_GROUP_SIZES, QuantizedWeight, WeightScheme, pack_int4
 
 # AWQ's GEMM packing: nibble i of a word holds output 8c + AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -471,7 +471,7 @@ def stored_shapes(
 
 # -- tensor parallelism: a rank's slice of a quantized layer ----------------------------------
 #
-# A rank's part of a layer (tandem.model.sharding.tensor_slices: outputs [a, b), dim 0 of
+# A rank's part of a layer (tandem.parallel.sharding.tensor_slices: outputs [a, b), dim 0 of
 # [out, in], or inputs [a, b), dim 1) is read as parts of the stored tensors
 # (`stored_slices`), converted (`convert_slice`) and holds exactly the values of those rows or
 # columns of the whole layer's conversion:
@@ -673,7 +673,7 @@ class QuantizedReader:
     (`read_quantized`) and, through `read`, handed back dequantized to float32 [out, in] (the
     model's dense fallback); every other tensor as stored.
 
-    `slices` (tensor parallelism: dense weight name -> this rank's part, tandem.model.sharding):
+    `slices` (tensor parallelism: dense weight name -> this rank's part, tandem.parallel.sharding):
     those layers come back as that part only, from the parts of their stored tensors that
     `stored_slices` gave `reader` (`convert_slice`)."""
 

@@ -12,12 +12,12 @@ from the GGUF's blocks into `QuantizedWeight` without a float copy of the matrix
                                 alike (`tests/unit/test_gguf_quant.py` pins the bound)
 
 Nibbles: GGUF's byte j of a block holds element j (low) and j + 16 (high); ours hold inputs
-2j (low) and 2j + 1 (high) (`tandem.model.quant.pack_int4`), so the nibbles are re-paired.
+2j (low) and 2j + 1 (high) (`tandem.quant.weight.pack_int4`), so the nibbles are re-paired.
 Q and K rows are put back in HF's rotary order (`gguf.unpermute_rotary`) by permuting rows,
 which carry their own scales.
 
-A GGUF converted by `tandem.model.fetch` is kept next to the model directory's files as
-`model.gguf`; `GGUFMatrices` serves its matrices to the loader (`tandem.model.quant_load`)
+A GGUF converted by `tandem.weights.fetch` is kept next to the model directory's files as
+`model.gguf`; `GGUFMatrices` serves its matrices to the loader (`tandem.quant.online`)
 when `--quantization` names their scheme.
 """
 
@@ -34,12 +34,12 @@ import numpy.typing as npt
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from tandem.model.gguf import QK, hf_tensor_name, tensor_shape, unpermute_rotary
-from tandem.model.quant import QuantizedWeight, WeightScheme, pack_int4, quantize_int8
-from tandem.model.sharding import TensorSlice
+from tandem.parallel.sharding import TensorSlice
+from tandem.quant.weight import QuantizedWeight, WeightScheme, pack_int4, quantize_int8
+from tandem.weights.gguf import QK, hf_tensor_name, tensor_shape, unpermute_rotary
 
 GGUF_FILE = "model.gguf"  # the source GGUF, kept in a converted model directory
-SOURCE_MARKER = "tandem-source.json"  # tandem.model.fetch's record of a converted GGUF
+SOURCE_MARKER = "tandem-source.json"  # tandem.weights.fetch's record of a converted GGUF
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class GGUFMatrices:
     from `dense` (the directory's safetensors). `layers`: the names served quantized.
 
     A tensor-parallel rank's loader sets `slices` (HF name -> its part,
-    tandem.model.sharding.tensor_slices) and `row_absmax` (the group's MAX all-reduce):
+    tandem.parallel.sharding.tensor_slices) and `row_absmax` (the group's MAX all-reduce):
     those matrices come back as that part only (`quantized_slice`)."""
 
     def __init__(self, path: Path, dense: Any, scheme: WeightScheme, config: Any) -> None:

@@ -1,5 +1,5 @@
 """GGUF (llama.cpp) tokenizers: an HF `tokenizers` Tokenizer and its tokenizer_config fields
-built from a GGUF file's metadata, for `tandem.model.gguf.convert_gguf`.
+built from a GGUF file's metadata, for `tandem.weights.gguf.convert_gguf`.
 
 Supported tokenizer models: `gpt2` (byte-level BPE) with the gpt-2, llama-bpe, smollm and qwen2
 pre-tokenizers, and `llama` (SentencePiece BPE with byte fallback, merges ranked by piece

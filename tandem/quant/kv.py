@@ -82,7 +82,7 @@ def load_kv_scales(model_dir: str | Path, num_layers: int) -> KVScales:
         ValueError: the checkpoint has scales for some layers only, or a scale with more
             than one element (per-head or per-channel scales are not supported).
     """
-    from tandem.model.safetensors_io import TensorReader, read_header, safetensors_files
+    from tandem.weights.safetensors_io import TensorReader, read_header, safetensors_files
 
     entries = {}
     for path in safetensors_files(Path(model_dir)) if Path(model_dir).is_dir() else []:
