@@ -19,7 +19,7 @@ from tandem.transfer import KVHandoff
 
 class CallContext(Protocol):
     """What handling a request needs of its call: a grpc.aio.ServicerContext has both; the
-    HTTP API (services.router.openai_http) passes its own."""
+    HTTP API (services.router.openai.http) passes its own."""
 
     def time_remaining(self) -> float | None: ...
 

@@ -23,7 +23,7 @@ class RouterConfig:
     model_id: name clients use; default: the directory name.
     host, port: where the public gRPC API listens.
     http_port: the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-        /v1/models, /health; services.router.openai_http) on `host`, with the same keys and
+        /v1/models, /health; services.router.openai.http) on `host`, with the same keys and
         TLS as the gRPC API; -1: off, 0: any free port (logged).
     metrics_port: Prometheus /metrics over HTTP on `host` (services.common.observe.metrics);
         -1: off, 0: any free port (logged).

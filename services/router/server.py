@@ -32,7 +32,7 @@ from services.router.config import RouterConfig
 from services.router.grpc_tools import complete_calls
 from services.router.hops import Hops
 from services.router.links import Background, Links
-from services.router.openai_http import OpenAIServer
+from services.router.openai.http import OpenAIServer
 from services.router.placer import Placer
 from services.router.prompts import Prompts, check_request_id
 from services.router.replies import Replies
@@ -197,7 +197,7 @@ class RouterServer(rgrpc.RouterServicer):
         self, request: rpb.GenerateRequest, context: CallContext, tenant: str
     ) -> AsyncGenerator[rpb.GenerateResponse, None]:
         """One request of `tenant`, from admission to its last message: the gRPC API and the
-        HTTP API (services.router.openai_http) both serve through here. Raises ServiceError
+        HTTP API (services.router.openai.http) both serve through here. Raises ServiceError
         (after an in-stream Error message once the stream has started); cancelling the
         iteration (a client gone) aborts the request on both workers."""
         t_start = time.perf_counter()

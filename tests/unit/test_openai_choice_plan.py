@@ -1,4 +1,4 @@
-"""Several choices from one OpenAI request (services/router/openai_choices.py): the prompt
+"""Several choices from one OpenAI request (services/router/openai/choices.py): the prompt
 list rule, choice numbering, derived seeds, labels and the merged usage. Exact, no I/O."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from services.router import openai_choices as choices
-from services.router import openai_protocol as oai
+from services.router.openai import choices as choices
+from services.router.openai import protocol as oai
 from tandem.v1 import router_pb2 as rpb
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI API's rules (services/router/openai_protocol.py): bodies -> GenerateRequest,
+"""The OpenAI API's rules (services/router/openai/protocol.py): bodies -> GenerateRequest,
 router messages -> OpenAI objects, gRPC statuses -> HTTP errors. Exact, no I/O."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.router import openai_protocol as oai
+from services.router.openai import protocol as oai
 from tandem.v1 import router_pb2 as rpb
 
 MODEL = "m"
@@ -377,7 +377,12 @@ def test_models_list() -> None:
     assert oai.models("m", 2048, 5) == {
         "object": "list",
         "data": [
-            {"id": "m", "object": "model", "created": 5, "owned_by": "tandem",
-             "max_model_len": 2048}
+            {
+                "id": "m",
+                "object": "model",
+                "created": 5,
+                "owned_by": "tandem",
+                "max_model_len": 2048,
+            }
         ],  # fmt: skip
     }

@@ -1,4 +1,4 @@
-"""The Responses API's rules (services/router/openai_responses.py): bodies -> the chat request,
+"""The Responses API's rules (services/router/openai/responses.py): bodies -> the chat request,
 refusals naming the field, and the response object and events. Exact, no I/O."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from services.router import openai_protocol as oai
-from services.router import openai_responses as responses
+from services.router.openai import protocol as oai
+from services.router.openai import responses as responses
 from tandem.v1 import router_pb2 as rpb
 
 MODEL = "m"

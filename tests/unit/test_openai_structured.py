@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from services.router import openai_protocol as oai
-from services.router import openai_structured as structured
+from services.router.openai import protocol as oai
+from services.router.openai import structured as structured
 from tandem.v1 import router_pb2 as rpb
 
 MODEL = "tiny"

@@ -1,4 +1,4 @@
-"""The OpenAI API's tool rules (services.router.openai_tools, openai_protocol.Answer with
+"""The OpenAI API's tool rules (services.router.openai.tools, openai_protocol.Answer with
 tools): a body's tools on the wire, and the exact chunks and whole answers an answer with
 calls makes."""
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from services.common.rpc.convert_tools import ChatTools, tools_from_proto, tools_to_proto
-from services.router import openai_protocol as oai
-from services.router import openai_responses
 from services.router.grpc_tools import CompleteCalls
-from services.router.openai_responses_tools import ToolReply
+from services.router.openai import protocol as oai
+from services.router.openai import responses as openai_responses
+from services.router.openai.responses_tools import ToolReply
 from tandem.tools import FORMATS, ChoiceMode, Tool, ToolChoice
 from tandem.v1 import router_pb2 as rpb
 

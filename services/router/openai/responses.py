@@ -10,8 +10,8 @@ assistant message's tool calls and the tool messages answering them: the chat ru
 before them. `text.format` json_schema / json_object is structured output (the chat API's
 `response_format`, flattened). The chat API's sampling extensions (seed, stop, top_k, min_p,
 penalties, ignore_eos, stop_token_ids, logit_bias) are taken too. Function `tools`,
-`tool_choice` and `parallel_tool_calls` as on chat (services.router.openai_tools; the answer's
-function_call items: services.router.openai_responses_tools). Responses are not stored:
+`tool_choice` and `parallel_tool_calls` as on chat (services.router.openai.tools; the answer's
+function_call items: services.router.openai.responses_tools). Responses are not stored:
 `previous_response_id` and `background` are refused.
 """
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.rpc import convert
-from services.router import openai_protocol as oai
-from services.router import openai_structured as structured
-from services.router import openai_tools as tools
+from services.router.openai import protocol as oai
+from services.router.openai import structured as structured
+from services.router.openai import tools as tools
 from tandem import chat, wire
 from tandem.tools import ToolError
 from tandem.types import FinishReason

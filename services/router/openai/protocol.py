@@ -1,11 +1,11 @@
 """The OpenAI HTTP API's rules, as pure code: request bodies -> GenerateRequest, the router's
 GenerateResponse messages -> OpenAI JSON objects, ServiceError -> OpenAI error objects.
 
-No I/O here (services.router.openai_http serves it). Every refusal is an `ApiError` naming the
+No I/O here (services.router.openai.http serves it). Every refusal is an `ApiError` naming the
 field, so a client sees a 400 it can act on rather than a 422 listing validator internals.
 Extensions beyond OpenAI's fields (vLLM's names): top_k, min_p, repetition_penalty,
 ignore_eos, stop_token_ids, guided_json, guided_regex, guided_choice, guided_grammar
-(services.router.openai_structured).
+(services.router.openai.structured).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 
 from services.common.rpc import convert
-from services.router import openai_choices as choices
-from services.router import openai_structured as structured
-from services.router import openai_tools as tools
+from services.router.openai import choices as choices
+from services.router.openai import structured as structured
+from services.router.openai import tools as tools
 from tandem import chat, wire
 from tandem.tools import ToolError, ToolFormat
 from tandem.types import FinishReason
@@ -110,7 +110,7 @@ class ParsedRequest:
     logprobs: per-token logprobs wanted; top_logprobs: how many alternatives per token.
     n: sequences per prompt; more_prompts: completions' 2nd, 3rd, ... prompts (`request` is
     the first's); echo: completions' prompt text before each choice's text
-    (services.router.openai_choices plans the choices).
+    (services.router.openai.choices plans the choices).
     """
 
     request: rpb.GenerateRequest
@@ -122,7 +122,7 @@ class ParsedRequest:
     n: int = 1
     more_prompts: tuple[rpb.GenerateRequest, ...] = ()
     echo: bool = False
-    # Chat with tools (services.router.openai_tools): the functions an answer may call (none:
+    # Chat with tools (services.router.openai.tools): the functions an answer may call (none:
     # text only) and how the model writes calls (the router's tool-call parser).
     tool_names: frozenset[str] = frozenset()
     tool_format: ToolFormat | None = None
@@ -154,7 +154,7 @@ def parse_chat(body: Any, model_id: str, default_max_tokens: int) -> ParsedReque
     _sampling(request.sampling, body, max_tokens or default_max_tokens)
     if logprobs:
         request.sampling.logprobs = top
-    try:  # tools; openai_http compiles their schemas off the event loop
+    try:  # tools; http.py compiles their schemas off the event loop
         found = structured.read(body)
         body_tools = tools.read(body, request.chat, found[1] if found else None)
     except ToolError as error:
@@ -216,9 +216,7 @@ def _parsed(body: JSON, request: rpb.GenerateRequest, logprobs: bool, top: int) 
     prompt = body.get("prompt")
     num_prompts = len(prompt) if isinstance(prompt, list) and _is_prompt_list(prompt) else 1
     if n * num_prompts > choices.MAX_CHOICES:
-        raise invalid(
-            "n", f"{num_prompts} prompts x n {n} is over {choices.MAX_CHOICES} choices"
-        )
+        raise invalid("n", f"{num_prompts} prompts x n {n} is over {choices.MAX_CHOICES} choices")
     return ParsedRequest(request, stream, include_usage, logprobs, top, user or "", n)
 
 
@@ -229,7 +227,7 @@ def _is_prompt_list(prompt: list[Any]) -> bool:
 
 def _refuse_unsupported(body: JSON, tools_ok: bool = False) -> None:
     """Fields that would change the answer and that Tandem cannot honour: refused, never
-    silently ignored. `tools_ok`: chat reads tools itself (openai_tools)."""
+    silently ignored. `tools_ok`: chat reads tools itself (tools.py)."""
     for name in ("tools", "functions"):
         if body.get(name) and not tools_ok:
             raise invalid(name, "tool and function calling are not supported")
@@ -243,7 +241,7 @@ def _refuse_unsupported(body: JSON, tools_ok: bool = False) -> None:
 
 def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
     msg.max_tokens = max_tokens
-    try:  # structured output; openai_http compile-checks it off the event loop
+    try:  # structured output; http.py compile-checks it off the event loop
         constraint = structured.read(body)
     except structured.FieldError as error:
         raise invalid(error.param, error.reason) from None

@@ -1,5 +1,5 @@
 """The I/O of an OpenAI request with several choices (n > 1, a list of prompts, echo): one
-router call per choice (services.router.openai_choices plans them), merged into one answer.
+router call per choice (services.router.openai.choices plans them), merged into one answer.
 
 Sequence 0 of every prompt is sent first; the other sequences once every first one has its
 first token, so they find the prompt's blocks cached instead of computing them again. Until
@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from services.common.rpc.errors import ServiceError
-from services.router import openai_choices as choices
-from services.router import openai_protocol as oai
-from services.router.openai_sse import EventStream, error_response, sse, unless_disconnected
+from services.router.openai import choices as choices
+from services.router.openai import protocol as oai
+from services.router.openai.sse import EventStream, error_response, sse, unless_disconnected
 from tandem.v1 import router_pb2 as rpb
 
 Messages = AsyncGenerator[rpb.GenerateResponse, None]

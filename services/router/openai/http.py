@@ -4,7 +4,7 @@ POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. A 
 through RouterServer.generate exactly as a gRPC Generate does: the same admission, limits,
 placement, recovery, metrics and tenants (API keys from the same KeyRing, in
 `Authorization: Bearer`). The rules (bodies, answers, error objects) are pure code in
-services.router.openai_protocol; this module does the I/O:
+services.router.openai.protocol; this module does the I/O:
 
 - errors before the first token are HTTP statuses (400/401/403/404/409/429/503) with
   OpenAI's error object and Retry-After on pushback; a failure mid-stream is an SSE `error`
@@ -37,20 +37,18 @@ from services.common import security
 from services.common.observe import tracing
 from services.common.rpc.convert_tools import tools_from_proto
 from services.common.rpc.errors import ServiceError
-from services.router import (
-    openai_choices,
-    openai_fanout,
-    openai_responses,
-    openai_responses_http,
-    openai_tools,
-)
-from services.router import openai_protocol as oai
-from services.router import openai_structured as structured
 from services.router.call import CallContext
-from services.router.openai_responses_tools import ToolReply
-from services.router.openai_sse import EventStream as _EventStream
-from services.router.openai_sse import error_response as _error_response
-from services.router.openai_sse import unless_disconnected as _unless_disconnected
+from services.router.openai import choices as openai_choices
+from services.router.openai import fanout as openai_fanout
+from services.router.openai import protocol as oai
+from services.router.openai import responses as openai_responses
+from services.router.openai import responses_http as openai_responses_http
+from services.router.openai import structured as structured
+from services.router.openai import tools as openai_tools
+from services.router.openai.responses_tools import ToolReply
+from services.router.openai.sse import EventStream as _EventStream
+from services.router.openai.sse import error_response as _error_response
+from services.router.openai.sse import unless_disconnected as _unless_disconnected
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.tools import ToolFormat
 from tandem.v1 import router_pb2 as rpb
@@ -196,7 +194,7 @@ class OpenAIServer:
         return await self._generate(request, chat=False)
 
     async def _responses(self, request: Request) -> Response:
-        """POST /v1/responses (openai_responses): one chat request through the router."""
+        """POST /v1/responses (responses.py): one chat request through the router."""
         router = self.router
         try:
             principal = self._principal(request)
@@ -269,7 +267,7 @@ class OpenAIServer:
         self, request: Request, parsed: oai.ParsedRequest, chat: bool, tenant: str, answer_id: str
     ) -> Response:
         """Several choices (n > 1, a list of prompts) or echo: one router call per choice
-        (services.router.openai_fanout), answered as one."""
+        (services.router.openai.fanout), answered as one."""
         created = int(time.time())
         context = HttpCallContext(request.headers)
 
