@@ -48,7 +48,8 @@ from report import RESULTS_DIR, machine_info, result_path, write_json
 
 from services.common.runtime.process import configure_native_libraries
 from tandem.transfer import RemoteKV, coalesce
-from tandem.transfer.nixl import NixlTransport, advise_hugepages
+from tandem.transfer.hugepages import advise_hugepages
+from tandem.transfer.nixl import NixlTransport
 
 # The `small` preset (tandem/weights/tiny.py) with the default block size, one block:
 # [num_layers, 2 (K and V), block_size, num_kv_heads, head_dim]

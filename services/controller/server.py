@@ -52,6 +52,7 @@ from tandem.control import (
     decide,
     percentile,
 )
+from tandem.load import load_fields
 from tandem.types import Role
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
@@ -82,18 +83,7 @@ class Record:
 
 def sample_of(info: WorkerInfo, t: float) -> WorkerSample:
     return WorkerSample(
-        t=t,
-        worker_id=info.worker_id,
-        role=info.role,
-        busy_frac=info.busy_frac,
-        tokens_per_s=info.tokens_per_s,
-        step_ms=info.step_ms,
-        num_running=info.num_running,
-        num_waiting=info.num_waiting,
-        queued_prefill_tokens=info.queued_prefill_tokens,
-        num_blocks=info.num_blocks,
-        num_free_blocks=info.num_free_blocks,
-        draining=info.draining,
+        **load_fields(info), t=t, worker_id=info.worker_id, role=info.role, draining=info.draining
     )
 
 

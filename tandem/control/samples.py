@@ -9,29 +9,19 @@ from dataclasses import dataclass
 
 from tandem.control.capacity import HostCapacity
 from tandem.control.config import SLA
+from tandem.load import Load
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerSample:
-    """One worker's heartbeat stats at time `t` (seconds, any monotonic origin).
-
-    busy_frac: fraction of the last stats period the engine spent in steps.
-    tokens_per_s: tokens computed per second over that period (prefill: prompt tokens;
-        decode: generated tokens plus prompt tokens it prefilled itself).
-    step_ms: mean step time over the period (0 when idle).
-    """
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSample(Load):
+    """One worker's `Load` as its heartbeat gave it at time `t` (seconds, any monotonic
+    origin). The fits read the rates: `busy_frac` (the fraction of the last stats period in
+    steps), `tokens_per_s` (prefill: prompt tokens; decode: generated tokens plus prompt
+    tokens it prefilled itself) and `step_ms` (0 when idle)."""
 
     t: float
     worker_id: str
     role: str
-    busy_frac: float = 0.0
-    tokens_per_s: float = 0.0
-    step_ms: float = 0.0
-    num_running: int = 0
-    num_waiting: int = 0
-    queued_prefill_tokens: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
     draining: bool = False
 
 

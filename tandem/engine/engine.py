@@ -34,7 +34,7 @@ from tandem.engine.loading import (
     shard_for,
     wants_decode_graphs,
 )
-from tandem.engine.outputs import Completion, EngineStats, RequestOutput
+from tandem.engine.outputs import Completion, RequestOutput
 from tandem.engine.ranks import (
     Followers,
     decode_capture_plan,
@@ -46,6 +46,7 @@ from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, c
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
+from tandem.load import Load
 from tandem.model.config import ModelConfig
 from tandem.parallel.group import TPGroup
 from tandem.quant.kv import KVScales
@@ -53,9 +54,9 @@ from tandem.tokenizer.detokenize import TextStream
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.weights.loader import ProgressFn
 
-# EngineStats, RequestOutput and Completion live in tandem.engine.outputs and are named here
-# too (what a step and generate() return); wants_decode_graphs for tests (tandem.engine.loading)
-__all__ = ["Completion", "EngineStats", "LLMEngine", "RequestOutput", "wants_decode_graphs"]
+# RequestOutput and Completion live in tandem.engine.outputs and are named here too (what a
+# step and generate() return); wants_decode_graphs for tests (tandem.engine.loading)
+__all__ = ["Completion", "LLMEngine", "RequestOutput", "wants_decode_graphs"]
 
 log = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "__tandem_warmup__"
@@ -456,9 +457,10 @@ class LLMEngine:
     def cached_block_hashes(self) -> list[int]:
         return self.kv.pool.cached_hashes()
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> Load:
+        """The counts of this engine's load (its rates are the worker's to add)."""
         sched = self.scheduler
-        return EngineStats(
+        return Load(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting) + len(sched.waiting_for_kv),
             num_handed_off=len(sched.handed_off),

@@ -1,5 +1,5 @@
-"""What the engine hands back: a step's output per request, a finished request from
-`generate()`, and the load figures a worker publishes (tandem.engine.engine)."""
+"""What the engine hands back: a step's output per request and a finished request from
+`generate()` (tandem.engine.engine). Its load is `tandem.load.Load`."""
 
 from __future__ import annotations
 
@@ -23,19 +23,6 @@ class RequestOutput:
     block_ids: list[int] = field(default_factory=list)  # handed off: the pinned blocks
     # (logprob, top-n) of each new token, when the request asked for logprobs
     logprobs: list[LogprobEntry] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Load figures a worker publishes with its heartbeat."""
-
-    num_running: int
-    num_waiting: int
-    num_handed_off: int
-    queued_prefill_tokens: int
-    num_blocks: int
-    num_free_blocks: int
-    num_preemptions: int = 0  # since start (a request preempted twice counts twice)
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,7 +51,7 @@ def quantized_matrix(
     Stored int4 parts whose groups differ (GPTQ act-order with a g_idx per projection) cannot
     share one matrix: they come back dequantized, dense [in, out] in `dtype` (logged),
     rather than rounded a second time; so does a part `source` hands back dense (a
-    tensor-parallel rank's columns of GPTQ act-order groups: quant_checkpoints.convert_slice).
+    tensor-parallel rank's columns of GPTQ act-order groups: checkpoint.convert_slice).
     A stored part in another scheme is dequantized and quantized again, with `row_absmax`
     like a dense part.
 

@@ -46,6 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from tandem.load import Load
 from tandem.types import Role
 
 POLICIES = ("kv", "load", "round_robin")
@@ -112,22 +113,18 @@ class RoutingConfig:
             )
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """What the router knows about one worker when it places a request."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerLoad(Load):
+    """What the router knows about one worker when it places a request: its `Load` (as its
+    registry record gave it; `prefill_tokens_per_s` 0 until measured) and what this router
+    adds."""
 
     worker_id: str
     role: Role
     address: str
-    queued_prefill_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_free_blocks: int = 0
-    num_blocks: int = 0
     draining: bool = False
     inflight_requests: int = 0  # sent by this router, not yet finished
     inflight_prefill_tokens: int = 0
-    prefill_tokens_per_s: float = 0.0  # measured prompt rate (0: not measured yet)
     kv_format: str = ""  # the KV cache's format (dtype, fp8 scales); pairs must be equal
     tensor_parallel_size: int = 1  # ranks (any sizes pair; see above)
     kv_handoff: bool = False  # a tensor-parallel worker's KV can be handed off (see above)
@@ -290,8 +287,12 @@ def weigh(
         if w.role == Role.DECODE:
             out.append(
                 Candidate(
-                    w.worker_id, w.role, cached, w.draining,
-                    load=w.decode_load, free_blocks=w.num_free_blocks,
+                    w.worker_id,
+                    w.role,
+                    cached,
+                    w.draining,
+                    load=w.decode_load,
+                    free_blocks=w.num_free_blocks,
                 )  # fmt: skip
             )
         else:

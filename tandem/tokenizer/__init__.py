@@ -1,2 +1,3 @@
-"""Text: the tokenizer with its chat templates (`tokenizer`), streaming detokenization
-(`detokenize`) and a GGUF file's vocabulary as a tokenizer.json (`gguf`)."""
+"""Text: the tokenizer, with chat encoding that keeps client text out of control tokens
+(`tokenizer`), chat-template rendering (`templates`), streaming detokenization (`detokenize`)
+and a GGUF file's vocabulary as a tokenizer.json (`gguf`)."""

@@ -1,24 +1,27 @@
-"""Tokenizer wrapper (HF `tokenizer.json` + config files) and chat templates; streaming decode
-is tandem.tokenizer.detokenize."""
+"""Tokenizer wrapper (HF `tokenizer.json` + config files), with chat encoding that keeps client
+text out of control tokens. Rendering chat templates is tandem.tokenizer.templates; streaming
+decode is tandem.tokenizer.detokenize."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
-import jinja2
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
-# `encode_chat` marks control tokens in messages with two characters from the supplementary
-# private use planes (U+F0000..U+10FFFD) that the request, template and vocabulary do not use.
-_MARK_CHARS = range(0xF0000, 0x10FFFE)
+from tandem.tokenizer.templates import (
+    ChatTemplate,
+    check_messages,
+    free_chars,
+    iter_strings,
+    map_strings,
+)
+
 # An added token of the plain-text copy of the tokenizer: a stretch encoded right after it is
 # tokenized as a stretch after a control token is (see `_encode_plain`).
 _LEAD_TOKEN = "\U0010fffd\U0010fffctandem-stretch\U0010fffc\U0010fffd"
@@ -63,7 +66,7 @@ class Tokenizer:
         if add_bos_token and self.bos_token_id is None:
             raise ValueError("add_bos_token is true but the tokenizer has no bos_token")
         self.add_bos_token = add_bos_token
-        self._template: jinja2.Template | None = None
+        self._template: ChatTemplate | None = None
         # Built on first use; threads racing there build equal values, and either one wins.
         self._controls: _Controls | None = None
         self._plain: tuple[HFTokenizer, int] | None = None
@@ -212,7 +215,7 @@ class Tokenizer:
         checked = self._checked_messages(messages)
         controls = self._chat_controls()
         # every string, nested ones (tool calls, tool definitions) too
-        strings = list(_strings(checked)) + list(_strings(tools or []))
+        strings = list(iter_strings(checked)) + list(iter_strings(tools or []))
         spans = {
             value: found for value in strings if (found := self._control_spans(value, controls))
         }
@@ -220,7 +223,7 @@ class Tokenizer:
             text = self._render(checked, add_generation_prompt, tools)
             return _ids(self._tok, text), text
         in_use = [*strings, self.chat_template or "", self.bos_token or "", self.eos_token or ""]
-        start, end = _free_chars(2, in_use, controls.added_chars | set(_LEAD_TOKEN))
+        start, end = free_chars(2, in_use, controls.added_chars | set(_LEAD_TOKEN))
 
         def mark(value: str) -> str:
             found = spans.get(value)
@@ -231,8 +234,8 @@ class Tokenizer:
             pieces[1::2] = [start + piece + end for piece in pieces[1::2]]  # the control texts
             return "".join(pieces)
 
-        checked = [_map_strings(message, mark) for message in checked]
-        tools = None if tools is None else [_map_strings(tool, mark) for tool in tools]
+        checked = [map_strings(message, mark) for message in checked]
+        tools = None if tools is None else [map_strings(tool, mark) for tool in tools]
         rendered = self._render(checked, add_generation_prompt, tools)
         ids = self._encode_marked(rendered, (start, end), controls)
         return ids, rendered.replace(start, "").replace(end, "")
@@ -327,15 +330,7 @@ class Tokenizer:
 
     def _chat_controls(self) -> _Controls:
         if self._controls is None:
-            assert self.chat_template is not None
-            ast = self._compiled_template().environment.parse(self.chat_template)
-            literals = [node.data for node in ast.find_all(jinja2.nodes.TemplateData)]
-            literals += [
-                node.value
-                for node in ast.find_all(jinja2.nodes.Const)
-                if isinstance(node.value, str)
-            ]
-            template_text = "\0".join(literals)  # so no token matches across two literals
+            template_text = self._compiled_template().literal_text()
             added = self._tok.get_added_tokens_decoder()
             tokens = {
                 tid: token
@@ -359,17 +354,7 @@ class Tokenizer:
                 "model has no chat template (no chat_template.jinja and no chat_template in "
                 "tokenizer_config.json); send a plain prompt instead"
             )
-        checked: list[dict[str, Any]] = []
-        for idx, message in enumerate(messages):
-            if not isinstance(message, Mapping):
-                raise ValueError(f"message {idx} must be a mapping, got {type(message).__name__}")
-            for key in ("role", "content"):
-                if not isinstance(message.get(key), str):
-                    raise ValueError(
-                        f"message {idx} must have a string {key!r}, got {message.get(key)!r}"
-                    )
-            checked.append(dict(message))
-        return checked
+        return check_messages(messages)
 
     def _render(
         self,
@@ -377,29 +362,18 @@ class Tokenizer:
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        extra = {} if tools is None else {"tools": list(tools)}  # unset: `tools is defined` false
-        try:
-            return self._compiled_template().render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                **extra,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                raise_exception=_raise_exception,
-            )
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template failed to render: {exc}") from None
+        return self._compiled_template().render(
+            messages,
+            add_generation_prompt,
+            tools,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
-    def _compiled_template(self) -> jinja2.Template:
+    def _compiled_template(self) -> ChatTemplate:
         if self._template is None:
             assert self.chat_template is not None
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            try:
-                self._template = env.from_string(self.chat_template)
-            except jinja2.TemplateError as exc:
-                raise ValueError(f"chat template is not valid Jinja: {exc}") from None
+            self._template = ChatTemplate(self.chat_template)
         return self._template
 
     def _require_id(self, token: str | None, field: str) -> int | None:
@@ -433,48 +407,12 @@ def _encoding(tok: HFTokenizer, text: str) -> Encoding:
     return encoding
 
 
-def _raise_exception(message: str) -> NoReturn:
-    raise ValueError(f"chat template error: {message}")
-
-
 def _is_match(tok: HFTokenizer, token: AddedToken, text: str) -> bool:
     """Whether `token` was matched on `text` (the text under its offsets), rather than being
     what the model gives for text it does not know (an unknown token is often special)."""
     if token.normalized and tok.normalizer is not None:
         text = tok.normalizer.normalize_str(text)
     return (text.strip() if token.lstrip or token.rstrip else text) == token.content
-
-
-def _strings(value: Any) -> Iterator[str]:
-    """Every string in a message's JSON-like value (mapping keys excluded)."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _strings(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _strings(item)
-
-
-def _map_strings(value: Any, fn: Callable[[str], str]) -> Any:
-    """A copy of a JSON-like value with `fn` applied to every string in it."""
-    if isinstance(value, str):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return {key: _map_strings(item, fn) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_map_strings(item, fn) for item in value]
-    return value
-
-
-def _free_chars(num: int, texts: Sequence[str], avoid: frozenset[str]) -> list[str]:
-    """`num` private use characters that occur in none of `texts` and are not in `avoid`."""
-    used = set(avoid).union(*texts)
-    free = list(itertools.islice((c for c in map(chr, _MARK_CHARS) if c not in used), num))
-    if len(free) < num:
-        raise ValueError("chat messages use every private use character")
-    return free
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -10,23 +10,21 @@ and verified by the reader before any read (`tandem.transfer.signing`).
 
 `"nixl"` moves data between processes (and hosts) with NIXL; `"local"` copies between engines
 of one process. Both honour the `KVTransport` contract in `tandem.transfer.base`.
+
+Modules: `base` (the contract: handles, `TransferError`, `KVTransport`), `layout` (what the
+bytes are), `runs` (block runs, one descriptor each), `ranks` (reads that split KV heads over
+tensor-parallel ranks), `plan` (which blocks a decode worker reads), `lease` and `signing`
+(the hand-off), `local`, and `nixl` with `hugepages` (its CPU caches on huge pages).
 """
 
 from __future__ import annotations
 
-from tandem.transfer.base import (
-    TRANSPORT_KINDS,
-    KVTransport,
-    RankKV,
-    ReadPlan,
-    RemoteKV,
-    TransferError,
-    coalesce,
-    plan_read,
-)
+from tandem.transfer.base import TRANSPORT_KINDS, KVTransport, RankKV, RemoteKV, TransferError
 from tandem.transfer.layout import KVLayout, LayoutMismatch, check_compatible, layout_diff
 from tandem.transfer.lease import Confirmation, KVHandoff, Lease, LeaseTable
 from tandem.transfer.local import LocalTransport
+from tandem.transfer.plan import ReadPlan, plan_read
+from tandem.transfer.runs import coalesce
 from tandem.transfer.signing import prompt_hashes, sign_handoff, verify_handoff
 
 __all__ = [

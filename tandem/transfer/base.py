@@ -9,28 +9,29 @@ the owner it is done via a notification that the owner collects with `poll`. Eve
 carries its cache's `KVLayout`, and a reader refuses one whose dtype or block geometry differs
 from its own cache's before it moves any byte (`LayoutMismatch`).
 
-`KVTransport` implements the argument checking and bookkeeping once; a transport supplies the
-data movement through the `_do_*` hooks, so every implementation fails the same way on misuse.
+This module holds the contract: the handles (`RemoteKV`, and `RankKV` for each rank cache of
+a tensor-parallel owner), `TransferError`, and `KVTransport`, which implements the argument
+checking and bookkeeping once; a transport supplies the data movement through the `_do_*` hooks,
+so every implementation fails the same way on misuse. A read moves coalesced block runs
+(`tandem.transfer.runs`); one where either side splits the KV heads over tensor-parallel ranks
+is carried out by `tandem.transfer.ranks`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
 from tandem.transfer.layout import KVLayout, check_compatible
+from tandem.transfer.ranks import ranks_layout, read_heads, staging_buffer
+from tandem.transfer.runs import coalesce
 
 TRANSPORT_KINDS = ("nixl", "local")
-# A read that splits KV heads (a tensor-parallel side, `RemoteKV.ranks`) pulls one source
-# rank's whole blocks into a staging buffer of this size, then copies each head range into
-# the rank cache that holds it: reads stay few and large (one descriptor per run of blocks).
-STAGING_BYTES = 32 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,77 +137,6 @@ class TransferError(RuntimeError):
     The reader's destination blocks hold undefined data after this error; the owner's blocks are
     untouched (reads never write to the owner).
     """
-
-
-def coalesce(remote_ids: Sequence[int], local_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Group a block mapping into runs that are consecutive on both sides.
-
-    `remote_ids[i]` is copied to `local_ids[i]`. Returns `(remote_start, local_start, num_blocks)`
-    runs, in input order, such that for each run block `remote_start + k` maps to
-    `local_start + k` for `k < num_blocks`; a run only grows while *both* sides advance by one,
-    so the result is one descriptor per run and the runs reproduce the mapping exactly.
-
-    Raises:
-        ValueError: the sequences differ in length.
-    """
-    if len(remote_ids) != len(local_ids):
-        raise ValueError(
-            f"remote_ids and local_ids differ in length: {len(remote_ids)} != {len(local_ids)}"
-        )
-    runs: list[tuple[int, int, int]] = []
-    if not remote_ids:
-        return runs
-    run_remote, run_local, run_len = int(remote_ids[0]), int(local_ids[0]), 1
-    for r, loc in zip(remote_ids[1:], local_ids[1:], strict=True):
-        r, loc = int(r), int(loc)
-        if r == run_remote + run_len and loc == run_local + run_len:
-            run_len += 1
-        else:
-            runs.append((run_remote, run_local, run_len))
-            run_remote, run_local, run_len = r, loc, 1
-    runs.append((run_remote, run_local, run_len))
-    return runs
-
-
-class ReadPlan(NamedTuple):
-    """Which of an owner's blocks a reader pulls, and into which of its own blocks."""
-
-    remote_block_ids: tuple[int, ...]
-    local_block_ids: tuple[int, ...]
-
-
-def plan_read(
-    handle_block_ids: Sequence[int],
-    handle_block_size: int,
-    local_block_table: Sequence[int],
-    num_cached_tokens: int,
-    num_prompt_tokens: int,
-    block_size: int,
-) -> ReadPlan:
-    """The blocks a decode worker must pull for a prompt, given what it already caches.
-
-    The reader reserved `local_block_table` for the prompt and found its first
-    `num_cached_tokens` in its own prefix cache; only the blocks after those are read:
-
-        prompt blocks   [0 ........ first) [first ............ num_blocks)
-                         cached locally      remote[i] -> local[i]
-
-    Raises:
-        TransferError: the handle does not cover the prompt with blocks of `block_size`
-            tokens (the two workers disagree about the prompt or the cache layout).
-    """
-    num_blocks = -(-num_prompt_tokens // block_size)
-    if len(handle_block_ids) < num_blocks or handle_block_size != block_size:
-        raise TransferError(
-            f"KV handle has {len(handle_block_ids)} blocks of {handle_block_size} tokens; "
-            f"need {num_blocks} of {block_size}"
-        )
-    if len(local_block_table) < num_blocks:
-        raise ValueError(f"local table has {len(local_block_table)} blocks, need {num_blocks}")
-    first = num_cached_tokens // block_size
-    return ReadPlan(
-        tuple(handle_block_ids[first:num_blocks]), tuple(local_block_table[first:num_blocks])
-    )
 
 
 class KVTransport(ABC):
@@ -325,7 +255,7 @@ class KVTransport(ABC):
         assert block_bytes == layout.block_bytes, (block_bytes, layout)
         rank_caches = tuple((t, int(start)) for t, start in ranks)
         if rank_caches:
-            layout = _ranks_layout(kv_cache, rank_caches, layout)
+            layout = ranks_layout(kv_cache, rank_caches, layout)
             block_bytes = layout.block_bytes
         self._do_register(kv_cache, tuple(t for t, _ in rank_caches[1:]))
         # Only after the transport accepted it, so that a failed register can be retried.
@@ -355,9 +285,7 @@ class KVTransport(ABC):
             block_bytes=self._block_bytes,
             block_ids=ids,
             layout=self.layout,
-            ranks=tuple(
-                RankKV(t.data_ptr(), start, int(t.shape[4])) for t, start in self._ranks
-            ),
+            ranks=tuple(RankKV(t.data_ptr(), start, int(t.shape[4])) for t, start in self._ranks),
         )
 
     def read(
@@ -420,83 +348,31 @@ class KVTransport(ABC):
             # depend on the order in which the transport happens to complete descriptors.
             raise ValueError(f"local_block_ids has repeated ids: {sorted(local)[:8]}...")
         if remote.ranks or self._ranks:
-            return self._read_heads(remote, local, notif, timeout_s)
+            # Either side splits the KV heads: each rank cache gets its heads (ranks.py); the
+            # notification follows the last read. Bytes moved are those over the transport.
+            sources = remote.sources
+            moved, self.last_num_descriptors = read_heads(
+                [src.heads for src in sources],
+                self._ranks or ((self._require_kv(), 0),),
+                self.layout,
+                remote.block_ids,
+                local,
+                lambda i, runs, dst: self._do_read_into(remote, sources[i], runs, dst, timeout_s),
+                self._staging_buffer,
+            )
+            if notif:
+                self._do_read(remote, [], notif, timeout_s)
+            return moved
         runs = coalesce(remote.block_ids, local)
         self.last_num_descriptors = len(runs)
         self._do_read(remote, runs, notif, timeout_s)
         return len(local) * self._block_bytes
 
-    def _read_heads(
-        self, remote: RemoteKV, local: list[int], notif: bytes, timeout_s: float
-    ) -> int:
-        """A read where either side splits the KV heads over tensor-parallel ranks: each of
-        this engine's rank caches gets its heads from the first source rank holding them.
-        A cache holding exactly one source's heads is read straight into (one descriptor per
-        run); otherwise each source rank needed is read whole blocks at a time into the
-        staging buffer (up to `STAGING_BYTES` a read) and its head ranges copied out. The
-        notification follows the last read. Returns bytes moved over the transport."""
-        sources = remote.sources
-        targets = self._ranks or ((self._require_kv(), 0),)
-        owner: dict[int, int] = {}
-        for i, src in enumerate(sources):
-            for h in src.heads:
-                owner.setdefault(h, i)
-        per_head = self.layout.block_bytes // self.layout.num_kv_heads
-        direct: list[tuple[int, torch.Tensor]] = []
-        staged: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
-        for cache, start in targets:
-            stop = start + int(cache.shape[4])
-            same = [i for i, src in enumerate(sources) if src.heads == range(start, stop)]
-            if same:
-                direct.append((same[0], cache))
-                continue
-            h = start
-            while h < stop:  # split [start, stop) into runs of heads of one source
-                i, end = owner[h], h + 1
-                while end < stop and owner[end] == i:
-                    end += 1
-                src = sources[i]
-                staged.setdefault(i, []).append((cache, h - start, h - src.head_start, end - h))
-                h = end
-        moved, descriptors = 0, 0
-        for i, cache in direct:
-            runs = coalesce(remote.block_ids, local)
-            descriptors += len(runs)
-            self._do_read_into(remote, sources[i], runs, cache, timeout_s)
-            moved += len(local) * per_head * sources[i].num_heads
-        for i, copies in sorted(staged.items()):
-            src = sources[i]
-            src_bytes = per_head * src.num_heads
-            staging = self._staging_buffer(src_bytes)
-            chunk = len(staging) // src_bytes
-            shape = (*self.kv_cache.shape[1:4], src.num_heads, -1)
-            for c in range(0, len(local), chunk):
-                remote_ids = remote.block_ids[c : c + chunk]
-                runs = coalesce(remote_ids, range(len(remote_ids)))
-                descriptors += len(runs)
-                self._do_read_into(remote, src, runs, staging, timeout_s)
-                moved += len(remote_ids) * src_bytes
-                rows = staging[: len(remote_ids) * src_bytes].view(len(remote_ids), *shape)
-                # Runs of consecutive local blocks: one strided slice copy each.
-                local_runs = coalesce(range(len(remote_ids)), local[c : c + chunk])
-                for cache, dst_head, src_head, n in copies:
-                    dst = cache.view(torch.uint8)  # heads as bytes: dtype-agnostic
-                    for s0, d0, k in local_runs:
-                        dst[d0 : d0 + k, :, :, :, dst_head : dst_head + n].copy_(
-                            rows[s0 : s0 + k, :, :, :, src_head : src_head + n]
-                        )
-        self.last_num_descriptors = descriptors
-        if notif:
-            self._do_read(remote, [], notif, timeout_s)
-        return moved
-
     def _staging_buffer(self, block_bytes: int) -> torch.Tensor:
-        """The registered staging buffer: `STAGING_BYTES`, or one block if larger."""
-        size = max(STAGING_BYTES, block_bytes)
-        if self._staging is None or len(self._staging) < size:
-            staging = torch.empty(size, dtype=torch.uint8, device=self.kv_cache.device)
-            self._do_register_staging(staging)
-            self._staging = staging
+        """The registered staging buffer of head-split reads (`ranks.staging_buffer`)."""
+        self._staging = staging_buffer(
+            self._staging, block_bytes, self.kv_cache.device, self._do_register_staging
+        )
         return self._staging
 
     @abstractmethod
@@ -540,9 +416,7 @@ class KVTransport(ABC):
     # ---------------------------------------------------------------------- transport hooks
 
     @abstractmethod
-    def _do_register(
-        self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()
-    ) -> None:
+    def _do_register(self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()) -> None:
         """Make `kv_cache` (validated: contiguous, >= 1 non-empty block) readable by peers,
         and `others` (a tensor-parallel engine's other ranks' caches) too."""
 
@@ -588,24 +462,3 @@ class KVTransport(ABC):
         if self._kv is None:
             raise RuntimeError(f"transport {self.agent_name!r} has no KV cache; call register()")
         return self._kv
-
-
-def _ranks_layout(
-    kv_cache: torch.Tensor, ranks: tuple[tuple[torch.Tensor, int], ...], rank0: KVLayout
-) -> KVLayout:
-    """The layout of a tensor-parallel engine's whole KV: rank 0's, over every head."""
-    if ranks[0][0] is not kv_cache:
-        raise ValueError("ranks[0] must be the registered kv_cache (rank 0's)")
-    heads: set[int] = set()
-    for t, start in ranks:
-        if not t.is_contiguous() or t.dtype != kv_cache.dtype or t.device != kv_cache.device:
-            raise ValueError("every rank's cache must be contiguous, of one dtype and device")
-        if t.dim() != 6 or t.shape[:4] != kv_cache.shape[:4] or t.shape[5] != kv_cache.shape[5]:
-            raise ValueError(
-                f"rank caches differ in more than their heads: {tuple(t.shape)} vs "
-                f"{tuple(kv_cache.shape)}"
-            )
-        heads.update(range(start, start + int(t.shape[4])))
-    if heads != set(range(len(heads))):
-        raise ValueError(f"the ranks' KV heads {sorted(heads)} are not 0..N-1")
-    return dataclasses.replace(rank0, num_kv_heads=len(heads))

@@ -15,15 +15,14 @@ Memory on the two sides may differ: the remote descriptors of a read take the me
 device id from the handle's `KVLayout` (the owner's registered cache), the local ones from this
 agent's cache, so a DRAM reader can pull from a VRAM owner on any of its devices. What the bytes
 are (dtype, block geometry) must match; the base class refuses other handles before reading.
+
+This module holds `NixlTransport` and the UCX settings and polling rule it is tuned for; a CPU
+cache is put on huge pages at registration by `tandem.transfer.hugepages`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import logging
-import sys
 import threading
 import time
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 from tandem.transfer.base import KVTransport, RankKV, RemoteKV, TransferError
+from tandem.transfer.hugepages import advise_hugepages
 from tandem.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -72,79 +72,12 @@ def ucx_env_defaults(device: str) -> dict[str, str]:
 POLL_YIELD_S = 1e-3
 POLL_SLEEP_S = 2e-4
 _SCRATCH_BYTES = 64
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_MADV_COLLAPSE = 25  # Linux >= 6.1
 
 
 def poll_pause_s(elapsed_s: float) -> float:
     """Seconds to sleep before the next poll of a read that has run `elapsed_s` (0: only
     yield the GIL)."""
     return 0.0 if elapsed_s < POLL_YIELD_S else POLL_SLEEP_S
-
-
-def advise_hugepages(tensor: torch.Tensor) -> int:
-    """Best effort: move a CPU tensor's memory to transparent huge pages.
-
-    Why: between processes UCX moves DRAM with process_vm_readv, and the kernel pins the
-    *owner's* pages one by one; with 4 KiB pages that costs about a third of the bandwidth
-    (measured here: 8 -> 12 GB/s for 48 MiB, on par with an in-process copy). The 2 MiB-aligned
-    interior of the tensor is marked MADV_HUGEPAGE (pages faulted later are huge) and
-    MADV_COLLAPSE'd (pages already present are copied into huge pages now, keeping contents;
-    about 0.1-1 s per GiB).
-
-    Returns:
-        Bytes of the tensor's mappings on huge pages afterwards (from /proc/self/smaps);
-        0 off Linux, for non-CPU or small tensors, or when the kernel refuses (THP disabled,
-        old kernel, no free huge pages). Never raises.
-    """
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
-        return 0
-    addr = tensor.data_ptr()
-    nbytes = tensor.numel() * tensor.element_size()
-    lo = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
-    hi = (addr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-    if hi <= lo:
-        return 0
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        madvise.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        return 0
-    if madvise(lo, hi - lo, _MADV_HUGEPAGE) != 0:
-        return 0
-    for _ in range(3):
-        # EAGAIN (a page briefly busy) is common on a loaded machine; a retry only redoes the
-        # ranges that are still small pages.
-        if madvise(lo, hi - lo, _MADV_COLLAPSE) == 0:
-            break
-        err = ctypes.get_errno()
-        logger.debug("MADV_COLLAPSE failed: errno %d", err)
-        if err != errno.EAGAIN:
-            # Old kernel or no free huge pages: only pages faulted from now on are huge (and
-            # khugepaged may collapse the rest in the background).
-            break
-    return _huge_page_bytes(lo, hi)
-
-
-def _huge_page_bytes(lo: int, hi: int) -> int:
-    """AnonHugePages of this process's mappings that overlap [lo, hi)."""
-    total = 0
-    overlaps = False
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):
-                    start, end = (int(x, 16) for x in head.split("-"))
-                    overlaps = start < hi and end > lo
-                elif overlaps and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return 0
-    return min(total, hi - lo)
 
 
 class NixlTransport(KVTransport):
@@ -246,9 +179,7 @@ class NixlTransport(KVTransport):
 
     # ---------------------------------------------------------------------- transport hooks
 
-    def _do_register(
-        self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()
-    ) -> None:
+    def _do_register(self, kv_cache: torch.Tensor, others: tuple[torch.Tensor, ...] = ()) -> None:
         with self._lock:
             self._register_locked(kv_cache, others)
 

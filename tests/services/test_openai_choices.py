@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.router.openai_choices import derive_seed
+from services.router.openai.choices import derive_seed
 from services.up import Cluster
 from tandem.client import TandemClient
 from tandem.config import DEFAULT_BLOCK_SIZE

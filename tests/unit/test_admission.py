@@ -54,8 +54,8 @@ def test_the_router_counts_a_bursts_earlier_admissions_not_the_placement_snapsho
 
     config = RouterConfig(model_dir="m", decode_addresses=("d0:1",), max_queue_delay_s=10.0)
     placer = Placer(config, "m")
-    p0 = WorkerLoad("p0", "prefill", "p0:1", prefill_tokens_per_s=100.0)
-    d0 = WorkerLoad("d0", "decode", "d0:1")
+    p0 = WorkerLoad(worker_id="p0", role="prefill", address="p0:1", prefill_tokens_per_s=100.0)
+    d0 = WorkerLoad(worker_id="d0", role="decode", address="d0:1")
     # both placed before either ran
     snapshot = Placement(decode=d0, prefill=p0, kind=RouteKind.KV_AFFINITY, reason="test")
     first = RequestSpec("r1", tuple(range(600)))

@@ -1,5 +1,6 @@
-"""tandem.client retry: the pure delay and retry decisions, exactly; then the retry loop of
-both clients against a real gRPC server (a test double of the router) over a socket."""
+"""tandem.client retry: the pure policy (tandem.client_retry) and its bookkeeping, exactly, on
+a fake clock; then the retry loop of both clients against a real gRPC server (a test double
+of the router) over a socket."""
 
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ from tandem.client import (
     Retry,
     TandemClient,
     TandemError,
-    _apply,
-    _Attempts,
-    _error,
 )
+from tandem.client_convert import apply_response, status_error
+from tandem.client_retry import Attempts
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 
@@ -95,20 +95,130 @@ def test_retries_only_listed_codes_and_only_below_max_attempts() -> None:
 def test_attempts_draw_jitter_from_the_injected_source_and_pass_the_hint() -> None:
     draws = iter([0.0, 1.0])
     retry = Retry(initial_backoff_s=0.5, max_backoff_s=8.0, jitter=0.5, rng=lambda: next(draws))
-    attempts = _Attempts(retry, timeout_s=None)
+    attempts = Attempts(retry, timeout_s=None)
     full = TandemError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
     assert attempts.next_delay_s(full) == 0.25  # before attempt 2, u = 0
     assert attempts.next_delay_s(full) == 1.5  # before attempt 3, u = 1
     assert attempts.next_delay_s(full) is None  # max_attempts 3 reached
-    hinted = _Attempts(Retry(initial_backoff_s=0.5, jitter=0.0), timeout_s=None)
+    hinted = Attempts(Retry(initial_backoff_s=0.5, jitter=0.0), timeout_s=None)
     assert hinted.next_delay_s(TandemError(grpc.StatusCode.UNAVAILABLE, "x", 3.0)) == 3.0
 
 
 def test_no_retry_without_a_retry_config_or_past_the_deadline() -> None:
     down = TandemError(grpc.StatusCode.UNAVAILABLE, "down")
-    assert _Attempts(None, timeout_s=None).next_delay_s(down) is None
+    assert Attempts(None, timeout_s=None).next_delay_s(down) is None
     # A wait that would end after the call's timeout is not taken.
-    assert _Attempts(Retry(initial_backoff_s=1.0, jitter=0.0), 0.5).next_delay_s(down) is None
+    assert Attempts(Retry(initial_backoff_s=1.0, jitter=0.0), 0.5).next_delay_s(down) is None
+
+
+def _fails(code: grpc.StatusCode, retry_after_s: float | None = None) -> TandemError:
+    return TandemError(code, "failed", retry_after_s)
+
+
+def _no_draw() -> float:
+    raise AssertionError("the jitter was drawn for a call that is not retried")
+
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+# u = 0.5 is a jitter factor of exactly 1: the policy's waits are the bare backoff.
+STEADY = Retry(max_attempts=6, initial_backoff_s=0.125, max_backoff_s=1.0, rng=lambda: 0.5)
+
+
+def test_policy_retries_exactly_unavailable_and_resource_exhausted_by_default() -> None:
+    retried = {
+        code for code in grpc.StatusCode if STEADY.next_delay_s(1, _fails(code), None) is not None
+    }
+    assert retried == {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    only_aborted = Retry(codes=(grpc.StatusCode.ABORTED,), jitter=0.0)
+    assert only_aborted.next_delay_s(1, _fails(grpc.StatusCode.ABORTED), None) == 0.1
+    assert only_aborted.next_delay_s(1, _fails(UNAVAILABLE), None) is None
+
+
+def test_policy_backoff_sequence_until_attempts_run_out() -> None:
+    delays = [STEADY.next_delay_s(n, _fails(UNAVAILABLE), None) for n in range(1, 7)]
+    # Waits before attempts 2..6, doubling up to the cap; attempt 6 failing is the last.
+    assert delays == [0.125, 0.25, 0.5, 1.0, 1.0, None]
+
+
+def test_policy_server_hint_longer_than_the_backoff_wins_up_to_the_cap() -> None:
+    assert STEADY.next_delay_s(1, _fails(UNAVAILABLE, 0.75), None) == 0.75
+    assert STEADY.next_delay_s(3, _fails(UNAVAILABLE, 0.25), None) == 0.5
+    assert STEADY.next_delay_s(1, _fails(UNAVAILABLE, 30.0), None) == 1.0
+
+
+def test_policy_deadline_cut_off_is_a_wait_that_does_not_end_before_it() -> None:
+    down = _fails(UNAVAILABLE)
+    assert STEADY.next_delay_s(3, down, None) == 0.5  # no timeout
+    assert STEADY.next_delay_s(3, down, 0.75) == 0.5
+    assert STEADY.next_delay_s(3, down, 0.5) is None  # would end exactly at the deadline
+    assert STEADY.next_delay_s(3, down, 0.25) is None
+    assert STEADY.next_delay_s(3, down, 0.0) is None
+    # The wait cut off is the one the server's hint made longer.
+    assert STEADY.next_delay_s(1, _fails(UNAVAILABLE, 0.75), 0.5) is None
+
+
+def test_policy_never_retries_a_stream_that_delivered_a_chunk_nor_draws_for_it() -> None:
+    retry = Retry(max_attempts=6, rng=_no_draw)
+    assert retry.next_delay_s(1, _fails(UNAVAILABLE), None, delivered=True) is None
+    assert retry.next_delay_s(1, _fails(grpc.StatusCode.INTERNAL), None) is None
+    assert retry.next_delay_s(6, _fails(UNAVAILABLE), None) is None
+
+
+def test_policy_draws_the_jitter_once_per_retry_even_one_the_deadline_cuts() -> None:
+    draws: list[float] = []
+
+    def rng() -> float:
+        draws.append(1.0)
+        return 1.0
+
+    retry = Retry(initial_backoff_s=0.5, max_backoff_s=8.0, jitter=0.5, rng=rng)
+    assert retry.next_delay_s(1, _fails(UNAVAILABLE), None) == 0.75  # 0.5 * 1.5
+    assert retry.next_delay_s(1, _fails(UNAVAILABLE), 0.75) is None
+    assert draws == [1.0, 1.0]
+
+
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_attempts_count_and_cut_off_on_the_injected_clock() -> None:
+    clock = FakeClock(100.0)
+    attempts = Attempts(STEADY, timeout_s=1.0, clock=clock)
+    assert (attempts.number, attempts.deadline, attempts.timeout_s()) == (1, 101.0, 1.0)
+    clock.now = 100.25
+    assert attempts.timeout_s() == 0.75
+    assert attempts.next_delay_s(_fails(UNAVAILABLE)) == 0.125  # 0.75 s left
+    assert attempts.number == 2
+    clock.now = 100.5
+    assert attempts.next_delay_s(_fails(UNAVAILABLE)) == 0.25  # 0.5 s left
+    assert attempts.number == 3
+    clock.now = 100.75
+    assert attempts.next_delay_s(_fails(UNAVAILABLE)) is None  # 0.5 s wait, 0.25 s left
+    assert attempts.number == 3  # no attempt 4
+    clock.now = 102.0
+    assert attempts.timeout_s() == 0.0  # past the deadline: never negative
+
+
+def test_attempts_without_timeout_or_retry() -> None:
+    clock = FakeClock(5.0)
+    attempts = Attempts(STEADY, timeout_s=None, clock=clock)
+    assert (attempts.deadline, attempts.timeout_s()) == (None, None)
+    waits = [attempts.next_delay_s(_fails(UNAVAILABLE)) for _ in range(6)]
+    assert waits == [0.125, 0.25, 0.5, 1.0, 1.0, None]
+    assert attempts.number == 6
+    never = Attempts(None, timeout_s=1.0, clock=clock)
+    assert never.next_delay_s(_fails(UNAVAILABLE)) is None
+    assert (never.number, never.timeout_s()) == (1, 1.0)
+
+
+def test_attempts_pass_delivered_through() -> None:
+    attempts = Attempts(Retry(rng=_no_draw), timeout_s=None, clock=FakeClock(0.0))
+    assert attempts.next_delay_s(_fails(UNAVAILABLE), delivered=True) is None
+    assert attempts.number == 1
 
 
 def test_in_stream_error_carries_its_retry_after() -> None:
@@ -118,11 +228,11 @@ def test_in_stream_error_carries_its_retry_after() -> None:
         return rpb.GenerateResponse(request_id="r", error=e)
 
     with pytest.raises(TandemError) as err:
-        _apply(Result(), error(250))
+        apply_response(Result(), error(250))
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (err.value.message, err.value.retry_after_s) == ("full", 0.25)
     with pytest.raises(TandemError) as err:
-        _apply(Result(), error(0))
+        apply_response(Result(), error(0))
     assert err.value.retry_after_s is None
 
 
@@ -134,9 +244,9 @@ class FakeRpcError(grpc.aio.AioRpcError):
 def test_status_error_reads_the_trailer() -> None:
     code = grpc.StatusCode.UNAVAILABLE
     assert RETRY_AFTER_KEY == errors.RETRY_AFTER_KEY
-    assert _error(FakeRpcError(code, ((RETRY_AFTER_KEY, "1500"),))).retry_after_s == 1.5
-    assert _error(FakeRpcError(code, ((RETRY_AFTER_KEY, "soon"),))).retry_after_s is None
-    got = _error(FakeRpcError(code, ()))
+    assert status_error(FakeRpcError(code, ((RETRY_AFTER_KEY, "1500"),))).retry_after_s == 1.5
+    assert status_error(FakeRpcError(code, ((RETRY_AFTER_KEY, "soon"),))).retry_after_s is None
+    got = status_error(FakeRpcError(code, ()))
     assert (got.code, got.message, got.retry_after_s) == (code, "details", None)
 
 

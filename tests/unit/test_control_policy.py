@@ -53,7 +53,7 @@ def world(
     backlog = max(0.0, per_p - PREFILL_CAPACITY) * 10  # queue that built up over ~10 s
     for i in range(n_p):
         workers.append(
-            WorkerSample(t, f"p{i}", "prefill", busy_frac=busy_p,
+            WorkerSample(t=t, worker_id=f"p{i}", role="prefill", busy_frac=busy_p,
                          tokens_per_s=min(per_p, PREFILL_CAPACITY),
                          step_ms=50.0 if busy_p else 0.0, queued_prefill_tokens=int(backlog))
         )  # fmt: skip
@@ -63,7 +63,7 @@ def world(
         # Two workers see slightly different batches so the step model has a slope to fit.
         r = max(0, round(running + (1 if i % 2 else -1) * min(2, running / 4)))
         workers.append(
-            WorkerSample(t, f"d{i}", "decode", busy_frac=1.0 if r else 0.0,
+            WorkerSample(t=t, worker_id=f"d{i}", role="decode", busy_frac=1.0 if r else 0.0,
                          tokens_per_s=1000 * r / (STEP_A + STEP_B * r) if r else 0.0,
                          step_ms=STEP_A + STEP_B * r if r else 0.0, num_running=r,
                          num_blocks=KV_BLOCKS, num_free_blocks=KV_BLOCKS - 8 * r)
@@ -256,8 +256,8 @@ def test_pinned_ratio_is_held_within_bounds() -> None:
 
 def test_scale_down_waits_for_draining_workers() -> None:
     workers = [
-        WorkerSample(0.0, "p0", "prefill", busy_frac=0.0),
-        WorkerSample(0.0, "p1", "prefill", busy_frac=0.0, draining=True),
+        WorkerSample(t=0.0, worker_id="p0", role="prefill", busy_frac=0.0),
+        WorkerSample(t=0.0, worker_id="p1", role="prefill", busy_frac=0.0, draining=True),
     ]
     state = ControlState(prefill_capacity_tps=PREFILL_CAPACITY, low_since={"prefill": -1000.0})
     obs = Observation(100.0, {"prefill": 3, "decode": 1}, workers=workers, sla=SLA_)
@@ -291,8 +291,12 @@ def test_ttft_violation_adds_a_prefill_worker_even_when_the_model_is_content() -
 
 def test_measured_itl_above_the_model_shrinks_the_batch_capacity() -> None:
     workers = [
-        WorkerSample(0.0, "d0", "decode", busy_frac=1, step_ms=30.0, num_running=10),
-        WorkerSample(0.0, "d1", "decode", busy_frac=1, step_ms=50.0, num_running=20),
+        WorkerSample(
+            t=0.0, worker_id="d0", role="decode", busy_frac=1, step_ms=30.0, num_running=10
+        ),
+        WorkerSample(
+            t=0.0, worker_id="d1", role="decode", busy_frac=1, step_ms=50.0, num_running=20
+        ),
     ]
     fast = [RequestSample(0.0, 100.0, 40.0, 100, 50) for _ in range(10)]
     slow = [RequestSample(0.0, 100.0, 80.0, 100, 50) for _ in range(10)]
@@ -309,21 +313,23 @@ def test_measured_itl_above_the_model_shrinks_the_batch_capacity() -> None:
 
 def test_fits_on_plain_samples() -> None:
     samples = [
-        WorkerSample(0.0, "d0", "decode", step_ms=14.0, num_running=2),
-        WorkerSample(0.0, "d1", "decode", step_ms=26.0, num_running=8),
-        WorkerSample(1.0, "d0", "decode", step_ms=0.0, num_running=0),  # idle: ignored
+        WorkerSample(t=0.0, worker_id="d0", role="decode", step_ms=14.0, num_running=2),
+        WorkerSample(t=0.0, worker_id="d1", role="decode", step_ms=26.0, num_running=8),
+        WorkerSample(
+            t=1.0, worker_id="d0", role="decode", step_ms=0.0, num_running=0
+        ),  # idle: ignored
     ]
     assert fit_decode_step(samples) == (pytest.approx(10.0), pytest.approx(2.0))
     assert fit_decode_step(samples[:1]) == (0.0, 7.0)  # one batch size: no fixed cost assumed
     assert fit_decode_step(samples[2:]) is None
     noisy = [  # nearly equal batches whose steps imply a negative fixed cost
-        WorkerSample(0.0, "d0", "decode", step_ms=30.0, num_running=10),
-        WorkerSample(0.0, "d1", "decode", step_ms=40.0, num_running=11),
+        WorkerSample(t=0.0, worker_id="d0", role="decode", step_ms=30.0, num_running=10),
+        WorkerSample(t=0.0, worker_id="d1", role="decode", step_ms=40.0, num_running=11),
     ]
     assert fit_decode_step(noisy) == (0.0, pytest.approx(35.0 / 10.5))
     p = [
-        WorkerSample(0.0, "p0", "prefill", busy_frac=0.5, tokens_per_s=1000),
-        WorkerSample(0.0, "p1", "prefill", busy_frac=1.0, tokens_per_s=2000,
+        WorkerSample(t=0.0, worker_id="p0", role="prefill", busy_frac=0.5, tokens_per_s=1000),
+        WorkerSample(t=0.0, worker_id="p1", role="prefill", busy_frac=1.0, tokens_per_s=2000,
                      queued_prefill_tokens=4000),
     ]  # fmt: skip
     capacity, demand, busy = fit_prefill(p, SLA_)
@@ -372,10 +378,11 @@ def contended(
     meet the SLA. `ready` prefill workers serve (default: all asked for)."""
     n = replicas["prefill"] if ready is None else ready
     workers = [
-        WorkerSample(t, f"p{i}", "prefill", busy_frac=1.0, tokens_per_s=2000.0 / n,
-                     queued_prefill_tokens=6000 // n)
+        WorkerSample(t=t, worker_id=f"p{i}", role="prefill", busy_frac=1.0,
+                     tokens_per_s=2000.0 / n, queued_prefill_tokens=6000 // n)
         for i in range(n)
-    ] + [WorkerSample(t, "d0", "decode", busy_frac=0.2, step_ms=12.0, num_running=1)]  # fmt: skip
+    ] + [WorkerSample(t=t, worker_id="d0", role="decode", busy_frac=0.2, step_ms=12.0,
+                      num_running=1)]  # fmt: skip
     requests = [
         RequestSample(t, 500.0 if i < num_met else 3000.0, 12.0, 1000, 16) for i in range(10)
     ]

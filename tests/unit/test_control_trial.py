@@ -43,11 +43,11 @@ def test_goodput_counts_the_covered_part_of_the_span() -> None:
 
 def test_work_rate_sums_a_roles_live_workers_per_tick() -> None:
     workers = [
-        WorkerSample(5.0, "p0", "prefill", tokens_per_s=1000.0),
-        WorkerSample(5.0, "p1", "prefill", tokens_per_s=500.0),
-        WorkerSample(10.0, "p0", "prefill", tokens_per_s=2000.0),
-        WorkerSample(10.0, "p2", "prefill", tokens_per_s=900.0, draining=True),
-        WorkerSample(10.0, "d0", "decode", tokens_per_s=7.0),
+        WorkerSample(t=5.0, worker_id="p0", role="prefill", tokens_per_s=1000.0),
+        WorkerSample(t=5.0, worker_id="p1", role="prefill", tokens_per_s=500.0),
+        WorkerSample(t=10.0, worker_id="p0", role="prefill", tokens_per_s=2000.0),
+        WorkerSample(t=10.0, worker_id="p2", role="prefill", tokens_per_s=900.0, draining=True),
+        WorkerSample(t=10.0, worker_id="d0", role="decode", tokens_per_s=7.0),
     ]
     assert work_rate(workers, "prefill", 10.0, 10.0, None) == (1500.0 + 2000.0) / 2
     assert work_rate(workers, "prefill", 10.0, 10.0, 5.0) == 2000.0
@@ -132,7 +132,10 @@ def test_a_trial_waits_for_its_workers_then_judges_goodput() -> None:
 def test_a_scale_up_that_did_not_raise_goodput_is_undone() -> None:
     serving = Trial(100.0, 2, 4, Goodput(10, 20, 20.0), 3000.0, serving_since=110.0)
     reqs = [late(131.0 + i * 0.1) for i in range(10)] + [met(131.0 + i * 0.1) for i in range(8)]
-    workers = [WorkerSample(130.0, f"p{i}", "prefill", tokens_per_s=800.0) for i in range(4)]
+    workers = [
+        WorkerSample(t=130.0, worker_id=f"p{i}", role="prefill", tokens_per_s=800.0)
+        for i in range(4)
+    ]
     verdict = judge("prefill", serving, 140.0, 4, reqs, workers, SLA_, CONFIG)
     assert verdict == Verdict(
         False,

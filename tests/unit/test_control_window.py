@@ -8,7 +8,7 @@ from tandem.control import RequestSample, SampleWindow, WorkerSample
 
 
 def w(t: float, worker_id: str = "d0") -> WorkerSample:
-    return WorkerSample(t, worker_id, "decode")
+    return WorkerSample(t=t, worker_id=worker_id, role="decode")
 
 
 def times(window: SampleWindow[WorkerSample]) -> list[float]:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services.common.worker.engine_loop import EngineLoop, is_device_error, output_batches
-from tandem.engine.engine import EngineStats, RequestOutput
+from tandem.engine.engine import RequestOutput
+from tandem.load import Load
 
 
 class IdleEngine:
@@ -26,8 +27,8 @@ class IdleEngine:
     def has_unfinished(self) -> bool:
         return False
 
-    def stats(self) -> EngineStats:
-        return EngineStats(0, 0, 0, 0, 0, 0)
+    def stats(self) -> Load:
+        return Load()
 
 
 def _run_with_loop(body: Any) -> Any:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tandem.routing import InflightLoad, Placement, RouteKind, WorkerLoad, prefix_key
 
-P = WorkerLoad("p0", "prefill", "a:1", queued_prefill_tokens=5)
-D = WorkerLoad("d0", "decode", "a:2", num_running=1)
+P = WorkerLoad(worker_id="p0", role="prefill", address="a:1", queued_prefill_tokens=5)
+D = WorkerLoad(worker_id="d0", role="decode", address="a:2", num_running=1)
 
 
 def test_disaggregated_request_counts_until_token_1_then_until_the_end() -> None:
@@ -48,7 +48,10 @@ def test_with_inflight_keeps_the_reported_load() -> None:
     load.dispatch(Placement(D, P, RouteKind.KV_AFFINITY, "kv"), 7)
     seen = load.with_inflight(D)
     assert (seen.num_running, seen.inflight_requests, seen.decode_load) == (1, 1, 1)
-    assert load.with_inflight(WorkerLoad("d9", "decode", "x")).inflight_requests == 0
+    assert (
+        load.with_inflight(WorkerLoad(worker_id="d9", role="decode", address="x")).inflight_requests
+        == 0
+    )
 
 
 def test_prefix_key_is_the_hash_of_block_affinity_blocks_or_the_last_full_block() -> None:

@@ -215,8 +215,8 @@ def test_prefix_hashes_differ_by_kv_format() -> None:
 
 def load(worker_id: str, role: str, fmt: str, **kw: int) -> WorkerLoad:
     return WorkerLoad(
-        worker_id, role, f"{worker_id}:1", num_blocks=1000, num_free_blocks=1000,
-        kv_format=fmt, **kw,
+        worker_id=worker_id, role=role, address=f"{worker_id}:1", num_blocks=1000,
+        num_free_blocks=1000, kv_format=fmt, **kw,
     )  # fmt: skip
 
 
@@ -252,12 +252,16 @@ def test_placement_says_why_no_prefill_worker_is_compatible() -> None:
 
 
 def test_the_registry_record_advertises_the_kv_format() -> None:
-    info = WorkerInfo("d0", "decode", "h:1", "m", 1, kv_format=FMT_A)
+    info = WorkerInfo(
+        worker_id="d0", role="decode", address="h:1", model="m", epoch=1, kv_format=FMT_A
+    )
     assert WorkerInfo.from_json(info.to_json()) == info
     assert info.load().kv_format == FMT_A
-    assert WorkerInfo("d0", "decode", "h:1", "m", 1).kv_format == ""  # an older worker
+    assert (
+        WorkerInfo(worker_id="d0", role="decode", address="h:1", model="m", epoch=1).kv_format == ""
+    )  # an older worker
     with pytest.raises(ValueError, match="kv_format"):
-        WorkerInfo("d0", "decode", "h:1", "m", 1, kv_format=3)  # type: ignore[arg-type]
+        WorkerInfo(worker_id="d0", role="decode", address="h:1", model="m", epoch=1, kv_format=3)  # type: ignore[arg-type]
 
 
 # -- CPU attention ---------------------------------------------------------------------------

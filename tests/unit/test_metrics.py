@@ -24,13 +24,19 @@ from services.common.observe.metrics import (
     stop_metrics_server,
 )
 from services.common.rpc.errors import ServiceError
-from tandem.engine.engine import EngineStats
 from tandem.engine.sampling import SamplingParams
+from tandem.load import Load
 from tandem.routing import Placement, RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose
 
 
 def w(worker_id: str, role: str) -> WorkerLoad:
-    return WorkerLoad(worker_id, role, f"{worker_id}:1", num_blocks=1000, num_free_blocks=1000)
+    return WorkerLoad(
+        worker_id=worker_id,
+        role=role,
+        address=f"{worker_id}:1",
+        num_blocks=1000,
+        num_free_blocks=1000,
+    )
 
 
 BOTH = [w("p0", "prefill"), w("d0", "decode")]
@@ -263,7 +269,9 @@ def test_every_listed_name_is_in_the_exposition() -> None:
 
 
 def test_engine_gauges_are_read_when_scraped() -> None:
-    stats = [EngineStats(3, 2, 0, 0, num_blocks=100, num_free_blocks=40, num_preemptions=7)]
+    stats = [
+        Load(num_running=3, num_waiting=2, num_blocks=100, num_free_blocks=40, num_preemptions=7)
+    ]
     m = WorkerMetrics("decode", lambda: stats[0])
     r = m.registry
     assert sample(r, "tandem_worker_requests_running", role="decode") == 3
@@ -271,7 +279,7 @@ def test_engine_gauges_are_read_when_scraped() -> None:
     assert sample(r, "tandem_worker_kv_blocks_used", role="decode") == 60
     assert sample(r, "tandem_worker_kv_blocks_capacity", role="decode") == 100
     assert sample(r, "tandem_worker_preemptions_total", role="decode") == 7
-    stats[0] = EngineStats(0, 0, 0, 0, num_blocks=100, num_free_blocks=100, num_preemptions=9)
+    stats[0] = Load(num_blocks=100, num_free_blocks=100, num_preemptions=9)
     assert sample(r, "tandem_worker_kv_blocks_used", role="decode") == 0
     assert sample(r, "tandem_worker_preemptions_total", role="decode") == 9
 

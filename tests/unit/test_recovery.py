@@ -19,7 +19,7 @@ from tandem.routing.recovery import (
 
 
 def w(worker_id: str, role: str, **kw: int | bool) -> WorkerLoad:
-    return WorkerLoad(worker_id, role, f"{worker_id}:1", **kw)  # type: ignore[arg-type]
+    return WorkerLoad(worker_id=worker_id, role=role, address=f"{worker_id}:1", **kw)  # type: ignore[arg-type]
 
 
 FLEET = [
@@ -56,13 +56,21 @@ def test_budget_is_spent_exactly_at_max_recoveries():
     f = Failure(Fault.DECODE_FAILED, "d0", recoveries=2, failed=frozenset({"d0"}))
     r = plan_recovery(f, FLEET, cfg)
     assert r.action is Action.FAIL and "gave up after 2" in r.reason
-    assert plan_recovery(Failure(Fault.PREFILL_FAILED, "d0"), FLEET, RecoveryConfig(0)).action \
+    assert (
+        plan_recovery(Failure(Fault.PREFILL_FAILED, "d0"), FLEET, RecoveryConfig(0)).action
         is Action.FAIL
+    )
 
 
 def test_prefill_failure_reprefills_on_least_queued_healthy_prefill_same_decode():
-    f = Failure(Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0"}),
-                num_uncached_tokens=500, min_reprefill_tokens=64)
+    f = Failure(
+        Fault.PREFILL_FAILED,
+        "d1",
+        "p0",
+        failed=frozenset({"p0"}),
+        num_uncached_tokens=500,
+        min_reprefill_tokens=64,
+    )
     r = plan_recovery(f, FLEET, CFG)
     assert r.action is Action.REPREFILL
     assert r.prefill is not None and r.prefill.worker_id == "p1"  # p2 drains, p0 failed
@@ -71,16 +79,16 @@ def test_prefill_failure_reprefills_on_least_queued_healthy_prefill_same_decode(
 
 
 def test_kv_pull_failure_reprefills_elsewhere_when_the_owner_is_excluded():
-    f = Failure(Fault.KV_PULL_FAILED, "d0", "p1", failed=frozenset({"p1"}),
-                num_uncached_tokens=100)
+    f = Failure(Fault.KV_PULL_FAILED, "d0", "p1", failed=frozenset({"p1"}), num_uncached_tokens=100)
     r = plan_recovery(f, FLEET, CFG)
     assert r.action is Action.REPREFILL and r.prefill is not None
     assert r.prefill.worker_id == "p0"
 
 
 def test_prefill_failure_recomputes_without_another_prefill_worker():
-    f = Failure(Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0", "p1"}),
-                num_uncached_tokens=500)
+    f = Failure(
+        Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0", "p1"}), num_uncached_tokens=500
+    )
     r = plan_recovery(f, FLEET, CFG)
     assert r.action is Action.RECOMPUTE
     assert r.decode is not None and r.decode.worker_id == "d0"
@@ -88,24 +96,36 @@ def test_prefill_failure_recomputes_without_another_prefill_worker():
 
 
 def test_short_prompt_recomputes_rather_than_another_handoff():
-    f = Failure(Fault.KV_PULL_FAILED, "d0", "p0", failed=frozenset({"p0"}),
-                num_uncached_tokens=63, min_reprefill_tokens=64)
+    f = Failure(
+        Fault.KV_PULL_FAILED,
+        "d0",
+        "p0",
+        failed=frozenset({"p0"}),
+        num_uncached_tokens=63,
+        min_reprefill_tokens=64,
+    )
     assert plan_recovery(f, FLEET, CFG).action is Action.RECOMPUTE
-    f = Failure(Fault.KV_PULL_FAILED, "d0", "p0", failed=frozenset({"p0"}),
-                num_uncached_tokens=64, min_reprefill_tokens=64)
+    f = Failure(
+        Fault.KV_PULL_FAILED,
+        "d0",
+        "p0",
+        failed=frozenset({"p0"}),
+        num_uncached_tokens=64,
+        min_reprefill_tokens=64,
+    )
     assert plan_recovery(f, FLEET, CFG).action is Action.REPREFILL
 
 
 def test_reprefill_off_recomputes():
-    f = Failure(Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0"}),
-                num_uncached_tokens=500)
+    f = Failure(Fault.PREFILL_FAILED, "d0", "p0", failed=frozenset({"p0"}), num_uncached_tokens=500)
     r = plan_recovery(f, FLEET, RecoveryConfig(reprefill=False))
     assert r.action is Action.RECOMPUTE
 
 
 def test_prefill_failure_with_an_unhealthy_decode_worker_moves_the_request():
-    f = Failure(Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0", "d1"}),
-                num_uncached_tokens=500)
+    f = Failure(
+        Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0", "d1"}), num_uncached_tokens=500
+    )
     r = plan_recovery(f, FLEET, CFG)
     assert r.action is Action.MIGRATE
     assert r.decode is not None and r.decode.worker_id == "d2"

@@ -7,7 +7,9 @@ from services.decode.roster import PrefillRoster
 
 
 def info(worker_id: str, epoch: int, role: str = "prefill", address: str = "") -> WorkerInfo:
-    return WorkerInfo(worker_id, role, address or f"h:{worker_id}", "m", epoch)
+    return WorkerInfo(
+        worker_id=worker_id, role=role, address=address or f"h:{worker_id}", model="m", epoch=epoch
+    )
 
 
 class Clock:

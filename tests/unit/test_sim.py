@@ -322,7 +322,7 @@ def test_decode_workers_for_follows_littles_law() -> None:
     model = (10.0, 2.0)  # step_ms = 10 + 2 * batch
     # 120 sequences on 4 workers: 30 each, 70 ms steps, 1714 tokens/s in all.
     rate = 4 * 1e3 * 30 / 70
-    tick = [WorkerSample(0.0, f"d{i}", "decode", num_running=30) for i in range(4)]
+    tick = [WorkerSample(t=0.0, worker_id=f"d{i}", role="decode", num_running=30) for i in range(4)]
     assert decode_token_rate([tick], model) == pytest.approx(rate)
     # 3 workers cannot generate that at any batch size (each tops out at 500 tokens/s).
     assert decode_workers_for(rate, model, max_batch=1000) == 4
@@ -333,7 +333,7 @@ def test_decode_workers_for_follows_littles_law() -> None:
 
 
 def test_prefill_backlog_horizon_and_new_config_fields() -> None:
-    w = WorkerSample(0.0, "p0", "prefill", busy_frac=1.0, tokens_per_s=1000,
+    w = WorkerSample(t=0.0, worker_id="p0", role="prefill", busy_frac=1.0, tokens_per_s=1000,
                      queued_prefill_tokens=20_000)  # fmt: skip
     sla = SLA(ttft_p90_ms=1000.0, itl_p90_ms=25.0)
     assert fit_prefill([w], sla)[1] == pytest.approx(1000 + 20_000 / 1.0)

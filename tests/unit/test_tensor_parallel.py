@@ -438,7 +438,8 @@ def _alive(pid: int) -> bool:
 def worker(worker_id: str, role: str, tp: int = 1, **kw: Any) -> WorkerLoad:
     kw.setdefault("kv_format", "float32")
     return WorkerLoad(
-        worker_id, Role(role), f"{worker_id}:1", num_blocks=100, num_free_blocks=100,
+        worker_id=worker_id, role=Role(role), address=f"{worker_id}:1", num_blocks=100,
+        num_free_blocks=100,
         tensor_parallel_size=tp, **kw,
     )  # fmt: skip
 
@@ -498,15 +499,37 @@ def test_placement_says_why_a_tensor_parallel_worker_is_not_paired() -> None:
 
 
 def test_the_registry_record_advertises_the_tensor_parallel_size() -> None:
-    info = WorkerInfo("d0", "decode", "h:1", "m", 1, tensor_parallel_size=2)
+    info = WorkerInfo(
+        worker_id="d0", role="decode", address="h:1", model="m", epoch=1, tensor_parallel_size=2
+    )
     assert WorkerInfo.from_json(info.to_json()) == info
     assert info.load().tensor_parallel_size == 2 and not info.load().kv_handoff
-    mapped = WorkerInfo("d0", "decode", "h:1", "m", 1, tensor_parallel_size=2, kv_handoff=True)
+    mapped = WorkerInfo(
+        worker_id="d0",
+        role="decode",
+        address="h:1",
+        model="m",
+        epoch=1,
+        tensor_parallel_size=2,
+        kv_handoff=True,
+    )
     assert WorkerInfo.from_json(mapped.to_json()).load().kv_handoff
-    assert WorkerInfo("d0", "decode", "h:1", "m", 1).tensor_parallel_size == 1  # older workers
+    assert (
+        WorkerInfo(
+            worker_id="d0", role="decode", address="h:1", model="m", epoch=1
+        ).tensor_parallel_size
+        == 1
+    )  # older workers
     for bad in (0, True, "2"):
         with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1"):
-            WorkerInfo("d0", "decode", "h:1", "m", 1, tensor_parallel_size=bad)  # type: ignore[arg-type]
+            WorkerInfo(
+                worker_id="d0",
+                role="decode",
+                address="h:1",
+                model="m",
+                epoch=1,
+                tensor_parallel_size=bad,
+            )  # type: ignore[arg-type]
 
 
 # -- the loader's peak memory per rank ------------------------------------------------------

@@ -201,9 +201,16 @@ def test_engine_phases_split_at_the_last_step(exporter: InMemorySpanExporter) ->
 def test_route_candidates_score_what_choose_weighs() -> None:
     config = RoutingConfig(cache_weight=2.0, disagg_min_uncached_tokens=8)
     workers = [
-        WorkerLoad("p1", "prefill", "a:1", queued_prefill_tokens=10),
-        WorkerLoad("d1", "decode", "a:3", num_running=2, num_free_blocks=50, num_blocks=64),
-        WorkerLoad("p0", "prefill", "a:0", queued_prefill_tokens=0),
+        WorkerLoad(worker_id="p1", role="prefill", address="a:1", queued_prefill_tokens=10),
+        WorkerLoad(
+            worker_id="d1",
+            role="decode",
+            address="a:3",
+            num_running=2,
+            num_free_blocks=50,
+            num_blocks=64,
+        ),
+        WorkerLoad(worker_id="p0", role="prefill", address="a:0", queued_prefill_tokens=0),
     ]
     request = RouteRequest(num_prompt_tokens=100, block_size=16, overlap={"p1": 4})
     placement = choose(request, workers, config)
@@ -223,7 +230,10 @@ def test_route_candidates_score_what_choose_weighs() -> None:
 
 def test_annotate_route(exporter: InMemorySpanExporter) -> None:
     config = RoutingConfig()
-    workers = [WorkerLoad("d1", "decode", "a:3"), WorkerLoad("p0", "prefill", "a:0")]
+    workers = [
+        WorkerLoad(worker_id="d1", role="decode", address="a:3"),
+        WorkerLoad(worker_id="p0", role="prefill", address="a:0"),
+    ]
     request = RouteRequest(num_prompt_tokens=500, block_size=16)
     placement = choose(request, workers, config)
     span = tracing.start_span("tandem.route")
@@ -243,7 +253,10 @@ def test_annotate_route_without_a_placement_lists_what_was_weighed(
     exporter: InMemorySpanExporter,
 ) -> None:
     config = RoutingConfig()
-    workers = [WorkerLoad("d1", "decode", "a:3", draining=True), WorkerLoad("p0", "prefill", "a:0")]
+    workers = [
+        WorkerLoad(worker_id="d1", role="decode", address="a:3", draining=True),
+        WorkerLoad(worker_id="p0", role="prefill", address="a:0"),
+    ]
     request = RouteRequest(num_prompt_tokens=500, block_size=16)
     assert choose(request, workers, config) is None  # the only decode worker drains
     span = tracing.start_span("tandem.route")

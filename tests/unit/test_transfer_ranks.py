@@ -95,9 +95,9 @@ def test_every_head_lands_in_the_ranks_that_hold_it(
 
 def test_staging_reads_in_chunks_of_whole_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """A staging buffer smaller than the read: several reads, the same result."""
-    import tandem.transfer.base as base
+    import tandem.transfer.ranks as ranks
 
-    monkeypatch.setattr(base, "STAGING_BYTES", 1)  # one block per read
+    monkeypatch.setattr(ranks, "STAGING_BYTES", 1)  # one block per read
     test_every_head_lands_in_the_ranks_that_hold_it(4, 2, 1, torch.float32)
 
 

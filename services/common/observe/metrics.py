@@ -1,4 +1,4 @@
-"""Prometheus metrics of the router and the workers: every metric object in one place.
+"""Prometheus metrics of the router and the workers: every metric object they maintain.
 
 Names, labels and units are a contract with the Grafana dashboard and `tandem ctl top`
 (`metric_names` lists them). Conventions: prefix `tandem_`, base units (`_seconds`,
@@ -9,7 +9,8 @@ ids). Each process keeps its metrics on a `CollectorRegistry` of its own, served
 Cost on the hot path: one `observe()` per streamed chunk (the router's inter-token latency,
 `observe_many`), one per engine step (the workers' step time), and a check of the requests
 not yet scheduled after each step (queue time, prefix-cache tokens). Gauges of engine state
-(running, waiting, KV blocks) are read when scraped, not maintained.
+(running, waiting, KV blocks) are read when scraped, not maintained: those collectors live in
+services.common.observe.collectors.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from http.server import HTTPServer
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import Metric
 
+from services.common.observe.collectors import EngineGauges, ExpertRouting
 from services.common.rpc.errors import ServiceError
 from services.common.worker.kv_pull import Pulled
 from tandem.routing import Placement, RouteKind
 from tandem.types import KVOutcome, Role
 
 if TYPE_CHECKING:
-    from tandem.engine.engine import EngineStats, LLMEngine
+    from tandem.engine.engine import LLMEngine
+    from tandem.load import Load
 
 log = logging.getLogger(__name__)
 
@@ -281,67 +283,6 @@ class RouterMetrics:
                 self.workers.labels(role, state).set(counts.get((role, state), 0))
 
 
-class _EngineGauges(Collector):
-    """Running, waiting and KV-block gauges, and the preemptions counter, read from the
-    engine when scraped (a racy read from outside the engine thread, as the heartbeat's: fine
-    for load figures)."""
-
-    def __init__(self, role: str, stats: Callable[[], EngineStats] | None) -> None:
-        self.role = role
-        self.stats = stats
-        self._last: EngineStats | None = None
-
-    def collect(self) -> Iterable[Metric]:
-        s = self._last
-        if self.stats is not None:
-            try:
-                s = self._last = self.stats()
-            except RuntimeError:  # a queue changed size under the read: last figures
-                pass
-        values = {
-            "tandem_worker_requests_running": ("Requests in the engine's batch.",
-                                               s.num_running if s else 0),
-            "tandem_worker_requests_waiting": ("Requests waiting for the engine (or for KV).",
-                                               s.num_waiting if s else 0),
-            "tandem_worker_kv_blocks_used": ("KV cache blocks in use.",
-                                             s.num_blocks - s.num_free_blocks if s else 0),
-            "tandem_worker_kv_blocks_capacity": ("KV cache blocks.", s.num_blocks if s else 0),
-        }  # fmt: skip
-        for name, (doc, value) in values.items():
-            family = GaugeMetricFamily(name, doc, labels=["role"])
-            family.add_metric([self.role], value)
-            yield family
-        preemptions = CounterMetricFamily(
-            "tandem_worker_preemptions",
-            "Requests preempted since start: their KV blocks freed for others', the tokens "
-            "recomputed when the request is scheduled again.",
-            labels=["role"],
-        )
-        preemptions.add_metric([self.role], s.num_preemptions if s else 0)
-        yield preemptions
-
-
-class _ExpertRouting(Collector):
-    """Tokens routed per (layer, expert), read from the model when scraped."""
-
-    def __init__(
-        self, role: str, layers: tuple[int, ...], counts: Callable[[], list[list[int]]]
-    ) -> None:
-        self.role, self.layers, self.counts = role, layers, counts
-
-    def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "tandem_worker_moe_routed_tokens",
-            "Tokens routed to each expert of each sparse layer (a token counts once per "
-            "expert it is routed to).",
-            labels=["role", "layer", "expert"],
-        )
-        for layer, row in zip(self.layers, self.counts(), strict=True):
-            for expert, n in enumerate(row):
-                family.add_metric([self.role, str(layer), str(expert)], n)
-        yield family
-
-
 class WorkerMetrics:
     """A prefill or decode worker's metrics. `stats` reads the engine's load (scrape time).
 
@@ -349,14 +290,14 @@ class WorkerMetrics:
     schedules it: `admitted(request_id)` (any thread) before it is added, `after_step` (the
     engine thread) after every step."""
 
-    def __init__(self, role: str, stats: Callable[[], EngineStats] | None = None,
+    def __init__(self, role: str, stats: Callable[[], Load] | None = None,
                  registry: CollectorRegistry | None = None) -> None:  # fmt: skip
         if role not in tuple(Role):
             raise ValueError(f"role must be one of {tuple(map(str, Role))}, got {role!r}")
         self.role = role = Role(role)
         self.registry = r = registry or CollectorRegistry(auto_describe=True)
         build_info(r, role)
-        r.register(_EngineGauges(role, stats))
+        r.register(EngineGauges(role, stats))
         self.step = Histogram(
             "tandem_worker_step_seconds", "Engine step time (schedule, forward, sample).",
             ["role"], buckets=STEP_BUCKETS, registry=r,
@@ -429,7 +370,7 @@ class WorkerMetrics:
         experts model routed to each expert of each sparse layer (`layers`), read from the
         model at scrape time (`counts()`: one row per layer). The labels are bounded by the
         model's shape: sparse layers x experts series (48 x 128 for Qwen3-30B-A3B)."""
-        self.registry.register(_ExpertRouting(self.role, layers, counts))
+        self.registry.register(ExpertRouting(self.role, layers, counts))
 
     def admitted(self, request_id: str) -> None:
         """`request_id` is about to be added to the engine (any thread)."""

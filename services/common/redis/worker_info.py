@@ -9,32 +9,18 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.load import Load, check_load, load_fields
 from tandem.routing import WorkerLoad
 from tandem.types import Role
 
 KEY_PREFIX = "tandem:worker:"
 
-_INT_FIELDS = (
-    "epoch",
-    "num_blocks",
-    "num_free_blocks",
-    "num_running",
-    "num_waiting",
-    "queued_prefill_tokens",
-)
-_COUNT_FIELDS = _INT_FIELDS[1:]  # everything but epoch is a count and cannot be negative
-_RATE_FIELDS = ("busy_frac", "tokens_per_s", "step_ms", "prefill_tokens_per_s")
 
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """What one worker advertises: identity, address, and load at `updated_at`.
-
-    `busy_frac`, `tokens_per_s` and `step_ms` are the engine's rolling load over the last few
-    seconds (fraction of time in steps, tokens computed per second, mean step time); the
-    ratio controller fits its throughput model from them. `prefill_tokens_per_s` is the
-    prompt tokens per second of step time the worker last measured (kept while idle): the
-    router's admission estimate (`tandem.routing.admission`) divides queued tokens by it.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerInfo(Load):
+    """What one worker advertises: identity, address, and its `Load` at `updated_at` (the
+    ratio controller fits its throughput model from the rates, the router places and admits
+    by the counts and the prefill rate).
 
     `epoch` identifies the incarnation (e.g. start time in ns): a worker that restarts under the
     same `worker_id` gets a new epoch, and watchers report it as a departure plus a join since
@@ -50,15 +36,6 @@ class WorkerInfo:
     address: str
     model: str
     epoch: int
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    queued_prefill_tokens: int = 0
-    busy_frac: float = 0.0
-    tokens_per_s: float = 0.0
-    step_ms: float = 0.0
-    prefill_tokens_per_s: float = 0.0
     draining: bool = False
     updated_at: float = 0.0
     # The KV cache's format (tandem.quant.kv.kv_format: dtype, and an fp8 cache's
@@ -81,18 +58,10 @@ class WorkerInfo:
             names = tuple(map(str, Role))
             raise ValueError(f"WorkerInfo.role must be one of {names}, got {self.role!r}")
         object.__setattr__(self, "role", Role(self.role))
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            # bool is an int subclass; `True` blocks is a bug, not a count.
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"WorkerInfo.{name} must be an int, got {value!r}")
-        for name in _COUNT_FIELDS:
-            if getattr(self, name) < 0:
-                raise ValueError(f"WorkerInfo.{name} must be >= 0, got {getattr(self, name)}")
-        for name in _RATE_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"WorkerInfo.{name} must be a number >= 0, got {value!r}")
+        # bool is an int subclass; `True` as an epoch is a bug.
+        if not isinstance(self.epoch, int) or isinstance(self.epoch, bool):
+            raise ValueError(f"WorkerInfo.epoch must be an int, got {self.epoch!r}")
+        check_load(self, "WorkerInfo")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"WorkerInfo.tensor_parallel_size must be an int >= 1, got {tp!r}")
@@ -114,16 +83,11 @@ class WorkerInfo:
         """This worker as the placement policy sees it (before a router adds its own
         in-flight requests)."""
         return WorkerLoad(
+            **load_fields(self),
             worker_id=self.worker_id,
             role=Role(self.role),
             address=self.address,
-            queued_prefill_tokens=self.queued_prefill_tokens,
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            num_free_blocks=self.num_free_blocks,
-            num_blocks=self.num_blocks,
             draining=self.draining,
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
             kv_format=self.kv_format,
             tensor_parallel_size=self.tensor_parallel_size,
             kv_handoff=self.kv_handoff,

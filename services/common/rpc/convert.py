@@ -259,7 +259,9 @@ def progress_from_proto(msg: wpb.Progress) -> HopProgress:
     return HopProgress(msg.queue_position, msg.computed_tokens, msg.engine_steps)
 
 
-def worker_stats_to_proto(info: WorkerInfo, num_pinned_requests: int) -> wpb.WorkerStats:
+def worker_stats_to_proto(info: WorkerInfo) -> wpb.WorkerStats:
+    """A worker's record and its load on the wire (the worker's own counters, aborts and
+    reaps, are the caller's to add)."""
     return wpb.WorkerStats(
         worker_id=info.worker_id,
         role=info.role,
@@ -268,7 +270,8 @@ def worker_stats_to_proto(info: WorkerInfo, num_pinned_requests: int) -> wpb.Wor
         queued_prefill_tokens=info.queued_prefill_tokens,
         num_blocks=info.num_blocks,
         num_free_blocks=info.num_free_blocks,
-        num_pinned_requests=num_pinned_requests,
+        num_pinned_requests=info.num_handed_off,
+        num_preemptions=info.num_preemptions,
         epoch=info.epoch,
     )
 

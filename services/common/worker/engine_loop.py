@@ -28,8 +28,9 @@ import torch
 
 from services.common.observe.metrics import WorkerMetrics
 from tandem.engine.device import use_device
-from tandem.engine.engine import EngineStats, LLMEngine, RequestOutput
+from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.footprint import StateSize
+from tandem.load import Load
 from tandem.routing.stall import HopProgress
 from tandem.types import FinishReason
 
@@ -164,7 +165,7 @@ class EngineLoop:
         self.meter = StepMeter()
         # Published by the engine thread after every turn, read anywhere without waiting for
         # a step: load figures (GetStats, heartbeats) and queue positions (progress).
-        self.snapshot: EngineStats = engine.stats()
+        self.snapshot: Load = engine.stats()
         self._positions: dict[str, int] = {}
 
     def footprint(self) -> dict[str, StateSize]:

@@ -42,12 +42,13 @@ from services.common.worker.config import WorkerConfig
 from services.common.worker.engine_loop import EngineLoop, OutputQueue
 from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineRole
-from tandem.engine.engine import WARMUP_REQUEST_ID, EngineStats, LLMEngine
+from tandem.engine.engine import WARMUP_REQUEST_ID, LLMEngine
 from tandem.engine.footprint import StateSize, engine_footprint
 from tandem.engine.orphans import OrphanTracker, RecentIds
 from tandem.engine.request import RequestSpec, Resume
 from tandem.gpus import check_device
 from tandem.index import IndexUnavailable
+from tandem.load import Load, load_fields
 from tandem.transfer import KVTransport, make_transport
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
@@ -124,7 +125,7 @@ class Worker:
         self.num_reaped_blocks = 0
         self.num_audit_violations = 0
 
-    def _published_stats(self) -> EngineStats:
+    def _published_stats(self) -> Load:
         runner = getattr(self, "loop_runner", None)  # None until start(), unset in __init__
         return runner.snapshot if runner is not None else self.engine.stats()
 
@@ -136,28 +137,27 @@ class Worker:
     def add_servicers(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
 
-    def info(self, s: EngineStats | None = None) -> WorkerInfo:
+    def info(self, s: Load | None = None) -> WorkerInfo:
         """This worker's registry record. Without `s`, the engine's counters as its thread
-        last published them (never waits for a step)."""
+        last published them (never waits for a step); the meter adds the rates."""
         runner = self.loop_runner
         s = s or self._published_stats()
         busy, tps, step_ms = runner.meter.read() if runner else (0, 0, 0)
         prefill_rate = runner.meter.prefill_tokens_per_s() if runner else 0.0
+        load = dataclasses.replace(
+            s,
+            busy_frac=round(busy, 4),
+            tokens_per_s=round(tps, 1),
+            step_ms=round(step_ms, 2),
+            prefill_tokens_per_s=round(prefill_rate, 1),
+        )
         return WorkerInfo(
+            **load_fields(load),
             worker_id=self.worker_id,
             role=self.role.value,
             address=self.address,
             model=self.engine.model_id,
             epoch=self.epoch,
-            num_blocks=s.num_blocks,
-            num_free_blocks=s.num_free_blocks,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            busy_frac=round(busy, 4),
-            tokens_per_s=round(tps, 1),
-            step_ms=round(step_ms, 2),
-            prefill_tokens_per_s=round(prefill_rate, 1),
             draining=self.draining,
             kv_format=self.engine.kv_format,
             tensor_parallel_size=self.engine.config.tensor_parallel_size,
@@ -280,12 +280,10 @@ class Worker:
         self, request: wpb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerStats:
         # What the engine thread last published: consistent counters, no wait for a step.
-        s = self.loop.snapshot
-        stats = convert.worker_stats_to_proto(self.info(s), s.num_handed_off)
+        stats = convert.worker_stats_to_proto(self.info(self.loop.snapshot))
         stats.num_aborts = self.num_aborts
         stats.num_reaped_blocks = self.num_reaped_blocks
         stats.num_audit_violations = self.num_audit_violations
-        stats.num_preemptions = s.num_preemptions
         return stats
 
     @rpc
