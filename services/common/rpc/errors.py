@@ -7,12 +7,12 @@ status and message. Messages name the field and the values so a user can act on 
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+
+from services.common.rpc.wrap import around
 
 # The pushback trailer (milliseconds to wait before a retry) and its reader live in the
 # client, which must not import services.
@@ -108,28 +108,9 @@ async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> NoRet
 def rpc(method: F) -> F:
     """Servicer method decorator: a `ServiceError` raised inside ends the call with its
     status. Works for unary handlers and for streaming (async generator) handlers."""
-    if inspect.isasyncgenfunction(method):
+    return around(method, catch=(ServiceError,), on_error=_abort_with)  # type: ignore[return-value]
 
-        @functools.wraps(method)
-        async def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            messages = method(self, request, context)
-            try:
-                async for message in messages:
-                    yield message
-            except ServiceError as err:
-                await abort(context, err)
-            finally:
-                await messages.aclose()  # a cancelled call runs the handler's cleanup now
 
-        return stream  # type: ignore[return-value]
-
-    unary_method: Callable[..., Awaitable[Any]] = method
-
-    @functools.wraps(method)
-    async def unary(self: Any, request: Any, context: Any) -> Any:
-        try:
-            return await unary_method(self, request, context)
-        except ServiceError as err:
-            await abort(context, err)
-
-    return unary  # type: ignore[return-value]
+async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    assert isinstance(exc, ServiceError)
+    await abort(context, exc)

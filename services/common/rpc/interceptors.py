@@ -19,13 +19,14 @@ iterates its request iterator (not when it calls `context.read()` itself).
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
+
+from services.common.rpc.wrap import around, handler_kind, is_async, replace_behavior
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +55,27 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 def guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     """`handler` with a deserializer that does not raise and a behaviour that ends the call
     with INVALID_ARGUMENT (request that did not decode) or INTERNAL (unexpected error)."""
-    kind = ("stream" if handler.request_streaming else "unary") + (
-        "_stream" if handler.response_streaming else "_unary"
-    )
-    behavior = getattr(handler, kind)
-    if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+    behavior = getattr(handler, handler_kind(handler))
+    if not is_async(behavior):
         return handler
+    streaming = handler.request_streaming
+
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if streaming:
+            return _checked(request, context)
+        await _reject(request, context)
+        return request
+
+    async def internal(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+        await _internal(context, method, exc)
+
+    guarded = replace_behavior(
+        handler, lambda b: around(b, before=check, catch=(Exception,), on_error=internal)
+    )
     deserializer = handler.request_deserializer
-    changes: dict[str, Any] = {kind: _wrap(behavior, handler.request_streaming, method)}
-    if deserializer is not None:
-        changes["request_deserializer"] = _decoder(deserializer, method)
-    return handler._replace(**changes)
+    if deserializer is None:
+        return guarded
+    return guarded._replace(request_deserializer=_decoder(deserializer, method))
 
 
 def _decoder(deserializer: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
@@ -113,43 +124,3 @@ async def _internal(context: grpc.aio.ServicerContext, method: str, exc: Excepti
         grpc.StatusCode.INTERNAL, f"internal error in {method}; the server log has the details"
     )
     raise AssertionError("unreachable: context.abort raises")
-
-
-def _wrap(behavior: Callable[..., Any], request_streaming: bool, method: str) -> Any:
-    """An async behaviour of the same kind (coroutine or async generator) as `behavior`.
-
-    grpc.aio.BaseError (AbortError after context.abort, and gRPC's own signals) and
-    cancellation pass through untouched."""
-    if inspect.isasyncgenfunction(behavior):
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if request_streaming:
-                request = _checked(request, context)
-            else:
-                await _reject(request, context)
-            messages = behavior(request, context)
-            try:
-                async for message in messages:
-                    yield message
-            except grpc.aio.BaseError:
-                raise
-            except Exception as exc:
-                await _internal(context, method, exc)
-            finally:
-                await messages.aclose()  # a cancelled call runs the handler's cleanup now
-
-        return stream
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if request_streaming:
-            request = _checked(request, context)
-        else:
-            await _reject(request, context)
-        try:
-            return await behavior(request, context)
-        except grpc.aio.BaseError:
-            raise
-        except Exception as exc:
-            await _internal(context, method, exc)
-
-    return unary

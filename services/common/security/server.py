@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextvars
 import hmac
-import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from services.common.rpc.wrap import around, handler_kind, is_async, replace_behavior
 from services.common.security.config import (
     AUTHORIZATION_METADATA,
     CLUSTER_KEY_METADATA,
@@ -201,30 +201,13 @@ def _has_client_certificate(context: grpc.aio.ServicerContext) -> bool:
 def _guard(handler: grpc.RpcMethodHandler, method: str, admit: Admit) -> grpc.RpcMethodHandler:
     """`handler` whose behaviour first runs `admit` (which aborts the call or returns the
     principal the handler sees through current_principal())."""
-    kind = ("stream" if handler.request_streaming else "unary") + (
-        "_stream" if handler.response_streaming else "_unary"
-    )
-    behavior = getattr(handler, kind)
-    if inspect.isasyncgenfunction(behavior):
+    if is_async(getattr(handler, handler_kind(handler))):
 
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def admitted(request: Any, context: grpc.aio.ServicerContext) -> Any:
             _principal.set(await admit(context))
-            messages = behavior(request, context)
-            try:
-                async for message in messages:
-                    yield message
-            finally:
-                await messages.aclose()  # a cancelled call runs the handler's cleanup now
+            return request
 
-        return handler._replace(**{kind: stream})
-
-    if inspect.iscoroutinefunction(behavior):
-
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            _principal.set(await admit(context))
-            return await behavior(request, context)
-
-        return handler._replace(**{kind: unary})
+        return replace_behavior(handler, lambda behavior: around(behavior, before=admitted))
 
     # A sync handler cannot await the check: refuse rather than let it through unchecked.
     log.error("%s has a sync handler; AuthInterceptor refuses its calls", method)
@@ -234,4 +217,4 @@ def _guard(handler: grpc.RpcMethodHandler, method: str, admit: Admit) -> grpc.Rp
             grpc.StatusCode.INTERNAL, f"{method} cannot be authenticated (sync handler)"
         )
 
-    return handler._replace(**{kind: refuse})
+    return replace_behavior(handler, lambda _: refuse)
