@@ -100,11 +100,8 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
         t_start = time.perf_counter()
         spec, stream = self.admit(request, context)
         rid = spec.request_id
-        span = tracing.start_span("tandem.prefill", tracing.remote_parent(context))
-        span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
-        self.num_active_rpcs += 1
-        handed_off = False
-        try:
+        with self.serving("tandem.prefill", spec, context) as call:
+            span = call.span
             await self.add_request(spec)
             wait_s = self.config.progress_interval_s
             while isinstance(out := await next_output(stream, wait_s), Quiet):
@@ -125,9 +122,10 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             span.set_attribute("tandem.cached_tokens", out.num_cached_tokens)
             resp = convert.prefill_response_to_proto(rid, out)
             if out.handed_off and rid not in self._aborted:
-                # The engine pinned the blocks at hand-off; the lease bounds how long.
+                # The engine pinned the blocks at hand-off; the lease bounds how long, and
+                # frees them (not this call's exit).
                 lease = self.leases.grant(rid)
-                handed_off = True
+                call.keep_request = True
                 if span.is_recording():
                     self._lease_spans[rid] = tracing.start_lease(
                         span, lease.lease_id, self.config.lease_ttl_s
@@ -145,17 +143,6 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
             elif out.handed_off:  # aborted while the hand-off was on its way here
                 raise aborted(rid)
             yield wpb.PrefillEvent(result=resp)
-        except BaseException as exc:
-            tracing.fail(span, exc)
-            raise
-        finally:
-            span.end()
-            self.num_active_rpcs -= 1
-            self.loop.close_stream(rid)
-            self._aborted.discard(rid)  # its abort, if any, has been seen
-            if not handed_off:
-                # Cancelled, failed or finished at token 1: nothing may stay pinned.
-                self.loop.abort(rid)
 
     def _sign(self, spec: RequestSpec, handoff: KVHandoff) -> KVHandoff:
         """`handoff` signed for `spec` (unchanged without a cluster secret). The hashes are

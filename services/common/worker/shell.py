@@ -68,6 +68,14 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
+@dataclasses.dataclass(slots=True)
+class RpcCall:
+    """A Prefill or Decode call in progress (`Worker.serving`)."""
+
+    span: tracing.Span
+    keep_request: bool = False  # on exit, leave the request in the engine (a lease holds it)
+
+
 class Worker:
     """Base of PrefillServer and DecodeServer: owns engine loop, transport, server, heartbeat."""
 
@@ -362,7 +370,7 @@ class Worker:
     ) -> tuple[RequestSpec, OutputQueue]:
         """Accept a new request as the core's `RequestSpec`, with the queue its outputs will
         arrive on. Synchronous, so the checks and the stream's registration are atomic on
-        the event loop. The caller counts the request in `num_active_rpcs` at once and
+        the event loop. The caller serves it inside `serving` at once, which counts it and
         closes the stream when done.
 
         Raises:
@@ -399,6 +407,34 @@ class Worker:
                 f"request_id {spec.request_id!r} is already running on {self.worker_id}"
             ) from None
         return spec, stream
+
+    @contextlib.contextmanager
+    def serving(
+        self, span_name: str, spec: RequestSpec, context: grpc.aio.ServicerContext
+    ) -> Iterator[RpcCall]:
+        """One Prefill or Decode call's life on this worker, after `admit`: its span (a child
+        of the caller's trace), counted in `num_active_rpcs` while it runs, and on exit,
+        however it ends (finished, failed, cancelled): the span failed on an exception and
+        ended, the output stream closed, the request's abort (if any) forgotten, and the
+        request aborted in the engine so nothing it holds stays, unless the call set
+        `keep_request` (a prefill handed off under a lease, which the lease frees)."""
+        span = tracing.start_span(span_name, tracing.remote_parent(context))
+        span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
+        call = RpcCall(span)
+        rid = spec.request_id
+        self.num_active_rpcs += 1
+        try:
+            yield call
+        except BaseException as exc:
+            tracing.fail(span, exc)
+            raise
+        finally:
+            span.end()
+            self.num_active_rpcs -= 1
+            self.loop.close_stream(rid)
+            self._aborted.discard(rid)  # its abort, if any, has been seen
+            if not call.keep_request:
+                self.loop.abort(rid)
 
     async def add_request(self, spec: RequestSpec, resume: Resume | None = None) -> None:
         """Queue `spec` on the engine. Raises ServiceError(INVALID_ARGUMENT) when the engine
