@@ -128,7 +128,7 @@ def matmul(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [n, in] times a `pack`ed matrix, plus `bias` ([out]) if given: [n, out]. A
-    QuantizedWeight not packed (`quant_linear.pack_quantized`) is dequantized per call."""
+    QuantizedWeight not packed (`tandem.quant.linear.pack_quantized`) is dequantized per call."""
     if isinstance(w, QuantLinear):
         return quant_matmul(x, w, bias)
     if isinstance(w, QuantizedWeight):

@@ -314,7 +314,7 @@ def load_weights(
     int4's. `shard`: a tensor-parallel rank's part only (tandem.parallel.sharding), read as
     slices of the stored tensors: no rank ever holds the whole model. A quantized
     checkpoint's layers and a kept GGUF's blocks are sliced the same way, in their own
-    packing (`quant_checkpoints.stored_slices`, `gguf_quant.quantized_slice`): each rank
+    packing (`checkpoint.stored_slices`, `quant.gguf.quantized_slice`): each rank
     holds exactly its rows or columns of what one rank would hold. `reduce_max`: the
     group's elementwise-maximum collective, with which a rank quantizing (or taking a Q8_0
     GGUF's) columns of a row-parallel matrix takes the whole rows' int8 / fp8 scales.
@@ -323,7 +323,7 @@ def load_weights(
         FileNotFoundError: a weight file is missing.
         ValueError: a corrupt file, a missing or misshapen tensor; a tensor-parallel
             rank's input columns that split a quantization group of a layer kept quantized
-            (Megatron's split of o or down: `quant_checkpoints.convert_slice`).
+            (Megatron's split of o or down: `checkpoint.convert_slice`).
     """
     t0 = time.perf_counter()
     files = safetensors_files(model_dir)
@@ -350,7 +350,7 @@ def load_weights(
         slices = tensor_slices(config, shard)
         vocab_rows = vocab_per_rank(config, shard.size)
     # A tensor-parallel rank reads its part of a quantized layer as parts of the stored
-    # tensors (quant_checkpoints.stored_slices), or of a kept GGUF's blocks.
+    # tensors (checkpoint.stored_slices), or of a kept GGUF's blocks.
     read_slices = dict(slices)
     if quant:
         read_slices.update(stored_slices(quant, quantized, slices))
