@@ -82,11 +82,60 @@ def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {key}"),) if key else None
 
 
-class TandemClient:
-    """Blocking client. One channel; safe to share between threads.
+class _Attempt:
+    """One attempt of a call, as a context manager: a failure inside (a gRPC error, or an
+    in-stream error the call ends with) is kept in `error` rather than raised; `delivered`
+    says whether a chunk reached the caller; the call, if given, is cancelled on exit however
+    the attempt ends (a no-op once the call ended; frees it when the caller stops
+    iterating)."""
 
-    `timeout_s` bounds each call (with `retry`, all its attempts together); `retry` (default
-    None: no retry) retries failed calls as the module docstring describes."""
+    def __init__(self, call: Any = None) -> None:
+        self.call = call
+        self.error: TandemError | None = None
+        self.delivered = False
+
+    def __enter__(self) -> _Attempt:
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
+        if self.call is not None:
+            self.call.cancel()
+        if isinstance(exc, grpc.RpcError):
+            self.error = status_error(exc)
+        elif isinstance(exc, TandemError):
+            self.error = exc
+        return self.error is not None
+
+    def deliver(self, chunk: Chunk | None) -> tuple[Chunk, ...]:
+        """What of a response reaches the caller: its chunk, if it has one."""
+        if chunk is None:
+            return ()
+        self.delivered = True
+        return (chunk,)
+
+
+def _wait_s(attempts: Attempts, attempt: _Attempt) -> float:
+    """How long to wait before the next attempt after `attempt` failed; raises its error
+    when there is none (`Retry.next_delay_s`)."""
+    assert attempt.error is not None
+    delay = attempts.next_delay_s(attempt.error, delivered=attempt.delivered)
+    if delay is None:
+        raise attempt.error
+    return delay
+
+
+def _not_found(attempt: _Attempt) -> bool:
+    """An Abort that failed: False when the router has no such request (not running, or
+    not this key's tenant's); raises any other error."""
+    assert attempt.error is not None
+    if attempt.error.code == grpc.StatusCode.NOT_FOUND:
+        return False
+    raise attempt.error
+
+
+class _Client:
+    """What both clients hold: a channel to the router (`_open`: sync or grpc.aio), its stub,
+    the timeout, the retry policy and the API key's metadata."""
 
     def __init__(
         self,
@@ -97,14 +146,26 @@ class TandemClient:
         api_key: str | None = None,
         tls: bool | str = False,
     ) -> None:
-        creds = _channel_credentials(tls)
-        self.channel = (
-            grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
-        )
+        self.channel = self._open(address, _channel_credentials(tls))
         self.stub = rgrpc.RouterStub(self.channel)
         self.timeout_s = timeout_s
         self.retry = retry
         self.metadata = _auth_metadata(api_key)
+
+    @staticmethod
+    def _open(address: str, creds: grpc.ChannelCredentials | None) -> Any:
+        raise NotImplementedError
+
+
+class TandemClient(_Client):
+    """Blocking client. One channel; safe to share between threads.
+
+    `timeout_s` bounds each call (with `retry`, all its attempts together); `retry` (default
+    None: no retry) retries failed calls as the module docstring describes."""
+
+    @staticmethod
+    def _open(address: str, creds: grpc.ChannelCredentials | None) -> grpc.Channel:
+        return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
 
     def __enter__(self) -> TandemClient:
         return self
@@ -122,37 +183,19 @@ class TandemClient:
     def _stream(self, req: rpb.GenerateRequest, result: Result) -> Iterator[Chunk]:
         attempts = Attempts(self.retry, self.timeout_s)
         while True:
-            delivered = False
             call = self.stub.Generate(req, timeout=attempts.timeout_s(), metadata=self.metadata)
-            try:
+            with _Attempt(call) as attempt:
                 for msg in call:
-                    chunk = apply_response(result, msg)
-                    if chunk is not None:
-                        delivered = True
-                        yield chunk
+                    yield from attempt.deliver(apply_response(result, msg))
                 return
-            except grpc.RpcError as exc:
-                error = status_error(exc)
-            except TandemError as exc:  # an in-stream error; the call ends with it
-                error = exc
-            finally:
-                call.cancel()  # no-op once the call ended; frees it when the caller stops
-            delay = attempts.next_delay_s(error, delivered=delivered)
-            if delay is None:
-                raise error
-            time.sleep(delay)
+            time.sleep(_wait_s(attempts, attempt))
 
     def _unary(self, method: Callable[..., T], request: Any) -> T:
         attempts = Attempts(self.retry, self.timeout_s)
         while True:
-            try:
+            with _Attempt() as attempt:
                 return method(request, timeout=attempts.timeout_s(), metadata=self.metadata)
-            except grpc.RpcError as exc:
-                error = status_error(exc)
-            delay = attempts.next_delay_s(error)
-            if delay is None:
-                raise error
-            time.sleep(delay)
+            time.sleep(_wait_s(attempts, attempt))
 
     def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Result:
         result = Result()
@@ -170,41 +213,23 @@ class TandemClient:
     def abort(self, request_id: str) -> bool:
         """Abort a running request of this key's tenant; False when none has this id. Not
         retried."""
-        try:
-            resp = self.stub.Abort(
-                rpb.AbortRequest(request_id=request_id),
-                timeout=self.timeout_s,
-                metadata=self.metadata,
-            )
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # not running (or not ours)
-                return False
-            raise status_error(exc) from None
-        return bool(resp.found)
+        request = rpb.AbortRequest(request_id=request_id)
+        with _Attempt() as attempt:
+            resp = self.stub.Abort(request, timeout=self.timeout_s, metadata=self.metadata)
+            return bool(resp.found)
+        return _not_found(attempt)
 
 
-class AsyncTandemClient:
+class AsyncTandemClient(_Client):
     """asyncio client (grpc.aio). Create and use it inside a running event loop.
 
     `timeout_s` and `retry` as for `TandemClient`."""
 
-    def __init__(
-        self,
-        address: str,
-        timeout_s: float | None = None,
-        retry: Retry | None = None,
-        *,
-        api_key: str | None = None,
-        tls: bool | str = False,
-    ) -> None:
-        creds = _channel_credentials(tls)
-        self.channel = (
-            grpc.aio.secure_channel(address, creds) if creds else grpc.aio.insecure_channel(address)
-        )
-        self.stub = rgrpc.RouterStub(self.channel)
-        self.timeout_s = timeout_s
-        self.retry = retry
-        self.metadata = _auth_metadata(api_key)
+    @staticmethod
+    def _open(address: str, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+        if creds is None:
+            return grpc.aio.insecure_channel(address)
+        return grpc.aio.secure_channel(address, creds)
 
     async def __aenter__(self) -> AsyncTandemClient:
         return self
@@ -227,37 +252,20 @@ class AsyncTandemClient:
         req = build_request(prompt, **kwargs)
         attempts = Attempts(self.retry, self.timeout_s)
         while True:
-            delivered = False
             call = self.stub.Generate(req, timeout=attempts.timeout_s(), metadata=self.metadata)
-            try:
+            with _Attempt(call) as attempt:
                 async for msg in call:
-                    chunk = apply_response(result, msg)
-                    if chunk is not None:
-                        delivered = True
+                    for chunk in attempt.deliver(apply_response(result, msg)):
                         yield chunk
                 return
-            except grpc.RpcError as exc:
-                error = status_error(exc)
-            except TandemError as exc:  # an in-stream error; the call ends with it
-                error = exc
-            finally:
-                call.cancel()  # no-op once the call ended; frees it when the caller stops
-            delay = attempts.next_delay_s(error, delivered=delivered)
-            if delay is None:
-                raise error
-            await asyncio.sleep(delay)
+            await asyncio.sleep(_wait_s(attempts, attempt))
 
     async def _unary(self, method: Callable[..., Awaitable[T]], request: Any) -> T:
         attempts = Attempts(self.retry, self.timeout_s)
         while True:
-            try:
+            with _Attempt() as attempt:
                 return await method(request, timeout=attempts.timeout_s(), metadata=self.metadata)
-            except grpc.RpcError as exc:
-                error = status_error(exc)
-            delay = attempts.next_delay_s(error)
-            if delay is None:
-                raise error
-            await asyncio.sleep(delay)
+            await asyncio.sleep(_wait_s(attempts, attempt))
 
     async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Result:
         result = Result()
@@ -272,14 +280,8 @@ class AsyncTandemClient:
     async def abort(self, request_id: str) -> bool:
         """Abort a running request of this key's tenant; False when none has this id. Not
         retried."""
-        try:
-            resp = await self.stub.Abort(
-                rpb.AbortRequest(request_id=request_id),
-                timeout=self.timeout_s,
-                metadata=self.metadata,
-            )
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # not running (or not ours)
-                return False
-            raise status_error(exc) from None
-        return bool(resp.found)
+        request = rpb.AbortRequest(request_id=request_id)
+        with _Attempt() as attempt:
+            resp = await self.stub.Abort(request, timeout=self.timeout_s, metadata=self.metadata)
+            return bool(resp.found)
+        return _not_found(attempt)

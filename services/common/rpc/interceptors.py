@@ -20,13 +20,19 @@ iterates its request iterator (not when it calls `context.read()` itself).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
 
-from services.common.rpc.wrap import around, handler_kind, is_async, replace_behavior
+from services.common.rpc.wrap import (
+    HandlerInterceptor,
+    around,
+    handler_kind,
+    is_async,
+    replace_behavior,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +44,11 @@ class Malformed:
     message: str
 
 
-class StatusInterceptor(grpc.aio.ServerInterceptor):
+class StatusInterceptor(HandlerInterceptor):
     """Wraps each method handler: see the module docstring."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
-            return None
-        return guard(handler, handler_call_details.method)
+    def wrap_handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return guard(handler, method)
 
 
 def guard(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:

@@ -1,6 +1,7 @@
 """One way to put code around an async gRPC behaviour, for the three places that do: the
 status interceptor (tandem's statuses for bad bytes and unexpected errors), the auth
-interceptor (admit, then run) and the `rpc` decorator (a `ServiceError` ends the call).
+interceptor (admit, then run) and the `rpc` decorator (a `ServiceError` ends the call). The
+two interceptors are `HandlerInterceptor`s: each rewrites a known method's handler.
 
 A behaviour is a coroutine function or an async generator function (a streaming response);
 `around` returns one of the same kind, taking the same arguments (`(request, context)`, or
@@ -25,6 +26,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+
+
+class HandlerInterceptor(grpc.aio.ServerInterceptor):
+    """A server interceptor that rewrites the handler of each known method
+    (`wrap_handler`); an unknown method keeps gRPC's own answer, UNIMPLEMENTED."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self.wrap_handler(handler, handler_call_details.method)
+
+    def wrap_handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
 
 Before = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 OnError = Callable[[grpc.aio.ServicerContext, Exception], Awaitable[Any]]

@@ -11,7 +11,13 @@ from typing import Any
 
 import grpc
 
-from services.common.rpc.wrap import around, handler_kind, is_async, replace_behavior
+from services.common.rpc.wrap import (
+    HandlerInterceptor,
+    around,
+    handler_kind,
+    is_async,
+    replace_behavior,
+)
 from services.common.security.config import (
     AUTHORIZATION_METADATA,
     CLUSTER_KEY_METADATA,
@@ -65,7 +71,7 @@ def current_principal() -> Principal | None:
 Admit = Callable[[Any], Awaitable[Principal | None]]
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(HandlerInterceptor):
     """Checks each call against its method's rule before the handler runs.
 
     Args:
@@ -103,15 +109,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         service = method.lstrip("/").rpartition("/")[0]
         return self._rules.get(service, self._default)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: gRPC answers UNIMPLEMENTED
-            return None
-        method = handler_call_details.method
+    def wrap_handler(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         rule = self.rule(method)
         if isinstance(rule, Open):
             return handler
