@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from services.router.openai import answers
 from services.router.openai import choices as choices
 from services.router.openai import protocol as oai
 from tandem.v1 import router_pb2 as rpb
@@ -103,7 +104,7 @@ def test_usage_counts_each_prompt_once_and_every_completion() -> None:
 
 def test_answers_carry_their_choice_index_and_echo() -> None:
     parsed = oai.parse_completion({"prompt": "p", "n": 2, "echo": True}, "m", 10)
-    answer = oai.Answer("cmpl-1", "m", False, parsed, str, 5, index=1, echo="p")
+    answer = answers.Answer("cmpl-1", "m", False, parsed, str, 5, index=1, echo="p")
     assert answer.echo_chunk()["choices"] == [
         {"index": 1, "text": "p", "logprobs": None, "finish_reason": None}
     ]

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
+from services.router.openai import answers
 from services.router.openai import protocol as oai
 from tandem.v1 import router_pb2 as rpb
 
@@ -280,8 +281,8 @@ def test_pushback_becomes_retry_after_headers() -> None:
 TEXTS = {1: "He", 2: "llo", 3: "!", 9: "lo"}
 
 
-def answer(parsed: oai.ParsedRequest, chat_: bool) -> oai.Answer:
-    return oai.Answer("id-1", MODEL, chat_, parsed, TEXTS.__getitem__, created=123)
+def answer(parsed: oai.ParsedRequest, chat_: bool) -> answers.Answer:
+    return answers.Answer("id-1", MODEL, chat_, parsed, TEXTS.__getitem__, created=123)
 
 
 def chunk(ids: list[int], text: str, with_logprobs: bool = False) -> rpb.Chunk:
@@ -368,13 +369,13 @@ def test_completion_logprobs_offsets_run_across_chunks() -> None:
 
 
 def test_finish_reasons() -> None:
-    assert oai.finish_reason(rpb.FINISH_REASON_STOP) == "stop"
-    assert oai.finish_reason(rpb.FINISH_REASON_LENGTH) == "length"
-    assert oai.finish_reason(rpb.FINISH_REASON_ABORT) == "abort"
+    assert answers.finish_reason(rpb.FINISH_REASON_STOP) == "stop"
+    assert answers.finish_reason(rpb.FINISH_REASON_LENGTH) == "length"
+    assert answers.finish_reason(rpb.FINISH_REASON_ABORT) == "abort"
 
 
 def test_models_list() -> None:
-    assert oai.models("m", 2048, 5) == {
+    assert answers.models("m", 2048, 5) == {
         "object": "list",
         "data": [
             {

@@ -12,6 +12,7 @@ import pytest
 
 from services.common.rpc.convert_tools import ChatTools, tools_from_proto, tools_to_proto
 from services.router.grpc_tools import CompleteCalls
+from services.router.openai import answers
 from services.router.openai import protocol as oai
 from services.router.openai import responses as openai_responses
 from services.router.openai.responses_tools import ToolReply
@@ -24,10 +25,10 @@ USER = [{"role": "user", "content": "weather?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
 
 
-def answer(**body: Any) -> oai.Answer:
+def answer(**body: Any) -> answers.Answer:
     parsed = oai.parse_chat({"messages": USER, "tools": TOOLS, **body}, "m", 64)
     parsed = replace(parsed, tool_format=FORMATS["hermes"])
-    return oai.Answer("chatcmpl-1", "m", True, parsed, lambda token_id: "")
+    return answers.Answer("chatcmpl-1", "m", True, parsed, lambda token_id: "")
 
 
 def complete(reason: rpb.FinishReason = rpb.FINISH_REASON_STOP) -> rpb.Complete:

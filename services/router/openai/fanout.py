@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from services.common.rpc.errors import ServiceError
+from services.router.openai import answers
 from services.router.openai import choices as choices
 from services.router.openai import protocol as oai
 from services.router.openai.sse import EventStream, error_response, sse, unless_disconnected
@@ -33,7 +34,7 @@ class Lane:
     """One choice's router call and the answer it builds."""
 
     plan: choices.ChoicePlan
-    answer: oai.Answer
+    answer: answers.Answer
     messages: Messages
     read: list[rpb.GenerateResponse] = field(default_factory=list)  # not yet answered
 
@@ -59,7 +60,7 @@ async def respond(
     parsed: oai.ParsedRequest,
     answer_id: str,
     start: Callable[[rpb.GenerateRequest], Messages],
-    make_answer: Callable[[choices.ChoicePlan], oai.Answer],
+    make_answer: Callable[[choices.ChoicePlan], answers.Answer],
 ) -> Response:
     """The HTTP answer of a request with several choices; the client leaving (499) or an
     error closes every choice's call."""
@@ -85,7 +86,7 @@ async def respond(
 async def open_lanes(
     plans: Sequence[choices.ChoicePlan],
     start: Callable[[rpb.GenerateRequest], Messages],
-    make_answer: Callable[[choices.ChoicePlan], oai.Answer],
+    make_answer: Callable[[choices.ChoicePlan], answers.Answer],
 ) -> Lanes | oai.ApiError:
     """Start every choice and wait for each one's first message; the first refusal instead,
     with every call closed. A prompt's first sequence goes first, and its siblings once it
@@ -127,14 +128,14 @@ async def open_lanes(
 async def whole(lanes: Lanes) -> JSON | oai.ApiError:
     """The whole answer: every choice collected, their usage merged."""
     results = await asyncio.gather(*(_collect(lane) for lane in lanes.lanes))
-    answers: list[tuple[JSON, rpb.Complete]] = []
+    collected: list[tuple[JSON, rpb.Complete]] = []
     for result in results:
         if isinstance(result, oai.ApiError):
             return result
-        answers.append(result)
-    merged = answers[0][0]
-    merged["choices"] = [answer["choices"][0] for answer, _ in answers]
-    merged["usage"] = oai.usage(_usage(lanes, [complete for _, complete in answers]))
+        collected.append(result)
+    merged = collected[0][0]
+    merged["choices"] = [answer["choices"][0] for answer, _ in collected]
+    merged["usage"] = answers.usage(_usage(lanes, [complete for _, complete in collected]))
     return merged
 
 

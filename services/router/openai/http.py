@@ -3,8 +3,9 @@
 POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. A request goes
 through RouterServer.generate exactly as a gRPC Generate does: the same admission, limits,
 placement, recovery, metrics and tenants (API keys from the same KeyRing, in
-`Authorization: Bearer`). The rules (bodies, answers, error objects) are pure code in
-services.router.openai.protocol; this module does the I/O:
+`Authorization: Bearer`). The rules (bodies, error objects) are pure code in
+services.router.openai.protocol, the answers in services.router.openai.answers; this module
+does the I/O:
 
 - errors before the first token are HTTP statuses (400/401/403/404/409/429/503) with
   OpenAI's error object and Retry-After on pushback; a failure mid-stream is an SSE `error`
@@ -38,6 +39,7 @@ from services.common.observe import tracing
 from services.common.rpc.convert_tools import tools_from_proto
 from services.common.rpc.errors import ServiceError
 from services.router.call import CallContext
+from services.router.openai import answers
 from services.router.openai import choices as openai_choices
 from services.router.openai import fanout as openai_fanout
 from services.router.openai import protocol as oai
@@ -185,7 +187,7 @@ class OpenAIServer:
         except oai.ApiError as error:
             return _error_response(error)
         router = self.router
-        return JSONResponse(oai.models(router.model_id, router.max_model_len, self._created))
+        return JSONResponse(answers.models(router.model_id, router.max_model_len, self._created))
 
     async def _chat(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
@@ -238,7 +240,7 @@ class OpenAIServer:
             return await self._choices(
                 request, parsed, chat, tenant, f"{prefix}-{uuid.uuid4().hex}"
             )
-        answer = oai.Answer(
+        answer = answers.Answer(
             f"{prefix}-{uuid.uuid4().hex}", self.router.model_id, chat, parsed, self._token_text
         )
         if parsed.user:
@@ -271,13 +273,13 @@ class OpenAIServer:
         created = int(time.time())
         context = HttpCallContext(request.headers)
 
-        def make_answer(plan: openai_choices.ChoicePlan) -> oai.Answer:
+        def make_answer(plan: openai_choices.ChoicePlan) -> answers.Answer:
             prompt, echo = plan.request, ""
             if parsed.echo:
                 ids = prompt.token_ids.ids
                 echo = prompt.text if prompt.HasField("text") else self.router.tokenizer.decode(ids)
             model = self.router.model_id
-            return oai.Answer(
+            return answers.Answer(
                 answer_id, model, chat, parsed, self._token_text, created,
                 index=plan.index, echo=echo,
             )  # fmt: skip
@@ -375,7 +377,7 @@ async def _first(messages: Messages) -> rpb.GenerateResponse | oai.ApiError:
 
 
 async def _collect(
-    answer: oai.Answer, message: rpb.GenerateResponse | None, messages: Messages
+    answer: answers.Answer, message: rpb.GenerateResponse | None, messages: Messages
 ) -> dict[str, Any] | oai.ApiError:
     """The whole answer of a non-streaming request."""
     try:
@@ -390,7 +392,7 @@ async def _collect(
 
 
 async def _events(
-    answer: oai.Answer, message: rpb.GenerateResponse | None, messages: Messages
+    answer: answers.Answer, message: rpb.GenerateResponse | None, messages: Messages
 ) -> AsyncGenerator[bytes, None]:
     """Server-sent events: OpenAI's chunks, the usage chunk if asked for, `[DONE]`; a
     failure mid-stream is one `error` event."""
