@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from services.common.rpc.convert_tools import tools_from_proto
+from services.router.inputs import ChatPrompt, GenerateInput
 from tandem.tools import ChoiceMode, ToolFormat
 from tandem.v1 import router_pb2 as rpb
 
@@ -35,11 +35,11 @@ class CompleteCalls:
             )
 
 
-def complete_calls(request: rpb.GenerateRequest, format: ToolFormat) -> CompleteCalls | None:
+def complete_calls(inp: GenerateInput, format: ToolFormat) -> CompleteCalls | None:
     """None unless the request is a chat whose answer may be calls."""
-    if request.WhichOneof("input") != "chat" or not request.chat.tools:
+    prompt = inp.prompt
+    if not isinstance(prompt, ChatPrompt) or not prompt.tools.tools:
         return None
-    tools = tools_from_proto(request.chat)
-    if tools.choice.mode == ChoiceMode.NONE:
+    if prompt.tools.choice.mode == ChoiceMode.NONE:
         return None
-    return CompleteCalls(format, frozenset(t.name for t in tools.tools))
+    return CompleteCalls(format, frozenset(t.name for t in prompt.tools.tools))

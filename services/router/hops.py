@@ -51,7 +51,6 @@ from tandem.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 
-
 class HopFailed(Exception):
     """A worker failed the current hop; recovery decides what follows."""
 
@@ -95,9 +94,7 @@ class Hops:
         self.recovery = recovery
         self.min_reprefill_tokens = min_reprefill_tokens
 
-    async def run(
-        self, call: Call, context: CallContext
-    ) -> AsyncIterator[rpb.GenerateResponse]:
+    async def run(self, call: Call, context: CallContext) -> AsyncIterator[rpb.GenerateResponse]:
         """The client's messages. Raises ServiceError when the request cannot finish."""
         while True:
             try:

@@ -9,10 +9,11 @@ client cancel / deadline / Abort -> Abort on both workers
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http.server import HTTPServer
 from pathlib import Path
 
@@ -29,8 +30,9 @@ from services.common.rpc.errors import ServiceError, rpc
 from services.common.runtime.process import start_grpc_server
 from services.router.call import Call, CallContext, Timings, worker_request_id
 from services.router.config import RouterConfig
-from services.router.grpc_tools import complete_calls
+from services.router.grpc_tools import CompleteCalls, complete_calls
 from services.router.hops import Hops
+from services.router.inputs import GenerateInput, Source
 from services.router.links import Background, Links
 from services.router.openai.http import OpenAIServer
 from services.router.placer import Placer
@@ -187,21 +189,33 @@ class RouterServer(rgrpc.RouterServicer):
     async def Generate(
         self, request: rpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rpb.GenerateResponse]:
-        calls = complete_calls(request, self.tool_format)  # a chat with tools: its calls
-        async for response in self.generate(request, context, self.tenants.current()):
-            if calls is not None:
-                calls.see(response)
+        calls: list[CompleteCalls] = []  # a chat with tools: the calls its answer makes
+
+        def read(inp: GenerateInput) -> None:
+            if (found := complete_calls(inp, self.tool_format)) is not None:
+                calls.append(found)
+
+        source = Source(request.request_id, functools.partial(self.prompts.read, request))
+        async for response in self.generate(source, context, self.tenants.current(), read):
+            for found in calls:
+                found.see(response)
             yield response
 
     async def generate(
-        self, request: rpb.GenerateRequest, context: CallContext, tenant: str
+        self,
+        source: Source,
+        context: CallContext,
+        tenant: str,
+        on_read: Callable[[GenerateInput], None] | None = None,
     ) -> AsyncGenerator[rpb.GenerateResponse, None]:
-        """One request of `tenant`, from admission to its last message: the gRPC API and the
-        HTTP API (services.router.openai.http) both serve through here. Raises ServiceError
-        (after an in-stream Error message once the stream has started); cancelling the
-        iteration (a client gone) aborts the request on both workers."""
+        """One request of `tenant`, from admission to its last message: the gRPC API (its
+        GenerateRequest read by `Prompts.read`) and the HTTP API (the input its parser read,
+        services.router.openai.http) both serve through here, each input read once, here
+        (services.router.inputs); `on_read` sees it once read. Raises ServiceError (after an
+        in-stream Error message once the stream has started); cancelling the iteration (a
+        client gone) aborts the request on both workers."""
         t_start = time.perf_counter()
-        label = request.request_id
+        label = source.label
         if label:
             check_request_id(label)
         server_id = uuid.uuid4().hex  # the request's id on the workers and in logs
@@ -228,8 +242,11 @@ class RouterServer(rgrpc.RouterServicer):
             if label or tenant:
                 log.info("request %s: label %r, tenant %r", server_id, label, tenant)
             with tracing.span("tandem.tokenize", span):
+                inp = await source.read()
+                if on_read is not None:
+                    on_read(inp)
                 spec = await self.prompts.spec(
-                    request, server_id, context.time_remaining(), self.tenants.cache_salt(tenant)
+                    inp, server_id, context.time_remaining(), self.tenants.cache_salt(tenant)
                 )
             span.set_attribute("tandem.prompt_tokens", spec.num_prompt_tokens)
             with tracing.span("tandem.route", span) as route_span:
@@ -311,7 +328,7 @@ class RouterServer(rgrpc.RouterServicer):
     async def Tokenize(
         self, request: rpb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> rpb.TokenizeResponse:
-        tokens, text = await self.prompts.prompt(request)
+        tokens, text = await self.prompts.tokenize(request)
         return rpb.TokenizeResponse(token_ids=tokens, prompt=text)
 
     @rpc

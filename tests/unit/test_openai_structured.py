@@ -10,6 +10,7 @@ import pytest
 
 from services.router.openai import protocol as oai
 from services.router.openai import structured as structured
+from tandem.engine.grammar import Constraint
 from tandem.v1 import router_pb2 as rpb
 
 MODEL = "tiny"
@@ -94,9 +95,11 @@ def test_bad_shapes_are_400s_naming_the_field(body: dict[str, Any], param: str, 
 def test_a_schema_regex_or_grammar_that_does_not_compile_names_the_field(
     body: dict[str, Any], param: str, says: str
 ) -> None:
-    parse(False, **body)  # the shape is fine: the parser leaves compiling to `check`
+    parse(False, **body)  # the shape is fine: the parser leaves compiling to the HTTP edge
     found = structured.read(body)
     assert found is not None and found[1] == param
-    error = structured.check(*found)
-    assert error is not None and error.param == param and says in error.reason
-    assert structured.check(rpb.Constraint(regex="[0-9]+"), "guided_regex") is None
+    error = structured.compile_constraint(*found)
+    assert isinstance(error, structured.FieldError)
+    assert error.param == param and says in error.reason
+    compiled = structured.compile_constraint(rpb.Constraint(regex="[0-9]+"), "guided_regex")
+    assert isinstance(compiled, Constraint) and compiled.spec == "[0-9]+"

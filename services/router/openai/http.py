@@ -25,7 +25,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -36,9 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common import security
 from services.common.observe import tracing
-from services.common.rpc.convert_tools import tools_from_proto
+from services.common.rpc.convert_tools import ChatTools
 from services.common.rpc.errors import ServiceError
 from services.router.call import CallContext
+from services.router.inputs import GenerateInput, Source, http_input
 from services.router.openai import answers
 from services.router.openai import choices as openai_choices
 from services.router.openai import fanout as openai_fanout
@@ -51,6 +52,8 @@ from services.router.openai.responses_tools import ToolReply
 from services.router.openai.sse import EventStream as _EventStream
 from services.router.openai.sse import error_response as _error_response
 from services.router.openai.sse import unless_disconnected as _unless_disconnected
+from tandem.chat import Message
+from tandem.engine.grammar import Constraint
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.tools import ToolFormat
 from tandem.v1 import router_pb2 as rpb
@@ -71,7 +74,7 @@ class Router(Protocol):
     tool_format: ToolFormat  # how the model writes tool calls (tandem.tools)
 
     def generate(
-        self, request: rpb.GenerateRequest, context: CallContext, tenant: str
+        self, source: Source, context: CallContext, tenant: str
     ) -> AsyncGenerator[rpb.GenerateResponse, None]: ...
 
 
@@ -202,17 +205,18 @@ class OpenAIServer:
             principal = self._principal(request)
             body = await _read_json(request)
             parsed = openai_responses.parse(body, router.model_id, router.max_model_len)
-            await openai_responses_http.check_constraint(parsed)
-            await _check_tool_schemas(parsed.request, flat=True)
+            constraint = await _compile_constraint(parsed.constraint)
+            await _check_tool_schemas(parsed.chat_tools, flat=True)
         except oai.ApiError as error:
             return _error_response(error)
         label = request.headers.get("x-request-id", "")
         parsed.request.request_id = label
         tenant = principal.tenant if principal is not None else ""
         context = HttpCallContext(request.headers)
+        source = _sources(parsed.messages, parsed.chat_tools, constraint)
 
         def start(one: rpb.GenerateRequest) -> Messages:
-            return router.generate(one, context, tenant)
+            return router.generate(source(one), context, tenant)
 
         reply = openai_responses.Reply(parsed, router.model_id)
         if parsed.tool_names:  # the answer may be calls
@@ -227,25 +231,28 @@ class OpenAIServer:
             parse = oai.parse_chat if chat else oai.parse_completion
             router = self.router
             parsed = parse(body, router.model_id, router.max_model_len)
-            await _check_constraint(body)
+            constraint = await _compile_constraint(parsed.constraint)
             if chat:
                 parsed = await _check_tools(parsed, router.tool_format)
         except oai.ApiError as error:
             return _error_response(error)
+        source = _sources(parsed.messages, parsed.tools, constraint)
         label = request.headers.get("x-request-id", "")
         parsed.request.request_id = label
         tenant = principal.tenant if principal is not None else ""
         prefix = "chatcmpl" if chat else "cmpl"
         if parsed.num_choices > 1 or parsed.echo:
             return await self._choices(
-                request, parsed, chat, tenant, f"{prefix}-{uuid.uuid4().hex}"
+                request, parsed, chat, tenant, f"{prefix}-{uuid.uuid4().hex}", source
             )
         answer = answers.Answer(
             f"{prefix}-{uuid.uuid4().hex}", self.router.model_id, chat, parsed, self._token_text
         )
         if parsed.user:
             log.info("request %s: user %r", answer.id, parsed.user)
-        messages = self.router.generate(parsed.request, HttpCallContext(request.headers), tenant)
+        messages = self.router.generate(
+            source(parsed.request), HttpCallContext(request.headers), tenant
+        )
         headers = {"x-request-id": label or answer.id}
         # Until the first message (admission, validation, placement, TTFT) errors are
         # statuses; the client leaving meanwhile cancels the request.
@@ -266,7 +273,13 @@ class OpenAIServer:
         return JSONResponse(whole, headers=headers)
 
     async def _choices(
-        self, request: Request, parsed: oai.ParsedRequest, chat: bool, tenant: str, answer_id: str
+        self,
+        request: Request,
+        parsed: oai.ParsedRequest,
+        chat: bool,
+        tenant: str,
+        answer_id: str,
+        source: Callable[[rpb.GenerateRequest], Source],
     ) -> Response:
         """Several choices (n > 1, a list of prompts) or echo: one router call per choice
         (services.router.openai.fanout), answered as one."""
@@ -285,7 +298,7 @@ class OpenAIServer:
             )  # fmt: skip
 
         def start(one: rpb.GenerateRequest) -> Messages:
-            return self.router.generate(one, context, tenant)
+            return self.router.generate(source(one), context, tenant)
 
         return await openai_fanout.respond(request.receive, parsed, answer_id, start, make_answer)
 
@@ -308,30 +321,46 @@ class OpenAIServer:
 Messages = AsyncGenerator[rpb.GenerateResponse, None]
 
 
-async def _check_constraint(body: Any) -> None:
-    """A schema, regex or grammar is compiled to check it (milliseconds when large): off the
-    event loop, before any compute. Raises ApiError naming the body's field."""
-    found = structured.read(body)  # the parser has accepted its shape
+def _sources(
+    messages: tuple[Message, ...], tools: ChatTools, constraint: Constraint | None
+) -> Callable[[rpb.GenerateRequest], Source]:
+    """The core's source for each router call of one HTTP request (one per choice): the call's
+    own prompt, seed and label from its GenerateRequest, and what the body's one parse read
+    and compiled (services.router.inputs.http_input)."""
+
+    def source(request: rpb.GenerateRequest) -> Source:
+        async def read() -> GenerateInput:
+            return http_input(request, messages, tools, constraint)
+
+        return Source(request.request_id, read)
+
+    return source
+
+
+async def _compile_constraint(found: tuple[rpb.Constraint, str] | None) -> Constraint | None:
+    """The body's schema, regex or grammar compiled, once, off the event loop (milliseconds
+    when large), before any compute. Raises ApiError naming the body's field."""
     if found is None:
-        return
-    error = await asyncio.get_running_loop().run_in_executor(None, structured.check, *found)
-    if error is not None:
-        raise oai.invalid(error.param, error.reason)
+        return None
+    loop = asyncio.get_running_loop()
+    result = await loop.run_in_executor(None, structured.compile_constraint, *found)
+    if isinstance(result, structured.FieldError):
+        raise oai.invalid(result.param, result.reason)
+    return result
 
 
 async def _check_tools(parsed: oai.ParsedRequest, tool_format: ToolFormat) -> oai.ParsedRequest:
     """Each tool's parameters schema compiled to check it, off the event loop, before any
     compute (ApiError naming the body's field); the request then reads calls in the
     router's tool-call format."""
-    if not await _check_tool_schemas(parsed.request):
+    if not await _check_tool_schemas(parsed.tools):
         return parsed
     return dataclasses.replace(parsed, tool_format=tool_format)
 
 
-async def _check_tool_schemas(request: rpb.GenerateRequest, flat: bool = False) -> bool:
+async def _check_tool_schemas(chat_tools: ChatTools, flat: bool = False) -> bool:
     """Compile each tool's parameters schema off the event loop (ApiError naming the body's
     field; `flat`: the Responses API's names). False: the request has no tools."""
-    chat_tools = tools_from_proto(request.chat)
     if not chat_tools.tools:
         return False
     loop = asyncio.get_running_loop()

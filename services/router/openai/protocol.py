@@ -17,6 +17,8 @@ from typing import Any
 import grpc
 
 from services.common.rpc import convert
+from services.common.rpc.convert_tools import ChatTools
+from services.router.inputs import NO_TOOLS
 from services.router.openai import choices as choices
 from services.router.openai import structured as structured
 from services.router.openai import tools as tools
@@ -117,6 +119,13 @@ class ParsedRequest:
     # text only) and how the model writes calls (the router's tool-call parser).
     tool_names: frozenset[str] = frozenset()
     tool_format: ToolFormat | None = None
+    # What the core's input is read from (services.router.inputs.http_input), each read from
+    # the body once: a chat's messages (checked) and tools (shapes checked; http.py compiles
+    # their schemas), and the body's constraint with the field that asked for it (http.py
+    # compiles it; `request` carries a copy for the choices' plans only).
+    messages: tuple[chat.Message, ...] = ()
+    tools: ChatTools = NO_TOOLS
+    constraint: tuple[rpb.Constraint, str] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -142,15 +151,20 @@ def parse_chat(body: Any, model_id: str, default_max_tokens: int) -> ParsedReque
     max_tokens = _int(body, "max_completion_tokens", None, 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", None, 1)
-    _sampling(request.sampling, body, max_tokens or default_max_tokens)
+    found = _sampling(request.sampling, body, max_tokens or default_max_tokens)
     if logprobs:
         request.sampling.logprobs = top
     try:  # tools; http.py compiles their schemas off the event loop
-        found = structured.read(body)
         body_tools = tools.read(body, request.chat, found[1] if found else None)
     except ToolError as error:
         raise invalid(error.field, error.reason) from None
-    return replace(_parsed(body, request, logprobs, top), tool_names=body_tools.names)
+    return replace(
+        _parsed(body, request, logprobs, top),
+        tool_names=body_tools.names,
+        messages=messages,
+        tools=ChatTools(body_tools.tools, body_tools.choice, body_tools.parallel),
+        constraint=found,
+    )
 
 
 def parse_completion(body: Any, model_id: str, default_max_tokens: int) -> ParsedRequest:
@@ -176,7 +190,8 @@ def parse_completion(body: Any, model_id: str, default_max_tokens: int) -> Parse
             "echo with logprobs needs the prompt's logprobs, which Tandem does not compute; "
             "ask for echo or for logprobs",
         )
-    _sampling(request.sampling, body, _int(body, "max_tokens", None, 1) or default_max_tokens)
+    max_tokens = _int(body, "max_tokens", None, 1) or default_max_tokens
+    found = _sampling(request.sampling, body, max_tokens)
     if top is not None:
         request.sampling.logprobs = top
     requests = []
@@ -189,7 +204,7 @@ def parse_completion(body: Any, model_id: str, default_max_tokens: int) -> Parse
             one.token_ids.ids.extend(prompt)
         requests.append(one)
     parsed = _parsed(body, requests[0], top is not None, top or 0)
-    return replace(parsed, more_prompts=tuple(requests[1:]), echo=echo)
+    return replace(parsed, more_prompts=tuple(requests[1:]), echo=echo, constraint=found)
 
 
 def _parsed(body: JSON, request: rpb.GenerateRequest, logprobs: bool, top: int) -> ParsedRequest:
@@ -230,9 +245,13 @@ def _refuse_unsupported(body: JSON, tools_ok: bool = False) -> None:
         raise invalid("modalities", 'only ["text"] is supported')
 
 
-def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
+def _sampling(
+    msg: rpb.SamplingParams, body: JSON, max_tokens: int
+) -> tuple[rpb.Constraint, str] | None:
+    """The body's sampling fields into `msg`; returns its constraint and the field that
+    asked for it (the one read of them: http.py compiles it off the event loop)."""
     msg.max_tokens = max_tokens
-    try:  # structured output; http.py compile-checks it off the event loop
+    try:  # structured output
         constraint = structured.read(body)
     except structured.FieldError as error:
         raise invalid(error.param, error.reason) from None
@@ -264,6 +283,7 @@ def _sampling(msg: rpb.SamplingParams, body: JSON, max_tokens: int) -> None:
         msg.stop_token_ids.extend(ids)
     for token_id, bias in _logit_bias(body.get("logit_bias")).items():
         msg.logit_bias[token_id] = bias
+    return constraint
 
 
 def _logit_bias(value: Any) -> dict[int, float]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.rpc import convert
+from services.common.rpc.convert_tools import ChatTools
+from services.router.inputs import NO_TOOLS
 from services.router.openai import protocol as oai
 from services.router.openai import structured as structured
 from services.router.openai import tools as tools
@@ -66,6 +68,10 @@ class ResponsesRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     tool_names: frozenset[str] = frozenset()
+    # The core's input is read from these (services.router.inputs.http_input): the checked
+    # messages and the tools (shapes checked; http.py compiles their schemas).
+    messages: tuple[chat.Message, ...] = ()
+    chat_tools: ChatTools = NO_TOOLS
 
 
 def parse(body: Any, model_id: str, default_max_tokens: int) -> ResponsesRequest:
@@ -111,6 +117,8 @@ def parse(body: Any, model_id: str, default_max_tokens: int) -> ResponsesRequest
         tool_choice=body.get("tool_choice") or ("auto" if body_tools.tools else "none"),
         parallel_tool_calls=body_tools.parallel,
         tool_names=body_tools.names,
+        messages=tuple(messages),
+        chat_tools=ChatTools(body_tools.tools, body_tools.choice, body_tools.parallel),
     )
 
 

@@ -4,7 +4,6 @@ them). Until the first token an error is an HTTP status; after it, an `error` ev
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, Callable
 
 from fastapi.responses import JSONResponse, Response
@@ -17,16 +16,6 @@ from services.router.openai import structured as structured
 from services.router.openai.fanout import Messages, first_message, next_message
 from services.router.openai.sse import EventStream, error_response, sse, unless_disconnected
 from tandem.v1 import router_pb2 as rpb
-
-
-async def check_constraint(parsed: responses.ResponsesRequest) -> None:
-    """text.format's schema compiled to check it, off the event loop. Raises ApiError."""
-    if parsed.constraint is None:
-        return
-    loop = asyncio.get_running_loop()
-    error = await loop.run_in_executor(None, structured.check, *parsed.constraint)
-    if error is not None:
-        raise oai.invalid(error.param, error.reason)
 
 
 async def respond(

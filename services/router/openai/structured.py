@@ -2,9 +2,10 @@
 with `strict`, json_object, text) and vLLM's `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar` -> the gRPC `Constraint` (tandem.engine.grammar checks it).
 
-Reading a body only checks shapes (microseconds); `check` compiles the schema, regex or
-grammar without a vocabulary (milliseconds when large), which the HTTP API runs off the
-event loop so that a bad one is a 400 naming the body's field before any compute.
+Reading a body only checks shapes (microseconds); `compile_constraint` compiles the schema,
+regex or grammar without a vocabulary (milliseconds when large), once, which the HTTP API
+runs off the event loop so that a bad one is a 400 naming the body's field before any
+compute, and hands the core the compiled constraint.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from typing import Any
 
 from services.common.rpc import convert
+from tandem.engine.grammar import Constraint
 from tandem.v1 import router_pb2 as rpb
 
 # Every field that sets a constraint; at most one may.
@@ -46,15 +48,18 @@ def read(body: dict[str, Any]) -> tuple[rpb.Constraint, str] | None:
     return found[0] if found else None
 
 
-def check(constraint: rpb.Constraint, param: str) -> FieldError | None:
-    """Compile-check a constraint (tandem.engine.grammar.Constraint's validation)."""
+def compile_constraint(constraint: rpb.Constraint, param: str) -> Constraint | FieldError:
+    """The constraint a body asked for, compiled (tandem.engine.grammar.Constraint's
+    validation: milliseconds for a large schema, so off the event loop), or the error naming
+    `param`, the body's field."""
     try:
-        convert.constraint_from_proto(constraint)
+        compiled = convert.constraint_from_proto(constraint)
     except ValueError as exc:
         message = str(exc).removeprefix("constraint.")
         kind = constraint.WhichOneof("kind") or ""
         return FieldError(param, message.removeprefix(f"{kind}: "))
-    return None
+    assert compiled is not None  # `read` returns only constraints of a kind
+    return compiled
 
 
 def _response_format(name: str, value: Any) -> tuple[rpb.Constraint, str] | None:
