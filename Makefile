@@ -23,7 +23,7 @@ up: install
 
 lint: install
 	$(BIN)/ruff check tandem kernels services tests benchmarks
-	$(BIN)/mypy tandem kernels services
+	$(BIN)/mypy tandem
 
 # The Kubernetes/Helm tests use a real kube-apiserver + etcd and the real helm binary. Both are
 # built/installed once into /var/cache/tandem (outside the clone; ~10 min cold, then instant).

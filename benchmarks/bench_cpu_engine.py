@@ -191,7 +191,7 @@ def bench_kernel(rows_list: tuple[int, ...] = (1, 4, 16), ctx: int = 300) -> dic
     interleaved per block, blocks scattered, the cache far larger than L3), 30 layers called
     in turn as a step does: the AVX512-BF16 path against the plain loops, alternated,
     process CPU time per 30-layer call (median of 9), 1 thread."""
-    from kernels import cpu_ops
+    from tandem.kernels import cpu_ops
 
     lib = cpu_ops.load()
     if lib is None:
@@ -351,7 +351,7 @@ def main() -> int:
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     if args.model_dir is None:
-        from services.cli.model import ensure_default_model
+        from tandem.services.cli.model import ensure_default_model
 
         args.model_dir = ensure_default_model()
     parts = set(args.parts.split(","))

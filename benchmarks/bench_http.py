@@ -4,7 +4,7 @@ OpenAI-compatible HTTP API (issue 17).
     python benchmarks/bench_http.py [--quick] [--rounds N] [--model-dir DIR]
         [--results-dir DIR] [--no-markdown-file]
 
-One `tandem up` cluster (services.up.Cluster): Redis, one decode worker (1 torch thread, via
+One `tandem up` cluster (tandem.services.up.Cluster): Redis, one decode worker (1 torch thread, via
 OMP_NUM_THREADS) and no prefill worker, so every request is prefilled where it is decoded and
 the two fronts differ only in how a request reaches the router and its tokens leave it. The
 router serves both: gRPC (`tandem.v1.Router`, through `tandem.client.AsyncTandemClient`) and
@@ -72,8 +72,8 @@ from report import (
     write_markdown_section,
 )
 
-from services.up import Cluster, UpConfig, wait_for_router
 from tandem.client import TandemError
+from tandem.services.up import Cluster, UpConfig, wait_for_router
 
 SECTION = "## OpenAI HTTP front vs gRPC (issue 17)"
 FRONTS = ("grpc", "http")

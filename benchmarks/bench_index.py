@@ -49,10 +49,10 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from report import RESULTS_DIR, machine_info, result_path, write_json
 
-from services.common.redis.index import RedisPrefixIndex
-from services.common.redis.server import RedisServer
 from tandem.index import ApplyResult, EventBatch
 from tandem.index.base import leading_counts_reference
+from tandem.services.common.redis.index import RedisPrefixIndex
+from tandem.services.common.redis.server import RedisServer
 
 SEED = 20240604
 MODEL = "bench-model"

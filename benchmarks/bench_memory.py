@@ -49,8 +49,8 @@ def child(dtype: str, products: int, max_rows: int, rounded: bool, trim: bool) -
 
     import torch
 
-    from services.common.observe.memory import heap_stats, resident_bytes
     from tandem.model.linear import MatmulKind, matmul, onednn_rows, pack
+    from tandem.services.common.observe.memory import heap_stats, resident_bytes
 
     torch.set_num_threads(1)
     dt = getattr(torch, dtype)

@@ -123,14 +123,14 @@ def start_stack(name: str, model_dir: Path, log_dir: Path, sink_port: int | None
         metrics = [f"127.0.0.1:{pd}", f"127.0.0.1:{pr}"]
     decode = Server(
         f"{name}-decode",
-        ["-m", "services.decode", "--model-dir", str(model_dir), "--port", "0",
+        ["-m", "tandem.services.decode", "--model-dir", str(model_dir), "--port", "0",
          "--transport", "local", "--kv-cache-bytes", str(KV_CACHE_BYTES),
          "--num-threads", "1", *extra_d],
         log_dir, env,
     )  # fmt: skip
     router = Server(
         f"{name}-router",
-        ["-m", "services.router", "--model-dir", str(model_dir), "--port", "0",
+        ["-m", "tandem.services.router", "--model-dir", str(model_dir), "--port", "0",
          "--decode-addresses", decode.address, *extra_r],
         log_dir, env,
     )  # fmt: skip

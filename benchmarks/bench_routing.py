@@ -64,8 +64,8 @@ from report import (
     write_markdown_section,
 )
 
-from services.common.redis.registry import Registry
-from services.up import Cluster, UpConfig, wait_for_router
+from tandem.services.common.redis.registry import Registry
+from tandem.services.up import Cluster, UpConfig, wait_for_router
 
 SECTION = "## Prefix-aware routing (issue 4)"
 MET = ("met", "NOT met")  # the words of a target: verdict(ok, *MET)
@@ -145,7 +145,7 @@ def _die_with_parent() -> None:
 
 
 class RouterProc:
-    """`python -m services.router --policy P [flags]` against a cluster's Redis."""
+    """`python -m tandem.services.router --policy P [flags]` against a cluster's Redis."""
 
     def __init__(self, policy: str, redis_url: str, log_dir: Path, *flags: str) -> None:
         self.policy = policy
@@ -155,7 +155,7 @@ class RouterProc:
             [
                 sys.executable,
                 "-m",
-                "services.router",
+                "tandem.services.router",
                 "--model-dir",
                 str(MODEL_DIR),
                 "--redis-url",

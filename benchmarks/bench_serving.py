@@ -76,7 +76,7 @@ from report import (
     write_markdown_section,
 )
 
-from services.up import Cluster, UpConfig, wait_for_router
+from tandem.services.up import Cluster, UpConfig, wait_for_router
 from tandem.weights.tiny import make_tiny_model
 
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "models" / "small"
@@ -184,7 +184,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Server:
-    """A service process (`python -m services.X ...`) that prints `READY <role> <address>`."""
+    """A service process (`python -m tandem.services.X ...`) that prints `READY <role>
+    <address>`."""
 
     def __init__(
         self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
@@ -283,7 +284,7 @@ def bench_overhead(
         f"overhead-decode-t{threads}",
         [
             "-m",
-            "services.decode",
+            "tandem.services.decode",
             "--model-dir",
             str(model_dir),
             "--port",
@@ -299,7 +300,7 @@ def bench_overhead(
     )
     router_argv = [
         "-m",
-        "services.router",
+        "tandem.services.router",
         "--model-dir",
         str(model_dir),
         "--port",
@@ -396,12 +397,12 @@ def _overhead_run_stats(res: RunResult, cpu: dict[str, float], sla: Sla) -> dict
     }
 
 
-# The router as `python -m services.router` runs it, with cProfile on only while it serves:
+# The router as `python -m tandem.services.router` runs it, with cProfile on only while it serves:
 # module imports and tokenizer loading would otherwise dominate a short profile.
 _PROFILED_ROUTER = """
 import asyncio, cProfile, signal, sys, time
-from services.common.runtime.flags import parse_config
-from services.router.server import RouterConfig, RouterServer
+from tandem.services.common.runtime.flags import parse_config
+from tandem.services.router.server import RouterConfig, RouterServer
 
 async def main(path, config):
     server = RouterServer(config)
@@ -426,7 +427,7 @@ def profile_router(
     """One router run with the router under cProfile: where its CPU goes per message."""
     prof_path = log_dir / f"router-t{threads}.prof"
     log(f"profiling the router (cProfile -> {prof_path})")
-    flags = router_argv[router_argv.index("services.router") + 1 :]
+    flags = router_argv[router_argv.index("tandem.services.router") + 1 :]
     router = Server(
         f"profiled-router-t{threads}",
         ["-c", _PROFILED_ROUTER, str(prof_path), *flags],

@@ -6,7 +6,7 @@
         [--early-disconnect-fraction F] [--kv-cache-mb MB] [--controller-args ARGS]
         [--cpu-matmul auto|plain|onednn] [--quantization Q] [--tp N] [--structured-fraction F]
 
-A cluster as a new user starts one (`tandem up`: services.up.Cluster with tandem up's model
+A cluster as a new user starts one (`tandem up`: tandem.services.up.Cluster with tandem up's model
 and KV cache choices; by default the real default model, SmolLM2-135M-Instruct, and 1 prefill
 + 1 decode worker; `--autoscale` adds the ratio controller with the local actuator), then N
 closed-loop clients (default 8) of the OpenAI HTTP API for a duration (default 300 s), each
@@ -59,9 +59,14 @@ from soak_metrics import (
     worker_lease_ttl_s,
 )
 
-from services.cli.model import DEFAULT_MODEL_DIR, ensure_default_model, resolve_model, up_kv_cache
-from services.up import Cluster, UpConfig, wait_for_router
-from services.up.processes import free_port
+from tandem.services.cli.model import (
+    DEFAULT_MODEL_DIR,
+    ensure_default_model,
+    resolve_model,
+    up_kv_cache,
+)
+from tandem.services.up import Cluster, UpConfig, wait_for_router
+from tandem.services.up.processes import free_port
 
 RETRY_AFTER_CAP_S = 5.0
 PROGRESS_S = 10.0

@@ -178,7 +178,7 @@ def main() -> int:
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args()
     if args.model_dir is None:
-        from services.cli.model import ensure_default_model
+        from tandem.services.cli.model import ensure_default_model
 
         args.model_dir = ensure_default_model()
     engine = LLMEngine(

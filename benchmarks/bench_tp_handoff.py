@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from report import RESULTS_DIR, machine_info, result_path, write_json
 
-from services.common.runtime.process import configure_native_libraries
 from tandem.engine.kv_cache import map_kv_file, shared_kv_dir
+from tandem.services.common.runtime.process import configure_native_libraries
 from tandem.transfer import KVTransport, RemoteKV
 from tandem.transfer.nixl import NixlTransport
 

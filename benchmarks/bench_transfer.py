@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings import by name
 from report import RESULTS_DIR, machine_info, result_path, write_json
 
-from services.common.runtime.process import configure_native_libraries
+from tandem.services.common.runtime.process import configure_native_libraries
 from tandem.transfer import RemoteKV, coalesce
 from tandem.transfer.hugepages import advise_hugepages
 from tandem.transfer.nixl import NixlTransport

@@ -104,7 +104,7 @@ def vllm_python() -> str:
 
 
 def default_model_dir() -> Path:
-    from services.cli.model import ensure_default_model
+    from tandem.services.cli.model import ensure_default_model
 
     return ensure_default_model()
 

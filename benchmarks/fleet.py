@@ -18,8 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from services.common.redis.registry import Registry
-from services.common.redis.server import RedisServer
+from tandem.services.common.redis.registry import Registry
+from tandem.services.common.redis.server import RedisServer
 from tandem.types import Role
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -69,7 +69,7 @@ class Fleet:
         self.redis.start()
         for name, role in self.roles.items():
             self._args[name] = [
-                f"services.{role}",
+                f"tandem.services.{role}",
                 "--model-dir", str(self.model_dir),
                 "--redis-url", self.redis.url,
                 "--worker-id", name,
@@ -82,7 +82,7 @@ class Fleet:
             ]  # fmt: skip
         for name, extra in self.routers.items():
             self._args[name] = [
-                "services.router",
+                "tandem.services.router",
                 "--model-dir", str(self.model_dir),
                 "--redis-url", self.redis.url,
                 "--port", "0",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
-    from services.up import Cluster
+    from tandem.services.up import Cluster
 
 KV_USED = "tandem_worker_kv_blocks_used"
 KV_CAPACITY = "tandem_worker_kv_blocks_capacity"
@@ -176,7 +176,7 @@ def tree_rss_bytes(pids: dict[str, int]) -> dict[str, int]:
 
 def worker_lease_ttl_s() -> float:
     """The workers' lease_ttl_s: `tandem up` passes none, so their config's default."""
-    from services.common.worker.config import WorkerConfig
+    from tandem.services.common.worker.config import WorkerConfig
 
     default = next(f.default for f in fields(WorkerConfig) if f.name == "lease_ttl_s")
     return float(default)  # type: ignore[arg-type]

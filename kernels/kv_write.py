@@ -8,7 +8,7 @@ non-adjacent blocks cost the same:
                  kv_layer[slot_block_ids[t], 1, slot_offsets[t]] = v[t]
 
 An fp8 (e4m3) cache stores each value divided by its tensor's scale, saturated to +-448
-(`kernels.reference.quantize_kv_reference`; tandem.quant.kv):
+(`tandem.kernels.reference.quantize_kv_reference`; tandem.quant.kv):
 
     kv_layer[..., 0, ...] = e4m3(clamp(k[t] / k_scale, -448, 448))     likewise V, v_scale
 

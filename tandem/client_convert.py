@@ -17,7 +17,7 @@ from tandem.v1 import router_pb2 as rpb
 from tandem.wire import finish_reason_from_proto
 
 # Trailing metadata key of the server's pushback hint in milliseconds (the services send it
-# through services.common.rpc.errors, which takes it from here).
+# through tandem.services.common.rpc.errors, which takes it from here).
 RETRY_AFTER_KEY = "tandem-retry-after-ms"
 
 

@@ -117,7 +117,7 @@ class EngineConfig:
             half the bytes per token of bfloat16.
         attention_backend: "auto" (Triton paged kernels on CUDA; on a CPU the native paged
             decode kernel when it builds, else torch ops), "torch" (torch ops only), "native"
-            (the CPU decode kernel, built with the system's C compiler: kernels.cpu_ops)
+            (the CPU decode kernel, built with the system's C compiler: tandem.kernels.cpu_ops)
             or "triton" (on a CPU, Triton runs only under TRITON_INTERPRET=1: tests).
         cuda_graphs: on CUDA with the Triton backend, capture decode-only steps in CUDA
             graphs during warm-up and replay them (see tandem.engine.cuda_graphs).

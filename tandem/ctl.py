@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             if code == grpc.StatusCode.UNAVAILABLE:
                 print(
                     f"error: cannot reach the controller at {args.address} ({exc.details()}); "
-                    "is `tandem up --autoscale` or `python -m services.controller` running?",
+                    "is `tandem up --autoscale` or `python -m tandem.services.controller` running?",
                     file=sys.stderr,
                 )
             elif code == grpc.StatusCode.UNAUTHENTICATED and key is None:

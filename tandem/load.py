@@ -3,10 +3,10 @@ sizes work.
 
     engine.stats()            the counts, as the engine thread last published them
       + the worker's meter    busy_frac, tokens_per_s, step_ms, prefill_tokens_per_s
-      = Load  ->  WorkerInfo (the registry record, services.common.redis.worker_info)
+      = Load  ->  WorkerInfo (the registry record, tandem.services.common.redis.worker_info)
                   -> routing.WorkerLoad (placement: + this router's in-flight requests)
                   -> control.WorkerSample (the controller's fit: + the time it was read)
-              ->  wpb.WorkerStats (GetStats; services.common.rpc.convert, once)
+              ->  wpb.WorkerStats (GetStats; tandem.services.common.rpc.convert, once)
 
 Each carrier *is* a `Load` plus its own fields (a subclass: its own fields keyword-only), so
 a load figure is named and documented once and `load_fields` copies them all from one

@@ -1,5 +1,6 @@
 """The closed sets of tandem.types as the public protos spell them: one table, read by the
-services' converters (services.common.rpc.convert) and by the Python client (tandem.client)."""
+services' converters (tandem.services.common.rpc.convert) and by the Python client
+(tandem.client)."""
 
 from __future__ import annotations
 

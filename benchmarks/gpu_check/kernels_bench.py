@@ -2,7 +2,7 @@
 Llama-3-8B attention shape (32 q heads, 8 kv heads, head_dim 128, block_size 16, bf16).
 
 1. Correctness first: `write_kv`, `paged_decode_attention` and `paged_prefill_attention`,
-   once each, against `kernels.reference` on a small ragged case (a strided layer of a
+   once each, against `tandem.kernels.reference` on a small ragged case (a strided layer of a
    2-layer cache, every slot no request owns NaN), so a GPU-only bug shows as "failed", not
    as a fast wrong number. A kernel that fails is not timed.
 2. Decode bandwidth: bytes of K/V read (context tokens x 2 x kv_heads x head_dim x itemsize,
@@ -123,8 +123,8 @@ def compare(out: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float)
 
 
 def check_write_kv(shape: Shape, device: str, num_tokens: int = 37) -> Figures:
-    from kernels.kv_write import write_kv
-    from kernels.reference import write_kv_reference
+    from tandem.kernels.kv_write import write_kv
+    from tandem.kernels.reference import write_kv_reference
 
     s = shape
     num_blocks = cdiv(num_tokens, s.block_size) + 4
@@ -145,7 +145,7 @@ def fp8_layer(kv_layer: torch.Tensor, k_scale: float, v_scale: float) -> torch.T
     """`kv_layer` (a layer view of a 2-layer cache) quantized into layer 1 of a new e4m3
     cache with the scales (`quantize_kv_reference`): the strided view the engine hands the
     kernels. NaN slots stay NaN. Written through uint8 views (plain byte copies)."""
-    from kernels.reference import quantize_kv_reference
+    from tandem.kernels.reference import quantize_kv_reference
 
     num_blocks, _, block_size, heads, dim = kv_layer.shape
     shape = (num_blocks, 2, 2, block_size, heads, dim)
@@ -162,7 +162,7 @@ def kernel_cache(
     arguments): `kv_layer` itself, or with `kv_scales` its e4m3 copy and that dequantized."""
     if kv_scales is None:
         return kv_layer, kv_layer, {}
-    from kernels.reference import dequantize_kv_reference
+    from tandem.kernels.reference import dequantize_kv_reference
 
     kv8 = fp8_layer(kv_layer, *kv_scales)
     values = dequantize_kv_reference(kv8, *kv_scales)  # float32, what the kernel reads
@@ -176,8 +176,8 @@ def check_decode(
     kv_scales: tuple[float, float] | None = None,
 ) -> Figures:
     """kv_scales: an e4m3 cache with these (K, V) scales."""
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.reference import paged_attention
+    from tandem.kernels.decode_attention import paged_decode_attention
+    from tandem.kernels.reference import paged_attention
 
     s = shape
     kv_layer, tables = poisoned_case(s, context_lens, device)
@@ -201,8 +201,8 @@ def check_prefill(
     kv_scales: tuple[float, float] | None = None,
 ) -> Figures:
     """chunks: (new tokens, context including them) per request; kv_scales as decode's."""
-    from kernels.prefill_attention import paged_prefill_attention
-    from kernels.reference import paged_attention
+    from tandem.kernels.prefill_attention import paged_prefill_attention
+    from tandem.kernels.reference import paged_attention
 
     s = shape
     news = [n for n, _ in chunks]
@@ -241,7 +241,11 @@ def bench_decode(
     are as wide as the longest context the engine allows (its persistent block table, here
     the largest context of the sizes), and the split count is the engine's choice for the
     step's longest context on this device, not one derived from the table width."""
-    from kernels.decode_attention import choose_num_splits, device_num_sms, paged_decode_attention
+    from tandem.kernels.decode_attention import (
+        choose_num_splits,
+        device_num_sms,
+        paged_decode_attention,
+    )
 
     sz, s, dev = ctx.sizes, shape, ctx.device
     table_width = cdiv(max(sz.kn_decode_contexts), s.block_size)
@@ -411,7 +415,7 @@ def sdpa_baseline(
 
 
 def bench_prefill(ctx: Context, shape: Shape, flush: torch.Tensor | None) -> Figures:
-    from kernels.prefill_attention import paged_prefill_attention
+    from tandem.kernels.prefill_attention import paged_prefill_attention
 
     sz, s, dev = ctx.sizes, shape, ctx.device
     num_blocks = max(b * cdiv(p + n, s.block_size) for b, n, p in sz.kn_prefill_cases)
@@ -494,7 +498,7 @@ def check_kernels(ctx: Context) -> Figures:
     sz, dev = ctx.sizes, ctx.device
     if not ctx.cuda:
         use_interpreter()
-    from kernels import decode_attention, kv_write, prefill_attention
+    from tandem.kernels import decode_attention, kv_write, prefill_attention
     from tandem.weights.loader import DTYPES
 
     jitted = [kv_write._write_kv_kernel, decode_attention._decode_split_kernel]
@@ -527,7 +531,7 @@ def check_kernels(ctx: Context) -> Figures:
             correctness[name] = record = {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
         diff = record.get("max_abs_diff")
         ctx.log(
-            f"kernels: {name} vs kernels.reference: {'ok' if record['passed'] else 'WRONG'}"
+            f"kernels: {name} vs tandem.kernels.reference: {'ok' if record['passed'] else 'WRONG'}"
             + (f", max |diff| {diff:.3g}" if diff is not None else f": {record['error']}")
         )
     figures["correctness"] = correctness

@@ -33,9 +33,10 @@ def configure_nixl_env(device: str) -> None:
     """What a service on `device` does before it creates a transport (UCX settings, NIXL's
     logger)."""
     try:
-        from services.common.runtime.process import configure_native_libraries
+        from tandem.services.common.runtime.process import configure_native_libraries
     except ImportError:
-        # services.common.runtime.process imports the gRPC health/reflection packages, which the GPU
+        # tandem.services.common.runtime.process imports the gRPC health/reflection packages, which
+        # the GPU
         # machine lacks unless they are carried; these are its two effects.
         from tandem.transfer.nixl import ucx_env_defaults
 

@@ -1,7 +1,7 @@
 """Part `quant`: weight quantization (fp8, int8, int4) and the FP8 KV cache on the device, each
 through the path the model takes there (`tandem.quant.linear.pack_quantized` chooses
 it once per matrix: `torch._scaled_mm` for fp8 on CUDA >= 8.9 with bf16 activations, the
-Triton dequant-GEMM kernels of `kernels.quant_matmul` for int8 / int4, torch's packed CPU
+Triton dequant-GEMM kernels of `tandem.kernels.quant_matmul` for int8 / int4, torch's packed CPU
 kernels on a CPU). Three steps, each guarded: a step that raises is recorded and the later
 ones still run.
 
@@ -16,7 +16,7 @@ ones still run.
    well where it is not the production one (fp8 on CUDA; all three on a CPU, under Triton's
    interpreter). Then the FP8 KV cache: `write_kv` (bytes equal to `quantize_kv_reference`'s),
    `paged_decode_attention` and `paged_prefill_attention` over an e4m3 cache (K scale 0.5,
-   V scale 0.25, as tests/kernels/test_fp8_kv_kernels.py) against `kernels.reference` over
+   V scale 0.25, as tests/kernels/test_fp8_kv_kernels.py) against `tandem.kernels.reference` over
    the dequantized cache, on the kernels part's ragged poisoned case (its helpers).
 2. Speed of the linear alone in Llama-3-8B's shapes (qkv 6144 x 4096, o 4096 x 4096, gate_up
    28672 x 4096, down 4096 x 14336) at M = 1 / 16 / 256 / 4096: bf16 `F.linear` vs each
@@ -188,8 +188,8 @@ def check_linear(scheme: str, ctx: Context) -> Figures:
 
 
 def check_fp8_write_kv(shape: Shape, device: str, num_tokens: int = 37) -> Figures:
-    from kernels.kv_write import write_kv
-    from kernels.reference import quantize_kv_reference
+    from tandem.kernels.kv_write import write_kv
+    from tandem.kernels.reference import quantize_kv_reference
 
     s = shape
     num_blocks = cdiv(num_tokens, s.block_size) + 4
@@ -402,7 +402,7 @@ def check_quant(ctx: Context) -> Figures:
     sz, dev = ctx.sizes, ctx.device
     if not ctx.cuda:
         use_interpreter()
-    from kernels import decode_attention, kv_write, prefill_attention, quant_matmul
+    from tandem.kernels import decode_attention, kv_write, prefill_attention, quant_matmul
     from tandem.weights.loader import DTYPES
 
     jitted = [quant_matmul._scaled_matmul_kernel, quant_matmul._int4_matmul_kernel]
@@ -472,7 +472,7 @@ def check_quant(ctx: Context) -> Figures:
         diff = record.get("max_abs_diff")
         detail = f", max |diff| {diff:.3g}" if diff is not None else ""
         ctx.log(
-            f"quant: fp8 KV {name} vs kernels.reference: "
+            f"quant: fp8 KV {name} vs tandem.kernels.reference: "
             f"{'ok' if record['passed'] else 'WRONG'}{detail}"
             + (f": {record['error']}" if record.get("error") else "")
         )

@@ -114,7 +114,7 @@ def check_serve(ctx: Context) -> Figures:
     try:
         for role in ("prefill", "decode"):
             args = [*engine_flags, "--port", "0", "--worker-id", f"gpu-check-{role}"]
-            services.append(Service(f"services.{role}", args, ctx.tmp_dir / f"{role}.log"))
+            services.append(Service(f"tandem.services.{role}", args, ctx.tmp_dir / f"{role}.log"))
         prefill, decode = services
         # The reference engine loads while the workers start.
         reference = make_engine(
@@ -130,7 +130,7 @@ def check_serve(ctx: Context) -> Figures:
         router_args = ["--model-dir", str(model_dir), "--port", "0", "--redis-url", ""]
         router_args += ["--prefill-addresses", p_addr, "--decode-addresses", d_addr]
         router_args += ["--disagg-min-uncached-tokens", "0"]
-        services.append(Service("services.router", router_args, ctx.tmp_dir / "router.log"))
+        services.append(Service("tandem.services.router", router_args, ctx.tmp_dir / "router.log"))
         r_addr = services[-1].wait_ready(deadline)
         ctx.log(f"serve: prefill {p_addr}, decode {d_addr}, router {r_addr}")
 

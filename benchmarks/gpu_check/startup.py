@@ -34,8 +34,8 @@ VALUES_GPU = REPO_ROOT / "deploy" / "helm" / "tandem" / "values-gpu.yaml"
 def worker_engine_config(ctx: Context, model_dir: str):  # type: ignore[no-untyped-def]
     """The EngineConfig a decode pod of values-gpu.yaml gets (its env through parse_config),
     with the model dir of this check, and on --cpu the CPU run's device and dtype."""
-    from services.common.runtime.flags import leaves, parse_config
     from tandem.config import EngineConfig
+    from tandem.services.common.runtime.flags import leaves, parse_config
 
     config = yaml.safe_load(VALUES_GPU.read_text())["decode"]["config"]
     names = {leaf.name for leaf in leaves(EngineConfig)}

@@ -1,12 +1,13 @@
 """Part `tiles`: the attention kernels' launch configurations, measured on the device.
 
-`kernels.decode_attention.decode_tiles` and `kernels.prefill_attention.tiles_for` choose
+`tandem.kernels.decode_attention.decode_tiles` and `tandem.kernels.prefill_attention.tiles_for`
+choose
 tile sizes, pipeline stages and warps that were picked without a GPU (they compile for
 sm_90a without spills: tests/kernels). The first H200 run measured the decode kernel at
 ~0.26 x the device copy bandwidth and the prefill kernel at ~0.2-0.3 x torch SDPA (flash),
 far from their targets (0.8 and 0.7). This part times a grid of candidate configurations on
 the kernels part's representative cases, each candidate first checked against
-`kernels.reference` on the kernels part's ragged poisoned case (a candidate that fails to
+`tandem.kernels.reference` on the kernels part's ragged poisoned case (a candidate that fails to
 compile, runs out of shared memory or is wrong is recorded, not timed), so the defaults can
 be set from figures. It changes no default itself.
 
@@ -51,7 +52,7 @@ def patched(module: Any, name: str, choice: Any) -> Iterator[None]:
 
 
 def decode_candidates(cuda: bool) -> list[Any]:
-    from kernels.decode_attention import DecodeTiles
+    from tandem.kernels.decode_attention import DecodeTiles
 
     if not cuda:
         return [DecodeTiles(1, 1, 4), DecodeTiles(2, 2, 4)]
@@ -71,7 +72,7 @@ def decode_candidates(cuda: bool) -> list[Any]:
 def prefill_candidates(cuda: bool, group: int) -> list[Any]:
     import triton
 
-    from kernels.prefill_attention import Tiles
+    from tandem.kernels.prefill_attention import Tiles
 
     group_pad = triton.next_power_of_2(group)
     if not cuda:
@@ -134,7 +135,7 @@ def _sweep(
 
 
 def sweep_decode(ctx: Context, shape: Shape, copy_gb_s: float) -> Figures:
-    from kernels import decode_attention
+    from tandem.kernels import decode_attention
 
     sz, s, dev = ctx.sizes, shape, ctx.device
     contexts = (max(sz.kn_decode_contexts[:2]),)
@@ -182,7 +183,7 @@ def sweep_decode(ctx: Context, shape: Shape, copy_gb_s: float) -> Figures:
 
 
 def sweep_prefill(ctx: Context, shape: Shape) -> Figures:
-    from kernels import prefill_attention
+    from tandem.kernels import prefill_attention
 
     sz, s, dev = ctx.sizes, shape, ctx.device
     batch, chunk, prefix = next(

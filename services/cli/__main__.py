@@ -1,8 +1,8 @@
-"""`python -m services.cli ...`: the `tandem` command (services.cli.main)."""
+"""`python -m tandem.services.cli ...`: the `tandem` command (tandem.services.cli.main)."""
 
 import sys
 
-from services.cli.main import main
+from tandem.services.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

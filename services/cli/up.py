@@ -11,11 +11,11 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.cli.model import requested_kv_cache_bytes, resolve_model, up_kv_cache
+from tandem.services.cli.model import requested_kv_cache_bytes, resolve_model, up_kv_cache
 
 if TYPE_CHECKING:
-    from services.up import UpConfig
     from tandem.client import TandemClient
+    from tandem.services.up import UpConfig
 
 # UpConfig fields that `tandem up` sets itself, not from a flag of their own: the flag that does.
 SET_BY_CLI = {"model_dir": "--model"}
@@ -99,12 +99,12 @@ OpenAI API, base_url http://{http}/v1:
 
 
 def up_config(args: argparse.Namespace) -> UpConfig:
-    """UpConfig from `tandem up`'s flags and TANDEM_* variables (services.cli.main adds them,
+    """UpConfig from `tandem up`'s flags and TANDEM_* variables (tandem.services.cli.main adds them,
     one per field), validated before any model is fetched: a bad value exits 2 naming its flag.
     model_dir is --model as given ("": the default model) and kv_cache_bytes the size asked
     for, else the field's default; `resolve` settles both."""
-    from services.common.runtime.flags import build_config, leaves
-    from services.up import UpConfig
+    from tandem.services.common.runtime.flags import build_config, leaves
+    from tandem.services.up import UpConfig
 
     names = {leaf.name for leaf in leaves(UpConfig)}
     values = {name: value for name, value in vars(args).items() if name in names}
@@ -136,8 +136,8 @@ def drop_up_variables(environ: MutableMapping[str, str]) -> None:
     """Remove the TANDEM_* variables of UpConfig's flags from `environ`: they were `tandem up`'s
     settings, and its children, which inherit its environment, get what they need of them as
     flags (a TANDEM_PORT left there would put every worker on the router's port)."""
-    from services.common.runtime.flags import leaves
-    from services.up import UpConfig
+    from tandem.services.common.runtime.flags import leaves
+    from tandem.services.up import UpConfig
 
     for leaf in leaves(UpConfig):
         if leaf.name not in SET_BY_CLI:
@@ -151,8 +151,8 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
-    from services.up import Cluster, wait_for_router
     from tandem.client import TandemClient
+    from tandem.services.up import Cluster, wait_for_router
 
     config, kv_line = resolve(up_config(args), args)
     model_dir = Path(config.model_dir)

@@ -1,4 +1,4 @@
-"""`python -m services.controller --redis-url URL --actuator kubernetes ...`
+"""`python -m tandem.services.controller --redis-url URL --actuator kubernetes ...`
 (flags = ControllerConfig)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.common.runtime.flags import parse_config
-from services.common.runtime.process import run_until_signal, setup_logging
-from services.controller.actuators import Actuator, KubernetesActuator, NoActuator
-from services.controller.config import ControllerConfig
-from services.controller.server import Controller
+from tandem.services.common.runtime.flags import parse_config
+from tandem.services.common.runtime.process import run_until_signal, setup_logging
+from tandem.services.controller.actuators import Actuator, KubernetesActuator, NoActuator
+from tandem.services.controller.config import ControllerConfig
+from tandem.services.controller.server import Controller
 from tandem.types import Role
 
 
@@ -27,7 +27,7 @@ def make_actuator(config: ControllerConfig) -> Actuator:
 
 
 def main() -> None:
-    config = parse_config(ControllerConfig, prog="python -m services.controller")
+    config = parse_config(ControllerConfig, prog="python -m tandem.services.controller")
     setup_logging("controller")
 
     async def run() -> None:

@@ -17,8 +17,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from services.controller.host import HostMeter
 from tandem.control import HostCapacity
+from tandem.services.controller.host import HostMeter
 from tandem.types import Role
 
 log = logging.getLogger(__name__)

@@ -1,14 +1,14 @@
-"""The controller process's config. Flags of `python -m services.controller` (and the Helm
+"""The controller process's config. Flags of `python -m tandem.services.controller` (and the Helm
 chart's `controller.config` values, as TANDEM_* env) map 1:1 to leaf fields: the nested
-`sla` and `control` configs are flattened by services.common.runtime.flags (`--ttft-p90-ms`,
+`sla` and `control` configs are flattened by tandem.services.common.runtime.flags (`--ttft-p90-ms`,
 `--max-prefill`, TANDEM_MAX_PREFILL, ...)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.security import AuthConfig
 from tandem.control import SLA, ControlConfig
+from tandem.services.common.security import AuthConfig
 
 ACTUATORS = ("kubernetes", "local", "none")
 
@@ -27,14 +27,14 @@ class ControllerConfig:
     interval_s: how often it decides. window_s: how much history each decision sees.
     sla: the SLA targets at start (tunable at run time with `tandem ctl set-sla`).
     control: the policy's knobs.
-    auth: the internal plane's credentials (services.common.security.AuthConfig).
-    admin_keys_file: the admin API's keys (services.common.security.KeyRing: one
+    auth: the internal plane's credentials (tandem.services.common.security.AuthConfig).
+    admin_keys_file: the admin API's keys (tandem.services.common.security.KeyRing: one
         `<key> <tenant> [scopes]` per line). Set: SetRatio, SetSla and Auto need a key with
         scope "admin"; Status and Explain one with "admin" or "read" (`tandem ctl
         --admin-key-file`, or TANDEM_ADMIN_KEY). Empty: the admin API takes calls without a
         key (keep its port private).
     otlp_endpoint: OTLP gRPC collector for traces; empty: OTEL_EXPORTER_OTLP_ENDPOINT, or
-        none (services.common.observe.tracing; the controller itself records no spans yet).
+        none (tandem.services.common.observe.tracing; the controller itself records no spans yet).
     """
 
     redis_url: str = ""

@@ -31,15 +31,6 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health
 from redis.exceptions import RedisError
 
-from services.common.redis.registry import Registry, WorkerInfo
-from services.common.redis.request_log import RequestLogReader
-from services.common.redis.url import RedisAuthError, is_auth_error
-from services.common.rpc.errors import invalid_argument, rpc
-from services.common.runtime.process import start_grpc_server
-from services.common.security import Bearer, KeyRing, Rule
-from services.controller.actuators import Actuator, ActuatorError
-from services.controller.config import ControllerConfig
-from services.controller.metrics import ControllerMetrics
 from tandem.control import (
     SLA,
     ControlState,
@@ -53,6 +44,15 @@ from tandem.control import (
     percentile,
 )
 from tandem.load import load_fields
+from tandem.services.common.redis.registry import Registry, WorkerInfo
+from tandem.services.common.redis.request_log import RequestLogReader
+from tandem.services.common.redis.url import RedisAuthError, is_auth_error
+from tandem.services.common.rpc.errors import invalid_argument, rpc
+from tandem.services.common.runtime.process import start_grpc_server
+from tandem.services.common.security import Bearer, KeyRing, Rule
+from tandem.services.controller.actuators import Actuator, ActuatorError
+from tandem.services.controller.config import ControllerConfig
+from tandem.services.controller.metrics import ControllerMetrics
 from tandem.types import Role
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from services.common.redis.registry import WorkerInfo
+from tandem.services.common.redis.registry import WorkerInfo
 from tandem.types import Role
 
 

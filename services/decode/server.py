@@ -31,26 +31,26 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.observe import tracing
-from services.common.redis.registry import Registry, WorkerWatcher
-from services.common.rpc import convert
-from services.common.rpc.errors import (
+from tandem import wire
+from tandem.config import EngineRole
+from tandem.engine.prefix_hash import hash_keys
+from tandem.engine.request import RequestSpec, Resume
+from tandem.services.common.observe import tracing
+from tandem.services.common.redis.registry import Registry, WorkerWatcher
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.errors import (
     ServiceError,
     failed_precondition,
     invalid_argument,
     resource_exhausted,
     rpc,
 )
-from services.common.security import derive_key, load_secret
-from services.common.worker.engine_loop import output_batches
-from services.common.worker.kv_pull import Pulled
-from services.common.worker.kv_reader import KVReader, ReadDone
-from services.common.worker.shell import Worker
-from services.decode.roster import PrefillRoster
-from tandem import wire
-from tandem.config import EngineRole
-from tandem.engine.prefix_hash import hash_keys
-from tandem.engine.request import RequestSpec, Resume
+from tandem.services.common.security import derive_key, load_secret
+from tandem.services.common.worker.engine_loop import output_batches
+from tandem.services.common.worker.kv_pull import Pulled
+from tandem.services.common.worker.kv_reader import KVReader, ReadDone
+from tandem.services.common.worker.shell import Worker
+from tandem.services.decode.roster import PrefillRoster
 from tandem.transfer import (
     KVHandoff,
     LayoutMismatch,
@@ -122,7 +122,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     def _prefill_stub(self, address: str) -> wgrpc.PrefillWorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            from services.common.security import internal_channel
+            from tandem.services.common.security import internal_channel
 
             ch = self._channels[address] = internal_channel(address, self.config.auth)
         return wgrpc.PrefillWorkerStub(ch)

@@ -1,9 +1,10 @@
-"""`python -m services.prefill --model-dir DIR [--redis-url URL] ...` (flags = WorkerConfig)."""
+"""`python -m tandem.services.prefill --model-dir DIR [--redis-url URL] ...` (flags =
+WorkerConfig)."""
 
 from __future__ import annotations
 
-from services.common.worker.shell import run_worker
-from services.prefill.server import PrefillServer
+from tandem.services.common.worker.shell import run_worker
+from tandem.services.prefill.server import PrefillServer
 from tandem.types import Role
 
 if __name__ == "__main__":

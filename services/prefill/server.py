@@ -20,18 +20,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.observe import tracing
-from services.common.rpc import convert
-from services.common.rpc.errors import ServiceError, aborted, rpc
-from services.common.security import derive_key, load_secret
-from services.common.worker.engine_loop import Quiet, next_output
-from services.common.worker.shell import Worker
 from tandem.config import EngineRole
 from tandem.engine.device import use_device
 from tandem.engine.engine import LLMEngine
 from tandem.engine.footprint import StateSize
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec
+from tandem.services.common.observe import tracing
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.errors import ServiceError, aborted, rpc
+from tandem.services.common.security import derive_key, load_secret
+from tandem.services.common.worker.engine_loop import Quiet, next_output
+from tandem.services.common.worker.shell import Worker
 from tandem.transfer import KVHandoff, LeaseTable, prompt_hashes, sign_handoff
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc

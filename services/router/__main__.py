@@ -1,16 +1,16 @@
-"""`python -m services.router --model-dir DIR --redis-url URL ...` (flags = RouterConfig)."""
+"""`python -m tandem.services.router --model-dir DIR --redis-url URL ...` (flags = RouterConfig)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from services.common.runtime.flags import parse_config
-from services.common.runtime.process import run_until_signal, setup_logging
-from services.router.server import RouterConfig, RouterServer
+from tandem.services.common.runtime.flags import parse_config
+from tandem.services.common.runtime.process import run_until_signal, setup_logging
+from tandem.services.router.server import RouterConfig, RouterServer
 
 
 def main() -> None:
-    config = parse_config(RouterConfig, prog="python -m services.router")
+    config = parse_config(RouterConfig, prog="python -m tandem.services.router")
     setup_logging("router")
 
     async def run() -> None:

@@ -11,15 +11,15 @@ from typing import Protocol
 
 import grpc
 
-from services.common.observe import tracing
 from tandem.engine.request import RequestSpec
 from tandem.routing import Dispatch, Placement
+from tandem.services.common.observe import tracing
 from tandem.transfer import KVHandoff
 
 
 class CallContext(Protocol):
     """What handling a request needs of its call: a grpc.aio.ServicerContext has both; the
-    HTTP API (services.router.openai.http) passes its own."""
+    HTTP API (tandem.services.router.openai.http) passes its own."""
 
     def time_remaining(self) -> float | None: ...
 

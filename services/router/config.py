@@ -1,4 +1,4 @@
-"""The router process's config. Flags of `python -m services.router` (and the Helm chart's
+"""The router process's config. Flags of `python -m tandem.services.router` (and the Helm chart's
 `router.config` values, as TANDEM_* env) map 1:1 to the leaf fields, the placement policy's
 included (`--cache-weight` sets `routing.cache_weight`)."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.security import AuthConfig
 from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.routing import RoutingConfig
 from tandem.routing.health import BreakerConfig
 from tandem.routing.recovery import RecoveryConfig
+from tandem.services.common.security import AuthConfig
 from tandem.tools import get_format
 
 DEFAULT_MAX_QUEUE_DELAY_S = 120.0
@@ -23,9 +23,9 @@ class RouterConfig:
     model_id: name clients use; default: the directory name.
     host, port: where the public gRPC API listens.
     http_port: the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-        /v1/models, /health; services.router.openai.http) on `host`, with the same keys and
+        /v1/models, /health; tandem.services.router.openai.http) on `host`, with the same keys and
         TLS as the gRPC API; -1: off, 0: any free port (logged).
-    metrics_port: Prometheus /metrics over HTTP on `host` (services.common.observe.metrics);
+    metrics_port: Prometheus /metrics over HTTP on `host` (tandem.services.common.observe.metrics);
         -1: off, 0: any free port (logged).
     redis_url: worker registry and prefix index. Empty: use the static address lists.
     prefill_addresses, decode_addresses: static workers (tests, single-host setups).
@@ -52,7 +52,7 @@ class RouterConfig:
         unreachable worker fails its calls within about twice this.
     request_id_ttl_s: how long a claimed client request id stays claimed in Redis when the
         call has no deadline (bounds what a crashed router leaves behind).
-    api_keys_file: the public API's keys (services.common.security.KeyRing: one
+    api_keys_file: the public API's keys (tandem.services.common.security.KeyRing: one
         `<key> <tenant> [scopes]` per line). Set: every call needs `authorization: Bearer
         <key>` with scope "generate", and each tenant's prompts are cached apart (a per-tenant
         salt in the prefix hashes) unless listed in shared_cache_tenants. Empty: no keys
@@ -63,9 +63,10 @@ class RouterConfig:
     routing: the placement policy's knobs (tandem.routing.RoutingConfig).
     recovery: the per-request retry budget and fallbacks (tandem.routing.recovery).
     breaker: per-worker circuit breakers from RPC outcomes (tandem.routing.health).
-    auth: the internal plane's credentials (services.common.security.AuthConfig).
+    auth: the internal plane's credentials (tandem.services.common.security.AuthConfig).
     otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty: the
-        OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing (services.common.observe.tracing).
+        OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing
+        (tandem.services.common.observe.tracing).
     tool_call_parser: how the model writes tool calls (tandem.tools): hermes, llama3_json,
         mistral, or auto (what the chat template shows; hermes when it shows none).
     """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from services.router.inputs import ChatPrompt, GenerateInput
+from tandem.services.router.inputs import ChatPrompt, GenerateInput
 from tandem.tools import ChoiceMode, ToolFormat
 from tandem.v1 import router_pb2 as rpb
 

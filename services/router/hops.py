@@ -23,13 +23,6 @@ from typing import Any
 
 import grpc
 
-from services.common.observe import tracing
-from services.common.observe.metrics import RouterMetrics
-from services.common.rpc import convert, errors
-from services.router.call import Call, CallContext, worker_request_id
-from services.router.links import Links
-from services.router.placer import Placer
-from services.router.replies import Replies
 from tandem import wire
 from tandem.routing import Placement, WorkerLoad
 from tandem.routing.recovery import (
@@ -43,6 +36,13 @@ from tandem.routing.recovery import (
     worker_fault,
 )
 from tandem.routing.stall import StallWatch
+from tandem.services.common.observe import tracing
+from tandem.services.common.observe.metrics import RouterMetrics
+from tandem.services.common.rpc import convert, errors
+from tandem.services.router.call import Call, CallContext, worker_request_id
+from tandem.services.router.links import Links
+from tandem.services.router.placer import Placer
+from tandem.services.router.replies import Replies
 from tandem.transfer import KVHandoff
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb

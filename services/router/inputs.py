@@ -17,12 +17,12 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from services.common.rpc import convert
-from services.common.rpc.convert_tools import ChatTools
-from services.common.rpc.errors import invalid_argument
 from tandem.chat import Message
 from tandem.engine.grammar import Constraint
 from tandem.engine.sampling import SamplingParams
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.convert_tools import ChatTools
+from tandem.services.common.rpc.errors import invalid_argument
 from tandem.v1 import router_pb2 as rpb
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 
-from services.common import security
-from services.common.observe.metrics import RouterMetrics
-from services.common.runtime.process import channel_options
 from tandem.routing import Placement
+from tandem.services.common import security
+from tandem.services.common.observe.metrics import RouterMetrics
+from tandem.services.common.runtime.process import channel_options
 from tandem.types import Role
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2_grpc as wgrpc

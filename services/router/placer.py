@@ -10,12 +10,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from services.common.observe import tracing
-from services.common.redis.index import RedisPrefixIndex
-from services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
-from services.common.rpc.errors import unavailable
-from services.router.config import RouterConfig
-from services.router.links import Background
 from tandem.engine.prefix_hash import hash_blocks, hash_keys, kv_hash_format
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
@@ -30,6 +24,12 @@ from tandem.routing import (
 )
 from tandem.routing.admission import Admission, estimate_delay_s, queued_tokens
 from tandem.routing.health import CircuitBreakers
+from tandem.services.common.observe import tracing
+from tandem.services.common.redis.index import RedisPrefixIndex
+from tandem.services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
+from tandem.services.common.rpc.errors import unavailable
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.links import Background
 from tandem.types import Role
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 read here once (`Prompts.read`: the model check, a length check before anything else (a
 prompt that cannot fit costs microseconds), the chat rule, tools and sampling parameters
 checked, schemas compiled on a thread pool); the HTTP API reads its own
-(services.router.openai). Either way the core then tokenizes on the pool (never on the event
+(tandem.services.router.openai). Either way the core then tokenizes on the pool (never on the event
 loop) and validates with the engine's own rules (`Prompts.spec`)."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import asyncio
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
-from services.common.rpc import convert
-from services.common.rpc.convert_tools import ChatTools, tools_from_proto
-from services.common.rpc.errors import invalid_argument
-from services.router.inputs import ChatPrompt, GenerateInput, Prompt
 from tandem.chat import ChatError, check_messages
 from tandem.engine.request import RequestSpec, check_prompt
 from tandem.engine.sampling import SamplingParams
 from tandem.model.config import ModelConfig
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.convert_tools import ChatTools, tools_from_proto
+from tandem.services.common.rpc.errors import invalid_argument
+from tandem.services.router.inputs import ChatPrompt, GenerateInput, Prompt
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.tools import (
     DEFAULT_FORMAT,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from services.common.observe.metrics import RouterMetrics
-from services.common.redis.request_log import RequestLog
-from services.common.rpc.errors import ServiceError
-from services.router.call import Call, Timings
 from tandem import wire
 from tandem.control import RequestSample
+from tandem.services.common.observe.metrics import RouterMetrics
+from tandem.services.common.redis.request_log import RequestLog
+from tandem.services.common.rpc.errors import ServiceError
+from tandem.services.router.call import Call, Timings
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 

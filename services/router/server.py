@@ -20,27 +20,31 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health
 
-from services.common import security
-from services.common.observe import tracing
-from services.common.observe.metrics import RouterMetrics, start_metrics_server, stop_metrics_server
-from services.common.redis.request_ids import RequestIds
-from services.common.redis.request_log import RequestLog
-from services.common.rpc import errors
-from services.common.rpc.errors import ServiceError, rpc
-from services.common.runtime.process import start_grpc_server
-from services.router.call import Call, CallContext, Timings, worker_request_id
-from services.router.config import RouterConfig
-from services.router.grpc_tools import CompleteCalls, complete_calls
-from services.router.hops import Hops
-from services.router.inputs import GenerateInput, Source
-from services.router.links import Background, Links
-from services.router.openai.http import OpenAIServer
-from services.router.placer import Placer
-from services.router.prompts import Prompts, check_request_id
-from services.router.replies import Replies
-from services.router.tenants import Tenants
 from tandem.engine.request import RequestSpec
 from tandem.routing import Placement
+from tandem.services.common import security
+from tandem.services.common.observe import tracing
+from tandem.services.common.observe.metrics import (
+    RouterMetrics,
+    start_metrics_server,
+    stop_metrics_server,
+)
+from tandem.services.common.redis.request_ids import RequestIds
+from tandem.services.common.redis.request_log import RequestLog
+from tandem.services.common.rpc import errors
+from tandem.services.common.rpc.errors import ServiceError, rpc
+from tandem.services.common.runtime.process import start_grpc_server
+from tandem.services.router.call import Call, CallContext, Timings, worker_request_id
+from tandem.services.router.config import RouterConfig
+from tandem.services.router.grpc_tools import CompleteCalls, complete_calls
+from tandem.services.router.hops import Hops
+from tandem.services.router.inputs import GenerateInput, Source
+from tandem.services.router.links import Background, Links
+from tandem.services.router.openai.http import OpenAIServer
+from tandem.services.router.placer import Placer
+from tandem.services.router.prompts import Prompts, check_request_id
+from tandem.services.router.replies import Replies
+from tandem.services.router.tenants import Tenants
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
@@ -210,8 +214,8 @@ class RouterServer(rgrpc.RouterServicer):
     ) -> AsyncGenerator[rpb.GenerateResponse, None]:
         """One request of `tenant`, from admission to its last message: the gRPC API (its
         GenerateRequest read by `Prompts.read`) and the HTTP API (the input its parser read,
-        services.router.openai.http) both serve through here, each input read once, here
-        (services.router.inputs); `on_read` sees it once read. Raises ServiceError (after an
+        tandem.services.router.openai.http) both serve through here, each input read once, here
+        (tandem.services.router.inputs); `on_read` sees it once read. Raises ServiceError (after an
         in-stream Error message once the stream has started); cancelling the iteration (a
         client gone) aborts the request on both workers."""
         t_start = time.perf_counter()

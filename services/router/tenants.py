@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from services.common import security
+from tandem.services.common import security
 
 log = logging.getLogger(__name__)
 

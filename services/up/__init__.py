@@ -15,7 +15,8 @@ own sessions, so a terminal's Ctrl-C reaches only this process, which decides th
 Supervision: a thread polls the children every 0.2 s. One that exits on its own (not during
 `stop()`, not a worker the controller told to drain) is started again under the same name
 with the same arguments (the router on the same port, Redis on the same socket, so every
-`--redis-url` stays valid), after a backoff from `services.common.runtime.supervision`; its log is
+`--redis-url` stays valid), after a backoff from `tandem.services.common.runtime.supervision`; its
+log is
 appended to, not truncated. Once a child exits more than `max_restarts` times within
 `restart_window_s`, the supervisor reports it, stops the cluster and sets `failure`, which
 `tandem up` turns into exit status 1. A restarted Redis is empty: workers' heartbeats
@@ -35,8 +36,8 @@ Metrics: every router and worker (and the controller, with autoscale) serves Pro
 child serves where scrapers already look: `Cluster.metrics_addresses`.
 """
 
-from services.up.cluster import Cluster
-from services.up.config import UpConfig
-from services.up.processes import Child, wait_for_router
+from tandem.services.up.cluster import Cluster
+from tandem.services.up.config import UpConfig
+from tandem.services.up.processes import Child, wait_for_router
 
 __all__ = ["Child", "Cluster", "UpConfig", "wait_for_router"]

@@ -1,5 +1,5 @@
 """`tandem up --autoscale`: the ratio controller in this process, with the local actuator
-(services.controller.actuators.LocalActuator) starting and stopping the cluster's workers."""
+(tandem.services.controller.actuators.LocalActuator) starting and stopping the cluster's workers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.controller.actuators import ProcessPool
-from services.up.config import UpConfig
-from services.up.processes import free_port, say
+from tandem.services.controller.actuators import ProcessPool
+from tandem.services.up.config import UpConfig
+from tandem.services.up.processes import free_port, say
 
 
 @dataclass(slots=True)
@@ -33,12 +33,12 @@ def start_controller(
 ) -> EmbeddedController:
     """Start the controller on its own thread and event loop, scaling `pool` (the cluster);
     return once it serves. Raises RuntimeError when it does not start."""
-    from services.common.runtime.flags import parse_config
-    from services.controller.actuators import LocalActuator
-    from services.controller.config import ControllerConfig
-    from services.controller.host import HostMeter
-    from services.controller.server import Controller
     from tandem.control.capacity import describe
+    from tandem.services.common.runtime.flags import parse_config
+    from tandem.services.controller.actuators import LocalActuator
+    from tandem.services.controller.config import ControllerConfig
+    from tandem.services.controller.host import HostMeter
+    from tandem.services.controller.server import Controller
 
     metrics_port = free_port(cfg.host)
     config = parse_config(

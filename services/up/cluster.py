@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.redis.server import PASSWORD_ENV
-from services.common.runtime.supervision import GiveUp, RestartPolicy, describe_exit
-from services.up.autoscale import EmbeddedController, start_controller
-from services.up.config import LOOPBACK_UCX_ENV, UpConfig, cpu_threads_per_worker
-from services.up.processes import Child, say
-from services.up.processes import free_port as _free_port
-from services.up.processes import popen as _popen
-from services.up.processes import read_until as _read_until
-from services.up.processes import write_private as _write_private
+from tandem.services.common.redis.server import PASSWORD_ENV
+from tandem.services.common.runtime.supervision import GiveUp, RestartPolicy, describe_exit
+from tandem.services.up.autoscale import EmbeddedController, start_controller
+from tandem.services.up.config import LOOPBACK_UCX_ENV, UpConfig, cpu_threads_per_worker
+from tandem.services.up.processes import Child, say
+from tandem.services.up.processes import free_port as _free_port
+from tandem.services.up.processes import popen as _popen
+from tandem.services.up.processes import read_until as _read_until
+from tandem.services.up.processes import write_private as _write_private
 from tandem.types import Role
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class Cluster:
         redis_args += ["--dir", str(self.run_dir / "redis-data")]
         redis = self._spawn(
             "redis",
-            ["services.common.redis.server", *redis_args],
+            ["tandem.services.common.redis.server", *redis_args],
             " at ",
             env={PASSWORD_ENV: secrets.token_urlsafe(32)},
         )
@@ -170,7 +170,7 @@ class Cluster:
         router = self._spawn(
             "router",
             [
-                "services.router",
+                "tandem.services.router",
                 "--model-dir",
                 cfg.model_dir,
                 "--cluster-secret-file",
@@ -215,7 +215,7 @@ class Cluster:
             i = self._next_index.get(role, 0)
             self._next_index[role] = i + 1
             name = f"{role}-{i}"
-            args = [f"services.{role}", *self._worker_args, "--worker-id", name]
+            args = [f"tandem.services.{role}", *self._worker_args, "--worker-id", name]
             args += self._device_args()
             args += self._metrics_args()
             return self._spawn(name, args, "READY", wait=False, env=self._service_env)

@@ -1,14 +1,14 @@
 """`tandem up`'s settings (UpConfig; its flags and TANDEM_* variables, one per field, are
-added to the `tandem` command by services.cli.main; services.cli.up builds it)."""
+added to the `tandem` command by tandem.services.cli.main; tandem.services.cli.up builds it)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from services.common.runtime.supervision import RestartConfig
-from services.router.config import DEFAULT_MAX_QUEUE_DELAY_S
 from tandem.config import CacheConfig, EngineConfig
+from tandem.services.common.runtime.supervision import RestartConfig
+from tandem.services.router.config import DEFAULT_MAX_QUEUE_DELAY_S
 from tandem.tools import get_format
 from tandem.transfer import TRANSPORT_KINDS
 
@@ -25,10 +25,11 @@ LOOPBACK_UCX_ENV = {"UCX_NET_DEVICES": "lo"}
 @dataclass(frozen=True, slots=True)
 class UpConfig:
     """One `tandem up` cluster. Flags of `tandem up` map 1:1 to the fields, and so do
-    environment variables with the prefix TANDEM_ (services.common.runtime.flags, as for every
+    environment variables with the prefix TANDEM_ (tandem.services.common.runtime.flags, as for
+    every
     service: `--num-decode 2` or TANDEM_NUM_DECODE=2 set num_decode; the flag wins). Two fields
     the command sets itself: model_dir from --model (a directory or .gguf, resolved by
-    services.cli.model), and kv_cache_bytes, unless asked for, sized from the model.
+    tandem.services.cli.model), and kv_cache_bytes, unless asked for, sized from the model.
 
     Attributes:
         model_dir: the served model's directory (`tandem up --model`).
@@ -85,7 +86,7 @@ class UpConfig:
         ready_timeout_s: how long each process may take to say it is ready.
         autoscale: run the ratio controller, adding and removing workers (local actuator).
         admin_port: the controller's admin API (with autoscale), for `tandem ctl`.
-        controller_args: controller flags (python -m services.controller --help), split as a
+        controller_args: controller flags (python -m tandem.services.controller --help), split as a
             shell would: '--max-prefill 4'.
         host_cores: with autoscale: the cores the host capacity rule counts (one worker per
             core); 0: measured (affinity and cgroup quota, services/controller/host.py).

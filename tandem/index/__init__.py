@@ -1,7 +1,7 @@
 """Cluster-wide prefix-cache index: block hash -> workers holding it, per model.
 
 `PrefixIndex` is the contract (`tandem.index.base`), `MemoryPrefixIndex` the in-process
-implementation; the Redis one lives in `services.common.redis.index` because it does I/O.
+implementation; the Redis one lives in `tandem.services.common.redis.index` because it does I/O.
 """
 
 from tandem.index.base import (

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from tandem.kernels import cpu_ops
 from tandem.quant.kv import KVScales, dequantize_kv, layer_index, quantize_kv
 
 # Up to this many KV heads, CPU decode attention multiplies block-diagonal queries (one
@@ -165,7 +165,7 @@ class AttentionBackend(Protocol):
 
 class TorchAttention:
     """CPU attention with torch ops: gather the context's blocks, then SDPA; decode rows
-    through `decode_kernel` (kernels.cpu_ops: paged, reading blocks in place) when
+    through `decode_kernel` (tandem.kernels.cpu_ops: paged, reading blocks in place) when
     one is given and takes the cache.
 
     Gathers go into a reused workspace: a fresh multi-MB tensor per layer costs page faults

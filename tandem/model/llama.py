@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from tandem.kernels import cpu_ops
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul, onednn_row_counts, onednn_rows, pack

@@ -201,7 +201,7 @@ def moe_forward(
         flat = routed.expert_ids.flatten()
         counts.scatter_add_(0, flat, torch.ones_like(flat))
     if x.is_cuda:  # fixed shapes whatever the routing: CUDA graphs capture it
-        from kernels.fused_moe import fused_moe
+        from tandem.kernels.fused_moe import fused_moe
 
         return fused_moe(
             x, weights.gate_up, weights.down, routed.expert_ids, routed.weights,

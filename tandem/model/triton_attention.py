@@ -1,9 +1,9 @@
 """GPU attention: the Triton paged kernels of `kernels/` behind `AttentionBackend`.
 
-Per layer and step: write the new K/V into their slots (`kernels.kv_write`), then one launch
-for all decode rows (`kernels.decode_attention`, split-K over the block tables, as many
+Per layer and step: write the new K/V into their slots (`tandem.kernels.kv_write`), then one launch
+for all decode rows (`tandem.kernels.decode_attention`, split-K over the block tables, as many
 splits as the step's longest context and the device's SMs call for) and one for all prefill
-chunks (`kernels.prefill_attention`, causal over each chunk's cached prefix and
+chunks (`tandem.kernels.prefill_attention`, causal over each chunk's cached prefix and
 itself). Nothing is gathered into a workspace and no score matrix is materialised; the
 launch grids depend only on tensor shapes, so decode steps can be captured in CUDA graphs.
 Triton is imported on first construction: the CPU path never loads it.
@@ -23,9 +23,9 @@ class TritonAttention:
     needs_paged_batch = True
 
     def __init__(self) -> None:
-        from kernels import decode_attention
-        from kernels.kv_write import write_kv
-        from kernels.prefill_attention import paged_prefill_attention
+        from tandem.kernels import decode_attention
+        from tandem.kernels.kv_write import write_kv
+        from tandem.kernels.prefill_attention import paged_prefill_attention
 
         self._write_kv: Any = write_kv
         self._decode: Any = decode_attention.paged_decode_attention
@@ -119,13 +119,13 @@ def make_attention(name: str, device: str) -> Any:
       triton  the paged Triton kernels (CUDA; the CPU only under TRITON_INTERPRET=1);
       torch   TorchAttention with torch ops only;
       native  TorchAttention with its decode rows through the native paged CPU kernel
-              (kernels.cpu_ops, built with the system's C compiler);
+              (tandem.kernels.cpu_ops, built with the system's C compiler);
       auto    Triton on CUDA; on a CPU native when the kernel builds, else torch.
 
     Raises:
         ValueError: an unknown name, or native where the kernel cannot be built.
     """
-    from kernels import cpu_ops
+    from tandem.kernels import cpu_ops
     from tandem.model.attention import TorchAttention
 
     is_cuda = torch.device(device).type == "cuda"

@@ -19,12 +19,12 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           slower here)
   fp8_scaled_mm CUDA, compute capability  `torch._scaled_mm`: e4m3 x e4m3 on FP8 tensor cores,
                 >= 8.9, bfloat16          row-wise scales (token x channel); the activations
-                                          quantized by one kernel (`kernels.fp8_quant`)
+                                          quantized by one kernel (`tandem.kernels.fp8_quant`)
   dequant       everywhere else           the reference dequantization, then x @ w.T: CPU
                                           float32 (exact to float32 rounding), CUDA without
                                           Triton
   triton        CUDA                      the dequant-GEMM kernels
-                                          (`kernels.quant_matmul.quantized_linear`) up to
+                                          (`tandem.kernels.quant_matmul.quantized_linear`) up to
                                           TRITON_MAX_ROWS rows (decode); above, the matrix
                                           dequantized to the activations' dtype and one
                                           cuBLAS GEMM (prefill)
@@ -172,7 +172,7 @@ def choose_path(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) ->
 
 def triton_available() -> bool:
     try:
-        import kernels.quant_matmul  # noqa: F401
+        import tandem.kernels.quant_matmul  # noqa: F401
     except ImportError:
         return False
     return True
@@ -254,7 +254,7 @@ def quant_matmul(
         y = (xq.to(x.dtype) @ w.t()).float().mul_(sx).mul_(ql.weight.scales).to(x.dtype)
     elif ql.path is QuantPath.FP8_SCALED_MM:
         assert ql.weight is not None and ql.packed_scales is not None
-        from kernels.fp8_quant import quantize_fp8_rows
+        from tandem.kernels.fp8_quant import quantize_fp8_rows
 
         # One kernel for what quantize_fp8_activations does in eight (the same values).
         if act_absmax is None:
@@ -265,7 +265,7 @@ def quant_matmul(
             xq, ql.weight.qweight.t(), scale_a=sx, scale_b=ql.packed_scales, out_dtype=x.dtype
         )
     elif ql.path is QuantPath.TRITON and x.shape[0] <= TRITON_MAX_ROWS:
-        from kernels.quant_matmul import quantized_linear
+        from tandem.kernels.quant_matmul import quantized_linear
 
         y = quantized_linear(fp8_activations(x, ql.scheme, act_absmax).contiguous(), ql.weight)
     else:

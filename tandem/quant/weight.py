@@ -234,7 +234,7 @@ def quantize_fp8_activations(
     The scale is the IEEE quotient absmax / 448 on every device: dividing by a tensor, since
     torch on CUDA turns a division by a Python scalar into a multiplication by its reciprocal
     (one bit off at times), which made the H200's result differ from the fused kernel's
-    (`kernels.fp8_quant`, which divides exactly) in a few activations.
+    (`tandem.kernels.fp8_quant`, which divides exactly) in a few activations.
 
     `absmax` ([n, 1] float32): each row's largest |value| when x holds only some of its
     columns (a tensor-parallel rank's input to a row-parallel matrix: the whole row's)."""

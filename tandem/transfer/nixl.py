@@ -41,7 +41,7 @@ _BACKEND = "UCX"
 # UCX settings this transport is tuned for. UCX reads them from the environment when an agent
 # creates its backend; this module only states them (the core reads no environment): a process
 # applies them before it creates a transport, with
-# `services.common.runtime.process.configure_native_libraries` (values already set win).
+# `tandem.services.common.runtime.process.configure_native_libraries` (values already set win).
 # - UCX_CMA_SEG_SIZE: UCX moves intra-host DRAM reads in process_vm_readv calls of this size
 #   (default 512k); larger segments mean fewer syscalls and page-pinning rounds: measured
 #   +14% for a 12 MiB read and +5% for 192 MiB. The cost, longer individual progress calls,
@@ -94,7 +94,8 @@ class NixlTransport(KVTransport):
     the owner's block count, which `RemoteKV` does not carry.
 
     UCX takes its settings from the environment of the process when the agent is created:
-    apply `UCX_ENV_DEFAULTS` first (`services.common.runtime.process.configure_native_libraries`).
+    apply `UCX_ENV_DEFAULTS` first
+    (`tandem.services.common.runtime.process.configure_native_libraries`).
 
     Thread-safety: callers should use an instance from one thread at a time. As a safety net
     for the common owner layout (a progress thread calling `poll` while the engine thread

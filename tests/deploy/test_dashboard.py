@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.common.observe.metrics import metric_names
-from services.controller.metrics import ControllerMetrics
+from tandem.services.common.observe.metrics import metric_names
+from tandem.services.controller.metrics import ControllerMetrics
 from tests.deploy.helm import CHART, Helm, find, one
 
 DASHBOARD = CHART / "dashboards" / "tandem.json"
@@ -57,7 +57,7 @@ def exported_names() -> set[str]:
 
 def controller_names() -> set[str]:
     """The controller's metrics, read from the registry services/controller/metrics.py builds
-    (services.common.observe.metrics lists them too: the two must agree)."""
+    (tandem.services.common.observe.metrics lists them too: the two must agree)."""
     metrics = ControllerMetrics("127.0.0.1", 0)
     try:
         names = {

@@ -1,4 +1,5 @@
-"""services.common.rpc.healthcheck (the chart's exec probe on Kubernetes < 1.24) against a real
+"""tandem.services.common.rpc.healthcheck (the chart's exec probe on Kubernetes < 1.24) against a
+real
 gRPC server with grpc_health's HealthServicer."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.rpc.healthcheck import check, main
+from tandem.services.common.rpc.healthcheck import check, main
 
 REPO = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -55,7 +56,7 @@ def health_server() -> Iterator[tuple[health.HealthServicer, int]]:
 def test_module_exits_zero_when_serving(health_server: tuple[Any, int]) -> None:
     _, port = health_server
     proc = subprocess.run(
-        [sys.executable, "-m", "services.common.rpc.healthcheck", "--port", str(port)],
+        [sys.executable, "-m", "tandem.services.common.rpc.healthcheck", "--port", str(port)],
         cwd=REPO,
         capture_output=True,
         text=True,

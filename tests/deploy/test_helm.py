@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
-from services.common.runtime.flags import Leaf, leaves, parse_config
-from services.common.security import KeyRing
-from services.common.worker.config import WorkerConfig
-from services.controller.config import ControllerConfig
-from services.router.config import RouterConfig
+from tandem.services.common.runtime.flags import Leaf, leaves, parse_config
+from tandem.services.common.security import KeyRing
+from tandem.services.common.worker.config import WorkerConfig
+from tandem.services.controller.config import ControllerConfig
+from tandem.services.router.config import RouterConfig
 from tests.deploy.helm import (
     CHART,
     GPU_VALUES,
@@ -72,7 +72,7 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
         "redis_url": "bundled or external Redis",
         "model_dir": "model.dir",
         "tensor_parallel_size": "<role>.tensorParallelSize (and the pod's GPU count)",
-        "role": "not rendered: the service's own (python -m services.<role>)",
+        "role": "not rendered: the service's own (python -m tandem.services.<role>)",
         **INTERNAL_AUTH,
     },
     ControllerConfig: {
@@ -89,7 +89,8 @@ CHART_CONTROLLED: dict[type, dict[str, str]] = {
     },
 }
 NOT_RENDERED = {"prefill_addresses", "decode_addresses", "role"}
-# Fields the program sets itself (no flag, no env): see services.common.worker.shell.run_worker.
+# Fields the program sets itself (no flag, no env): see
+# tandem.services.common.worker.shell.run_worker.
 FIXED: dict[type, dict[str, str]] = {WorkerConfig: {"role": "prefill"}}
 
 
@@ -268,7 +269,8 @@ def test_pdb_version_and_probe_kind_follow_the_cluster(
                 assert (shell, flag) == ("sh", "-c")
                 args = script.split()
                 assert args[:6] == [
-                    "exec", "python", "-m", "services.common.rpc.healthcheck", "--port", str(port)
+                    "exec", "python", "-m", "tandem.services.common.rpc.healthcheck",
+                    "--port", str(port),
                 ]  # fmt: skip
                 assert args[args.index("--host") + 1] == '"$TANDEM_HOST"'
                 assert float(args[args.index("--timeout-s") + 1]) < probe["timeoutSeconds"]
@@ -285,7 +287,13 @@ def test_exec_probe_without_the_pod_ip(helm: Helm) -> None:
         assert env_of(container)["TANDEM_HOST"] == "0.0.0.0"
         port = str(container["ports"][0]["containerPort"])
         command = container["readinessProbe"]["exec"]["command"]
-        assert command[:5] == ["python", "-m", "services.common.rpc.healthcheck", "--port", port]
+        assert command[:5] == [
+            "python",
+            "-m",
+            "tandem.services.common.rpc.healthcheck",
+            "--port",
+            port,
+        ]
         assert "--host" not in command
 
 
@@ -539,7 +547,7 @@ def test_config_values_round_trip_through_env(
     helm: Helm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, component: str
 ) -> None:
     """Every settable field, written in a values file, reaches the process as the value it
-    was given: values -> TANDEM_* env -> services.common.runtime.flags.parse_config."""
+    was given: values -> TANDEM_* env -> tandem.services.common.runtime.flags.parse_config."""
     cls = CONFIGS[component]
     fields = _leaves(cls)
     config = {
@@ -652,7 +660,7 @@ def test_worker_pods(helm: Helm) -> None:
         pod = deployment["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         env = env_of(container)
-        assert container["command"] == ["python", "-m", f"services.{role}"]
+        assert container["command"] == ["python", "-m", f"tandem.services.{role}"]
         assert env["TANDEM_HOST"] == env["TANDEM_ADVERTISE_HOST"] == POD_IP
         assert env["TANDEM_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["TANDEM_PORT"] == str(container["ports"][0]["containerPort"])

@@ -346,7 +346,9 @@ def test_gpu_values_are_accepted(kube: KubeCluster, helm: Helm, admin: Any) -> N
         # The 1.20 API server got exec probes (its kubelets cannot probe gRPC natively),
         # through a shell that passes the pod IP the worker listens on.
         command = container.readiness_probe._exec.command
-        assert command[:2] == ["sh", "-c"] and "services.common.rpc.healthcheck" in command[2]
+        assert (
+            command[:2] == ["sh", "-c"] and "tandem.services.common.rpc.healthcheck" in command[2]
+        )
         assert '--host "$TANDEM_HOST"' in command[2]
     finally:
         helm.run("uninstall", "gpu", *flags)

@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.redis.registry import Registry, WorkerInfo
-from services.common.redis.request_log import RequestLog
-from services.common.redis.server import RedisServer
 from tandem.control import RequestSample
+from tandem.services.common.redis.registry import Registry, WorkerInfo
+from tandem.services.common.redis.request_log import RequestLog
+from tandem.services.common.redis.server import RedisServer
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 from tests.deploy.helm import Helm
@@ -79,7 +79,7 @@ def start_controller(
     kubeconfig: Path, redis_url: str, log: Path
 ) -> tuple[subprocess.Popen[str], str]:
     argv = [
-        sys.executable, "-m", "services.controller", "--actuator", "kubernetes",
+        sys.executable, "-m", "tandem.services.controller", "--actuator", "kubernetes",
         "--kubeconfig", str(kubeconfig), "--namespace", NS,
         "--prefill-deployment", "tandem-prefill", "--decode-deployment", "tandem-decode",
         "--redis-url", redis_url, "--model-id", MODEL, "--port", "0", "--metrics-port", "0",
@@ -219,7 +219,7 @@ def test_actuator_retries_a_409_from_a_concurrent_scale(
     scale` has made stale: the API server answers 409, the actuator re-reads and wins."""
     from kubernetes import client
 
-    from services.controller.actuators import KubernetesActuator
+    from tandem.services.controller.actuators import KubernetesActuator
 
     actuator = KubernetesActuator(
         NS, {"prefill": "tandem-prefill", "decode": "tandem-decode"}, str(kube.admin_kubeconfig)

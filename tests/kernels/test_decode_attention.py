@@ -18,8 +18,8 @@ import math
 import pytest
 import torch
 
-from kernels.decode_attention import MAX_SPLITS, choose_num_splits, paged_decode_attention
-from kernels.reference import paged_attention
+from tandem.kernels.decode_attention import MAX_SPLITS, choose_num_splits, paged_decode_attention
+from tandem.kernels.reference import paged_attention
 from tests.kernels.compile_check import assert_lowers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -334,7 +334,7 @@ import sys
 
 import torch
 
-from kernels.decode_attention import (
+from tandem.kernels.decode_attention import (
     _MIN_DOT_DIM, _decode_reduce_kernel, _decode_split_kernel, decode_tiles,
 )
 from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.kv_write import write_kv
-from kernels.prefill_attention import paged_prefill_attention
-from kernels.reference import dequantize_kv_reference, quantize_kv_reference
+from tandem.kernels.decode_attention import paged_decode_attention
+from tandem.kernels.kv_write import write_kv
+from tandem.kernels.prefill_attention import paged_prefill_attention
+from tandem.kernels.reference import dequantize_kv_reference, quantize_kv_reference
 from tests.kernels import test_decode_attention as decode_tests
 from tests.kernels import test_prefill_attention as prefill_tests
 

@@ -1,4 +1,4 @@
-"""The fused fp8 activation quantization (kernels.fp8_quant) against the reference
+"""The fused fp8 activation quantization (tandem.kernels.fp8_quant) against the reference
 `quantize_fp8_activations`: the same e4m3 bytes and the same scales, exactly."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_quant import quantize_fp8_rows
+from tandem.kernels.fp8_quant import quantize_fp8_rows
 from tandem.quant.weight import quantize_fp8_activations
 from tests.kernels.compile_check import assert_lowers
 
@@ -54,7 +54,7 @@ def test_strided_rows_and_empty_batch() -> None:
 
 
 LOWER_SCRIPT = """
-from kernels.fp8_quant import _fp8_rows_kernel
+from tandem.kernels.fp8_quant import _fp8_rows_kernel
 from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 for x in ("fp16", "bf16", "fp32"):

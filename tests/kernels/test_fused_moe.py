@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.fused_moe import align_by_expert, fused_moe
+from tandem.kernels import reference
+from tandem.kernels.fused_moe import align_by_expert, fused_moe
 from tests.kernels.compile_check import assert_lowers
 
 
@@ -105,7 +105,7 @@ def test_rejects_bad_arguments() -> None:
 # wrapper's tiles, in a fresh interpreter without TRITON_INTERPRET. Exit code 3: this Triton
 # cannot target CUDA.
 LOWER_SCRIPT = r"""
-from kernels.fused_moe import _down_kernel, _gate_up_kernel, _tiles
+from tandem.kernels.fused_moe import _down_kernel, _gate_up_kernel, _tiles
 from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 POINTERS = {

@@ -1,4 +1,4 @@
-"""The K/V slot-write kernel against `kernels.reference.write_kv_reference`.
+"""The K/V slot-write kernel against `tandem.kernels.reference.write_kv_reference`.
 
 A write is a copy, so kernel and reference must agree bit for bit (assert_close with zero
 tolerance), on the whole cache: every other slot, layer and block must keep its bytes.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_write import write_kv
-from kernels.reference import write_kv_reference
+from tandem.kernels.kv_write import write_kv
+from tandem.kernels.reference import write_kv_reference
 from tests.kernels.compile_check import assert_lowers
 
 NUM_LAYERS = 2  # writes go to layer 1: a strided view, as kv_cache[:, layer] is
@@ -154,7 +154,7 @@ def test_rejects_bad_arguments(override: dict[str, torch.Tensor], match: str) ->
 # Compiles the kernel for sm_90 (Triton's own LLVM and ptxas, no GPU needed) in a fresh
 # interpreter without TRITON_INTERPRET. Exit code 3: this Triton cannot target CUDA.
 LOWER_SCRIPT = r"""
-from kernels.kv_write import _write_kv_kernel
+from tandem.kernels.kv_write import _write_kv_kernel
 from tests.kernels.compile_check import compile_sm90
 
 # (k/v dtype, cache dtype): an fp8 cache quantizes 16-bit k/v on the way in.

@@ -1,4 +1,4 @@
-"""The paged prefill kernel against `kernels.reference.paged_attention`, request by request.
+"""The paged prefill kernel against `tandem.kernels.reference.paged_attention`, request by request.
 
 On a machine without a GPU the kernel runs on CPU tensors under Triton's interpreter
 (tests/conftest.py sets TRITON_INTERPRET=1), so the grids stay small: 2 kv heads, a few
@@ -14,8 +14,8 @@ from itertools import pairwise
 import pytest
 import torch
 
-from kernels.prefill_attention import paged_prefill_attention
-from kernels.reference import paged_attention, write_kv_reference
+from tandem.kernels.prefill_attention import paged_prefill_attention
+from tandem.kernels.reference import paged_attention, write_kv_reference
 from tandem.model.attention import AttentionMetadata, PrefillSpan, TorchAttention
 from tests.kernels.compile_check import assert_lowers
 
@@ -282,7 +282,7 @@ def test_rejects_bad_arguments(override: dict[str, object], match: str) -> None:
 LOWER_SCRIPT = r"""
 import torch
 
-from kernels.prefill_attention import _prefill_kernel, tiles_for
+from tandem.kernels.prefill_attention import _prefill_kernel, tiles_for
 from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 # Pointers and the q/out/cache strides are multiples of 16 in serving (a launch specialises

@@ -1,4 +1,4 @@
-"""The dequant-GEMM kernels against `kernels.reference`'s int4/scaled matmul references, and
+"""The dequant-GEMM kernels against `tandem.kernels.reference`'s int4/scaled matmul references, and
 those references against the in-memory format's own `QuantizedWeight.dequantize`.
 
 On a machine without a GPU the kernels run under Triton's interpreter (tests/conftest.py), so
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant_matmul import int4_matmul, quantized_linear, scaled_matmul
-from kernels.reference import (
+from tandem.kernels.quant_matmul import int4_matmul, quantized_linear, scaled_matmul
+from tandem.kernels.reference import (
     int4_dequantize_reference,
     int4_matmul_reference,
     scaled_matmul_reference,
@@ -198,7 +198,7 @@ def test_scaled_rejects_bad_arguments(override: dict[str, object], match: str) -
 # the wrapper's tiles, in a fresh interpreter without TRITON_INTERPRET. Exit code 3: this
 # Triton cannot target CUDA.
 LOWER_SCRIPT = r"""
-from kernels.quant_matmul import (
+from tandem.kernels.quant_matmul import (
     G_IDX_BLOCK_K, _int4_matmul_kernel, _scaled_matmul_kernel, tiles_for,
 )
 from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage

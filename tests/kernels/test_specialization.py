@@ -12,9 +12,9 @@ from tests.kernels.compile_check import REPO_ROOT
 
 # Outside the interpreter, which replaces triton.jit and keeps no parameters.
 SCRIPT = r"""
-from kernels.decode_attention import _decode_reduce_kernel, _decode_split_kernel
-from kernels.prefill_attention import _prefill_kernel
-from kernels.quant_matmul import _int4_matmul_kernel, _scaled_matmul_kernel
+from tandem.kernels.decode_attention import _decode_reduce_kernel, _decode_split_kernel
+from tandem.kernels.prefill_attention import _prefill_kernel
+from tandem.kernels.quant_matmul import _int4_matmul_kernel, _scaled_matmul_kernel
 
 kernels = (_decode_split_kernel, _decode_reduce_kernel, _prefill_kernel)
 for kernel in (*kernels, _scaled_matmul_kernel, _int4_matmul_kernel):

@@ -13,9 +13,9 @@ import openai
 import pytest
 import redis
 
-from services.common.redis.server import RedisServer
-from services.up import Cluster, UpConfig, wait_for_router
 from tandem.client import TandemClient
+from tandem.services.common.redis.server import RedisServer
+from tandem.services.up import Cluster, UpConfig, wait_for_router
 from tests.services.processes import stop
 
 
@@ -57,7 +57,7 @@ def spawn(module: str, *args: str) -> tuple[subprocess.Popen[str], str]:
 
 def worker(role: str, model_dir: Path, redis_url: str, worker_id: str, *extra: str):
     return spawn(
-        f"services.{role}",
+        f"tandem.services.{role}",
         "--model-dir",
         str(model_dir),
         "--redis-url",
@@ -76,7 +76,7 @@ def worker(role: str, model_dir: Path, redis_url: str, worker_id: str, *extra: s
 
 def router(model_dir: Path, redis_url: str, *extra: str):
     return spawn(
-        "services.router",
+        "tandem.services.router",
         "--model-dir",
         str(model_dir),
         "--redis-url",

@@ -5,9 +5,9 @@ ValueError while one starting with "plain-fault" is."""
 
 from __future__ import annotations
 
-from services.common.worker.shell import run_worker
-from services.decode.server import DecodeServer
 from tandem.engine.engine import LLMEngine
+from tandem.services.common.worker.shell import run_worker
+from tandem.services.decode.server import DecodeServer
 
 ILLEGAL_ADDRESS = "CUDA error: an illegal memory access was encountered"
 _real_step = LLMEngine.step

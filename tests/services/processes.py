@@ -46,10 +46,12 @@ def worker_pair(
     try:
         common = ("--model-dir", str(model_dir), "--kv-cache-bytes", str(PAIR_KV_BYTES))
         common += ("--device", "cpu")
-        prefill = start("services.prefill", *common, "--worker-id", "prefill-0", *prefill_args)
-        decode = start("services.decode", *common, "--worker-id", "decode-0", *decode_args)
+        prefill = start(
+            "tandem.services.prefill", *common, "--worker-id", "prefill-0", *prefill_args
+        )
+        decode = start("tandem.services.decode", *common, "--worker-id", "decode-0", *decode_args)
         router = start(
-            "services.router", "--model-dir", str(model_dir), "--port", "0",
+            "tandem.services.router", "--model-dir", str(model_dir), "--port", "0",
             "--prefill-addresses", prefill, "--decode-addresses", decode,
             "--disagg-min-uncached-tokens", "0",
         )  # fmt: skip

@@ -20,8 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.up import Cluster, UpConfig
 from tandem.client import TandemClient, TandemError
+from tandem.services.up import Cluster, UpConfig
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 from tandem.weights.tiny import make_tiny_model

@@ -10,8 +10,8 @@ import grpc
 import openai
 import pytest
 
-from services.up import Cluster
 from tandem.client import TandemClient, TandemError, chat_message
+from tandem.services.up import Cluster
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 

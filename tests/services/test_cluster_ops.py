@@ -162,7 +162,7 @@ def test_tandem_up_serves_and_ctrl_c_leaves_no_process(model_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "tandem.services.cli",
             "up",
             "--model",
             str(model_dir),

@@ -27,13 +27,13 @@ _spawn = spawn_logged
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     logs = tmp_path_factory.mktemp("logs")
     decode, decode_address = _spawn(
-        "services.decode", logs / "decode.log",
+        "tandem.services.decode", logs / "decode.log",
         "--model-dir", str(tiny_model_dir), "--transport", "local",
         "--kv-cache-bytes", str(KV_BYTES), "--dtype", "bfloat16", "--device", "cpu",
         "--enable-prefix-caching", "false", "--long-prefill-token-threshold", "8",
     )  # fmt: skip
     router, router_address = _spawn(
-        "services.router", logs / "router.log",
+        "tandem.services.router", logs / "router.log",
         "--model-dir", str(tiny_model_dir), "--port", "0",
         "--decode-addresses", decode_address, "--min-free-block-fraction", "0.2",
     )  # fmt: skip

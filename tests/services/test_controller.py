@@ -14,13 +14,13 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.redis.registry import Registry, WorkerInfo
-from services.common.redis.request_log import RequestLog, RequestLogReader
-from services.controller.actuators import ActuatorError, NoActuator
-from services.controller.config import ControllerConfig
-from services.controller.server import Controller
 from tandem.control import SLA, ControlConfig, HostCapacity, RequestSample
 from tandem.ctl import format_decisions, format_status
+from tandem.services.common.redis.registry import Registry, WorkerInfo
+from tandem.services.common.redis.request_log import RequestLog, RequestLogReader
+from tandem.services.controller.actuators import ActuatorError, NoActuator
+from tandem.services.controller.config import ControllerConfig
+from tandem.services.controller.server import Controller
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 
@@ -398,7 +398,7 @@ def test_metrics_endpoint_exposes_replicas(redis_url: str) -> None:
 def test_every_policy_knob_and_sla_target_is_a_controller_flag() -> None:
     """ControllerConfig holds a ControlConfig and an SLA; flags (and Helm values) flatten them
     by leaf name, so a knob added to the policy is a flag at once, with the same default."""
-    from services.common.runtime import flags
+    from tandem.services.common.runtime import flags
 
     by_name = {leaf.name: leaf for leaf in flags.leaves(ControllerConfig)}
     for nested, cls in (("control", ControlConfig), ("sla", SLA)):
@@ -418,7 +418,7 @@ def test_every_policy_knob_and_sla_target_is_a_controller_flag() -> None:
 
 def test_tandem_ctl_command_line(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     """`tandem ctl ...` as an operator types it, against a controller on a real socket."""
-    from services.cli.main import main as cli
+    from tandem.services.cli.main import main as cli
 
     async def body() -> list[int]:
         controller = Controller(config(redis_url), NoActuator())

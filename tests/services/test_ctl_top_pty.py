@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.common.redis.registry import Registry, WorkerInfo
-from services.common.redis.request_log import RequestLog
 from tandem.control import RequestSample
 from tandem.ctl import ENTER_SCREEN, HOME, LEAVE_SCREEN
+from tandem.services.common.redis.registry import Registry, WorkerInfo
+from tandem.services.common.redis.request_log import RequestLog
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 
@@ -38,7 +38,7 @@ def controller(procs: SimpleNamespace, redis_url: str, tmp_path: Path) -> Iterat
     keys = tmp_path / "admin-keys"
     keys.write_text(f"ops-admin-key-0123456789 ops admin\n{READER} dashboards read\n")
     proc, address = procs.spawn(
-        "services.controller", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        "tandem.services.controller", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
         "--redis-url", redis_url, "--model-id", MODEL, "--interval-s", "0.2",
         "--admin-keys-file", str(keys),
     )  # fmt: skip
@@ -114,7 +114,7 @@ def test_ctl_top_in_a_terminal(controller: str, redis_url: str) -> None:
     env["TERM"] = "xterm"
     pid, fd = pty.fork()
     if pid == 0:  # the child: `tandem ctl top` on the terminal's slave side
-        argv = [sys.executable, "-m", "services.cli", "ctl", "--address", controller, "top"]
+        argv = [sys.executable, "-m", "tandem.services.cli", "ctl", "--address", controller, "top"]
         os.execve(sys.executable, argv, env)
     try:
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))

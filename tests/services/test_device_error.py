@@ -16,11 +16,11 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.redis.registry import Registry
-from services.common.worker.config import WorkerConfig
-from services.common.worker.shell import DEVICE_ERROR_EXIT
-from services.decode.server import DecodeServer
 from tandem.config import CacheConfig, EngineConfig
+from tandem.services.common.redis.registry import Registry
+from tandem.services.common.worker.config import WorkerConfig
+from tandem.services.common.worker.shell import DEVICE_ERROR_EXIT
+from tandem.services.decode.server import DecodeServer
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -140,9 +140,9 @@ def test_a_real_worker_process_exits_on_a_cuda_fault(tiny_model_dir: Path, redis
 @pytest.mark.parametrize(
     "command",
     [
-        ["-m", "services.decode", "--transport", "local", "--model-dir", "MODEL"],
-        ["-m", "services.cli", "generate", "--model", "MODEL", "--max-tokens", "1", "hi"],
-        ["-m", "services.cli", "up", "--model", "MODEL"],
+        ["-m", "tandem.services.decode", "--transport", "local", "--model-dir", "MODEL"],
+        ["-m", "tandem.services.cli", "generate", "--model", "MODEL", "--max-tokens", "1", "hi"],
+        ["-m", "tandem.services.cli", "up", "--model", "MODEL"],
     ],
     ids=["worker", "generate", "up"],
 )

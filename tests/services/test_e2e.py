@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.up import Cluster
 from tandem.client import AsyncTandemClient, TandemClient, TandemError
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
+from tandem.services.up import Cluster
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -173,7 +173,7 @@ def start_worker(role: str, model_dir: Path, *extra: str) -> tuple[subprocess.Po
         [
             sys.executable,
             "-m",
-            f"services.{role}",
+            f"tandem.services.{role}",
             "--model-dir",
             str(model_dir),
             "--kv-cache-bytes",

@@ -23,14 +23,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.common.redis.server import RedisServer
-from services.common.rpc import convert, errors
-from services.common.security import AuthConfig, derive_key, internal_metadata, load_secret
 from tandem.client import TandemClient
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.sampling import SamplingParams
+from tandem.services.common.redis.server import RedisServer
+from tandem.services.common.rpc import convert, errors
+from tandem.services.common.security import AuthConfig, derive_key, internal_metadata, load_secret
 from tandem.transfer import prompt_hashes, sign_handoff
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
@@ -64,7 +64,7 @@ def cluster(
         )
         started.append(decode)
         rogue, rogue_address = procs.spawn(
-            "services.prefill", "--model-dir", str(tiny_model_dir), "--worker-id", "rogue-0",
+            "tandem.services.prefill", "--model-dir", str(tiny_model_dir), "--worker-id", "rogue-0",
             "--kv-cache-bytes", str(KV_BYTES), *common,
         )  # fmt: skip
         started.append(rogue)

@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cli.main import main as tandem_main
-from services.common.rpc.healthcheck import check
-from services.common.security import AuthConfig, bearer_metadata, internal_channel, key_id
+from tandem.services.cli.main import main as tandem_main
+from tandem.services.common.rpc.healthcheck import check
+from tandem.services.common.security import AuthConfig, bearer_metadata, internal_channel, key_id
 from tandem.v1 import admin_pb2 as apb
 from tandem.v1 import admin_pb2_grpc as agrpc
 from tandem.v1 import router_pb2 as rpb
@@ -243,7 +243,7 @@ def test_tls_worker_serves_only_clients_with_a_cluster_certificate(
 @pytest.fixture(scope="module")
 def controller(procs: SimpleNamespace, creds: SimpleNamespace) -> Iterator[str]:
     proc, address = procs.spawn(
-        "services.controller", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        "tandem.services.controller", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
         "--admin-keys-file", str(creds.dir / "admin-keys"),
     )  # fmt: skip
     yield address

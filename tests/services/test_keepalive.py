@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.runtime.process import channel_options
+from tandem.services.common.runtime.process import channel_options
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER = textwrap.dedent(
@@ -28,7 +28,7 @@ SERVER = textwrap.dedent(
 
     from grpc_health.v1 import health
 
-    from services.common.runtime.process import start_grpc_server
+    from tandem.services.common.runtime.process import start_grpc_server
 
 
     async def main() -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.redis.server import RedisServer
 from tandem.client import TandemClient, TandemError
 from tandem.engine.prefix_hash import hash_blocks
 from tandem.routing.policy import home_rank
+from tandem.services.common.redis.server import RedisServer
 from tandem.weights.tiny import make_tiny_model
 
 

@@ -33,8 +33,8 @@ import grpc
 import pytest
 import redis
 
-from services.up import Cluster, UpConfig, wait_for_router
 from tandem.client import TandemClient, TandemError
+from tandem.services.up import Cluster, UpConfig, wait_for_router
 
 WAIT_S = 120.0
 KV_BYTES = 64 << 20
@@ -169,7 +169,7 @@ class TandemUp:
     def __init__(self, model_dir: Path, run_dir: Path) -> None:
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "services.cli", "up",
+                sys.executable, "-m", "tandem.services.cli", "up",
                 "--model", str(model_dir),
                 "--port", "0",
                 "--admin-port", "0",
@@ -219,7 +219,12 @@ def test_every_listener_of_tandem_up_is_on_loopback(tandem_up: TandemUp) -> None
     assert "KV pulled by" in demo, demo  # the demo's long prompt went through NIXL/UCX
     pids = [tandem_up.proc.pid, *descendants(tandem_up.proc.pid)]
     commands = {pid: _cmdline(pid) for pid in pids}
-    for module in ("services.prefill", "services.decode", "services.router", "redis-server"):
+    for module in (
+        "tandem.services.prefill",
+        "tandem.services.decode",
+        "tandem.services.router",
+        "redis-server",
+    ):
         if module == "redis-server":
             assert any("valkey-server" in c or "redis-server" in c for c in commands.values())
         else:
@@ -236,9 +241,9 @@ def test_every_listener_of_tandem_up_is_on_loopback(tandem_up: TandemUp) -> None
         by_pid.setdefault(listener.pid, []).append(listener)
     for pid, command in commands.items():
         tcp = [x for x in by_pid.get(pid, []) if x.kind.startswith("tcp")]
-        if "services.prefill" in command or "services.decode" in command:
+        if "tandem.services.prefill" in command or "tandem.services.decode" in command:
             assert len(tcp) >= 2, (command, tcp)  # gRPC + UCX
-        elif "services.router" in command:
+        elif "tandem.services.router" in command:
             assert len(tcp) >= 1, (command, tcp)
     assert [x for x in by_pid.get(tandem_up.proc.pid, []) if x.kind.startswith("tcp")]
 
@@ -254,7 +259,7 @@ def test_tandem_up_keeps_its_secrets_off_command_lines_and_logs(tandem_up: Tande
     services = {
         pid: _cmdline(pid)
         for pid in pids
-        if " -m services." in _cmdline(pid) and "redis" not in _cmdline(pid)
+        if " -m tandem.services." in _cmdline(pid) and "redis" not in _cmdline(pid)
     }
     assert len(services) == 3, services  # router, prefill, decode
     (run_dir,) = {

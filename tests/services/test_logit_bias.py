@@ -10,9 +10,9 @@ import grpc
 import openai
 import pytest
 
-from services.up import Cluster
 from tandem.client import TandemClient, TandemError
 from tandem.model.config import ModelConfig
+from tandem.services.up import Cluster
 from tandem.tokenizer.tokenizer import Tokenizer
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.observe.metrics import metric_names
-from services.up import Cluster
 from tandem.client import TandemClient
+from tandem.services.common.observe.metrics import metric_names
+from tandem.services.up import Cluster
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

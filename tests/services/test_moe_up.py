@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from services.up import Cluster
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.model.config import ModelConfig
+from tandem.services.up import Cluster
 from tandem.weights.tiny import make_tiny_model
 from tests.conftest import build_hf_model
 from tests.services.conftest import KV_BYTES, up_cluster

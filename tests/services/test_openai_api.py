@@ -18,8 +18,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.up import Cluster
 from tandem.client import TandemClient
+from tandem.services.up import Cluster
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.v1 import worker_pb2 as wpb
 from tests.services.workers import assert_all_free, worker_stub

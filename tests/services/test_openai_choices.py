@@ -15,11 +15,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.router.openai.choices import derive_seed
-from services.up import Cluster
 from tandem.client import TandemClient
 from tandem.config import DEFAULT_BLOCK_SIZE
 from tandem.model.config import ModelConfig
+from tandem.services.router.openai.choices import derive_seed
+from tandem.services.up import Cluster
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.v1 import worker_pb2 as wpb
 from tests.services.workers import assert_all_free, worker_stub

@@ -12,8 +12,8 @@ import jsonschema
 import openai
 import pytest
 
-from services.up import Cluster
 from tandem.client import TandemClient
+from tandem.services.up import Cluster
 from tests.services.test_openai_api import Aborted
 
 QUESTION = "What is the capital of France?"

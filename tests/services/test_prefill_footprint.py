@@ -21,9 +21,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.redis.server import RedisServer
-from services.common.security import AuthConfig, internal_metadata
-from services.up.processes import free_port
+from tandem.services.common.redis.server import RedisServer
+from tandem.services.common.security import AuthConfig, internal_metadata
+from tandem.services.up.processes import free_port
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
@@ -133,8 +133,7 @@ def test_prefill_worker_state_is_bounded_and_released(prefill: SimpleNamespace) 
             errors.append(e)
 
     threads = [
-        threading.Thread(target=client, args=(list(range(k, NUM_REQUESTS, 4)),))
-        for k in range(4)
+        threading.Thread(target=client, args=(list(range(k, NUM_REQUESTS, 4)),)) for k in range(4)
     ]
     for t in threads:
         t.start()

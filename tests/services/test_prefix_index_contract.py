@@ -18,9 +18,6 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from services.common.redis.index import RedisPrefixIndex, _leading_counts
-from services.common.redis.resp import encode_command, parse_reply
-from services.common.redis.server import RedisServer
 from tandem.index import (
     MAX_WORKERS_PER_MODEL,
     ApplyResult,
@@ -31,6 +28,9 @@ from tandem.index import (
     PrefixIndex,
 )
 from tandem.index.base import leading_counts_reference
+from tandem.services.common.redis.index import RedisPrefixIndex, _leading_counts
+from tandem.services.common.redis.resp import encode_command, parse_reply
+from tandem.services.common.redis.server import RedisServer
 from tests.services.processes import free_port
 
 APPLIED, DUPLICATE, NEED_SNAPSHOT = (

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.up import Cluster
 from tandem.client import TandemClient
+from tandem.services.up import Cluster
 from tests.services.processes import free_port
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/helm/tandem/dashboards/tandem.json"

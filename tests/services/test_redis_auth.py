@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.common.redis.index import RedisPrefixIndex
-from services.common.redis.registry import Registry, WorkerWatcher
-from services.common.redis.resp import LookupClient
-from services.common.redis.server import RedisServer
-from services.common.redis.url import RedisAuthError, redact_url, with_credentials
 from tandem.client import TandemClient, TandemError
 from tandem.index import ApplyResult, IndexUnavailable
+from tandem.services.common.redis.index import RedisPrefixIndex
+from tandem.services.common.redis.registry import Registry, WorkerWatcher
+from tandem.services.common.redis.resp import LookupClient
+from tandem.services.common.redis.server import RedisServer
+from tandem.services.common.redis.url import RedisAuthError, redact_url, with_credentials
 
 KV_BYTES = 64 << 20
 START_TIMEOUT_S = 60.0
@@ -100,7 +100,7 @@ class Service:
 
 def _worker(role: str, model_dir: Path, log_dir: Path, url: str, worker_id: str) -> Service:
     return Service(
-        f"services.{role}", log_dir / f"{worker_id}.log", url,
+        f"tandem.services.{role}", log_dir / f"{worker_id}.log", url,
         "--model-dir", str(model_dir),
         "--worker-id", worker_id,
         "--kv-cache-bytes", str(KV_BYTES),
@@ -111,7 +111,7 @@ def _worker(role: str, model_dir: Path, log_dir: Path, url: str, worker_id: str)
 
 def _router(model_dir: Path, log_dir: Path, url: str) -> Service:
     return Service(
-        "services.router", log_dir / "router.log", url,
+        "tandem.services.router", log_dir / "router.log", url,
         "--model-dir", str(model_dir),
         "--port", "0",
         "--worker-refresh-s", "0.1",
@@ -177,7 +177,9 @@ def test_services_serve_through_a_redis_with_a_password(
 
 
 @pytest.mark.parametrize("how", ["wrong password", "no password"])
-@pytest.mark.parametrize("module", ["services.decode", "services.router", "services.controller"])
+@pytest.mark.parametrize(
+    "module", ["tandem.services.decode", "tandem.services.router", "tandem.services.controller"]
+)
 def test_a_service_with_bad_credentials_stops_at_start_up(
     tiny_model_dir: Path, tmp_path: Path, secured_redis: RedisServer, module: str, how: str
 ) -> None:
@@ -185,9 +187,9 @@ def test_a_service_with_bad_credentials_stops_at_start_up(
         url = _with_password(secured_redis, "not-the-password")
     else:
         url = "unix://" + secured_redis.url.split("@", 1)[1]
-    if module == "services.router":
+    if module == "tandem.services.router":
         service = _router(tiny_model_dir, tmp_path, url)
-    elif module == "services.controller":
+    elif module == "tandem.services.controller":
         service = Service(module, tmp_path / "controller.log", url, "--port", "0")
     else:
         service = _worker("decode", tiny_model_dir, tmp_path, url, "d-bad")

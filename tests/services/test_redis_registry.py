@@ -21,17 +21,17 @@ from typing import Any, TypeVar
 import pytest
 import redis
 
-from services.common.redis.registry import (
+from tandem.services.common.redis.registry import (
     KEY_PREFIX,
     Heartbeat,
     Registry,
     WorkerInfo,
     WorkerWatcher,
 )
-from services.common.redis.server import RedisServer, find_redis_server
+from tandem.services.common.redis.server import RedisServer, find_redis_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-REGISTRY_LOGGER = "services.common.redis.registry"
+REGISTRY_LOGGER = "tandem.services.common.redis.registry"
 T = TypeVar("T")
 
 
@@ -172,7 +172,7 @@ def test_misuse_raises_value_error() -> None:
 def test_server_dies_with_a_sigkilled_parent() -> None:
     script = (
         "import time\n"
-        "from services.common.redis.server import RedisServer\n"
+        "from tandem.services.common.redis.server import RedisServer\n"
         "s = RedisServer().start()\n"
         "print(s.pid, s.url, flush=True)\n"
         "time.sleep(60)\n"
@@ -205,7 +205,7 @@ def test_server_dies_with_a_sigkilled_parent() -> None:
 def test_foreground_cli_runs_until_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.common.redis.server"],
+        [sys.executable, "-m", "tandem.services.common.redis.server"],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -25,7 +25,7 @@ from benchmarks.soak_metrics import (  # noqa: E402
     wait_kv_free,
     worker_lease_ttl_s,
 )
-from services.up import Cluster  # noqa: E402
+from tandem.services.up import Cluster  # noqa: E402
 from tests.services.conftest import up_cluster  # noqa: E402
 from tests.services.workers import assert_all_free  # noqa: E402
 

@@ -16,8 +16,8 @@ import pytest
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2
 
-from services.common.redis.server import RedisServer
-from services.common.runtime.process import start_grpc_server
+from tandem.services.common.redis.server import RedisServer
+from tandem.services.common.runtime.process import start_grpc_server
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 

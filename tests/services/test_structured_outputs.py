@@ -16,12 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-from services.up import Cluster
 from tandem.client import TandemClient, TandemError
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.grammar import Constraint, ConstraintKind
 from tandem.engine.sampling import SamplingParams
+from tandem.services.up import Cluster
 from tests.services.conftest import KV_BYTES
 from tests.services.workers import assert_all_free
 

@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.common.redis.server import RedisServer
-from services.common.security import AuthConfig, internal_metadata
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
+from tandem.services.common.redis.server import RedisServer
+from tandem.services.common.security import AuthConfig, internal_metadata
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc

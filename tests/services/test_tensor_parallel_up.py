@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.redis.registry import Registry
-from services.up import Cluster
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.services.common.redis.registry import Registry
+from tandem.services.up import Cluster
 from tandem.weights.tiny import make_tiny_model
 from tests.services.conftest import KV_BYTES, up_cluster
 from tests.services.workers import assert_all_free, assert_answers_as_the_single_engine

@@ -20,8 +20,8 @@ import jsonschema
 import openai
 import pytest
 
-from services.up import Cluster
 from tandem.client import TandemClient
+from tandem.services.up import Cluster
 from tandem.tools import FORMATS, MAX_FORCED_CALLS
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc

@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tspb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tsgrpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from services.up import Cluster
+from tandem.services.up import Cluster
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 from tandem.weights.tiny import make_tiny_model

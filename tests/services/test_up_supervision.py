@@ -21,9 +21,9 @@ import grpc
 import pytest
 import redis
 
-from services.common.redis.worker_info import KEY_PREFIX
-from services.up import Child, Cluster
 from tandem.client import Result, TandemClient, TandemError
+from tandem.services.common.redis.worker_info import KEY_PREFIX
+from tandem.services.up import Child, Cluster
 from tests.services.conftest import KV_BYTES, up_cluster
 from tests.services.processes import alive, children_of
 
@@ -209,7 +209,7 @@ class TandemUp:
     def __init__(self, model_dir: Path, *flags: str) -> None:
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "services.cli", "up",
+                sys.executable, "-m", "tandem.services.cli", "up",
                 "--model", str(model_dir),
                 "--port", "0",
                 "--num-prefill", "0",
@@ -263,7 +263,7 @@ def test_tandem_up_restarts_then_ctrl_c_stops_all_without_restarts(tiny_model_di
     up = TandemUp(tiny_model_dir, "--restart-backoff-s", "0.1")
     try:
         up.serving()
-        old_pid = up.child(b"services.decode")
+        old_pid = up.child(b"tandem.services.decode")
         os.kill(old_pid, signal.SIGKILL)
         new_pid = int(
             up.wait_err(
@@ -287,7 +287,7 @@ def test_tandem_up_exits_1_when_it_gives_up(tiny_model_dir: Path) -> None:
     up = TandemUp(tiny_model_dir, "--max-restarts", "0")
     try:
         up.serving()
-        redis_pid = up.child(b"services.common.redis.server")
+        redis_pid = up.child(b"tandem.services.common.redis.server")
         children = children_of(up.proc.pid)
         os.kill(redis_pid, signal.SIGKILL)
         assert up.proc.wait(timeout=WAIT_S) == 1, "".join(up.err)

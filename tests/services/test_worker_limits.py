@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.rpc.errors import RETRY_AFTER_KEY
+from tandem.services.common.rpc.errors import RETRY_AFTER_KEY
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc

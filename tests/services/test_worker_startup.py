@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.worker.config import WorkerConfig
-from services.decode.server import DecodeServer
 from tandem.config import CacheConfig, EngineConfig
+from tandem.services.common.worker.config import WorkerConfig
+from tandem.services.decode.server import DecodeServer
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 

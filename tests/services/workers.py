@@ -15,11 +15,11 @@ from typing import Any
 import grpc
 import redis
 
-from services.common.security import AuthConfig, internal_metadata
-from services.up import Cluster
 from tandem.client import AsyncTandemClient
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sampling import SamplingParams
+from tandem.services.common.security import AuthConfig, internal_metadata
+from tandem.services.up import Cluster
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 

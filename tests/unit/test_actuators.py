@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from services.controller.actuators import ActuatorError, KubernetesActuator, LocalActuator
-from services.controller.host import HostMeter
 from tandem.control import host_capacity
+from tandem.services.controller.actuators import ActuatorError, KubernetesActuator, LocalActuator
+from tandem.services.controller.host import HostMeter
 
 GIB = 1 << 30
 

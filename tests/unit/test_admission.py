@@ -47,10 +47,10 @@ def test_the_router_counts_a_bursts_earlier_admissions_not_the_placement_snapsho
     predates the others' dispatch. Admission must read the router's in-flight tokens at the
     moment it decides: the overload soak admitted 7 documents in 0.5 s on a stale view, and
     their first tokens came up to 154 s later against a 120 s limit."""
-    from services.router.config import RouterConfig
-    from services.router.placer import Placer
     from tandem.engine.request import RequestSpec
     from tandem.routing.policy import Placement, RouteKind, WorkerLoad
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.router.placer import Placer
 
     config = RouterConfig(model_dir="m", decode_addresses=("d0:1",), max_queue_delay_s=10.0)
     placer = Placer(config, "m")

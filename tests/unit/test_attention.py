@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kernels import reference
 from tandem.engine.runner import MIN_DECODE_GROUP_ROWS
+from tandem.kernels import reference
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan, TorchAttention
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from services.common.rpc import convert
 from tandem.chat import ChatError, Message, ToolCall, check_messages, messages_from_json
+from tandem.services.common.rpc import convert
 from tandem.v1 import router_pb2 as rpb
 
 CALL = ToolCall("call_1", "get_weather", '{"city": "Paris"}')

@@ -11,13 +11,16 @@ from typing import Any
 
 import pytest
 
-from services.up import UpConfig
+from tandem.services.up import UpConfig
 from tandem.tokenizer.tokenizer import Tokenizer
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tandem.services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -68,8 +71,8 @@ def test_generate_reports_a_missing_model(tmp_path) -> None:
 
 
 def test_up_sizes_the_kv_cache_for_the_full_context(tiny_model_dir: Path) -> None:
-    from services.cli.model import up_kv_cache
     from tandem.config import CacheConfig
+    from tandem.services.cli.model import up_kv_cache
 
     # The tiny model: 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes = 512 bytes per token,
     # context 2048: 1 MiB holds it all, so the engine's default (256 MiB) stands.
@@ -98,7 +101,7 @@ def test_up_sizes_a_large_context_above_the_default(tmp_path: Path) -> None:
     """SmolLM2-135M's shape (30 layers, 3 KV heads of 64, context 8192) in fp32: 360 MiB."""
     import json
 
-    from services.cli.model import up_kv_cache
+    from tandem.services.cli.model import up_kv_cache
 
     config = {
         "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
@@ -111,7 +114,7 @@ def test_up_sizes_a_large_context_above_the_default(tmp_path: Path) -> None:
     assert line.startswith("KV cache: 360 MiB per worker (float32) = 8192 tokens")
 
 
-# -- `tandem up`'s flags: UpConfig's fields, through services.common.runtime.flags ------------
+# -- `tandem up`'s flags: UpConfig's fields, through tandem.services.common.runtime.flags ----------
 
 # A non-default value for every UpConfig field with a flag: the flag's text, and the field.
 UP_VALUES: dict[str, tuple[str, Any]] = {
@@ -155,7 +158,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
 @pytest.fixture
 def up_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """No TANDEM_* variable of an UpConfig field from the environment the tests run in."""
-    from services.common.runtime.flags import leaves
+    from tandem.services.common.runtime.flags import leaves
 
     for leaf in leaves(UpConfig):
         monkeypatch.delenv(leaf.env, raising=False)
@@ -163,13 +166,13 @@ def up_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def up_args(*argv: str) -> argparse.Namespace:
-    from services.cli.main import build_parser
+    from tandem.services.cli.main import build_parser
 
     return build_parser().parse_args(["up", *argv])  # reads the environment as it is now
 
 
 def up(*argv: str) -> UpConfig:
-    from services.cli.up import up_config
+    from tandem.services.cli.up import up_config
 
     return up_config(up_args(*argv))
 
@@ -177,8 +180,8 @@ def up(*argv: str) -> UpConfig:
 def test_every_up_config_field_is_a_flag_with_help(up_env: pytest.MonkeyPatch) -> None:
     import re
 
-    from services.cli.up import SET_BY_CLI
-    from services.common.runtime.flags import attribute_docs, leaves
+    from tandem.services.cli.up import SET_BY_CLI
+    from tandem.services.common.runtime.flags import attribute_docs, leaves
 
     names = [leaf.name for leaf in leaves(UpConfig)]
     parser = up_args().parser
@@ -259,7 +262,7 @@ OLD_SPELLINGS = [
 def test_the_old_spellings_give_the_same_config(
     up_env: pytest.MonkeyPatch, tiny_model_dir: Path, argv: list[str], fields: dict[str, Any]
 ) -> None:
-    from services.cli.up import resolve, up_config
+    from tandem.services.cli.up import resolve, up_config
 
     args = up_args("--model", str(tiny_model_dir), *argv)
     config, _ = resolve(up_config(args), args)
@@ -327,7 +330,7 @@ def test_tandem_up_refuses_a_bad_value_before_fetching_a_model() -> None:
 
 
 def test_tandem_up_leaves_its_variables_out_of_its_children_s_environment() -> None:
-    from services.cli.up import drop_up_variables
+    from tandem.services.cli.up import drop_up_variables
 
     environ = {"TANDEM_PORT": "9", "TANDEM_NUM_DECODE": "2", "TANDEM_MAX_NUM_SEQS": "4",
                "TANDEM_MODEL_DIR": "/m", "PATH": "/bin"}  # fmt: skip
@@ -338,9 +341,9 @@ def test_tandem_up_leaves_its_variables_out_of_its_children_s_environment() -> N
 def test_tp_is_the_tensor_parallel_size_everywhere(up_env: pytest.MonkeyPatch) -> None:
     """`--tp N` and `--tensor-parallel-size N` on tandem up, tandem generate and a worker,
     and TANDEM_TENSOR_PARALLEL_SIZE; tandem up refuses it on CUDA (one GPU per worker)."""
-    from services.cli.main import _engine_config, build_parser
-    from services.common.runtime.flags import parse_config
-    from services.common.worker.config import WorkerConfig
+    from tandem.services.cli.main import _engine_config, build_parser
+    from tandem.services.common.runtime.flags import parse_config
+    from tandem.services.common.worker.config import WorkerConfig
 
     assert up("--tp", "2") == up("--tensor-parallel-size", "2")
     assert up("--tp", "2").engine_config().tensor_parallel_size == 2
@@ -357,8 +360,8 @@ def test_tp_is_the_tensor_parallel_size_everywhere(up_env: pytest.MonkeyPatch) -
 def test_generate_shares_the_engine_flags_of_up(
     up_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.cli.main import ENGINE_FLAGS, _engine_config, build_parser
-    from services.cli.up import up_config
+    from tandem.services.cli.main import ENGINE_FLAGS, _engine_config, build_parser
+    from tandem.services.cli.up import up_config
 
     def option_help(command: str) -> dict[str, str]:
         parser = build_parser().parse_args([command, *(["hi"] if command == "generate" else [])])

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.common.rpc import errors
 from tandem.client import (
     RETRY_AFTER_KEY,
     AsyncTandemClient,
@@ -22,6 +21,7 @@ from tandem.client import (
 )
 from tandem.client_convert import apply_response, status_error
 from tandem.client_retry import Attempts
+from tandem.services.common.rpc import errors
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import router_pb2_grpc as rgrpc
 

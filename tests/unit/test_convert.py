@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.rpc import convert
-from services.common.runtime.flags import parse_config
-from services.common.worker.config import WorkerConfig
 from tandem import wire
 from tandem.engine.engine import RequestOutput
 from tandem.engine.grammar import Constraint, ConstraintKind
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import SamplingParams
+from tandem.services.common.rpc import convert
+from tandem.services.common.runtime.flags import parse_config
+from tandem.services.common.worker.config import WorkerConfig
 from tandem.transfer import KVHandoff, KVLayout, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 

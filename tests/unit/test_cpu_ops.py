@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_ops, reference
+from tandem.kernels import cpu_ops, reference
 from tandem.model.attention import DecodeGroup, TorchAttention
 
 

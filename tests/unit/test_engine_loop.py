@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.worker.engine_loop import EngineLoop, is_device_error, output_batches
 from tandem.engine.engine import RequestOutput
 from tandem.load import Load
+from tandem.services.common.worker.engine_loop import EngineLoop, is_device_error, output_batches
 
 
 class IdleEngine:
@@ -178,7 +178,7 @@ def test_an_abort_ends_only_the_stream_it_was_issued_for() -> None:
 
 
 def test_next_output_reports_quiet_without_losing_the_item() -> None:
-    from services.common.worker.engine_loop import Quiet, next_output
+    from tandem.services.common.worker.engine_loop import Quiet, next_output
 
     async def main() -> list[Any]:
         q: asyncio.Queue[Any] = asyncio.Queue()

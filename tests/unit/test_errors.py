@@ -1,4 +1,4 @@
-"""services.common.rpc.errors: a ServiceError raised anywhere in a handler ends the call with
+"""tandem.services.common.rpc.errors: a ServiceError raised anywhere in a handler ends the call with
 its status, for unary and streaming handlers alike, and the stream's cleanup runs."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.common.rpc import errors
-from services.common.rpc.errors import ServiceError, invalid_argument, rpc
+from tandem.services.common.rpc import errors
+from tandem.services.common.rpc.errors import ServiceError, invalid_argument, rpc
 
 
 class Aborted(Exception):

@@ -1,4 +1,5 @@
-"""services.common.runtime.flags over nested config dataclasses: one flag, env var and Helm key per
+"""tandem.services.common.runtime.flags over nested config dataclasses: one flag, env var and Helm
+key per
 leaf field, defaults from nested default instances, fixed fields, duplicate leaf names."""
 
 from __future__ import annotations
@@ -7,10 +8,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.common.runtime.flags import leaves, parse_config
-from services.common.worker.config import WorkerConfig
-from services.router.config import RouterConfig
 from tandem.config import EngineRole
+from tandem.services.common.runtime.flags import leaves, parse_config
+from tandem.services.common.worker.config import WorkerConfig
+from tandem.services.router.config import RouterConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,7 @@ def test_no_config_field_is_declared_twice() -> None:
     """Service configs hold the core configs instead of copying their fields: every leaf
     name is unique in each tree (leaves() raises otherwise), and no service config field
     shares a name with a field of a core config it could have copied."""
-    from services.controller.config import ControllerConfig
+    from tandem.services.controller.config import ControllerConfig
 
     for cls in (WorkerConfig, RouterConfig, ControllerConfig):
         names = [leaf.name for leaf in leaves(cls)]
@@ -149,7 +150,7 @@ class DocumentedInner:
 
 
 def test_attribute_docs_read_every_entry_of_the_attributes_sections() -> None:
-    from services.common.runtime.flags import attribute_docs
+    from tandem.services.common.runtime.flags import attribute_docs
 
     assert attribute_docs(Documented) == {
         "path": "where it is; 50% of the time, elsewhere.",
@@ -185,7 +186,7 @@ def test_a_bad_environment_value_is_a_usage_error_naming_it_when_parsed(
 ) -> None:
     import argparse
 
-    from services.common.runtime.flags import add_flags
+    from tandem.services.common.runtime.flags import add_flags
 
     parser = argparse.ArgumentParser(prog="p")
     add_flags(parser, Documented, environ={"TANDEM_LOW": "two"})  # nothing converted yet
@@ -206,7 +207,7 @@ def test_a_validation_error_names_the_flags_of_the_fields_it_names(
 ) -> None:
     import argparse
 
-    from services.common.runtime.flags import usage_error
+    from tandem.services.common.runtime.flags import usage_error
 
     parser = argparse.ArgumentParser(prog="p")
     flags = {"low": "--low", "high": "--high", "on": "--on"}
@@ -232,7 +233,7 @@ def test_a_validation_error_names_the_flags_of_the_fields_it_names(
 def test_add_flags_takes_some_leaves_with_the_program_s_defaults_and_converters() -> None:
     import argparse
 
-    from services.common.runtime.flags import add_flags, build_config
+    from tandem.services.common.runtime.flags import add_flags, build_config
 
     parser = argparse.ArgumentParser()
     added = add_flags(

@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from services.common.rpc import convert
-from services.router import prompts as prompts_module
-from services.router.inputs import ChatPrompt, GenerateInput, Source
-from services.router.openai import structured
-from services.router.openai import tools as openai_tools
-from services.router.openai.http import OpenAIServer
-from services.router.prompts import Prompts
 from tandem import chat
 from tandem.engine.grammar import ConstraintKind
+from tandem.services.common.rpc import convert
+from tandem.services.router import prompts as prompts_module
+from tandem.services.router.inputs import ChatPrompt, GenerateInput, Source
+from tandem.services.router.openai import structured
+from tandem.services.router.openai import tools as openai_tools
+from tandem.services.router.openai.http import OpenAIServer
+from tandem.services.router.prompts import Prompts
 from tandem.tools import DEFAULT_FORMAT, get_format
 from tandem.v1 import router_pb2 as rpb
 

@@ -81,7 +81,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         assert not tp[side]["truncated_by_budget"]
     assert tp["ratio_engine_over_hf"] > 0
 
-    # kernels: every kernel checked against kernels.reference under Triton's interpreter,
+    # kernels: every kernel checked against tandem.kernels.reference under Triton's interpreter,
     # then every benchmark case run (timed, smoke) and the prefill cases agreeing with SDPA.
     kernels = parts["kernels"]["figures"]
     assert set(kernels["correctness"]) == {"write_kv", "decode", "prefill"}

@@ -31,10 +31,10 @@ ON_MACHINE = {
 ENTRY_MODULES = (
     "tandem.engine",
     "tandem.weights.loader",
-    "kernels.decode_attention",
-    "services.prefill.__main__",
-    "services.decode.__main__",
-    "services.router.__main__",
+    "tandem.kernels.decode_attention",
+    "tandem.services.prefill.__main__",
+    "tandem.services.decode.__main__",
+    "tandem.services.router.__main__",
 )
 
 # The distributions of the modules loaded: by top-level name, and for a namespace package

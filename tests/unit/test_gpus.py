@@ -94,7 +94,7 @@ def test_check_device_fails_fast_on_this_machine_without_cuda() -> None:
 
 
 def test_tandem_up_gives_each_worker_its_place_in_start_order() -> None:
-    from services.up import Cluster, UpConfig
+    from tandem.services.up import Cluster, UpConfig
 
     cluster = Cluster(UpConfig(model_dir="m", device="cuda", num_prefill=1, num_decode=1))
     cluster._gpus = place_workers(2, ["cuda:0", "cuda:1"], 0.9)

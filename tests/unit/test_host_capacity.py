@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from services.controller.host import (
+from tandem.control.capacity import (
+    MEM_RESERVE_BYTES,
+    RSS_HEADROOM,
+    HostCapacity,
+    describe,
+    host_capacity,
+)
+from tandem.services.controller.host import (
     HostMeter,
     cgroup_available,
     host_cores,
@@ -16,13 +23,6 @@ from services.controller.host import (
     parse_kib_field,
     parse_own_cgroups,
     peak_rss,
-)
-from tandem.control.capacity import (
-    MEM_RESERVE_BYTES,
-    RSS_HEADROOM,
-    HostCapacity,
-    describe,
-    host_capacity,
 )
 
 GIB = 1 << 30

@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import reference
-from services.common.redis.worker_info import WorkerInfo
-from services.common.rpc.convert import kv_layout_from_proto, kv_layout_to_proto
 from tandem.config import EngineConfig, EngineRole
 from tandem.engine.kv_cache import block_bytes
 from tandem.engine.prefix_hash import hash_blocks, hash_keys, kv_hash_format
 from tandem.engine.sampling import SamplingParams
+from tandem.kernels import reference
 from tandem.model.attention import TorchAttention
 from tandem.model.config import ModelConfig
 from tandem.quant.kv import (
@@ -30,6 +28,8 @@ from tandem.quant.kv import (
 )
 from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
 from tandem.routing.policy import RouteKind
+from tandem.services.common.redis.worker_info import WorkerInfo
+from tandem.services.common.rpc.convert import kv_layout_from_proto, kv_layout_to_proto
 from tandem.transfer import KVHandoff, KVLayout, LayoutMismatch, RemoteKV, check_compatible
 from tandem.transfer.signing import prompt_hashes, sign_handoff, verify_handoff
 from tests.unit.test_attention import build_case
@@ -376,9 +376,9 @@ def test_the_router_looks_each_kv_format_up_under_its_own_hashes() -> None:
     worker is credited with the other format's blocks."""
     import asyncio
 
-    from services.router.config import RouterConfig
-    from services.router.placer import Placer
     from tandem.engine.request import RequestSpec
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.router.placer import Placer
 
     tokens = tuple(range(5, 69))  # 4 blocks of 16
     plain = hash_blocks(list(tokens), 16, hash_keys("m"))

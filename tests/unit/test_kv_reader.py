@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from services.common.worker.kv_reader import KVReader
+from tandem.services.common.worker.kv_reader import KVReader
 from tandem.transfer import ReadPlan
 from tandem.transfer.local import LocalTransport
 

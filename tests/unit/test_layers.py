@@ -1,12 +1,13 @@
 """Layering, checked on the source with `ast` (nothing is imported to check it).
 
 1. The pure core (engine, model, quant, weights, tokenizer, parallel, routing, control, index,
-   transfer, sim, kernels) imports no `services`, no grpc and no asyncio, and does not touch
+   transfer, sim, kernels) imports no `tandem.services`, no grpc and no asyncio, and does not touch
    the process environment: services parse flags and environment and pass plain config in
    (STYLE.md 1, 3, 16).
-2. Nothing under `tandem/` imports `services` (the `tandem` command lives in services.cli).
-3. The project's own modules (`tandem`, `services`, `kernels`) import each other without a
-   cycle.
+2. Nothing under `tandem/` (but its linked services/ folder) imports `tandem.services` (the
+   `tandem` command lives in tandem.services.cli).
+3. The project's own modules (`tandem` with its linked `services/` and `kernels/` folders:
+   `tandem.services`, `tandem.kernels`) import each other without a cycle.
 
 Every import counts, wherever it is: one inside a function runs only on some code path, so a
 top-level-only scan would miss exactly the lazy imports that hide a dependency.
@@ -35,6 +36,9 @@ PURE_DIRS = (
     "kernels",
 )
 PROJECT_PACKAGES = ("tandem", "services", "kernels")
+# Top-level folders linked into the package (tandem/services, tandem/kernels): their modules
+# are tandem.services.* and tandem.kernels.*, the only names the project installs.
+LINKED_DIRS = ("services", "kernels")
 GENERATED_DIRS = ("tandem/v1",)  # protos/generate.py output
 # Attributes of `os` that read or write the process environment.
 ENV_NAMES = frozenset({"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"})
@@ -60,6 +64,8 @@ def module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts and parts[0] in LINKED_DIRS:  # installed (and imported) under `tandem`
+        parts.insert(0, "tandem")
     return ".".join(parts)
 
 
@@ -84,10 +90,14 @@ def imports(tree: ast.AST, path: Path, root: Path) -> Iterator[Import]:
             yield Import(node.lineno, module, tuple(a.name for a in node.names))
 
 
+def _is_services(module: str) -> bool:
+    return module == "tandem.services" or module.startswith("tandem.services.")
+
+
 def _forbidden_module(module: str) -> bool:
     top = module.partition(".")[0]
     # grpc_health, grpc_reflection, grpc_status are grpc too.
-    return top in ("services", "asyncio", "grpc") or top.startswith("grpc_")
+    return _is_services(module) or top in ("asyncio", "grpc") or top.startswith("grpc_")
 
 
 def forbidden_imports(path: Path, root: Path = REPO_ROOT) -> list[str]:
@@ -190,23 +200,37 @@ def test_core_imports_no_services_grpc_asyncio_and_reads_no_environment() -> Non
 
 
 def test_tandem_imports_no_services() -> None:
-    """The library (`tandem`: core, client, ctl) stands below the services: the `tandem`
-    command, which starts them, lives in services.cli."""
+    """The library (`tandem`: core, client, ctl; not its linked services/ folder) stands below
+    the services: the `tandem` command, which starts them, lives in tandem.services.cli."""
     found = [
         f"{path.relative_to(REPO_ROOT)}:{imp.line}: {imp.module}"
         for path in python_files(REPO_ROOT, ("tandem",), GENERATED_DIRS)
         for imp in imports(ast.parse(path.read_text(), str(path)), path, REPO_ROOT)
-        if imp.module == "services" or imp.module.startswith("services.")
+        if _is_services(imp.module)
     ]
     assert any(python_files(REPO_ROOT, ("tandem",)))
     assert found == []
 
 
+def test_every_import_names_the_installed_package() -> None:
+    """Only `tandem` is installed: the services/ and kernels/ folders are tandem.services and
+    tandem.kernels. An import under their folder names would load a second copy of a module
+    from a checkout (or fail when installed), and `kernels` is Hugging Face's distribution."""
+    dirs = (*PROJECT_PACKAGES, "tests", "benchmarks", "scripts", "protos")
+    found = [
+        f"{path.relative_to(REPO_ROOT)}:{imp.line}: {imp.module}"
+        for path in python_files(REPO_ROOT, dirs, GENERATED_DIRS)
+        for imp in imports(ast.parse(path.read_text(), str(path)), path, REPO_ROOT)
+        if imp.module.partition(".")[0] in LINKED_DIRS
+    ]
+    assert found == []
+
+
 def test_no_import_cycle_among_project_modules() -> None:
     graph = import_graph(REPO_ROOT, PROJECT_PACKAGES, GENERATED_DIRS)
-    assert "tandem.transfer.nixl" in graph and "services.up" in graph
+    assert "tandem.transfer.nixl" in graph and "tandem.services.up" in graph
     # The builder sees edges of every kind in this tree: a lazy one and a submodule one.
-    assert "services.up" in graph["services.cli.main"]  # imported inside a function
+    assert "tandem.services.up" in graph["tandem.services.cli.main"]  # imported inside a function
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {describe_cycle(cycle, graph)}"
 
@@ -222,7 +246,7 @@ def test_forbidden_imports_reports_exactly_the_violations(tmp_path: Path) -> Non
             "core/net.py": '"""Talks gRPC."""\nimport json\nimport grpc.aio\n',
             "core/lazy.py": (
                 "def to_proto(x):\n"
-                "    from services.common import convert\n"
+                "    from tandem.services.common import convert\n"
                 "    return convert.f(x)\n"
             ),
             "core/env.py": 'import os\n\nLEVEL = os.environ.get("X")\n',
@@ -259,7 +283,7 @@ def test_forbidden_imports_reports_exactly_the_violations(tmp_path: Path) -> Non
             "core/env_alias.py:5: imports asyncio",
             "core/env_alias.py:6: os.putenv",
         ],
-        "lazy.py": ["core/lazy.py:2: imports services.common"],
+        "lazy.py": ["core/lazy.py:2: imports tandem.services.common"],
         "net.py": ["core/net.py:3: imports grpc.aio"],
         "rel.py": [],
     }

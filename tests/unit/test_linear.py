@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import tandem.config
-from services.up.config import cpu_threads_per_worker
 from tandem.config import EngineConfig
 from tandem.model.linear import (
     MatmulKind,
@@ -22,6 +21,7 @@ from tandem.model.linear import (
     onednn_rows,
     pack,
 )
+from tandem.services.up.config import cpu_threads_per_worker
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 needs_onednn = pytest.mark.skipif(

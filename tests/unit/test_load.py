@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from services.common.redis.worker_info import WorkerInfo
-from services.controller.server import sample_of
 from tandem.control.samples import WorkerSample
 from tandem.load import COUNT_FIELDS, LOAD_FIELDS, RATE_FIELDS, Load, check_load, load_fields
 from tandem.routing import WorkerLoad
+from tandem.services.common.redis.worker_info import WorkerInfo
+from tandem.services.controller.server import sample_of
 
 # every figure a different value, so a field copied into the wrong one shows
 FULL = Load(

@@ -9,7 +9,7 @@ from datetime import datetime
 
 import pytest
 
-from services.common.runtime.process import escape_log_text, log_formatter, setup_logging
+from tandem.services.common.runtime.process import escape_log_text, log_formatter, setup_logging
 
 # A request id as a client could send it: a forged second line, a colour escape, a line
 # separator, a bidirectional override, and ordinary non-ASCII text.
@@ -24,7 +24,7 @@ def _record(msg: str, *args: object, exc: bool = False) -> logging.LogRecord:
         except ValueError:
             exc_info = sys.exc_info()
     return logging.LogRecord(
-        "services.router.server", logging.INFO, __file__, 7, msg, args, exc_info
+        "tandem.services.router.server", logging.INFO, __file__, 7, msg, args, exc_info
     )
 
 
@@ -41,7 +41,7 @@ def test_escape_log_text() -> None:
 def test_text_record_is_one_escaped_line() -> None:
     line = log_formatter("router").format(_record("route %s: placed", HOSTILE))
     assert line.splitlines() == [line] and "\x1b" not in line and "\u202e" not in line
-    prefix, message = line.split(" router INFO services.router.server: ")
+    prefix, message = line.split(" router INFO tandem.services.router.server: ")
     assert datetime.strptime(prefix, "%Y-%m-%d %H:%M:%S,%f")
     assert message == (
         "route req\\n2025-01-01 00:00:00 router INFO forged\\x1b[31m\\r\\u2028\\u202eé🤖 "
@@ -64,7 +64,7 @@ def test_json_record_round_trips() -> None:
     assert entry == {
         "level": "INFO",
         "service": "router",
-        "logger": "services.router.server",
+        "logger": "tandem.services.router.server",
         "message": f"route {HOSTILE}: placed",
     }
 
@@ -92,7 +92,7 @@ def test_setup_logging_writes_one_line_per_record(
     monkeypatch.setenv("TANDEM_LOG_FORMAT", log_format)
     setup_logging("router")
     try:
-        log = logging.getLogger("services.router.server")
+        log = logging.getLogger("tandem.services.router.server")
         log.info("route %s: placed", HOSTILE)
         log.warning("model %r unknown", "m\nx")
         try:

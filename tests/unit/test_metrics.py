@@ -1,4 +1,4 @@
-"""services.common.observe.metrics with plain objects: the routing-reason categories of real
+"""tandem.services.common.observe.metrics with plain objects: the routing-reason categories of real
 placements, histogram observations for a known chunk sequence, the names the dashboard and
 `tandem ctl top` rely on, and the /metrics server."""
 
@@ -15,7 +15,10 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from services.common.observe.metrics import (
+from tandem.engine.sampling import SamplingParams
+from tandem.load import Load
+from tandem.routing import Placement, RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose
+from tandem.services.common.observe.metrics import (
     RouterMetrics,
     WorkerMetrics,
     metric_names,
@@ -23,10 +26,7 @@ from services.common.observe.metrics import (
     start_metrics_server,
     stop_metrics_server,
 )
-from services.common.rpc.errors import ServiceError
-from tandem.engine.sampling import SamplingParams
-from tandem.load import Load
-from tandem.routing import Placement, RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose
+from tandem.services.common.rpc.errors import ServiceError
 
 
 def w(worker_id: str, role: str) -> WorkerLoad:

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 import tandem.weights.fetch as fetch
-from services.cli import model as cli
 from tandem.model.config import ModelConfig
+from tandem.services.cli import model as cli
 from tandem.weights.fetch import (
     MARKER,
     FetchError,
@@ -275,7 +275,7 @@ def test_generate_serves_a_gguf_file(gguf_file: Path, tmp_path: Path) -> None:
     """End to end, as a user: `tandem generate --model x.gguf` caches under ~/.cache."""
     env = {**os.environ, "HOME": str(tmp_path)}
     res = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--model", str(gguf_file),
+        [sys.executable, "-m", "tandem.services.cli", "generate", "--model", str(gguf_file),
          "--max-tokens", "4", "--ignore-eos", "--token-ids", "hi"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

@@ -108,8 +108,8 @@ def test_routing_rules() -> None:
 def test_worker_metrics_count_tokens_routed_per_expert(hf_model, engine_factory) -> None:
     from prometheus_client import CollectorRegistry
 
-    from services.common.observe.metrics import WorkerMetrics
     from tandem.engine.sampling import SamplingParams
+    from tandem.services.common.observe.metrics import WorkerMetrics
 
     model_dir, _ = hf_model("qwen3-moe")
     engine = engine_factory(model_dir, block_size=4)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from services.router.openai import answers
-from services.router.openai import choices as choices
-from services.router.openai import protocol as oai
+from tandem.services.router.openai import answers
+from tandem.services.router.openai import choices as choices
+from tandem.services.router.openai import protocol as oai
 from tandem.v1 import router_pb2 as rpb
 
 

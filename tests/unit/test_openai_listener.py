@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from services.router.openai.http import listen_socket
+from tandem.services.router.openai.http import listen_socket
 
 
 def accepted_nodelay(listener: socket.socket) -> int:
@@ -50,7 +50,7 @@ def test_an_idle_keep_alive_connection_outlives_the_openai_clients_own() -> None
 
     import openai
 
-    from services.router.openai.http import OpenAIServer
+    from tandem.services.router.openai.http import OpenAIServer
 
     client_expiry = openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry
     assert client_expiry is not None

@@ -8,8 +8,8 @@ from typing import Any
 import grpc
 import pytest
 
-from services.router.openai import answers
-from services.router.openai import protocol as oai
+from tandem.services.router.openai import answers
+from tandem.services.router.openai import protocol as oai
 from tandem.v1 import router_pb2 as rpb
 
 MODEL = "m"

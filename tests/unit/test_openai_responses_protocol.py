@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from services.router.openai import protocol as oai
-from services.router.openai import responses as responses
+from tandem.services.router.openai import protocol as oai
+from tandem.services.router.openai import responses as responses
 from tandem.v1 import router_pb2 as rpb
 
 MODEL = "m"

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from services.router.openai import protocol as oai
-from services.router.openai import structured as structured
 from tandem.engine.grammar import Constraint
+from tandem.services.router.openai import protocol as oai
+from tandem.services.router.openai import structured as structured
 from tandem.v1 import router_pb2 as rpb
 
 MODEL = "tiny"

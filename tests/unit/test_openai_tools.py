@@ -1,4 +1,4 @@
-"""The OpenAI API's tool rules (services.router.openai.tools, openai_protocol.Answer with
+"""The OpenAI API's tool rules (tandem.services.router.openai.tools, openai_protocol.Answer with
 tools): a body's tools on the wire, and the exact chunks and whole answers an answer with
 calls makes."""
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from services.common.rpc.convert_tools import ChatTools, tools_from_proto, tools_to_proto
-from services.router.grpc_tools import CompleteCalls
-from services.router.openai import answers
-from services.router.openai import protocol as oai
-from services.router.openai import responses as openai_responses
-from services.router.openai.responses_tools import ToolReply
+from tandem.services.common.rpc.convert_tools import ChatTools, tools_from_proto, tools_to_proto
+from tandem.services.router.grpc_tools import CompleteCalls
+from tandem.services.router.openai import answers
+from tandem.services.router.openai import protocol as oai
+from tandem.services.router.openai import responses as openai_responses
+from tandem.services.router.openai.responses_tools import ToolReply
 from tandem.tools import FORMATS, ChoiceMode, Tool, ToolChoice
 from tandem.v1 import router_pb2 as rpb
 

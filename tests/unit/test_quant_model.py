@@ -202,7 +202,7 @@ def test_generate_serves_a_quantized_model(tiny_model_dir: Path, tmp_path: Path)
 
     def generate(model: Path, *flags: str) -> list[int]:
         res = subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", "--model", str(model),
+            [sys.executable, "-m", "tandem.services.cli", "generate", "--model", str(model),
              "--dtype", "float32", "--max-tokens", "6", "--ignore-eos", "--token-ids",
              *flags, "hello"],
             capture_output=True, text=True, timeout=300,
@@ -216,7 +216,7 @@ def test_generate_serves_a_quantized_model(tiny_model_dir: Path, tmp_path: Path)
 
 
 def test_worker_metrics_report_the_weight_bytes() -> None:
-    from services.common.observe.metrics import WorkerMetrics
+    from tandem.services.common.observe.metrics import WorkerMetrics
 
     metrics = WorkerMetrics("decode")
     metrics.weights(179_671_680, "int4")
@@ -270,17 +270,17 @@ def test_a_quantized_checkpoint_is_kept_as_stored(
 def test_the_triton_path_matches_the_reference_under_the_interpreter(
     scheme: str, max_rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """CUDA's path (kernels.quant_matmul.quantized_linear) dispatched by quant_matmul, run by
+    """CUDA's path (tandem.kernels.quant_matmul.quantized_linear) dispatched by quant_matmul, run by
     Triton's interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1); with more
     rows than TRITON_MAX_ROWS (2 here) its dequantize-then-GEMM branch, which must not call
     the kernel."""
     pytest.importorskip("triton")
-    import kernels.quant_matmul
+    import tandem.kernels.quant_matmul
     import tandem.quant.linear as quant_linear
 
     monkeypatch.setattr(quant_linear, "TRITON_MAX_ROWS", max_rows)
     if max_rows < 3:
-        monkeypatch.setattr(kernels.quant_matmul, "quantized_linear", None)  # not called
+        monkeypatch.setattr(tandem.kernels.quant_matmul, "quantized_linear", None)  # not called
     g = torch.Generator().manual_seed(3)
     qw = quantize(torch.randn(64, 64, generator=g) * 0.05, WeightScheme(scheme), GROUP)
     ql = pack_quantized(qw, torch.float32, Workspace(), QuantPath.TRITON)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.redis.registry import WorkerInfo
-from services.decode.roster import PrefillRoster
+from tandem.services.common.redis.registry import WorkerInfo
+from tandem.services.decode.roster import PrefillRoster
 
 
 def info(worker_id: str, epoch: int, role: str = "prefill", address: str = "") -> WorkerInfo:

@@ -1,6 +1,6 @@
 """The router's checks before any work: a client's request id (a bounded printable label:
 it appears in logs) and a prompt's size against the model's context (before tokenizing; the
-same rule for both APIs' inputs, services.router.inputs)."""
+same rule for both APIs' inputs, tandem.services.router.inputs)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.rpc import convert
-from services.common.rpc.errors import ServiceError
-from services.router.inputs import ChatPrompt
-from services.router.prompts import MAX_REQUEST_ID_CHARS, Prompts, check_request_id, check_size
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.errors import ServiceError
+from tandem.services.router.inputs import ChatPrompt
+from tandem.services.router.prompts import (
+    MAX_REQUEST_ID_CHARS,
+    Prompts,
+    check_request_id,
+    check_size,
+)
 from tandem.v1 import router_pb2 as rpb
 
 

@@ -1,4 +1,4 @@
-"""services.common.security: key files, derived keys, and the auth rules checked by a real
+"""tandem.services.common.security: key files, derived keys, and the auth rules checked by a real
 in-process gRPC server (tandem.v1.DecodeWorker on 127.0.0.1) through start_grpc_server."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.common.runtime.process import start_grpc_server
-from services.common.security import (
+from tandem.services.common.runtime.process import start_grpc_server
+from tandem.services.common.security import (
     AuthConfig,
     AuthInterceptor,
     Bearer,

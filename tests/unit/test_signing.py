@@ -10,8 +10,8 @@ import struct
 
 import pytest
 
-from services.common.rpc import convert
 from tandem.engine.prefix_hash import hash_block, hash_blocks, hash_keys
+from tandem.services.common.rpc import convert
 from tandem.transfer import KVHandoff, KVLayout, RankKV, RemoteKV
 from tandem.transfer.signing import handoff_message, prompt_hashes, sign_handoff, verify_handoff
 

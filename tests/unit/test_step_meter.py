@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.worker.engine_loop import StepMeter
+from tandem.services.common.worker.engine_loop import StepMeter
 
 
 class Clock:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.runtime.supervision import (
+from tandem.services.common.runtime.supervision import (
     GiveUp,
     Restart,
     RestartConfig,

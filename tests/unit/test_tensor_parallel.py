@@ -22,7 +22,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.common.redis.worker_info import WorkerInfo
 from tandem.config import EngineConfig
 from tandem.engine.loading import shard_for
 from tandem.engine.sampling import SamplingParams
@@ -39,6 +38,7 @@ from tandem.parallel.sharding import (
 )
 from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
 from tandem.routing.policy import RouteKind, can_hand_off
+from tandem.services.common.redis.worker_info import WorkerInfo
 from tandem.types import Role
 from tandem.weights.safetensors_io import TensorReader, read_header
 from tests.unit.test_model_parity import (

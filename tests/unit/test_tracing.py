@@ -1,4 +1,5 @@
-"""services.common.observe.tracing without a collector: off by default, W3C context round trips
+"""tandem.services.common.observe.tracing without a collector: off by default, W3C context round
+trips
 through gRPC metadata, span status on errors, and the attributes computed from plain data
 (route candidates, KV read descriptors, engine phases)."""
 
@@ -17,9 +18,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from services.common.observe import tracing
-from services.common.rpc.errors import ServiceError, unavailable
 from tandem.routing import RouteKind, RouteRequest, RoutingConfig, WorkerLoad, choose, weigh
+from tandem.services.common.observe import tracing
+from tandem.services.common.rpc.errors import ServiceError, unavailable
 
 CLIENT_TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 CLIENT_TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.runtime.process import configure_native_libraries
+from tandem.services.common.runtime.process import configure_native_libraries
 from tandem.transfer import (
     KVLayout,
     KVTransport,

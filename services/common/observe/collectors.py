@@ -2,7 +2,7 @@
 
 `EngineGauges` reads the engine's load (running and waiting requests, KV blocks) and its
 preemptions; `ExpertRouting` reads a mixture-of-experts model's tokens per (layer, expert).
-`WorkerMetrics` (services.common.observe.metrics) registers them on its registry; nothing is
+`WorkerMetrics` (tandem.services.common.observe.metrics) registers them on its registry; nothing is
 computed on the engine's hot path for them.
 """
 

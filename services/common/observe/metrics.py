@@ -10,7 +10,7 @@ Cost on the hot path: one `observe()` per streamed chunk (the router's inter-tok
 `observe_many`), one per engine step (the workers' step time), and a check of the requests
 not yet scheduled after each step (queue time, prefix-cache tokens). Gauges of engine state
 (running, waiting, KV blocks) are read when scraped, not maintained: those collectors live in
-services.common.observe.collectors.
+tandem.services.common.observe.collectors.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import Metric
 
-from services.common.observe.collectors import EngineGauges, ExpertRouting
-from services.common.rpc.errors import ServiceError
-from services.common.worker.kv_pull import Pulled
 from tandem.routing import Placement, RouteKind
+from tandem.services.common.observe.collectors import EngineGauges, ExpertRouting
+from tandem.services.common.rpc.errors import ServiceError
+from tandem.services.common.worker.kv_pull import Pulled
 from tandem.types import KVOutcome, Role
 
 if TYPE_CHECKING:

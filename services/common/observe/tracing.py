@@ -33,8 +33,8 @@ from opentelemetry import trace
 from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.common.worker.kv_pull import Pulled
 from tandem.routing import Candidate, Placement
+from tandem.services.common.worker.kv_pull import Pulled
 from tandem.transfer import coalesce
 from tandem.types import KVOutcome, Role
 

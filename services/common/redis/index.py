@@ -37,18 +37,6 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from services.common.redis.resp import LookupClient
-from services.common.redis.scripts import (
-    APPLY_LUA,
-    BLOCK_KEY_PREFIX,
-    FULL,
-    NAMESPACE,
-    REMOVE_LUA,
-    RESULT_OF_CODE,
-    SNAPSHOT_LUA,
-    WORKERS_KEY,
-)
-from services.common.redis.url import redact_url
 from tandem.index.base import (
     MAX_WORKERS_PER_MODEL,
     ApplyResult,
@@ -60,6 +48,18 @@ from tandem.index.base import (
     check_name,
     check_snapshot,
 )
+from tandem.services.common.redis.resp import LookupClient
+from tandem.services.common.redis.scripts import (
+    APPLY_LUA,
+    BLOCK_KEY_PREFIX,
+    FULL,
+    NAMESPACE,
+    REMOVE_LUA,
+    RESULT_OF_CODE,
+    SNAPSHOT_LUA,
+    WORKERS_KEY,
+)
+from tandem.services.common.redis.url import redact_url
 
 T = TypeVar("T")
 

@@ -26,8 +26,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from services.common.redis.url import RedisAuthError, is_auth_error
-from services.common.redis.worker_info import KEY_PREFIX, WorkerInfo
+from tandem.services.common.redis.url import RedisAuthError, is_auth_error
+from tandem.services.common.redis.worker_info import KEY_PREFIX, WorkerInfo
 from tandem.types import Role
 
 # WorkerInfo and its key prefix are re-exported: callers import them from here.

@@ -21,8 +21,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common.runtime.process import cancel_and_wait
 from tandem.control import RequestSample
+from tandem.services.common.runtime.process import cancel_and_wait
 
 log = logging.getLogger(__name__)
 

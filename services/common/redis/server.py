@@ -9,7 +9,7 @@ With a `password` the server requires AUTH (`requirepass`, or an ACL user with `
 and `url` carries the credentials. The password goes to the server in a config file of mode
 0600 in its directory, never on a command line, where `ps` would show it to other users.
 
-Run one in the foreground with `python -m services.common.redis.server [--port N]` (with the
+Run one in the foreground with `python -m tandem.services.common.redis.server [--port N]` (with the
 password, if any, in the environment variable REDIS_PASSWORD).
 """
 
@@ -34,7 +34,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.common.redis.url import redact_url, with_credentials
+from tandem.services.common.redis.url import redact_url, with_credentials
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _READY_TIMEOUT_S = 10.0
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     on stdout carries it: stdout is the caller's (a pipe to `tandem up`, or a terminal), while
     the server's log gets nothing secret."""
     parser = argparse.ArgumentParser(
-        prog="python -m services.common.redis.server",
+        prog="python -m tandem.services.common.redis.server",
         description="Run a throwaway Redis/Valkey server (no persistence) in the foreground.",
     )
     parser.add_argument("--port", type=int, default=None, help="TCP port (default: unix socket)")

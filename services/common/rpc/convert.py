@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.redis.worker_info import WorkerInfo
 from tandem.chat import Message, ToolCall
 from tandem.engine.engine import RequestOutput
 from tandem.engine.grammar import Constraint, ConstraintKind
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.routing.stall import HopProgress
+from tandem.services.common.redis.worker_info import WorkerInfo
 from tandem.transfer import KVHandoff, KVLayout, RankKV, RemoteKV
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb

@@ -12,12 +12,11 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from services.common.rpc.wrap import around
-
 # The pushback trailer (milliseconds to wait before a retry) and its reader live in the
 # client, which must not import services.
 from tandem.client import RETRY_AFTER_KEY as RETRY_AFTER_KEY
 from tandem.client import retry_after as retry_after
+from tandem.services.common.rpc.wrap import around
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -1,4 +1,5 @@
-"""`python -m services.common.rpc.healthcheck --port N`: a grpc.health.v1 probe for Kubernetes.
+"""`python -m tandem.services.common.rpc.healthcheck --port N`: a grpc.health.v1 probe for
+Kubernetes.
 
 Kubernetes >= 1.24 probes gRPC health natively; the Helm chart execs this module on older
 clusters. It sends one Health/Check to 127.0.0.1:N and exits 0 when the answer is SERVING,
@@ -43,7 +44,7 @@ def check(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m services.common.rpc.healthcheck", description=__doc__.split("\n")[0]
+        prog="python -m tandem.services.common.rpc.healthcheck", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--port", type=int, required=True, help="the server's gRPC port")
     parser.add_argument("--host", default="127.0.0.1")

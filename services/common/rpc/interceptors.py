@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from services.common.rpc.wrap import (
+from tandem.services.common.rpc.wrap import (
     HandlerInterceptor,
     around,
     handler_kind,

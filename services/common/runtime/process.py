@@ -18,8 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.rpc.interceptors import StatusInterceptor
-from services.common.security import AuthConfig, AuthInterceptor, KeyRing, Open, Rule
+from tandem.services.common.rpc.interceptors import StatusInterceptor
+from tandem.services.common.security import AuthConfig, AuthInterceptor, KeyRing, Open, Rule
 
 # Server options every service gets (a caller's `options` entry of the same name wins):
 # accept the keepalive pings of clients using `channel_options` (one per second, also between
@@ -197,7 +197,7 @@ async def start_grpc_server(
 ) -> tuple[grpc.aio.Server, int]:
     """Start an aio server with our services, gRPC health (SERVING) and reflection.
 
-    With `auth_rules` (services.common.security: "/pkg.Service/Method" or "pkg.Service" ->
+    With `auth_rules` (tandem.services.common.security: "/pkg.Service/Method" or "pkg.Service" ->
     Open(), Internal() or Bearer(scope)), every call is first checked by an AuthInterceptor
     holding `auth` (cluster secret, internal TLS) and `keyring` (Bearer keys); health and
     reflection are Open unless the rules say otherwise, methods they do not name Internal.

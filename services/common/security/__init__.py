@@ -41,7 +41,7 @@ Keys never reach a log or a status message: logs name a key by its key_id (first
 digits of its SHA-256).
 """
 
-from services.common.security.client import (
+from tandem.services.common.security.client import (
     bearer_metadata,
     channel_credentials,
     internal_channel,
@@ -49,7 +49,7 @@ from services.common.security.client import (
     metadata_interceptors,
     server_port_credentials,
 )
-from services.common.security.config import (
+from tandem.services.common.security.config import (
     AUTHORIZATION_METADATA,
     CLUSTER_KEY_METADATA,
     DEFAULT_SCOPE,
@@ -60,8 +60,8 @@ from services.common.security.config import (
     derive_key,
     load_secret,
 )
-from services.common.security.keys import KeyRing, Principal, key_id
-from services.common.security.server import (
+from tandem.services.common.security.keys import KeyRing, Principal, key_id
+from tandem.services.common.security.server import (
     AuthInterceptor,
     Bearer,
     Internal,

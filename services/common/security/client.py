@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from services.common.security.config import (
+from tandem.services.common.security.config import (
     AUTHORIZATION_METADATA,
     CLUSTER_KEY_METADATA,
     AuthConfig,
@@ -17,7 +17,7 @@ from services.common.security.config import (
     load_secret,
 )
 
-log = logging.getLogger("services.common.security")
+log = logging.getLogger("tandem.services.common.security")
 
 # -- client side -------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("services.common.security")
+log = logging.getLogger("tandem.services.common.security")
 
 CLUSTER_KEY_METADATA = "x-tandem-cluster-key"
 AUTHORIZATION_METADATA = "authorization"

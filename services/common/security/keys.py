@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.security.config import DEFAULT_SCOPE, MIN_KEY_CHARS
+from tandem.services.common.security.config import DEFAULT_SCOPE, MIN_KEY_CHARS
 
-log = logging.getLogger("services.common.security")
+log = logging.getLogger("tandem.services.common.security")
 
 # -- API keys ---------------------------------------------------------------------------------
 

@@ -11,23 +11,23 @@ from typing import Any
 
 import grpc
 
-from services.common.rpc.wrap import (
+from tandem.services.common.rpc.wrap import (
     HandlerInterceptor,
     around,
     handler_kind,
     is_async,
     replace_behavior,
 )
-from services.common.security.config import (
+from tandem.services.common.security.config import (
     AUTHORIZATION_METADATA,
     CLUSTER_KEY_METADATA,
     AuthConfig,
     cluster_key,
     load_secret,
 )
-from services.common.security.keys import KeyRing, Principal
+from tandem.services.common.security.keys import KeyRing, Principal
 
-log = logging.getLogger("services.common.security")
+log = logging.getLogger("tandem.services.common.security")
 
 # -- rules and the server interceptor ---------------------------------------------------------
 

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.security import AuthConfig
 from tandem.config import EngineConfig
+from tandem.services.common.security import AuthConfig
 from tandem.transfer import TRANSPORT_KINDS
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker process: its engine, plus what the process around it needs. Flags of
-    `python -m services.{prefill,decode}` map 1:1 to the leaf fields
-    (`services.common.runtime.flags`: `--kv-cache-bytes` sets `engine.cache.kv_cache_bytes`);
+    `python -m tandem.services.{prefill,decode}` map 1:1 to the leaf fields
+    (`tandem.services.common.runtime.flags`: `--kv-cache-bytes` sets `engine.cache.kv_cache_bytes`);
     the engine's role is the service's, not a flag.
 
     Attributes:
         engine: model, dtype, device, KV cache and scheduler (tandem.config.EngineConfig).
         worker_id: unique name (also the NIXL agent name); default role-pid.
         host, port: where the gRPC server listens (port 0: any free port).
-        metrics_port: Prometheus /metrics over HTTP on `host` (services.common.observe.metrics); -1:
+        metrics_port: Prometheus /metrics over HTTP on `host`
+        (tandem.services.common.observe.metrics); -1:
             off, 0: any free port (logged).
         advertise_host: host put in the registry (default: host).
         redis_url: registry; empty = do not register (tests that dial workers directly).
@@ -34,10 +35,10 @@ class WorkerConfig:
         max_queued_requests: requests admitted but not yet running in the engine before new
             ones get RESOURCE_EXHAUSTED with a retry hint (the router then tries later or
             elsewhere).
-        auth: the internal plane's credentials (services.common.security.AuthConfig).
+        auth: the internal plane's credentials (tandem.services.common.security.AuthConfig).
         otlp_endpoint: OTLP gRPC collector for traces (e.g. http://collector:4317); empty:
             the OTEL_EXPORTER_OTLP_ENDPOINT variable, or no tracing
-            (services.common.observe.tracing).
+            (tandem.services.common.observe.tracing).
         progress_interval_s: a request without output for this long gets a progress message
             (queue position, tokens computed, engine steps) on its Prefill or Decode stream,
             so the router tells a busy worker from a stalled one (tandem.routing.stall).

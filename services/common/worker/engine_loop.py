@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from services.common.observe.metrics import WorkerMetrics
 from tandem.engine.device import use_device
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.footprint import StateSize
 from tandem.load import Load
 from tandem.routing.stall import HopProgress
+from tandem.services.common.observe.metrics import WorkerMetrics
 from tandem.types import FinishReason
 
 T = TypeVar("T")

@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.common.runtime.process import cancel_and_wait
-from services.common.worker.engine_loop import EngineLoop
 from tandem.engine.engine import LLMEngine
 from tandem.index import ApplyResult, EventBatch, IndexFull, IndexUnavailable, PrefixIndex
+from tandem.services.common.runtime.process import cancel_and_wait
+from tandem.services.common.worker.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 

@@ -16,31 +16,6 @@ from http.server import HTTPServer
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from services.common.observe import tracing
-from services.common.observe.memory import MemoryCollector
-from services.common.observe.metrics import WorkerMetrics, start_metrics_server, stop_metrics_server
-from services.common.redis.index import RedisPrefixIndex
-from services.common.redis.registry import Heartbeat, Registry, WorkerInfo
-from services.common.rpc import convert
-from services.common.rpc.errors import (
-    aborted,
-    already_exists,
-    invalid_argument,
-    resource_exhausted,
-    rpc,
-    unavailable,
-)
-from services.common.runtime.flags import parse_config
-from services.common.runtime.process import (
-    configure_native_libraries,
-    run_until_signal,
-    setup_logging,
-    start_grpc_server,
-)
-from services.common.security import Internal, server_port_credentials
-from services.common.worker.config import WorkerConfig
-from services.common.worker.engine_loop import EngineLoop, OutputQueue
-from services.common.worker.kv_events import KVEventPublisher
 from tandem.config import EngineRole
 from tandem.engine.engine import WARMUP_REQUEST_ID, LLMEngine
 from tandem.engine.footprint import StateSize, engine_footprint
@@ -49,6 +24,35 @@ from tandem.engine.request import RequestSpec, Resume
 from tandem.gpus import check_device
 from tandem.index import IndexUnavailable
 from tandem.load import Load, load_fields
+from tandem.services.common.observe import tracing
+from tandem.services.common.observe.memory import MemoryCollector
+from tandem.services.common.observe.metrics import (
+    WorkerMetrics,
+    start_metrics_server,
+    stop_metrics_server,
+)
+from tandem.services.common.redis.index import RedisPrefixIndex
+from tandem.services.common.redis.registry import Heartbeat, Registry, WorkerInfo
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.errors import (
+    aborted,
+    already_exists,
+    invalid_argument,
+    resource_exhausted,
+    rpc,
+    unavailable,
+)
+from tandem.services.common.runtime.flags import parse_config
+from tandem.services.common.runtime.process import (
+    configure_native_libraries,
+    run_until_signal,
+    setup_logging,
+    start_grpc_server,
+)
+from tandem.services.common.security import Internal, server_port_credentials
+from tandem.services.common.worker.config import WorkerConfig
+from tandem.services.common.worker.engine_loop import EngineLoop, OutputQueue
+from tandem.services.common.worker.kv_events import KVEventPublisher
 from tandem.transfer import KVTransport, make_transport
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
@@ -469,8 +473,11 @@ def _phase(what: str) -> Iterator[None]:
 
 
 def run_worker(server_cls: type[Worker], role: str) -> None:
-    """Entry point of `python -m services.<role>`: flags -> WorkerConfig -> serve until stop."""
-    config = parse_config(WorkerConfig, prog=f"python -m services.{role}", fixed={"role": role})
+    """Entry point of `python -m tandem.services.<role>`: flags -> WorkerConfig -> serve until
+    stop."""
+    config = parse_config(
+        WorkerConfig, prog=f"python -m tandem.services.{role}", fixed={"role": role}
+    )
     setup_logging(role)
     configure_native_libraries(device=config.engine.device)  # before the transport exists
 

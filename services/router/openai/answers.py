@@ -1,6 +1,6 @@
 """OpenAI's answer objects, as pure code: the router's GenerateResponse messages -> chat
 completions and text completions, whole or as chunks, with logprobs, usage and tool calls;
-the model list. Requests are parsed by services.router.openai.protocol."""
+the model list. Requests are parsed by tandem.services.router.openai.protocol."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.router.openai import tools as tools
-from services.router.openai.protocol import JSON, ParsedRequest
 from tandem import wire
+from tandem.services.router.openai import tools as tools
+from tandem.services.router.openai.protocol import JSON, ParsedRequest
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
 
-# The one core -> OpenAI finish-reason table (proto -> core is services.common.rpc.convert's).
+# The one core -> OpenAI finish-reason table (proto -> core is
+# tandem.services.common.rpc.convert's).
 _FINISH = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",

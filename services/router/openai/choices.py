@@ -5,7 +5,7 @@ A request with P prompts and n sequences each has P x n choices; choice `p * n +
 sequence j of prompt p (OpenAI's numbering). Each choice is one GenerateRequest through the
 router: sequence 0 of a prompt goes first and computes the prompt, and its siblings are sent
 once it has its first token, so they find the prompt's blocks in a worker's prefix cache
-instead of computing them again (services.router.openai.fanout does the I/O).
+instead of computing them again (tandem.services.router.openai.fanout does the I/O).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The I/O of an OpenAI request with several choices (n > 1, a list of prompts, echo): one
-router call per choice (services.router.openai.choices plans them), merged into one answer.
+router call per choice (tandem.services.router.openai.choices plans them), merged into one answer.
 
 Sequence 0 of every prompt is sent first; the other sequences once every first one has its
 first token, so they find the prompt's blocks cached instead of computing them again. Until
@@ -18,11 +18,11 @@ import grpc
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from services.common.rpc.errors import ServiceError
-from services.router.openai import answers
-from services.router.openai import choices as choices
-from services.router.openai import protocol as oai
-from services.router.openai.sse import EventStream, error_response, sse, unless_disconnected
+from tandem.services.common.rpc.errors import ServiceError
+from tandem.services.router.openai import answers
+from tandem.services.router.openai import choices as choices
+from tandem.services.router.openai import protocol as oai
+from tandem.services.router.openai.sse import EventStream, error_response, sse, unless_disconnected
 from tandem.v1 import router_pb2 as rpb
 
 Messages = AsyncGenerator[rpb.GenerateResponse, None]

@@ -4,7 +4,8 @@ POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. A 
 through RouterServer.generate exactly as a gRPC Generate does: the same admission, limits,
 placement, recovery, metrics and tenants (API keys from the same KeyRing, in
 `Authorization: Bearer`). The rules (bodies, error objects) are pure code in
-services.router.openai.protocol, the answers in services.router.openai.answers; this module
+tandem.services.router.openai.protocol, the answers in tandem.services.router.openai.answers; this
+module
 does the I/O:
 
 - errors before the first token are HTTP statuses (400/401/403/404/409/429/503) with
@@ -34,26 +35,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common import security
-from services.common.observe import tracing
-from services.common.rpc.convert_tools import ChatTools
-from services.common.rpc.errors import ServiceError
-from services.router.call import CallContext
-from services.router.inputs import GenerateInput, Source, http_input
-from services.router.openai import answers
-from services.router.openai import choices as openai_choices
-from services.router.openai import fanout as openai_fanout
-from services.router.openai import protocol as oai
-from services.router.openai import responses as openai_responses
-from services.router.openai import responses_http as openai_responses_http
-from services.router.openai import structured as structured
-from services.router.openai import tools as openai_tools
-from services.router.openai.responses_tools import ToolReply
-from services.router.openai.sse import EventStream as _EventStream
-from services.router.openai.sse import error_response as _error_response
-from services.router.openai.sse import unless_disconnected as _unless_disconnected
 from tandem.chat import Message
 from tandem.engine.grammar import Constraint
+from tandem.services.common import security
+from tandem.services.common.observe import tracing
+from tandem.services.common.rpc.convert_tools import ChatTools
+from tandem.services.common.rpc.errors import ServiceError
+from tandem.services.router.call import CallContext
+from tandem.services.router.inputs import GenerateInput, Source, http_input
+from tandem.services.router.openai import answers
+from tandem.services.router.openai import choices as openai_choices
+from tandem.services.router.openai import fanout as openai_fanout
+from tandem.services.router.openai import protocol as oai
+from tandem.services.router.openai import responses as openai_responses
+from tandem.services.router.openai import responses_http as openai_responses_http
+from tandem.services.router.openai import structured as structured
+from tandem.services.router.openai import tools as openai_tools
+from tandem.services.router.openai.responses_tools import ToolReply
+from tandem.services.router.openai.sse import EventStream as _EventStream
+from tandem.services.router.openai.sse import error_response as _error_response
+from tandem.services.router.openai.sse import unless_disconnected as _unless_disconnected
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.tools import ToolFormat
 from tandem.v1 import router_pb2 as rpb
@@ -66,7 +67,7 @@ RULE = security.Bearer("generate")  # the API key scope the HTTP API needs, as g
 
 
 class Router(Protocol):
-    """What the HTTP API needs of the router (services.router.server.RouterServer)."""
+    """What the HTTP API needs of the router (tandem.services.router.server.RouterServer)."""
 
     model_id: str
     max_model_len: int
@@ -282,7 +283,7 @@ class OpenAIServer:
         source: Callable[[rpb.GenerateRequest], Source],
     ) -> Response:
         """Several choices (n > 1, a list of prompts) or echo: one router call per choice
-        (services.router.openai.fanout), answered as one."""
+        (tandem.services.router.openai.fanout), answered as one."""
         created = int(time.time())
         context = HttpCallContext(request.headers)
 
@@ -326,7 +327,7 @@ def _sources(
 ) -> Callable[[rpb.GenerateRequest], Source]:
     """The core's source for each router call of one HTTP request (one per choice): the call's
     own prompt, seed and label from its GenerateRequest, and what the body's one parse read
-    and compiled (services.router.inputs.http_input)."""
+    and compiled (tandem.services.router.inputs.http_input)."""
 
     def source(request: rpb.GenerateRequest) -> Source:
         async def read() -> GenerateInput:

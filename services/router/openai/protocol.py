@@ -1,11 +1,12 @@
 """The OpenAI HTTP API's rules, as pure code: request bodies -> GenerateRequest, ServiceError
--> OpenAI error objects (the answers: services.router.openai.answers).
+-> OpenAI error objects (the answers: tandem.services.router.openai.answers).
 
-No I/O here (services.router.openai.http serves it). Every refusal is an `ApiError` naming the
+No I/O here (tandem.services.router.openai.http serves it). Every refusal is an `ApiError` naming
+the
 field, so a client sees a 400 it can act on rather than a 422 listing validator internals.
 Extensions beyond OpenAI's fields (vLLM's names): top_k, min_p, repetition_penalty,
 ignore_eos, stop_token_ids, guided_json, guided_regex, guided_choice, guided_grammar
-(services.router.openai.structured).
+(tandem.services.router.openai.structured).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from typing import Any
 
 import grpc
 
-from services.common.rpc import convert
-from services.common.rpc.convert_tools import ChatTools
-from services.router.inputs import NO_TOOLS
-from services.router.openai import choices as choices
-from services.router.openai import structured as structured
-from services.router.openai import tools as tools
 from tandem import chat
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.convert_tools import ChatTools
+from tandem.services.router.inputs import NO_TOOLS
+from tandem.services.router.openai import choices as choices
+from tandem.services.router.openai import structured as structured
+from tandem.services.router.openai import tools as tools
 from tandem.tools import ToolError, ToolFormat
 from tandem.v1 import router_pb2 as rpb
 
@@ -103,7 +104,7 @@ class ParsedRequest:
     logprobs: per-token logprobs wanted; top_logprobs: how many alternatives per token.
     n: sequences per prompt; more_prompts: completions' 2nd, 3rd, ... prompts (`request` is
     the first's); echo: completions' prompt text before each choice's text
-    (services.router.openai.choices plans the choices).
+    (tandem.services.router.openai.choices plans the choices).
     """
 
     request: rpb.GenerateRequest
@@ -115,11 +116,11 @@ class ParsedRequest:
     n: int = 1
     more_prompts: tuple[rpb.GenerateRequest, ...] = ()
     echo: bool = False
-    # Chat with tools (services.router.openai.tools): the functions an answer may call (none:
+    # Chat with tools (tandem.services.router.openai.tools): the functions an answer may call (none:
     # text only) and how the model writes calls (the router's tool-call parser).
     tool_names: frozenset[str] = frozenset()
     tool_format: ToolFormat | None = None
-    # What the core's input is read from (services.router.inputs.http_input), each read from
+    # What the core's input is read from (tandem.services.router.inputs.http_input), each read from
     # the body once: a chat's messages (checked) and tools (shapes checked; http.py compiles
     # their schemas), and the body's constraint with the field that asked for it (http.py
     # compiles it; `request` carries a copy for the choices' plans only).

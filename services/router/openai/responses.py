@@ -10,8 +10,9 @@ assistant message's tool calls and the tool messages answering them: the chat ru
 before them. `text.format` json_schema / json_object is structured output (the chat API's
 `response_format`, flattened). The chat API's sampling extensions (seed, stop, top_k, min_p,
 penalties, ignore_eos, stop_token_ids, logit_bias) are taken too. Function `tools`,
-`tool_choice` and `parallel_tool_calls` as on chat (services.router.openai.tools; the answer's
-function_call items: services.router.openai.responses_tools). Responses are not stored:
+`tool_choice` and `parallel_tool_calls` as on chat (tandem.services.router.openai.tools; the
+answer's
+function_call items: tandem.services.router.openai.responses_tools). Responses are not stored:
 `previous_response_id` and `background` are refused.
 """
 
@@ -23,13 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.rpc import convert
-from services.common.rpc.convert_tools import ChatTools
-from services.router.inputs import NO_TOOLS
-from services.router.openai import protocol as oai
-from services.router.openai import structured as structured
-from services.router.openai import tools as tools
 from tandem import chat, wire
+from tandem.services.common.rpc import convert
+from tandem.services.common.rpc.convert_tools import ChatTools
+from tandem.services.router.inputs import NO_TOOLS
+from tandem.services.router.openai import protocol as oai
+from tandem.services.router.openai import structured as structured
+from tandem.services.router.openai import tools as tools
 from tandem.tools import ToolError
 from tandem.types import FinishReason
 from tandem.v1 import router_pb2 as rpb
@@ -68,7 +69,7 @@ class ResponsesRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     tool_names: frozenset[str] = frozenset()
-    # The core's input is read from these (services.router.inputs.http_input): the checked
+    # The core's input is read from these (tandem.services.router.inputs.http_input): the checked
     # messages and the tools (shapes checked; http.py compiles their schemas).
     messages: tuple[chat.Message, ...] = ()
     chat_tools: ChatTools = NO_TOOLS

@@ -1,5 +1,5 @@
 """The I/O of POST /v1/responses: a checked request through the router, answered as one
-`response` object or as its stream of events (services.router.openai.responses builds
+`response` object or as its stream of events (tandem.services.router.openai.responses builds
 them). Until the first token an error is an HTTP status; after it, an `error` event."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from collections.abc import AsyncGenerator, Callable
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive
 
-from services.common.rpc.errors import ServiceError
-from services.router.openai import protocol as oai
-from services.router.openai import responses as responses
-from services.router.openai import structured as structured
-from services.router.openai.fanout import Messages, first_message, next_message
-from services.router.openai.sse import EventStream, error_response, sse, unless_disconnected
+from tandem.services.common.rpc.errors import ServiceError
+from tandem.services.router.openai import protocol as oai
+from tandem.services.router.openai import responses as responses
+from tandem.services.router.openai import structured as structured
+from tandem.services.router.openai.fanout import Messages, first_message, next_message
+from tandem.services.router.openai.sse import EventStream, error_response, sse, unless_disconnected
 from tandem.v1 import router_pb2 as rpb
 
 

@@ -1,5 +1,5 @@
 """Function tools on the Responses API (POST /v1/responses), as pure rules (the body's
-`tools`, flat function tools, are read by services.router.openai.tools): an answer with
+`tools`, flat function tools, are read by tandem.services.router.openai.tools): an answer with
 calls -> its output items (text first, as a `message`, then one `function_call` per call)
 and, streamed, OpenAI's events for them:
 
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.router.openai import responses as responses
-from services.router.openai.tools import new_call_id
+from tandem.services.router.openai import responses as responses
+from tandem.services.router.openai.tools import new_call_id
 from tandem.tools import Arguments, CallStart, Content, Event, ToolCallStream, ToolFormat
 from tandem.v1 import router_pb2 as rpb
 

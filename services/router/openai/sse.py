@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.router.openai import protocol as oai
+from tandem.services.router.openai import protocol as oai
 
 
 class Closable(Protocol):

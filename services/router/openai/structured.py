@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.common.rpc import convert
 from tandem.engine.grammar import Constraint
+from tandem.services.common.rpc import convert
 from tandem.v1 import router_pb2 as rpb
 
 # Every field that sets a constraint; at most one may.

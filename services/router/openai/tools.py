@@ -24,7 +24,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.rpc.convert_tools import tools_to_proto
+from tandem.services.common.rpc.convert_tools import tools_to_proto
 from tandem.tools import (
     Arguments,
     CallStart,

@@ -226,7 +226,7 @@ component's config dataclass (services/common/runtime/flags.py). Keys come sorte
 
 {{/*
 A gRPC health probe (grpc.health.v1.Health/Check, service ""). Kubernetes >= 1.24 checks it
-natively; older clusters exec services.common.rpc.healthcheck in the container, which dials
+natively; older clusters exec tandem.services.common.rpc.healthcheck in the container, which dials
 127.0.0.1 unless told the pod IP the server listens on (listenAddress podIP: through a
 shell, as exec probes expand no downward-API variables). A TLS port ("tls" true) gets a TCP
 probe: neither the kubelet's gRPC probe nor the healthcheck speaks TLS.
@@ -245,13 +245,13 @@ exec:
   command:
     - sh
     - -c
-    - {{ printf "exec %s -m services.common.rpc.healthcheck --port %d --timeout-s %d --host \"$TANDEM_HOST\"" .root.Values.python (int .port) $timeout | quote }}
+    - {{ printf "exec %s -m tandem.services.common.rpc.healthcheck --port %d --timeout-s %d --host \"$TANDEM_HOST\"" .root.Values.python (int .port) $timeout | quote }}
 {{- else }}
 exec:
   command:
     - {{ .root.Values.python }}
     - -m
-    - services.common.rpc.healthcheck
+    - tandem.services.common.rpc.healthcheck
     - --port
     - {{ .port | quote }}
     - --timeout-s
