@@ -376,7 +376,7 @@ class LlamaModel:
         for m, bias, counts in jobs:
             # m: [out, in]; largest first, so each product's output fits in the memory its
             # predecessor's freed (ascending, the heap kept ~350 MiB of freed outputs)
-            zeros = torch.zeros(counts[-1], m.shape[1], dtype=m.dtype)
+            zeros = torch.zeros(counts[-1], m.shape[1], dtype=m.dtype, device=m.device)
             for rows in reversed(counts):
                 matmul(zeros[:rows], m, self.matmul, bias)
                 runs += 1
