@@ -45,7 +45,7 @@ def child(model_dir: str, variant: str) -> None:
     """One variant in this (fresh) process: a JSON line of its figures."""
     import torch
 
-    from services.common.observe.memory import heap_stats, resident_bytes
+    from tandem.services.common.observe.memory import heap_stats, resident_bytes
     from tandem.config import CacheConfig, EngineConfig
     from tandem.engine.engine import LLMEngine
     from tandem.model.linear import onednn_row_counts
@@ -112,7 +112,7 @@ def main() -> int:
     args = p.parse_args()
     model_dir = args.model
     if not model_dir:
-        from services.cli.model import ensure_default_model
+        from tandem.services.cli.model import ensure_default_model
 
         model_dir = str(ensure_default_model())
     rows = []
