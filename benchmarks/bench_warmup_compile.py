@@ -45,10 +45,10 @@ def child(model_dir: str, variant: str) -> None:
     """One variant in this (fresh) process: a JSON line of its figures."""
     import torch
 
-    from tandem.services.common.observe.memory import heap_stats, resident_bytes
     from tandem.config import CacheConfig, EngineConfig
     from tandem.engine.engine import LLMEngine
     from tandem.model.linear import onednn_row_counts
+    from tandem.services.common.observe.memory import heap_stats, resident_bytes
 
     torch.set_num_threads(1)
     config = EngineConfig(
