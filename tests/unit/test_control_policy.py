@@ -275,8 +275,9 @@ def test_ttft_violation_adds_a_prefill_worker_even_when_the_model_is_content() -
     # The model thinks 1 busy worker suffices (it processes all arriving tokens), but users
     # see 3 s TTFT because of a backlog.
     w = WorkerSample(
-        0.0, "p0", "prefill", busy_frac=0.75, tokens_per_s=1500, queued_prefill_tokens=1
-    )
+        t=0.0, worker_id="p0", role="prefill", busy_frac=0.75, tokens_per_s=1500,
+        queued_prefill_tokens=1,
+    )  # fmt: skip
     reqs = [RequestSample(0.0, 3000.0, 20.0, 1000, 16) for _ in range(10)]
     replicas, ready = {"prefill": 2, "decode": 1}, {"prefill": 2, "decode": 1}
     obs = Observation(0.0, replicas, workers=[w], requests=reqs, sla=SLA_, ready=ready)
