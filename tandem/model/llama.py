@@ -171,6 +171,10 @@ class LlamaModel:
             )
         if matmul is not MatmulKind.PLAIN:
             weights.lm_head = pack(weights.lm_head, matmul)
+        # Whether the layers' products run through oneDNN (quantized matrices do not: their
+        # row counts compile no oneDNN kernel, so they are not recorded).
+        first = weights.layers[0].qkv if weights.layers else None
+        self._onednn_layers = isinstance(first, torch.Tensor) and first.is_mkldnn
         self.weights = weights
         self.attention = attention
         # bfloat16 on a CPU with the native kernels (the attention backend's choice): the
@@ -268,7 +272,7 @@ class LlamaModel:
         h = self._embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(positions, h.dtype)
         n = input_ids.shape[0]
-        if mm is MatmulKind.ONEDNN:
+        if self._onednn_layers:
             self.onednn_row_counts.add(onednn_rows(n))
         pending: torch.Tensor | None = None  # the last layer's MLP output, not yet added to h
         for layer_idx, lw in enumerate(w.layers):
@@ -344,7 +348,7 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab] in float32 (on every rank
         of a tensor-parallel group)."""
-        if self.matmul is MatmulKind.ONEDNN:
+        if self.weights.lm_head.is_mkldnn:
             self.onednn_row_counts.add(onednn_rows(hidden.shape[0]))
         logits = matmul(hidden, self.weights.lm_head, self.matmul)
         if self.tp is not None:  # [rows, vocab / tp] per rank, the padding dropped

@@ -201,3 +201,27 @@ def test_compile_matmuls_runs_nothing_for_plain_matmuls(
 ) -> None:
     engine = engine_factory(tiny_model_dir, cpu_matmul="plain")
     assert engine.model.compile_matmuls(64, 8) == 0 and not engine.model.onednn_row_counts
+
+
+def test_quantized_layers_record_only_the_lm_head_s_onednn_row_counts(
+    tiny_model_dir: Path, engine_factory: Callable[..., Any]
+) -> None:
+    """int8 layer matrices run through their own kernels, not oneDNN: only the lm_head's
+    products are oneDNN's, so only its row counts are compiled and recorded (the gauge does
+    not count products that compile nothing)."""
+    from tandem.engine.request import RequestSpec
+    from tandem.engine.sampling import SamplingParams
+
+    engine = engine_factory(
+        tiny_model_dir, cpu_matmul="onednn", quantization="int8", max_num_seqs=4,
+        max_num_batched_tokens=96,
+    )  # fmt: skip
+    engine.warm_up()
+    assert engine.model.onednn_row_counts == set(onednn_row_counts(4))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i, length in enumerate((3, 40, 90)):
+        prompt = tuple((5 + 3 * j) % 50 + 1 for j in range(length))
+        engine.add_request(RequestSpec(f"q{i}", prompt, params))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.model.onednn_row_counts == set(onednn_row_counts(4))
