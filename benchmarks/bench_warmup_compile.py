@@ -47,7 +47,6 @@ def child(model_dir: str, variant: str) -> None:
 
     from tandem.config import CacheConfig, EngineConfig
     from tandem.engine.engine import LLMEngine
-    from tandem.model.linear import onednn_row_counts
     from tandem.services.common.observe.memory import heap_stats, resident_bytes
 
     torch.set_num_threads(1)
@@ -78,7 +77,7 @@ def child(model_dir: str, variant: str) -> None:
         if ascending:  # the same products, smallest first (the order warm-up does not take)
             from tandem.model.linear import matmul
 
-            for m, bias, counts in _jobs(model, max_rows, max_logit_rows, onednn_row_counts):
+            for m, bias, counts in model.onednn_products(max_rows, max_logit_rows):
                 zeros = torch.zeros(counts[-1], m.shape[1], dtype=m.dtype)
                 for rows in counts:
                     matmul(zeros[:rows], m, model.matmul, bias)
@@ -88,18 +87,6 @@ def child(model_dir: str, variant: str) -> None:
         seconds = time.perf_counter() - t0
     print(json.dumps({"variant": variant, "products": runs, "seconds": seconds,
                       "before": before, "after": memory()}))  # fmt: skip
-
-
-def _jobs(model: Any, max_rows: int, max_logit_rows: int, counts_of: Any) -> list[Any]:
-    """The products `compile_matmuls` runs: one per distinct packed shape, then the lm_head."""
-    seen: dict[tuple[Any, ...], Any] = {}
-    for lw in model.weights.layers:
-        for m, bias in ((lw.qkv, lw.qkv_bias), (lw.o, None), (lw.gate_up, None), (lw.down, None)):
-            if m is not None and m.is_mkldnn:
-                seen.setdefault((tuple(m.shape), m.dtype, bias is not None), (m, bias))
-    jobs = [(m, bias, counts_of(max_rows)) for m, bias in seen.values()]
-    jobs.append((model.weights.lm_head, None, counts_of(max_logit_rows)))
-    return jobs
 
 
 def main() -> int:

@@ -355,16 +355,15 @@ class LlamaModel:
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits.float()
 
-    @torch.inference_mode()
-    def compile_matmuls(self, max_rows: int, max_logit_rows: int) -> int:
-        """oneDNN: compile now the kernel of every product the forward can ask for (each
-        distinct packed matrix shape, at every `onednn_rows` count of 1..max_rows rows; the
-        lm_head at 1..max_logit_rows), so a worker's memory is at its bound before traffic,
-        not filling towards it for hours (oneDNN keeps ~0.5 MiB per kernel; BENCHMARKS.md
-        "The prefill worker's memory"). This rank's matrices only: no collective. Returns
-        the number of products run; 0 when the matmul is not oneDNN."""
+    def onednn_products(
+        self, max_rows: int, max_logit_rows: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
+        """Every oneDNN product the forward can ask for, as (packed matrix [out, in], bias,
+        row counts): each distinct packed layer matrix (shape, dtype, bias or not) at every
+        `onednn_rows` count of 1..max_rows rows, the lm_head at 1..max_logit_rows. Empty
+        when the matmul is not oneDNN."""
         if self.matmul is not MatmulKind.ONEDNN:
-            return 0
+            return []
         w = self.weights
         body: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         for lw in w.layers:
@@ -373,13 +372,23 @@ class LlamaModel:
                 if isinstance(m, torch.Tensor) and m.is_mkldnn:  # packed by `pack`
                     key = (tuple(m.shape), m.dtype, bias is not None)
                     body.setdefault(key, (m, bias))
-        jobs = [(m, bias, onednn_row_counts(max_rows)) for m, bias in body.values()]
+        products = [(m, bias, onednn_row_counts(max_rows)) for m, bias in body.values()]
         if w.lm_head.is_mkldnn:
-            jobs.append((w.lm_head, None, onednn_row_counts(max_logit_rows)))
+            products.append((w.lm_head, None, onednn_row_counts(max_logit_rows)))
+        return products
+
+    @torch.inference_mode()
+    def compile_matmuls(self, max_rows: int, max_logit_rows: int) -> int:
+        """oneDNN: compile now the kernel of every product the forward can ask for
+        (`onednn_products`), so a worker's memory is at its bound before traffic, not
+        filling towards it for hours (oneDNN keeps ~0.5 MiB per kernel; BENCHMARKS.md
+        "The prefill worker's memory"). This rank's matrices only: no collective. Returns
+        the number of products run; 0 when the matmul is not oneDNN."""
         runs = 0
-        for m, bias, counts in jobs:
-            # m: [out, in]; largest first, so each product's output fits in the memory its
-            # predecessor's freed (ascending, the heap kept ~350 MiB of freed outputs)
+        for m, bias, counts in self.onednn_products(max_rows, max_logit_rows):
+            # Largest first, so each product's output fits in the memory its predecessor
+            # freed (smallest first, the heap kept 385 MiB of freed outputs:
+            # benchmarks/bench_warmup_compile.py)
             zeros = torch.zeros(counts[-1], m.shape[1], dtype=m.dtype, device=m.device)
             for rows in reversed(counts):
                 matmul(zeros[:rows], m, self.matmul, bias)
