@@ -4,6 +4,12 @@ layout, output-major [out, in]), dequantized in registers, never in memory.
   scaled_matmul   int8 (W8A16) or fp8 e4m3: the tile's integers/e4m3 values are exact in
                   the activation dtype, so they feed tl.dot as they are and the per-channel
                   (or per-tensor) scale multiplies the fp32 accumulator once, in the epilogue.
+                  fp8 W8A8 (`quantize_x`): the kernel also quantizes x, so a decode step's
+                  fp8 linear is one launch: a first pass over the program's rows of x finds
+                  each row's scale (max(absmax / 448, eps), tandem.kernels.fp8_quant's
+                  values), the main loop puts each x tile on e4m3's grid before the dot,
+                  and the epilogue multiplies by the row scale too. A program re-reads only
+                  its BLOCK_M rows of x, small next to its BLOCK_N rows of w at decode sizes.
   int4_matmul     two inputs per byte (input 2j in the low nibble, 2j + 1 in the high one),
                   group-wise scales and zero points (uint8, float32, or none: 8), optional
                   g_idx (GPTQ's act-order: each input's group). The low nibbles meet x's even
@@ -28,6 +34,9 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels.fp8_quant import _round_to_e4m3
+from tandem.quant.weight import _EPS, FP8_MAX
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -73,6 +82,9 @@ def _scaled_matmul_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,  # outputs per program
     BLOCK_K: tl.constexpr,  # inputs per K step
     W_FP8: tl.constexpr,  # w holds e4m3 bytes (read as uint8: masked loads need an integer 0)
+    QUANT_X: tl.constexpr,  # W8A8: quantize each row of x to e4m3 first (module docstring)
+    EPS: tl.constexpr,  # QUANT_X: the smallest row scale
+    FP8_MAX: tl.constexpr,  # QUANT_X: e4m3's largest value
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations, else "tf32" (unused)
     DOT_FP32: tl.constexpr,  # fp32 operands (Triton's CPU interpreter has no bf16 dot)
 ):
@@ -85,12 +97,27 @@ def _scaled_matmul_kernel(  # type: ignore[no-untyped-def]
     col_ok = cols < out_features
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    if QUANT_X:
+        # Each row's scale, max(absmax / 448, eps) divided exactly (as fp8_quant does): a
+        # first pass over the program's rows of x, small next to its columns of w.
+        absmax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, in_features, BLOCK_K):
+            k = k0 + ks
+            xk = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < in_features)[None, :],
+                         other=0.0)  # fmt: skip
+            absmax = tl.maximum(absmax, tl.max(tl.abs(xk.to(tl.float32)), axis=1))
+        x_scale = tl.maximum(tl.math.div_rn(absmax, FP8_MAX), EPS)  # [BLOCK_M]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + ks
         k_ok = k < in_features
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+        if QUANT_X:
+            # x / scale on e4m3's grid, in fp32: e4m3 values are exact in x's 16-bit dtype
+            q = tl.math.div_rn(x.to(tl.float32), x_scale[:, None])
+            q = _round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+            x = q.to(x.dtype)
         if W_FP8:
             w = w.to(tl.float8e4nv, bitcast=True)
         # int8 and e4m3 values are exact in float16/bfloat16: no rounding before the dot.
@@ -100,6 +127,8 @@ def _scaled_matmul_kernel(  # type: ignore[no-untyped-def]
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
     scale = tl.load(scales_ptr + cols * stride_s, mask=col_ok, other=0.0)  # [BLOCK_N]
     y = acc * scale[None, :]
+    if QUANT_X:
+        y = y * x_scale[:, None]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -223,15 +252,22 @@ def _dot_fp32(x: torch.Tensor) -> bool:
 
 
 def scaled_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor | None = None,
+    quantize_x: bool = False,
 ) -> torch.Tensor:
-    """y = x @ (qweight * scales[:, None]).T for int8 or fp8 e4m3 weights.
+    """y = x @ (qweight * scales[:, None]).T for int8 or fp8 e4m3 weights; with
+    `quantize_x`, fp8's W8A8 product: x quantized per row to e4m3 in the kernel
+    (`tandem.quant.weight.fp8_reference_matmul`'s values).
 
     Args:
         x: [num_rows, in_features] float16/bfloat16/float32, inputs contiguous.
         qweight: [out_features, in_features] int8 or float8_e4m3fn, inputs contiguous.
         scales: float32 [out_features] (per channel) or [1] (per tensor).
         out: optional [num_rows, out_features] in x's dtype, written in place.
+        quantize_x: fp8 weights only: quantize x per row first.
 
     Returns:
         [num_rows, out_features] in x's dtype.
@@ -250,6 +286,9 @@ def scaled_matmul(
             f"scales must be float32 [{out_features}] or [1], got {scales.dtype} "
             f"{tuple(scales.shape)}"
         )
+    w_fp8 = qweight.dtype == torch.float8_e4m3fn
+    if quantize_x and not w_fp8:
+        raise ValueError(f"quantize_x is fp8's W8A8 product, got {qweight.dtype} weights")
     _check_x(x, in_features, {"qweight": qweight, "scales": scales})
     y = _out(x, out_features, out)
     if x.shape[0] == 0 or out_features == 0:
@@ -257,7 +296,6 @@ def scaled_matmul(
     tiles = tiles_for(x.shape[0], int4=False)
     block_k = 128 if x.shape[0] <= 16 else 64
     grid = (triton.cdiv(x.shape[0], tiles.block_m), triton.cdiv(out_features, tiles.block_n))
-    w_fp8 = qweight.dtype == torch.float8_e4m3fn
     _scaled_matmul_kernel[grid](
         x,
         qweight.view(torch.uint8) if w_fp8 else qweight,
@@ -274,6 +312,9 @@ def scaled_matmul(
         BLOCK_N=tiles.block_n,
         BLOCK_K=block_k,
         W_FP8=w_fp8,
+        QUANT_X=quantize_x,
+        EPS=_EPS,
+        FP8_MAX=FP8_MAX,
         DOT_PRECISION=_precision(x),
         DOT_FP32=_dot_fp32(x),
         num_warps=tiles.num_warps,
@@ -373,9 +414,11 @@ def int4_matmul(
     return y
 
 
-def quantized_linear(x: torch.Tensor, qw: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ dequant(qw).T for a `tandem.quant.weight.QuantizedWeight` (read by its fields, so
-    kernels need not import tandem): int4 -> int4_matmul, int8/fp8 -> scaled_matmul."""
+def quantized_linear(
+    x: torch.Tensor, qw: Any, out: torch.Tensor | None = None, quantize_x: bool = False
+) -> torch.Tensor:
+    """x @ dequant(qw).T for a `tandem.quant.weight.QuantizedWeight` (read by its fields):
+    int4 -> int4_matmul, int8/fp8 -> scaled_matmul (fp8 with `quantize_x`: W8A8)."""
     if qw.scheme == "int4":
         return int4_matmul(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, qw.g_idx, out)
-    return scaled_matmul(x, qw.qweight, qw.scales, out)
+    return scaled_matmul(x, qw.qweight, qw.scales, out, quantize_x)

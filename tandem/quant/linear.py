@@ -19,7 +19,14 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           slower here)
   fp8_scaled_mm CUDA, compute capability  `torch._scaled_mm`: e4m3 x e4m3 on FP8 tensor cores,
                 >= 8.9, bfloat16          row-wise scales (token x channel); the activations
-                                          quantized by one kernel (`tandem.kernels.fp8_quant`)
+                                          quantized by one kernel (`tandem.kernels.fp8_quant`);
+                                          up to FP8_TRITON_MAX_ROWS rows (decode) the Triton
+                                          W8A8 kernel instead, which quantizes the activations
+                                          itself: one launch
+  int4_tinygemm CUDA, bfloat16, no g_idx  torch's tensor-core W4A16 kernel
+                                          (`_weight_int4pack_mm`, gpt-fast's tinygemm) up to
+                                          TINYGEMM_MAX_ROWS rows; above, dequantized and one
+                                          cuBLAS GEMM
   dequant       everywhere else           the reference dequantization, then x @ w.T: CPU
                                           float32 (exact to float32 rounding), CUDA without
                                           Triton
@@ -30,7 +37,12 @@ into the form its device's fastest path reads (`QuantLinear`, chosen once at loa
                                           cuBLAS GEMM (prefill)
 
 fp8 is W8A8 on every path (`tandem.quant.weight`): the paths that multiply in the activations'
-dtype (dequant, triton) give it the per-token e4m3 activations dequantized to that dtype.
+dtype (dequant, triton) give it the per-token e4m3 activations dequantized to that dtype (the
+Triton kernel quantizes them itself).
+
+torch's CUDA int4 layout (`_convert_weight_to_int4pack`) takes [out, in // 2] bytes with input
+2j in the HIGH nibble (ours holds it in the low one: `tinygemm_nibbles` swaps them) and the
+same per-group (scale, zero) floats as the CPU layout below.
 
 Measured on SmolLM2-135M's 120 layer matrices (BENCHMARKS.md, issue 28): at batch 1 the
 packed int4 kernel is ~2.6x faster than oneDNN's bfloat16 and int8's ~1.2x; both grow
@@ -68,7 +80,18 @@ INT8_PACKED_MAX_ROWS = 8
 # as long as one bf16 GEMV, so from a few hundred rows it is the smaller cost; 256 is the
 # row count vLLM's AWQ switches at. Not itself measured here (the device time was spent).
 TRITON_MAX_ROWS = 256
+# Decode batches: up to this many rows fp8 takes the Triton W8A8 kernel (one launch) rather
+# than the activation kernel + `_scaled_mm` (two, and cuBLASLt pads M to 16). NOT YET
+# MEASURED: the GPU check's quant part times both at 1-64 rows (`fp8_paths`) to set it.
+FP8_TRITON_MAX_ROWS = 16
+# tinygemm is built for few rows (16-row m tiles); above, one dequantization plus cuBLAS.
+# NOT YET MEASURED: the quant part's `int4_paths` times tinygemm, Triton and dequantize +
+# cuBLAS at 1-4096 rows to set it.
+TINYGEMM_MAX_ROWS = 64
+TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)
 _INT4_BLOCK_N = 64  # output rows per block of torch's CPU int4 layout
+_TINYGEMM_BLOCK_N = 8  # output rows per tile of torch's CUDA int4 layout
+_TINYGEMM_K_TILE = 16  # inputs per k tile; 2, 4 or 8 tiles are packed together
 
 
 class QuantPath(StrEnum):
@@ -76,6 +99,7 @@ class QuantPath(StrEnum):
     INT8_PACKED = "int8_packed"
     FP8_DECODED = "fp8_decoded"
     FP8_SCALED_MM = "fp8_scaled_mm"
+    INT4_TINYGEMM = "int4_tinygemm"
     DEQUANT = "dequant"
     TRITON = "triton"
 
@@ -110,11 +134,12 @@ class QuantLinear:
         out_features, in_features: the matrix's shape ([out, in]).
         weight: the shared-format matrix (dequant, triton, int8_packed); None for int4_packed,
             which keeps only torch's layout.
-        packed: int4_packed: torch's uint8 layout (module docstring); int8_packed: the int8
-            [out, in] values (the same tensor as weight.qweight).
-        packed_scales: int4_packed: [in // group, out, 2] (scale, zero) in the activations'
-            dtype; int8_packed: [out] scales in the activations' dtype; fp8_scaled_mm: [1, out]
-            float32 channel scales (_scaled_mm's scale_b).
+        packed: int4_packed: torch's uint8 layout (module docstring); int4_tinygemm: torch's
+            CUDA int32 tiles; int8_packed: the int8 [out, in] values (the same tensor as
+            weight.qweight).
+        packed_scales: int4_packed, int4_tinygemm: [in // group, out, 2] (scale, zero) in
+            the activations' dtype; int8_packed: [out] scales in the activations' dtype;
+            fp8_scaled_mm: [1, out] float32 channel scales (_scaled_mm's scale_b).
         group_size: int4: inputs per scale.
         workspace: the buffer per-call dequantizations reuse.
     """
@@ -155,6 +180,8 @@ def choose_path(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) ->
             and w.in_features % 16 == 0
         ):
             return QuantPath.FP8_SCALED_MM
+        if tinygemm_fits(w, dtype):
+            return QuantPath.INT4_TINYGEMM
         return QuantPath.TRITON if triton_available() else QuantPath.DEQUANT
     if device.type == "cpu" and dtype == torch.bfloat16:
         if (
@@ -168,6 +195,39 @@ def choose_path(w: QuantizedWeight, device: torch.device, dtype: torch.dtype) ->
     if device.type == "cpu" and w.scheme is WeightScheme.FP8:
         return QuantPath.FP8_DECODED
     return QuantPath.DEQUANT
+
+
+def tinygemm_fits(w: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """torch's CUDA int4 kernel takes `w`: bfloat16 activations, groups in order of a size it
+    knows, whole 8-output tiles and inputs in pairs of 16-input k tiles."""
+    return (
+        w.scheme is WeightScheme.INT4
+        and dtype == torch.bfloat16
+        and w.g_idx is None
+        and w.group_size in TINYGEMM_GROUP_SIZES
+        and w.out_features % _TINYGEMM_BLOCK_N == 0
+        and w.in_features % (2 * _TINYGEMM_K_TILE) == 0
+    )
+
+
+def tinygemm_inner_k_tiles(in_features: int) -> int:
+    """k tiles packed side by side (8, 4 or 2: 16-, 8- or 4-byte loads), the most that
+    divide the inputs."""
+    return next(t for t in (8, 4, 2) if in_features % (t * _TINYGEMM_K_TILE) == 0)
+
+
+def tinygemm_nibbles(qweight: torch.Tensor) -> torch.Tensor:
+    """Our packed int4 bytes (input 2j in the low nibble) as `_convert_weight_to_int4pack`
+    reads them (input 2j in the high nibble): [out, in // 2] uint8, contiguous."""
+    return ((qweight & 0xF) << 4 | (qweight >> 4)).contiguous()
+
+
+def int4_scale_zero(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """torch's int4 group floats, CPU and CUDA alike: [in // group, out, 2] (scale, zero) in
+    `dtype` with w = (q - 8) * scale + zero, i.e. zero = (8 - zero_point) * scale."""
+    zp = torch.full_like(w.scales, 8.0) if w.zeros is None else w.zeros.float()
+    zero = (8.0 - zp) * w.scales
+    return torch.stack((w.scales.t(), zero.t()), dim=-1).to(dtype).contiguous()
 
 
 def triton_available() -> bool:
@@ -204,10 +264,22 @@ def pack_quantized(
         q = unpack_int4(w.qweight).to(torch.int32)  # [out, in]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         del q
-        zp = torch.full_like(w.scales, 8.0) if w.zeros is None else w.zeros.float()
-        zero = (8.0 - zp) * w.scales  # w = (q - 8) * scale + zero
-        sz = torch.stack((w.scales.t(), zero.t()), dim=-1).to(dtype).contiguous()
+        sz = int4_scale_zero(w, dtype)
         return QuantLinear(w.scheme, path, *shape, None, packed, sz, w.group_size, workspace)
+    if path is QuantPath.INT4_TINYGEMM:
+        if not tinygemm_fits(w, dtype):
+            raise ValueError(
+                f"int4_tinygemm needs int4 without g_idx, bfloat16 activations, a group of "
+                f"{TINYGEMM_GROUP_SIZES}, out_features a multiple of {_TINYGEMM_BLOCK_N} and "
+                f"in_features of {2 * _TINYGEMM_K_TILE}, got {w.scheme} {shape} group "
+                f"{w.group_size} {dtype} g_idx={w.g_idx is not None}"
+            )
+        packed = torch.ops.aten._convert_weight_to_int4pack(
+            tinygemm_nibbles(w.qweight), tinygemm_inner_k_tiles(w.in_features)
+        )
+        # `weight` stays for the rows above TINYGEMM_MAX_ROWS (dequantize + cuBLAS)
+        sz = int4_scale_zero(w, dtype)
+        return QuantLinear(w.scheme, path, *shape, w, packed, sz, w.group_size, workspace)
     if path is QuantPath.INT8_PACKED:
         if w.scheme is not WeightScheme.INT8:
             raise ValueError(f"int8_packed needs int8 weights, got {w.scheme}")
@@ -252,6 +324,15 @@ def quant_matmul(
         w = ql.workspace.take((ql.out_features, ql.in_features), x.dtype, x.device)
         w.copy_(ql.weight.qweight)  # e4m3 -> bf16/fp32 is exact
         y = (xq.to(x.dtype) @ w.t()).float().mul_(sx).mul_(ql.weight.scales).to(x.dtype)
+    elif ql.path is QuantPath.INT4_TINYGEMM and x.shape[0] <= TINYGEMM_MAX_ROWS:
+        assert ql.packed is not None and ql.packed_scales is not None
+        y = torch.ops.aten._weight_int4pack_mm(
+            x.contiguous(), ql.packed, ql.group_size, ql.packed_scales
+        )
+    elif act_absmax is None and _fp8_in_kernel(ql, x.shape[0]):
+        from tandem.kernels.quant_matmul import quantized_linear
+
+        y = quantized_linear(x.contiguous(), ql.weight, quantize_x=True)
     elif ql.path is QuantPath.FP8_SCALED_MM:
         assert ql.weight is not None and ql.packed_scales is not None
         from tandem.kernels.fp8_quant import quantize_fp8_rows
@@ -272,6 +353,16 @@ def quant_matmul(
         assert ql.weight is not None
         y = fp8_activations(x, ql.scheme, act_absmax) @ ql.weight.dequantize(x.dtype).t()
     return y if bias is None else y.add_(bias)
+
+
+def _fp8_in_kernel(ql: QuantLinear, num_rows: int) -> bool:
+    """fp8 rows the Triton W8A8 kernel takes, activations quantized inside it: decode
+    batches on fp8_scaled_mm's path, everything the Triton path keeps."""
+    if ql.scheme is not WeightScheme.FP8:
+        return False
+    if ql.path is QuantPath.FP8_SCALED_MM:
+        return num_rows <= FP8_TRITON_MAX_ROWS
+    return ql.path is QuantPath.TRITON and num_rows <= TRITON_MAX_ROWS
 
 
 def fp8_activations(

@@ -4,6 +4,7 @@ count the quantized form; the CPU paths against their reference product."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -14,15 +15,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import tandem.quant.linear as quant_linear
 from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
 from tandem.model.linear import onednn_bf16_available
 from tandem.quant.linear import (
     INT4_PACKED_MAX_ROWS,
+    TINYGEMM_MAX_ROWS,
     QuantLinear,
     QuantPath,
     Workspace,
+    choose_path,
+    int4_scale_zero,
     pack_quantized,
     quant_matmul,
+    tinygemm_fits,
+    tinygemm_inner_k_tiles,
+    tinygemm_nibbles,
 )
 from tandem.quant.weight import (
     WeightScheme,
@@ -30,6 +38,7 @@ from tandem.quant.weight import (
     quantize,
     quantize_fp8,
     quantize_fp8_activations,
+    unpack_int4,
 )
 from tests.conftest import make_engine
 
@@ -295,19 +304,29 @@ def test_the_triton_path_matches_the_reference_under_the_interpreter(
 
 @pytest.mark.parametrize("per_tensor", [False, True])
 @pytest.mark.parametrize(
-    ("path", "dtype"),
-    [(QuantPath.FP8_DECODED, torch.float32), (QuantPath.FP8_DECODED, torch.bfloat16),
-     (QuantPath.FP8_SCALED_MM, torch.bfloat16), (QuantPath.DEQUANT, torch.float32)],
+    ("path", "dtype", "kernel_rows"),
+    [(QuantPath.FP8_DECODED, torch.float32, 0), (QuantPath.FP8_DECODED, torch.bfloat16, 0),
+     (QuantPath.FP8_SCALED_MM, torch.bfloat16, 0), (QuantPath.FP8_SCALED_MM, torch.bfloat16, 16),
+     (QuantPath.TRITON, torch.bfloat16, 0), (QuantPath.DEQUANT, torch.float32, 0)],
 )  # fmt: skip
 def test_fp8_paths_quantize_the_activations_per_token(
-    path: QuantPath, dtype: torch.dtype, per_tensor: bool
+    path: QuantPath,
+    dtype: torch.dtype,
+    kernel_rows: int,
+    per_tensor: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Every fp8 path computes the W8A8 product of `fp8_reference_matmul`: float32 to float32
     rounding; bfloat16 within its rounding of the output (2^-7 of the largest, the bias's
     included). fp8_scaled_mm is CUDA's (torch._scaled_mm, row-wise scales) run by torch's CPU
-    implementation of the same op. Rows of very different sizes: a per-tensor activation
-    scale (or none) would miss by far more on the small row, which is what fails here if a
-    path drops the activation quantization or takes one scale for the whole batch."""
+    implementation of the same op, or, up to FP8_TRITON_MAX_ROWS (`kernel_rows`), the Triton
+    W8A8 kernel under the interpreter, as is the triton path. Rows of very different sizes: a
+    per-tensor activation scale (or none) would miss by far more on the small row, which is
+    what fails here if a path drops the activation quantization or takes one scale for the
+    whole batch."""
+    monkeypatch.setattr(quant_linear, "FP8_TRITON_MAX_ROWS", kernel_rows)
+    if path is QuantPath.FP8_SCALED_MM and kernel_rows == 0:
+        monkeypatch.setattr("tandem.kernels.quant_matmul.quantized_linear", None)  # not called
     g = torch.Generator().manual_seed(5)
     qw = quantize_fp8(torch.randn(48, 96, generator=g) * 0.05, per_tensor=per_tensor)
     x = torch.randn(4, 96, generator=g) * torch.tensor([[1.0], [1e-3], [30.0], [0.2]])
@@ -325,3 +344,68 @@ def test_fp8_paths_quantize_the_activations_per_token(
     bias = torch.randn(48, generator=g).to(dtype)
     with_bias = quant_matmul(x, ql, bias).float()
     assert (with_bias - (got + bias.float())).abs().max().item() <= tol * with_bias.abs().max()
+
+
+def test_int4_scale_zero_is_torchs_affine_form_of_the_weight() -> None:
+    """torch's int4 kernels (CPU and CUDA) compute (q - 8) * scale + zero per group: with the
+    floats int4_scale_zero builds, that is the weight's own dequantization, zero points or
+    not."""
+    g = torch.Generator().manual_seed(8)
+    for zero_point in (True, False):
+        qw = quantize(torch.randn(16, 64, generator=g), WeightScheme.INT4, GROUP)
+        if not zero_point:
+            qw = dataclasses.replace(qw, zeros=None)  # zero point 8
+        sz = int4_scale_zero(qw, torch.float32)  # [in // group, out, 2]
+        assert sz.shape == (64 // GROUP, 16, 2)
+        q = unpack_int4(qw.qweight).float()  # [out, in]
+        scale = sz[..., 0].t().repeat_interleave(GROUP, dim=1)  # [out, in]
+        zero = sz[..., 1].t().repeat_interleave(GROUP, dim=1)
+        torch.testing.assert_close((q - 8) * scale + zero, qw.dequantize(), atol=1e-6, rtol=0)
+
+
+def test_tinygemm_nibbles_put_the_even_input_high() -> None:
+    """`_convert_weight_to_int4pack` reads input 2j from the high nibble; ours is low."""
+    q = torch.tensor([[1, 2, 3, 4], [15, 0, 7, 9]], dtype=torch.uint8)  # [out, in]
+    ours = (q[:, 0::2] | q[:, 1::2] << 4).contiguous()
+    torch.testing.assert_close(unpack_int4(ours), q, atol=0, rtol=0)
+    got = tinygemm_nibbles(ours)
+    assert got.dtype == torch.uint8 and got.is_contiguous()
+    assert got.tolist() == [[0x12, 0x34], [0xF0, 0x79]]
+
+
+def test_tinygemm_takes_what_its_layout_can_hold() -> None:
+    """CUDA's choice for int4 with bfloat16 activations: tinygemm where its layout holds the
+    matrix (8-output tiles, a group size it knows, which makes whole pairs of 16-input k
+    tiles, no g_idx), the Triton kernels otherwise; the k tiles packed together are the most
+    that divide the inputs."""
+    cuda = torch.device("cuda")  # choose_path only reads the device type for int4
+    g = torch.Generator().manual_seed(9)
+
+    def int4(out: int, inp: int, group: int = GROUP) -> Any:
+        return quantize(torch.randn(out, inp, generator=g), WeightScheme.INT4, group)
+
+    assert choose_path(int4(64, 128), cuda, torch.bfloat16) is QuantPath.INT4_TINYGEMM
+    assert tinygemm_fits(int4(8, 32), torch.bfloat16)
+    assert not tinygemm_fits(int4(12, 64), torch.bfloat16)  # outputs not whole 8-row tiles
+    assert tinygemm_fits(int4(64, 96), torch.bfloat16)  # three pairs of k tiles
+    act_order = dataclasses.replace(
+        int4(64, 128), g_idx=torch.arange(128, dtype=torch.int32).flip(0) // GROUP
+    )
+    assert not tinygemm_fits(act_order, torch.bfloat16)  # groups out of input order
+    assert not tinygemm_fits(int4(64, 128), torch.float16)  # tinygemm is bfloat16 only
+    assert choose_path(int4(64, 128), cuda, torch.float16) in (QuantPath.TRITON, QuantPath.DEQUANT)
+    with pytest.raises(ValueError, match="int4_tinygemm needs"):
+        pack_quantized(int4(12, 64), torch.bfloat16, Workspace(), QuantPath.INT4_TINYGEMM)
+    assert [tinygemm_inner_k_tiles(k) for k in (32, 64, 96, 128, 4096, 14336)] == [2, 4, 2, 8, 8, 8]
+
+
+def test_tinygemm_rows_above_its_limit_dequantize() -> None:
+    """Above TINYGEMM_MAX_ROWS the int4_tinygemm path never calls torch's kernel (a CUDA op:
+    `packed` is None here, so a call would fail): one dequantization and one GEMM, the
+    reference product."""
+    g = torch.Generator().manual_seed(10)
+    qw = quantize(torch.randn(64, 128, generator=g) * 0.05, WeightScheme.INT4, GROUP)
+    sz = int4_scale_zero(qw, torch.bfloat16)
+    ql = QuantLinear(qw.scheme, QuantPath.INT4_TINYGEMM, 64, 128, qw, None, sz, GROUP, Workspace())
+    x = torch.randn(TINYGEMM_MAX_ROWS + 1, 128, generator=g)
+    torch.testing.assert_close(quant_matmul(x, ql), x @ qw.dequantize().t(), atol=1e-5, rtol=1e-5)
