@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib.metadata
+import json
 import logging
 import math
 import os
@@ -154,10 +156,70 @@ def environment(device: str) -> Figures:
             env["nvidia_smi"] = dict(zip(fields.split(","), values, strict=False))
     else:
         env["device_name"] = "cpu"
-    env["git_commit"] = _run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
-    status = _run(["git", "-C", str(REPO_ROOT), "status", "--porcelain"])
-    env["git_dirty"] = None if status is None else bool(status)
+    env["tree"] = tree_record()
     return env
+
+
+# The tree's identity where it runs without its .git (the device machine gets a copy of the
+# working tree only): `scripts/gpu-check --stamp` writes it beside the tree before the copy.
+STAMP = REPO_ROOT / ".gpu-check-tree.json"
+
+
+def tree_files() -> list[str] | None:
+    """The tree's files as the device copy takes them: tracked, and untracked not ignored
+    (None without git)."""
+    out = _run(["git", "-C", str(REPO_ROOT), "ls-files", "-co", "--exclude-standard"])
+    if out is None:
+        return None
+    return sorted(f for f in out.splitlines() if f and f != STAMP.name)
+
+
+def tree_digest(files: Sequence[str]) -> str:
+    """sha256 over each file's path and bytes, in order (a missing file counts as such)."""
+    h = hashlib.sha256()
+    for name in files:
+        path = REPO_ROOT / name
+        h.update(name.encode() + b"\0")
+        h.update(path.read_bytes() if path.is_file() else b"<missing>")
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def tree_stamp() -> Figures:
+    """The commit, a hash of the uncommitted changes (`git diff HEAD` plus the untracked
+    files' contents) and the tree digest with its file list: what `--stamp` writes."""
+    files = tree_files()
+    if files is None:
+        raise RuntimeError("git cannot list the tree: --stamp runs in a checkout")
+    commit = _run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
+    diff = _run(["git", "-C", str(REPO_ROOT), "diff", "HEAD", "--binary"]) or ""
+    untracked = _run(["git", "-C", str(REPO_ROOT), "ls-files", "-o", "--exclude-standard"]) or ""
+    untracked_files = sorted(f for f in untracked.splitlines() if f and f != STAMP.name)
+    changes = hashlib.sha256(diff.encode())
+    changes.update(tree_digest(untracked_files).encode())
+    dirty = bool(diff) or bool(untracked_files)
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "uncommitted_sha256": changes.hexdigest() if dirty else None,
+        "tree_sha256": tree_digest(files),
+        "files": files,
+    }
+
+
+def tree_record() -> Figures:
+    """Which tree this run measured: from git where the checkout has it, else from the
+    stamp, with the digest recomputed over the stamp's files (`matches_stamp`: the copy
+    is the stamped tree, unchanged)."""
+    if tree_files() is not None:
+        stamp = tree_stamp()
+        stamp.pop("files")
+        return {**stamp, "source": "git"}
+    if not STAMP.is_file():
+        return {"source": None, "note": "no git and no stamp (scripts/gpu-check --stamp)"}
+    stamp = json.loads(STAMP.read_text())
+    files = stamp.pop("files")
+    return {**stamp, "source": "stamp", "matches_stamp": tree_digest(files) == stamp["tree_sha256"]}
 
 
 def make_engine(model_dir: Path, device: str, dtype: str, **overrides: Any) -> Any:

@@ -233,14 +233,19 @@ def check_prefill(
 # -- 2. decode bandwidth --------------------------------------------------------------------
 
 
-def bench_decode(
-    ctx: Context, shape: Shape, copy_gb_s: float, flush: torch.Tensor | None
+def time_decode(
+    ctx: Context,
+    shape: Shape,
+    kv_layer: torch.Tensor,
+    batch: int,
+    context: int,
+    copy_gb_s: float,
+    flush: torch.Tensor | None,
+    kv_scales: tuple[float, float] | None = None,
 ) -> Figures:
-    """Every batch x context of the sizes, each request at the full context, over random
-    block tables into one layer's cache sized for the largest case. As in serving: the tables
-    are as wide as the longest context the engine allows (its persistent block table, here
-    the largest context of the sizes), and the split count is the engine's choice for the
-    step's longest context on this device, not one derived from the table width."""
+    """One decode case at the full context over random block tables as wide as `kv_layer`'s
+    serving table: time, K/V bytes read per second and that over copy bandwidth. `kv_scales`:
+    an e4m3 cache (half the bytes of a 16-bit one)."""
     from tandem.kernels.decode_attention import (
         choose_num_splits,
         device_num_sms,
@@ -250,52 +255,72 @@ def bench_decode(
     sz, s, dev = ctx.sizes, shape, ctx.device
     table_width = cdiv(max(sz.kn_decode_contexts), s.block_size)
     num_sms = device_num_sms(torch.device(dev))
-    num_blocks = max(sz.kn_decode_batches) * table_width
-    # kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer
-    kv_layer = torch.empty(
-        num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=dev
-    ).normal_()
-    ctx.log(f"kernels: decode cache {num_blocks} blocks, {kv_layer.nbytes / 2**30:.2f} GiB")
+    tables = random_tables(batch, table_width, kv_layer.shape[0], dev)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, s.num_q_heads, s.head_dim, device=dev).to(s.dtype)
+    splits = choose_num_splits(batch, s.num_kv_heads, cdiv(context, s.block_size), num_sms)
+    k_scale, v_scale = kv_scales or (1.0, 1.0)
+    run = functools.partial(
+        paged_decode_attention, q, kv_layer, tables, lens, s.scale,
+        num_splits=splits, out=torch.empty_like(q), k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    seconds = median_time_s(run, dev, reps=sz.kn_reps, warmup=3, flush=flush)
+    kv_bytes = s.kv_bytes(batch * context) // (2 if kv_scales else 1)
+    gb_s = kv_bytes / seconds / 1e9
+    return {
+        "batch": batch,
+        "context": context,
+        "kv_dtype": "fp8" if kv_scales else str(s.dtype).removeprefix("torch."),
+        "num_splits": splits,
+        "table_width": table_width,
+        "kv_bytes": kv_bytes,
+        "time_us": round(seconds * 1e6, 1),
+        "gb_s": sig(gb_s),
+        "ratio_vs_copy": round(gb_s / copy_gb_s, 3),
+        "target_applies": batch >= DECODE_TARGET_MIN_BATCH and context >= DECODE_TARGET_MIN_CONTEXT,
+    }
+
+
+def bench_decode(
+    ctx: Context, shape: Shape, copy_gb_s: float, flush: torch.Tensor | None
+) -> Figures:
+    """Every batch x context of the sizes, each request at the full context, over random
+    block tables into one layer's cache sized for the largest case; then the FP8 KV cases
+    (`kn_decode_fp8_cases`) over an e4m3 cache. As in serving: the tables are as wide as
+    the longest context the engine allows (its persistent block table, here the largest
+    context of the sizes), and the split count is the engine's choice for the step's
+    longest context on this device, not one derived from the table width."""
+    sz, s, dev = ctx.sizes, shape, ctx.device
+    table_width = cdiv(max(sz.kn_decode_contexts), s.block_size)
     cases: list[Figures] = []
-    for batch in sz.kn_decode_batches:
-        for context in sz.kn_decode_contexts:
-            case: Figures = {"batch": batch, "context": context}
-            cases.append(case)
+    for fp8 in (False, True):
+        grid = (
+            list(sz.kn_decode_fp8_cases)
+            if fp8
+            else [(b, c) for b in sz.kn_decode_batches for c in sz.kn_decode_contexts]
+        )
+        num_blocks = max(b for b, _ in grid) * table_width
+        # kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer
+        dims = (num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim)
+        kv_layer = torch.empty(dims, dtype=s.dtype, device=dev).normal_()
+        if fp8:
+            kv_layer = kv_layer.to(torch.float8_e4m3fn)
+        ctx.log(f"kernels: decode cache {num_blocks} blocks, {kv_layer.nbytes / 2**30:.2f} GiB")
+        for batch, context in grid:
             if ctx.left_s() < MIN_CASE_S:
-                case["skipped"] = "out of the part's time budget"
+                cases.append({"batch": batch, "context": context, "fp8_kv": fp8,
+                              "skipped": "out of the part's time budget"})  # fmt: skip
                 continue
-            tables = random_tables(batch, table_width, num_blocks, dev)
-            lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-            q = torch.randn(batch, s.num_q_heads, s.head_dim, device=dev).to(s.dtype)
-            splits = choose_num_splits(batch, s.num_kv_heads, cdiv(context, s.block_size), num_sms)
-            run = functools.partial(
-                paged_decode_attention,
-                q,
-                kv_layer,
-                tables,
-                lens,
-                s.scale,
-                num_splits=splits,
-                out=torch.empty_like(q),
-            )
-            seconds = median_time_s(run, dev, reps=sz.kn_reps, warmup=3, flush=flush)
-            kv_bytes = s.kv_bytes(batch * context)
-            gb_s = kv_bytes / seconds / 1e9
-            case.update(
-                num_splits=splits,
-                table_width=table_width,
-                kv_bytes=kv_bytes,
-                time_us=round(seconds * 1e6, 1),
-                gb_s=sig(gb_s),
-                ratio_vs_copy=round(gb_s / copy_gb_s, 3),
-                target_applies=(
-                    batch >= DECODE_TARGET_MIN_BATCH and context >= DECODE_TARGET_MIN_CONTEXT
-                ),
-            )
+            scales = (0.5, 0.25) if fp8 else None
+            case = time_decode(ctx, s, kv_layer, batch, context, copy_gb_s, flush, scales)
+            cases.append(case)
             ctx.log(
-                f"kernels: decode batch {batch:3d} x context {context:5d}: "
-                f"{case['time_us']:9.1f} us, {gb_s:8.4g} GB/s = {case['ratio_vs_copy']:.2f} x copy"
+                f"kernels: decode {case['kv_dtype']} batch {batch:3d} x context {context:5d}: "
+                f"{case['time_us']:9.1f} us, {case['gb_s']:8.4g} GB/s = "
+                f"{case['ratio_vs_copy']:.2f} x copy"
             )
+        del kv_layer
+        free_memory(dev)
     judged = [c["ratio_vs_copy"] for c in cases if c.get("target_applies")]
     return {
         "cases": cases,

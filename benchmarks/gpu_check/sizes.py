@@ -1,6 +1,6 @@
 """What differs between the CUDA run and the `--cpu` smoke run: model shapes, workloads and
-each part's time budget (`CUDA_SIZES`: full sizes, budgets summing to 580 s on one H200;
-`CPU_SIZES`: tiny, ~15 s in CI)."""
+each part's time budget (`CUDA_SIZES`: full sizes, the default parts' budgets summing to 445 s
+on one H200; `CPU_SIZES`: tiny, ~15 s in CI)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class Sizes:
     tp_num_requests: int
     tp_prompt_len: tuple[int, int]
     tp_output_len: tuple[int, int]
-    tp_hf_batch_size: int
+    tp_matmul_n: int  # the n x n x n bf16 GEMM timed as the prefill compute roofline
     tp_max_num_batched_tokens: int
     # kernels: the attention shape (Llama-3-8B's on CUDA), correctness cases, benchmark cases
     kn_dtype: str
@@ -41,6 +41,7 @@ class Sizes:
     kn_check_chunks: tuple[tuple[int, int], ...]  # prefill correctness: (new tokens, context)
     kn_decode_batches: tuple[int, ...]  # decode bandwidth: every batch x every context
     kn_decode_contexts: tuple[int, ...]
+    kn_decode_fp8_cases: tuple[tuple[int, int], ...]  # (batch, context) over an e4m3 cache
     kn_prefill_cases: tuple[tuple[int, int, int], ...]  # (batch, chunk tokens, cached prefix)
     kn_copy_bytes: int  # of the copy_ that measures device bandwidth
     kn_flush_bytes: int  # zeroed before each timed call (> L2), 0 = none
@@ -61,6 +62,11 @@ class Sizes:
     quant_bench_rows: tuple[int, ...]
     quant_prefill_len: int  # one prompt, prefilled in one step (<= e2e_max_num_batched_tokens)
     quant_prefill_reps: int  # prompts timed (median)
+    quant_batch: int  # the engines' second ITL: this many requests decoding together
+    quant_batch_prompt_len: int
+    # moe: one sparse layer (hidden, experts, top_k, expert width) and the token counts timed
+    moe_shape: tuple[int, int, int, int]
+    moe_tokens: tuple[int, ...]
     # nixl: one KV block [num_layers, 2, block_size, num_kv_heads, head_dim] (bf16)
     nixl_block_shape: tuple[int, int, int, int, int]
     nixl_owner_blocks: int
@@ -111,7 +117,7 @@ CUDA_SIZES = Sizes(
     tp_num_requests=64,
     tp_prompt_len=(32, 512),
     tp_output_len=(16, 256),
-    tp_hf_batch_size=16,
+    tp_matmul_n=8192,
     tp_max_num_batched_tokens=8192,
     kn_dtype="bfloat16",
     kn_num_q_heads=32,
@@ -122,6 +128,7 @@ CUDA_SIZES = Sizes(
     kn_check_chunks=((1, 1), (17, 40), (100, 100), (300, 1300)),
     kn_decode_batches=(1, 16, 64, 256),
     kn_decode_contexts=(1024, 4096, 16384),  # 256 x 16k: a 16 GiB cache (one layer)
+    kn_decode_fp8_cases=((1, 4096), (64, 4096), (64, 16384)),
     kn_prefill_cases=(
         (1, 2048, 0),
         (4, 2048, 0),
@@ -140,7 +147,7 @@ CUDA_SIZES = Sizes(
     e2e_max_num_seqs=4,
     e2e_max_num_batched_tokens=2048,
     quant_check_shape=(4096, 4096),
-    quant_check_rows=(1, 16, 512),
+    quant_check_rows=(1, 16, 512, 4096),
     quant_int4_group=128,
     quant_bench_shapes=(
         ("qkv", 6144, 4096),
@@ -148,9 +155,13 @@ CUDA_SIZES = Sizes(
         ("gate_up", 28672, 4096),
         ("down", 4096, 14336),
     ),
-    quant_bench_rows=(1, 16, 256, 4096),
+    quant_bench_rows=(1, 16, 64, 256, 4096),
     quant_prefill_len=2048,
     quant_prefill_reps=3,
+    quant_batch=64,
+    quant_batch_prompt_len=128,
+    moe_shape=(2048, 128, 8, 768),  # Qwen3-30B-A3B
+    moe_tokens=(1, 16, 64, 256, 2048),
     # Llama-3-8B's KV block: 2 MiB
     nixl_block_shape=(32, 2, 16, 8, 128),
     nixl_owner_blocks=1024,
@@ -161,17 +172,20 @@ CUDA_SIZES = Sizes(
     serve_prompt_len=(100, 600),
     serve_max_tokens=32,
     serve_num_blocks=1024,
-    # 685 s in all: more than one command's 10 minutes, so a run selects parts (BENCHMARKS.md,
-    # "GPU check"). Startup's is its first H200 run's 57 s (the tiny model's 33M-block pool
-    # takes 46 s to build) plus the graphs-vs-eager engines; tiles' is ~25 candidates.
+    # The default parts (cli.DEFAULT_PARTS) in 445 s of budgets, inside one `timeout 470`
+    # command: startup's first H200 run took 47-57 s; throughput 79 s of which HF generate
+    # (now dropped) 44; kernels 15 s (now with the FP8 KV cases); e2e 19 s (now with a
+    # profile); quant 74-80 s with three engines (now four, each also at batch 64, and every
+    # candidate kernel timed); moe: one 1.2 GB layer. The other parts run when named.
     budget_s=dict(
         preflight=15,
-        startup=75,
+        startup=60,
         parity=45,
-        throughput=135,
-        kernels=70,
-        e2e=80,
-        quant=100,
+        throughput=65,
+        kernels=45,
+        e2e=45,
+        quant=170,
+        moe=45,
         nixl=30,
         serve=60,
         tiles=75,
@@ -210,7 +224,7 @@ CPU_SIZES = Sizes(
     tp_num_requests=8,
     tp_prompt_len=(8, 64),
     tp_output_len=(4, 16),
-    tp_hf_batch_size=4,
+    tp_matmul_n=256,
     tp_max_num_batched_tokens=512,
     # Under Triton's interpreter (~0.6 ms per program instance): a few programs per launch.
     kn_dtype="bfloat16",
@@ -222,6 +236,7 @@ CPU_SIZES = Sizes(
     kn_check_chunks=((1, 1), (9, 30), (20, 20)),
     kn_decode_batches=(2,),
     kn_decode_contexts=(64, 256),  # 1 and 4 splits
+    kn_decode_fp8_cases=((2, 256),),
     kn_prefill_cases=((1, 32, 0), (2, 32, 40)),
     kn_copy_bytes=16 << 20,
     kn_flush_bytes=0,
@@ -240,6 +255,10 @@ CPU_SIZES = Sizes(
     quant_bench_rows=(1, 4),
     quant_prefill_len=32,
     quant_prefill_reps=2,
+    quant_batch=4,
+    quant_batch_prompt_len=8,
+    moe_shape=(64, 8, 2, 32),
+    moe_tokens=(1, 5),
     nixl_block_shape=(4, 2, 16, 4, 64),  # 64 KiB
     nixl_owner_blocks=512,
     nixl_read_blocks=(256,),
@@ -257,6 +276,7 @@ CPU_SIZES = Sizes(
         kernels=60,
         e2e=60,
         quant=60,
+        moe=60,
         nixl=60,
         serve=120,
         tiles=60,

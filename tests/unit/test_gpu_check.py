@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +22,7 @@ PER_ARCH = ("fp32_greedy", "chunked_prefill", "prefix_cache_hit", "bf16_logits")
 
 def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--cpu", "--parts", "all", "--out", str(tmp_path)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -33,10 +34,13 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert (tmp_path / "gpu-check.log").read_text().strip()
     assert report["mode"] == "cpu" and report["ok"] is True
     assert report["environment"]["torch"]
+    tree = report["environment"]["tree"]  # the exact tree measured
+    assert tree["source"] == "git" and len(tree["git_commit"]) == 40
+    assert len(tree["tree_sha256"]) == 64
     parts = report["parts"]
     assert list(parts) == [
-        "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "nixl", "serve",
-        "tiles",
+        "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "moe", "nixl",
+        "serve", "tiles",
     ]  # fmt: skip
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
     expected = {
@@ -47,6 +51,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         "kernels": "ok",
         "e2e": "ok",
         "quant": "ok",
+        "moe": "ok",
         "nixl": nixl_status,
         "serve": "ok",
         "tiles": "ok",
@@ -76,10 +81,14 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert all(r["passed"] for r in sub_checks.values()), sub_checks
 
     tp = parts["throughput"]["figures"]
-    for side in ("engine", "hf"):
-        assert tp[side]["output_tokens"] == tp["workload"]["output_tokens"]
-        assert not tp[side]["truncated_by_budget"]
-    assert tp["ratio_engine_over_hf"] > 0
+    assert tp["engine"]["output_tokens"] == tp["workload"]["output_tokens"]
+    assert not tp["engine"]["truncated_by_budget"]
+    assert "hf" not in tp  # HF generate is no longer run
+    roof = tp["workload_roofline"]
+    assert roof["roofline_s"] == pytest.approx(
+        roof["weights_s"] + roof["kv_s"] + roof["prefill_flops_s"], abs=1e-3
+    )
+    assert 0 < roof["fraction"] and roof["met"] is None  # a smoke run is not judged
 
     # kernels: every kernel checked against tandem.kernels.reference under Triton's interpreter,
     # then every benchmark case run (timed, smoke) and the prefill cases agreeing with SDPA.
@@ -89,6 +98,11 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert kernels["copy"]["gb_s"] > 0
     decode_cases = kernels["decode"]["cases"]
     assert decode_cases and all(c["gb_s"] > 0 and "skipped" not in c for c in decode_cases)
+    # the FP8 KV cases read half the bytes of the same case over a 16-bit cache
+    fp8 = [c for c in decode_cases if c["kv_dtype"] == "fp8"]
+    assert [(c["batch"], c["context"]) for c in fp8] == [(2, 256)]
+    bf16 = next(c for c in decode_cases if (c["batch"], c["context"]) == (2, 256) and c not in fp8)
+    assert fp8[0]["kv_bytes"] * 2 == bf16["kv_bytes"]
     # The serving table width (the longest context) for every case, splits by the context.
     assert {c["table_width"] for c in decode_cases} == {
         max(c["context"] for c in decode_cases) // 16
@@ -103,7 +117,9 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert e2e["graphs"]["status"] == "skipped"
     assert e2e["eager"]["timed_steps"] > 0 and e2e["eager"]["itl_ms"] > 0
     assert 0 < e2e["roofline"]["weight_bytes_read_per_step"] < e2e["roofline"]["weight_bytes"]
-    assert e2e["throughput_target"]["measured"] == tp["ratio_engine_over_hf"]
+    profile = e2e["eager"]["profile"]  # where a decode step's time goes, by category
+    assert sum(profile["share"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert profile["share"]["gemm"] > 0 and profile["top_kernels"]
 
     # quant: each scheme's CPU path and the Triton kernels (interpreter) against the float32
     # reference, the FP8 KV kernels, every linear case timed, the engines on throughput's
@@ -127,6 +143,14 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert shapes and all(
         c[s]["ms"] > 0 for shape in shapes for c in shape["cases"] for s in ("fp8", "int8", "int4")
     )
+    # every candidate kernel timed beside the production path, the fastest named per row count
+    assert all(
+        set(c[s]["candidates_ms"]) == {"production", "triton"}
+        for shape in shapes for c in shape["cases"] for s in ("fp8", "int8", "int4")
+    )  # fmt: skip
+    fastest = quant["linear_speed"]["fastest_by_rows"]
+    assert set(fastest) == {"fp8", "int8", "int4"}
+    assert all(row["fastest"] in row["total_ms"] for f in fastest.values() for row in f.values())
     assert all(shape["weight_bytes"]["int4"] < shape["weight_bytes"]["bf16"] for shape in shapes)
     engine = quant["engine"]
     assert engine["weights_from"] == "the throughput part's directory"
@@ -134,7 +158,15 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert engine["float32"]["linear_path"] == "dense float32"
     assert engine["fp8"]["weight_bytes"] < engine["float32"]["weight_bytes"]
     assert engine["fp8_with_fp8_kv"]["prefill"]["steps_per_prompt"] == [1, 1]
-    assert set(engine["speedup_vs_float32"]) == {"fp8", "fp8_with_fp8_kv"}
+    assert engine["int4"]["weight_bytes"] < engine["fp8"]["weight_bytes"]
+    assert all(engine[k]["batch"]["batch"] == 4 for k in ("float32", "fp8", "int4"))
+    assert set(engine["speedup_vs_float32"]) == {"fp8", "int4", "fp8_with_fp8_kv"}
+
+    # moe: the fused kernel (interpreter) against grouped torch and the reference, timed
+    moe = parts["moe"]["figures"]
+    assert [c["tokens"] for c in moe["cases"]] == [1, 5]
+    assert all(c["passed"] and c["fused_us"] > 0 and c["grouped_us"] > 0 for c in moe["cases"])
+    assert all(0 < c["experts_touched"] <= 8 for c in moe["cases"])
 
     serve = parts["serve"]["figures"]
     assert serve["requests"] and all(r["identical"] for r in serve["requests"])
@@ -173,7 +205,6 @@ def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:
     }
     e2e = parts["e2e"]["figures"]
     assert e2e["weights_from"] == "built by this part"
-    assert e2e["throughput_target"]["measured"] is None
     assert parts["quant"]["figures"]["engine"]["weights_from"] == "the e2e part's directory"
 
 
@@ -181,3 +212,37 @@ def test_gpu_check_rejects_unknown_parts(tmp_path: Path) -> None:
     run = [sys.executable, str(SCRIPT), "--cpu", "--out", str(tmp_path), "--parts"]
     bad = subprocess.run([*run, "parity,bogus"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "bogus" in bad.stderr
+
+
+def test_default_parts_are_one_command_within_its_timeout() -> None:
+    """The default selection is the one prepared command: its CUDA budgets fit `timeout 470`
+    with room for start-up and imports."""
+    from benchmarks.gpu_check.cli import DEFAULT_PARTS, PARTS
+    from benchmarks.gpu_check.sizes import CUDA_SIZES
+
+    assert set(DEFAULT_PARTS) <= set(PARTS)
+    assert sum(CUDA_SIZES.budget_s[p] for p in DEFAULT_PARTS) <= 450
+    assert all(p in CUDA_SIZES.budget_s for p in PARTS)
+
+
+def test_the_tree_record_falls_back_to_the_stamp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without git (the device machine's copy), the run reads the stamp written before the
+    copy and recomputes its digest over the stamped files: equal for the same tree, not for
+    a changed one."""
+    from benchmarks.gpu_check import common
+
+    files = ["Makefile", "pyproject.toml"]
+    stamp = {"git_commit": "c" * 40, "git_dirty": False, "uncommitted_sha256": None,
+             "tree_sha256": common.tree_digest(files), "files": files}  # fmt: skip
+    monkeypatch.setattr(common, "STAMP", tmp_path / "stamp.json")
+    monkeypatch.setattr(common, "_run", lambda *a, **k: None)  # no git
+    (tmp_path / "stamp.json").write_text(json.dumps(stamp))
+    record = common.tree_record()
+    assert record["source"] == "stamp" and record["git_commit"] == "c" * 40
+    assert record["matches_stamp"] is True
+    stamp["tree_sha256"] = common.tree_digest(["Makefile"])  # a different tree
+    (tmp_path / "stamp.json").write_text(json.dumps(stamp))
+    assert common.tree_record()["matches_stamp"] is False
+    assert common.tree_digest(["Makefile", "missing-file"]) != common.tree_digest(["Makefile"])
