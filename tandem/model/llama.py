@@ -95,6 +95,14 @@ class ModelWeights:
         return total
 
 
+def _triton_ops_available() -> bool:
+    try:
+        import tandem.kernels.fused  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, cast back, then scaled (HF's order of operations)."""
     xf = x.float()
@@ -182,6 +190,10 @@ class LlamaModel:
         # give (tests/unit/test_cpu_ops.py).
         native = getattr(attention, "decode_kernel", None)
         self.fused_ops = native if dtype == torch.bfloat16 else None
+        # On CUDA the same three as Triton kernels (tandem.kernels.fused): the residual add
+        # and RMSNorm, RoPE, SiLU * up, one launch each instead of ~20 per layer, which an
+        # eager (mixed prefill + decode) step pays in host time.
+        self.triton_ops = weights.embed.device.type == "cuda" and _triton_ops_available()
         self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
@@ -287,6 +299,10 @@ class LlamaModel:
             # Query and key heads rotated together: one set of element-wise ops, not two.
             if self.fused_ops is not None:  # bfloat16: the same roundings in one call
                 qk = cpu_ops.rope(self.fused_ops, qk, cos, sin)
+            elif self.triton_ops and cfg.head_dim & (cfg.head_dim - 1) == 0:
+                from tandem.kernels.fused import rope
+
+                qk = rope(qk, cos, sin)
             else:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
@@ -309,8 +325,14 @@ class LlamaModel:
                     pending = self.tp.all_reduce(pending).to(x.dtype)
             else:
                 assert lw.gate_up is not None and lw.down is not None
-                gate, up = matmul(x, lw.gate_up, mm).chunk(2, dim=-1)
-                act = F.silu(gate) * up
+                gate_up = matmul(x, lw.gate_up, mm)
+                if self.triton_ops:
+                    from tandem.kernels.fused import silu_mul
+
+                    act = silu_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = F.silu(gate) * up
                 if self._exact:
                     pending = self._output_split(act, lw.down, self._widths[1])
                 elif self.tp is not None:
@@ -340,6 +362,15 @@ class LlamaModel:
         (h is the forward's own residual stream)."""
         if self.fused_ops is not None and h.is_contiguous():
             return h, cpu_ops.add_rms_norm(self.fused_ops, h, y, weight, eps)
+        if (
+            self.triton_ops
+            and h.stride(-1) == 1
+            and weight.dtype == h.dtype
+            and (y is None or (y.dtype == h.dtype and y.stride(-1) == 1))
+        ):
+            from tandem.kernels.fused import add_rms_norm
+
+            return h, add_rms_norm(h, y, weight, eps)
         if y is not None:
             h = h + y
         return h, rms_norm(h, weight, eps)
