@@ -77,6 +77,12 @@ class SchedulerConfig:
     max_model_len: int | None = None
     long_prefill_token_threshold: int | None = None
 
+    @property
+    def max_step_rows(self) -> int:
+        """The most token rows one step can hold: its token budget, or one decode row per
+        request where requests outnumber it."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
+
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")

@@ -52,8 +52,7 @@ def engine_footprint(engine: LLMEngine) -> dict[str, StateSize]:
         sizes["grammar_cache"] = StateSize(len(grammars._compiled), grammars.cache_size)
     model = engine.model
     if getattr(model, "matmul", None) is MatmulKind.ONEDNN:
-        cfg = engine.config.scheduler
-        max_rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        max_rows = engine.config.scheduler.max_step_rows
         sizes["onednn_row_counts"] = StateSize(
             len(model.onednn_row_counts), len(onednn_row_counts(max_rows))
         )

@@ -84,9 +84,7 @@ def compile_matmuls(model: LlamaModel, config: EngineConfig) -> None:
     (`LlamaModel.compile_matmuls`): on every rank, at warm-up, before traffic."""
     sched = config.scheduler
     t0 = time.perf_counter()
-    runs = model.compile_matmuls(
-        max(sched.max_num_batched_tokens, sched.max_num_seqs), sched.max_num_seqs
-    )
+    runs = model.compile_matmuls(sched.max_step_rows, sched.max_num_seqs)
     if runs:
         log.info(
             "compiled oneDNN matmul kernels for %d row counts (%d products) in %.1fs",
