@@ -358,6 +358,71 @@ def bench_linears(ctx: Context, schemes: list[str], flush: torch.Tensor | None) 
     }
 
 
+def bench_bf16_gemms(ctx: Context, flush: torch.Tensor | None) -> Figures:
+    """bf16 projections at decode batches (rows <= 16 of quant_bench_rows), the engine's
+    layout (`x @ w`, w [in, out]) and `F.linear`'s, against the split-K candidate
+    (`tandem.kernels.gemv`, checked against the float32 product first), each as weight bytes
+    read per second and that over the rate cuBLAS reaches on one large matrix (x @ w of
+    16384 x 16384, the same rows) in this run."""
+    from tandem.kernels.gemv import MAX_ROWS, splitk_matmul
+
+    sz, dev = ctx.sizes, ctx.device
+    rows = [m for m in sz.quant_bench_rows if m <= MAX_ROWS]
+    time_s = functools.partial(median_time_s, device=dev, reps=sz.kn_reps, flush=flush)
+    side = 16384 if ctx.cuda else 256
+    big = random_weight(side, side, dev)
+    limit: Figures = {"shape": [side, side]}
+    for m in rows:
+        x = torch.randn(m, side, device=dev).to(DTYPE)
+        limit[str(m)] = sig(big.numel() * 2 / time_s(functools.partial(torch.matmul, x, big)) / 1e9)
+    del big
+    free_memory(dev)
+    shapes: list[Figures] = []
+    wrong: list[str] = []
+    for name, n, k in sz.quant_bench_shapes:
+        if ctx.left_s() < MIN_CASE_S:
+            shapes.append({"name": name, "skipped": "out of the part's time budget"})
+            continue
+        w = random_weight(n, k, dev)  # [out, in]: F.linear's layout
+        wt = w.t().contiguous()  # [in, out]: the engine's
+        nbytes = w.numel() * w.element_size()
+        shape: Figures = {"name": name, "n": n, "k": k, "weight_bytes": nbytes, "cases": []}
+        shapes.append(shape)
+        for m in rows:
+            x = torch.randn(m, k, device=dev).to(DTYPE)
+            check = compare(splitk_matmul(x, wt).float(), x.float() @ wt.float(), *LINEAR_TOLERANCE)
+            case: Figures = {"m": m, "splitk_correct": check["passed"]}
+            if not check["passed"]:
+                wrong.append(f"splitk {name} M={m}: {check['error']}")
+            kernels = {
+                "engine_layout": functools.partial(torch.matmul, x, wt),
+                "f_linear": functools.partial(torch.nn.functional.linear, x, w),
+                "splitk": functools.partial(splitk_matmul, x, wt),
+            }
+            for kernel, fn in kernels.items():
+                if kernel == "splitk" and not check["passed"]:
+                    continue
+                gb_s = nbytes / time_s(fn) / 1e9
+                case[kernel] = {
+                    "gb_s": sig(gb_s),
+                    "of_large_matrix_rate": round(gb_s / limit[str(m)], 3),
+                }
+            shape["cases"].append(case)
+            ctx.log(
+                f"quant: bf16 {name} [{n}x{k}] M={m}: "
+                + ", ".join(
+                    f"{kk} {v['of_large_matrix_rate']}"
+                    for kk, v in case.items()
+                    if isinstance(v, dict)
+                )  # fmt: skip
+                + f" of cuBLAS's large-matrix {limit[str(m)]} GB/s"
+            )
+        del w, wt
+        free_memory(dev)
+    return {"large_matrix_gb_s": limit, "shapes": shapes, "wrong": wrong,
+            "passed": not wrong}  # fmt: skip
+
+
 # -- 3. the engine --------------------------------------------------------------------------
 
 
@@ -586,6 +651,10 @@ def check_quant(ctx: Context) -> Figures:
     bench = functools.partial(bench_linears, ctx, timed, flush)
     figures["linear_speed"] = guarded(ctx, "linear speed", bench)
     del bench
+    gemms = guarded(ctx, "bf16 gemms", functools.partial(bench_bf16_gemms, ctx, flush))
+    figures["bf16_gemms"] = gemms
+    if not gemms.get("passed", False):
+        wrong.append(f"bf16 gemms: {gemms.get('wrong') or gemms.get('error')}")
     del flush
     free_memory(dev)
 

@@ -148,6 +148,12 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         set(c[s]["candidates_ms"]) == {"production", "triton"}
         for shape in shapes for c in shape["cases"] for s in ("fp8", "int8", "int4")
     )  # fmt: skip
+    gemms = quant["bf16_gemms"]  # the split-K candidate checked, then timed beside cuBLAS
+    assert gemms["passed"] and gemms["large_matrix_gb_s"]["1"] > 0
+    assert all(
+        c["splitk_correct"] and set(c) >= {"engine_layout", "f_linear", "splitk"}
+        for shape in gemms["shapes"] for c in shape["cases"]
+    )  # fmt: skip
     fastest = quant["linear_speed"]["fastest_by_rows"]
     assert set(fastest) == {"fp8", "int8", "int4"}
     assert all(row["fastest"] in row["total_ms"] for f in fastest.values() for row in f.values())
