@@ -95,12 +95,11 @@ class ModelWeights:
         return total
 
 
-def _triton_ops_available() -> bool:
-    try:
-        import tandem.kernels.fused  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def triton_ops_for(device: torch.device, attention: AttentionBackend) -> bool:
+    """Whether the layer's element-wise work runs as tandem.kernels.fused's Triton kernels:
+    on CUDA with the Triton attention backend (the torch backend, chosen where Triton
+    cannot launch, keeps torch ops; a CPU runs Triton only under the interpreter)."""
+    return device.type == "cuda" and attention.needs_paged_batch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,10 +189,11 @@ class LlamaModel:
         # give (tests/unit/test_cpu_ops.py).
         native = getattr(attention, "decode_kernel", None)
         self.fused_ops = native if dtype == torch.bfloat16 else None
-        # On CUDA the same three as Triton kernels (tandem.kernels.fused): the residual add
-        # and RMSNorm, RoPE, SiLU * up, one launch each instead of ~20 per layer, which an
-        # eager (mixed prefill + decode) step pays in host time.
-        self.triton_ops = weights.embed.device.type == "cuda" and _triton_ops_available()
+        # On CUDA with the Triton backend the same three as Triton kernels
+        # (tandem.kernels.fused): the residual add and RMSNorm, RoPE, SiLU * up, one launch
+        # each instead of ~20 per layer, which an eager (mixed prefill + decode) step pays
+        # in host time. The torch backend (chosen where Triton cannot launch) keeps torch ops.
+        self.triton_ops = triton_ops_for(weights.embed.device, attention)
         self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim

@@ -159,3 +159,16 @@ def test_the_model_with_the_fused_kernels_gives_the_same_tokens(  # type: ignore
     layers = len(engine.model.weights.layers)
     assert calls["silu_mul"] >= 2 * layers and calls["rope"] >= 2 * layers
     assert calls["add_rms_norm"] >= 2 * (2 * layers + 1)
+
+
+def test_the_fused_kernels_follow_the_attention_backend() -> None:
+    """CUDA with the Triton backend only: where the GPU check (or a user) falls back to the
+    torch backend because Triton cannot launch, the model must not launch Triton kernels."""
+    from tandem.model.attention import TorchAttention
+    from tandem.model.llama import triton_ops_for
+    from tandem.model.triton_attention import TritonAttention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert triton_ops_for(cuda, TritonAttention()) is True
+    assert triton_ops_for(cuda, TorchAttention()) is False
+    assert triton_ops_for(cpu, TritonAttention()) is False
