@@ -185,10 +185,11 @@ def tree_digest(files: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def tree_stamp() -> Figures:
+def tree_stamp(files: list[str] | None = None) -> Figures:
     """The commit, a hash of the uncommitted changes (`git diff HEAD` plus the untracked
-    files' contents) and the tree digest with its file list: what `--stamp` writes."""
-    files = tree_files()
+    files' contents) and the tree digest with its file list (`files`: `tree_files()`, listed
+    here when not given): what `--stamp` writes."""
+    files = tree_files() if files is None else files
     if files is None:
         raise RuntimeError("git cannot list the tree: --stamp runs in a checkout")
     commit = _run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"])
@@ -211,8 +212,9 @@ def tree_record() -> Figures:
     """Which tree this run measured: from git where the checkout has it, else from the
     stamp, with the digest recomputed over the stamp's files (`matches_stamp`: the copy
     is the stamped tree, unchanged)."""
-    if tree_files() is not None:
-        stamp = tree_stamp()
+    files = tree_files()
+    if files is not None:
+        stamp = tree_stamp(files)
         stamp.pop("files")
         return {**stamp, "source": "git"}
     if not STAMP.is_file():

@@ -237,15 +237,16 @@ def time_decode(
     ctx: Context,
     shape: Shape,
     kv_layer: torch.Tensor,
+    table_width: int,
     batch: int,
     context: int,
     copy_gb_s: float,
     flush: torch.Tensor | None,
     kv_scales: tuple[float, float] | None = None,
 ) -> Figures:
-    """One decode case at the full context over random block tables as wide as `kv_layer`'s
-    serving table: time, K/V bytes read per second and that over copy bandwidth. `kv_scales`:
-    an e4m3 cache (half the bytes of a 16-bit one)."""
+    """One decode case at the full context over random block tables `table_width` blocks
+    wide (the serving table's): time, K/V bytes read per second and that over copy
+    bandwidth. `kv_scales`: an e4m3 cache (half the bytes of a 16-bit one)."""
     from tandem.kernels.decode_attention import (
         choose_num_splits,
         device_num_sms,
@@ -253,7 +254,6 @@ def time_decode(
     )
 
     sz, s, dev = ctx.sizes, shape, ctx.device
-    table_width = cdiv(max(sz.kn_decode_contexts), s.block_size)
     num_sms = device_num_sms(torch.device(dev))
     tables = random_tables(batch, table_width, kv_layer.shape[0], dev)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
@@ -312,7 +312,9 @@ def bench_decode(
                               "skipped": "out of the part's time budget"})  # fmt: skip
                 continue
             scales = (0.5, 0.25) if fp8 else None
-            case = time_decode(ctx, s, kv_layer, batch, context, copy_gb_s, flush, scales)
+            case = time_decode(
+                ctx, s, kv_layer, table_width, batch, context, copy_gb_s, flush, scales
+            )
             cases.append(case)
             ctx.log(
                 f"kernels: decode {case['kv_dtype']} batch {batch:3d} x context {context:5d}: "

@@ -49,10 +49,9 @@ def moe_layer(ctx: Context) -> tuple:  # type: ignore[type-arg]
     return weights, cfg
 
 
-def touched_bytes(expert_ids: torch.Tensor, weights) -> int:  # type: ignore[no-untyped-def]
-    """Bytes of the expert matrices this routing reads (each touched expert once)."""
-    per_expert = (weights.gate_up[0].numel() + weights.down[0].numel()) * DTYPE.itemsize
-    return int(torch.unique(expert_ids).numel()) * per_expert
+def expert_bytes(weights) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of one expert's matrices (what a routing that touches it reads once)."""
+    return (weights.gate_up[0].numel() + weights.down[0].numel()) * DTYPE.itemsize
 
 
 def check_moe(ctx: Context) -> Figures:
@@ -117,10 +116,11 @@ def check_moe(ctx: Context) -> Figures:
             continue
         time_s = functools.partial(median_time_s, device=dev, reps=s.kn_reps, flush=flush)
         fused_s, grouped_s = time_s(fused), time_s(grouped)
-        nbytes = touched_bytes(routed.expert_ids, weights)
+        touched = int(torch.unique(routed.expert_ids).numel())
+        nbytes = touched * expert_bytes(weights)
         roofline_s = nbytes / (copy_gb_s * 1e9)
         case.update(
-            experts_touched=int(torch.unique(routed.expert_ids).numel()),
+            experts_touched=touched,
             expert_bytes_read=nbytes,
             fused_us=round(fused_s * 1e6, 1),
             grouped_us=round(grouped_s * 1e6, 1),

@@ -241,7 +241,7 @@ def candidates(qw: Any, ql: Any, x: torch.Tensor, cuda: bool) -> dict[str, Calla
     production path (`quant_matmul`, which picks among them by rows): the timings that set
     FP8_TRITON_MAX_ROWS, TINYGEMM_MAX_ROWS and TRITON_MAX_ROWS."""
     from tandem.kernels.quant_matmul import quantized_linear
-    from tandem.quant.linear import QuantPath, quant_matmul
+    from tandem.quant.linear import QuantPath, fp8_scaled_mm, quant_matmul
     from tandem.quant.weight import WeightScheme
 
     out: dict[str, Callable[[], Any]] = {"production": functools.partial(quant_matmul, x, ql)}
@@ -250,15 +250,7 @@ def candidates(qw: Any, ql: Any, x: torch.Tensor, cuda: bool) -> dict[str, Calla
     if not cuda:  # the smoke run: the CPU path and the kernels under the interpreter
         return out
     if fp8 and ql.path is QuantPath.FP8_SCALED_MM:
-        from tandem.kernels.fp8_quant import quantize_fp8_rows
-
-        def scaled_mm() -> torch.Tensor:
-            xq, sx = quantize_fp8_rows(x)
-            return torch._scaled_mm(
-                xq, qw.qweight.t(), scale_a=sx, scale_b=ql.packed_scales, out_dtype=x.dtype
-            )
-
-        out["scaled_mm"] = scaled_mm
+        out["scaled_mm"] = functools.partial(fp8_scaled_mm, x, ql)
     if ql.path is QuantPath.INT4_TINYGEMM:
         out["tinygemm"] = functools.partial(
             torch.ops.aten._weight_int4pack_mm, x, ql.packed, ql.group_size, ql.packed_scales

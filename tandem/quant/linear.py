@@ -334,17 +334,7 @@ def quant_matmul(
 
         y = quantized_linear(x.contiguous(), ql.weight, quantize_x=True)
     elif ql.path is QuantPath.FP8_SCALED_MM:
-        assert ql.weight is not None and ql.packed_scales is not None
-        from tandem.kernels.fp8_quant import quantize_fp8_rows
-
-        # One kernel for what quantize_fp8_activations does in eight (the same values).
-        if act_absmax is None:
-            xq, sx = quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous())
-        else:
-            xq, sx = quantize_fp8_activations(x, act_absmax)
-        y = torch._scaled_mm(
-            xq, ql.weight.qweight.t(), scale_a=sx, scale_b=ql.packed_scales, out_dtype=x.dtype
-        )
+        y = fp8_scaled_mm(x, ql, act_absmax)
     elif ql.path is QuantPath.TRITON and x.shape[0] <= TRITON_MAX_ROWS:
         from tandem.kernels.quant_matmul import quantized_linear
 
@@ -353,6 +343,24 @@ def quant_matmul(
         assert ql.weight is not None
         y = fp8_activations(x, ql.scheme, act_absmax) @ ql.weight.dequantize(x.dtype).t()
     return y if bias is None else y.add_(bias)
+
+
+def fp8_scaled_mm(
+    x: torch.Tensor, ql: QuantLinear, act_absmax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp8_scaled_mm's product through `torch._scaled_mm` whatever the rows (quant_matmul
+    sends decode batches to the Triton kernel instead; the GPU check times both)."""
+    assert ql.weight is not None and ql.packed_scales is not None
+    from tandem.kernels.fp8_quant import quantize_fp8_rows
+
+    # One kernel for what quantize_fp8_activations does in eight (the same values).
+    if act_absmax is None:
+        xq, sx = quantize_fp8_rows(x if x.stride(-1) == 1 else x.contiguous())
+    else:
+        xq, sx = quantize_fp8_activations(x, act_absmax)
+    return torch._scaled_mm(
+        xq, ql.weight.qweight.t(), scale_a=sx, scale_b=ql.packed_scales, out_dtype=x.dtype
+    )
 
 
 def _fp8_in_kernel(ql: QuantLinear, num_rows: int) -> bool:
