@@ -34,12 +34,16 @@ def paged_attention(
     block_table: list[int],
     context_len: int,
     scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a request's newest queries over its paged context.
 
     Args:
         q: [num_queries, num_q_heads, head_dim], the queries of the last num_queries
             positions (context_len - num_queries ... context_len - 1).
+        window: a query at p sees keys at (p - window, p] only.
+        sinks: [num_q_heads] logits added to each head's softmax denominator.
     Returns:
         [num_queries, num_q_heads, head_dim], computed in float64 then cast back.
     """
@@ -50,9 +54,17 @@ def paged_attention(
     vals = vals.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
     q_pos = torch.arange(context_len - num_queries, context_len, device=q.device).unsqueeze(1)
-    visible = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos  # [num_queries, ctx]
+    k_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
+    visible = k_pos <= q_pos  # [num_queries, ctx]
+    if window is not None:
+        visible &= k_pos > q_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vals)
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:  # exp(s) / (sum exp(s) + exp(sink))
+        sink = sinks.double().view(-1, 1, 1).expand(-1, num_queries, 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    out = torch.einsum("hqk,khd->qhd", probs, vals)
     return out.to(q.dtype)
 
 

@@ -69,6 +69,42 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral": dict(
         cls="MixtralConfig", num_local_experts=8, num_experts_per_tok=2, sliding_window=None
     ),
+    # Hybrid attention (issue 42): windows shorter than the tests' prompts, so pages fall
+    # out of them. gpt-oss: sliding / full alternating, sinks, biases, YaRN, 4 experts top 2
+    # with the clamped SwiGLU (a low limit, so the clamp bites).
+    "gpt-oss": dict(
+        cls="GptOssConfig",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        swiglu_limit=1.0,
+        num_hidden_layers=3,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "rope_theta": 150000.0,
+            "original_max_position_embeddings": 128,
+        },
+    ),  # fmt: skip
+    # Gemma 3: two local layers (window 5, their own rope base) per global one (linear
+    # rope scaling), QK-norm, the sandwich norms, scaled embeddings, a final soft cap.
+    "gemma3": dict(
+        cls="Gemma3TextConfig",
+        head_dim=16,
+        sliding_window=5,
+        query_pre_attn_scalar=24,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    ),  # fmt: skip
 }
 
 BASE_SHAPE = dict(
@@ -106,11 +142,20 @@ def build_hf_model(arch: str, out_dir: Path, seed: int = 0, **shape: Any) -> Any
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0.0, 0.1)
-    if arch in ("qwen3", "qwen3-moe"):
+    if arch in ("qwen3", "qwen3-moe", "gemma3"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.2)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.2)
+    if arch in ("gpt-oss", "gemma3"):
+        # transformers zeroes biases and Gemma's norms (applied as 1 + w): give them values
+        # so each path is exercised
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    p.normal_(0.0, 0.2)
+                if name.endswith("sinks"):
+                    p.normal_(0.0, 1.0)
     if arch in ("qwen3-moe", "mixtral"):
         # transformers initializes routers to zero (every expert tied): spread them so each
         # token's top k is decided and the experts differ in use.

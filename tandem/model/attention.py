@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import cpu_ops
+from tandem.model import windowed
 from tandem.quant.kv import KVScales, dequantize_kv, layer_index, quantize_kv
 
 # Up to this many KV heads, CPU decode attention multiplies block-diagonal queries (one
@@ -65,6 +66,10 @@ class DecodeGroup:
     block_tables: torch.Tensor
     key_bias: torch.Tensor
     context_lens: torch.Tensor | None = None
+    # window -> (tables, bias) over only the blocks that window reads (`windowed`)
+    _windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @staticmethod
     def build(
@@ -77,6 +82,30 @@ class DecodeGroup:
         bias.masked_fill_(past, float("-inf"))
         end = start + block_tables.shape[0]
         return DecodeGroup(start, end, block_tables, bias.unsqueeze(1), context_lens)
+
+    def windowed(self, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables, key bias) of a sliding layer with `window`: each row's table starts
+        at the block holding its window's first key and is at most cdiv(window, block_size)
+        + 1 blocks wide, the bias -inf outside [context - window, context). Built once per
+        step and window (every sliding layer of the step shares it)."""
+        if window in self._windows:
+            return self._windows[window]
+        tables = self.block_tables
+        rows, max_blocks = tables.shape
+        lens = self.context_lens
+        if lens is None:
+            lens = (self.key_bias[:, 0] == 0).sum(-1)
+        first_key = (lens - window).clamp(min=0)
+        width = min(max_blocks, -(-window // block_size) + 1)
+        idx = (first_key // block_size)[:, None] + torch.arange(width, device=tables.device)
+        windowed = tables.gather(1, idx.clamp(max=max_blocks - 1))
+        offsets = torch.arange(block_size, device=tables.device)
+        key_pos = (idx[:, :, None] * block_size + offsets).flatten(1)  # [rows, width * bs]
+        outside = (key_pos < first_key[:, None]) | (key_pos >= lens[:, None])
+        bias = torch.zeros(outside.shape, dtype=torch.float32, device=tables.device)
+        bias.masked_fill_(outside, float("-inf"))
+        self._windows[window] = (windowed, bias.unsqueeze(1))
+        return self._windows[window]
 
 
 @dataclass(slots=True)
@@ -137,6 +166,8 @@ class AttentionBackend(Protocol):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store k/v in the cache and attend.
 
@@ -146,6 +177,10 @@ class AttentionBackend(Protocol):
             kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], this layer's cache.
             meta: the step's metadata (shared by all layers).
             scale: softmax scale.
+            window: a sliding layer's window: a query at position p attends to keys at
+                (p - window, p] only. None: all keys up to p.
+            sinks: [num_q_heads] float32 learned sink logits (gpt-oss): exp(sink) joins each
+                head's softmax denominator, attached to no value.
 
         Returns:
             [num_tokens, num_q_heads, head_dim]
@@ -218,6 +253,8 @@ class TorchAttention:
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache = kv_layer[:, 0]  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache = kv_layer[:, 1]
@@ -239,8 +276,9 @@ class TorchAttention:
         for group in meta.decode_groups:
             rows = out[group.start : group.end]
             result = self._decode(
-                q[group.start : group.end], k_cache, v_cache, group, scale, kv_scales, out=rows
-            )
+                q[group.start : group.end], k_cache, v_cache, group, scale, kv_scales, rows,
+                window, sinks,
+            )  # fmt: skip
             if result is not rows:  # the torch ops made their own tensor
                 rows.copy_(result)
         for span in meta.prefills:
@@ -254,6 +292,8 @@ class TorchAttention:
                 span,
                 scale,
                 kv_scales,
+                window,
+                sinks,
             )
         return out
 
@@ -266,17 +306,28 @@ class TorchAttention:
         scale: float,
         kv_scales: tuple[float, float] | None = None,
         out: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The group's attention output; the native kernel writes it into `out` (the
-        layer's output rows) when given, the torch ops return their own tensor."""
+        layer's output rows) when given, the torch ops return their own tensor. A sliding
+        layer reads only its window's blocks (`DecodeGroup.windowed`)."""
         lib = self.decode_kernel
-        if lib is not None and group.context_lens is not None and cpu_ops.supports(q, k_cache):
+        if (
+            lib is not None
+            and window is None
+            and sinks is None
+            and group.context_lens is not None
+            and cpu_ops.supports(q, k_cache)
+        ):
             return cpu_ops.decode_attention(
                 lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale, out=out
             )
-        tables = group.block_tables
-        num_rows, max_blocks = tables.shape
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        tables, bias = group.block_tables, group.key_bias
+        if window is not None:
+            tables, bias = group.windowed(window, block_size)
+        num_rows, max_blocks = tables.shape
         flat = tables.flatten()
         num_keys = max_blocks * block_size
         # Gathered as stored: [rows, keys, kv_heads * head_dim], each row one contiguous matrix.
@@ -287,7 +338,7 @@ class TorchAttention:
             values = dequantize_kv(values, kv_scales[1], q.dtype)
         group_size = q.shape[1] // num_kv_heads
         if num_kv_heads > BLOCK_DIAGONAL_MAX_KV_HEADS:
-            return self._decode_per_head(q, keys, values, group, scale, num_kv_heads)
+            return self._decode_per_head(q, keys, values, bias, scale, num_kv_heads, sinks)
         # One query per row. The keys stay in their stored order, so that both products are
         # single contiguous batched matmuls (a head-major view would be copied once more by
         # matmul): the queries become a block-diagonal matrix, each query head's row holding
@@ -302,8 +353,8 @@ class TorchAttention:
         )
         q_rows = q_blocks.view(num_rows, num_kv_heads * group_size, num_kv_heads * head_dim)
         scores = torch.bmm(q_rows, keys.transpose(1, 2)).float()  # [rows, q_heads, keys]
-        scores = scores.mul_(scale).add_(group.key_bias)
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        scores = scores.mul_(scale).add_(bias)
+        probs = windowed.softmax(scores, sinks).to(values.dtype)
         # Every query head against every KV head's values; keep the diagonal blocks.
         out = torch.bmm(probs, values)  # [rows, q_heads, kv_heads * head_dim]
         out = out.view(num_rows, num_kv_heads, group_size, num_kv_heads, head_dim)
@@ -315,9 +366,10 @@ class TorchAttention:
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        group: DecodeGroup,
+        bias: torch.Tensor,
         scale: float,
         num_kv_heads: int,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Many KV heads: the block-diagonal queries would waste num_kv_heads x the FLOPs, so
         products per KV head over head-major views (matmul copies them)."""
@@ -328,8 +380,9 @@ class TorchAttention:
         k4 = keys.view(num_rows, num_keys, num_kv_heads, head_dim)
         v4 = values.view(num_rows, num_keys, num_kv_heads, head_dim)
         scores = torch.matmul(qg, k4.permute(0, 2, 3, 1)).float()  # [rows, kv, g, keys]
-        scores = scores.mul_(scale).add_(group.key_bias.unsqueeze(1))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        scores = scores.mul_(scale).add_(bias.unsqueeze(1))
+        heads = None if sinks is None else sinks.view(num_kv_heads, group_size)
+        probs = windowed.softmax(scores, heads).to(values.dtype)
         out = torch.matmul(probs, v4.transpose(1, 2))  # [rows, kv, g, dim]
         return out.view(num_rows, num_kv_heads * group_size, head_dim)
 
@@ -343,8 +396,14 @@ class TorchAttention:
         span: PrefillSpan,
         scale: float,
         kv_scales: tuple[float, float] | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_new, ctx = span.num_new_tokens, span.context_len
+        if window is not None or sinks is not None:
+            return windowed.prefill(
+                q, k, v, k_cache, v_cache, span, scale, kv_scales, window, sinks, self._gather
+            )
         if ctx == num_new:
             # Nothing cached before this chunk: attend over the chunk itself, causally.
             keys, values, mask, causal = k, v, None, True

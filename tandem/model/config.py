@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from tandem.model.moe import MoeConfig, Routing
 
 # HF architecture name -> (qkv bias default, q/k norm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "Gemma3ForCausalLM": (False, True),
+    "GptOssForCausalLM": (True, False),
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
@@ -22,13 +25,52 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (`rope_type: llama3`) or linear."""
+    """RoPE scaling: Llama-3's frequency-dependent one (`llama3`), `linear`, or YaRN
+    (`yarn`: gpt-oss; its cos/sin tables scaled by `attention_factor`)."""
 
-    rope_type: str  # "llama3" or "linear"
+    rope_type: str  # "llama3", "linear" or "yarn"
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the correction range out to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin multiplied by it
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What a family adds to the Llama decoder (all off for Llama, Mistral, Qwen, Mixtral).
+
+    Attributes:
+        layer_windows: per layer, its sliding window (tokens a query attends to, itself
+            included) or None for full attention; empty: every layer full.
+        sinks: each attention head has a learned sink logit (gpt-oss): one more term in
+            the softmax's denominator, attached to no value.
+        o_bias: o_proj has a bias (gpt-oss's attention_bias covers o too).
+        gemma_norms: Gemma's RMSNorm (the weight stored as 1 + w, the product taken in
+            float32) and its sandwich: each sublayer's output normed before the residual
+            add, a separate norm before the MLP.
+        embed_scale: the embedding multiplied by it (Gemma: sqrt(hidden)).
+        attn_scale: the softmax scale (None: head_dim ** -0.5).
+        activation: the dense MLP's, "silu" or "gelu_tanh".
+        local_rope: the sliding layers' own RoPE (theta, scaling); None: the model's.
+        final_softcap: logits = cap * tanh(logits / cap).
+    """
+
+    layer_windows: tuple[int | None, ...] = ()
+    sinks: bool = False
+    o_bias: bool = False
+    gemma_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    activation: str = "silu"
+    local_rope: tuple[float, RopeScaling | None] | None = None
+    final_softcap: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +94,8 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    moe: MoeConfig | None = None  # mixture-of-experts layers (Qwen3-MoE, Mixtral)
+    moe: MoeConfig | None = None  # mixture-of-experts layers (Qwen3-MoE, Mixtral, gpt-oss)
+    features: Features = Features()  # Gemma 3's and gpt-oss's additions
 
     def __post_init__(self) -> None:
         if self.num_q_heads % self.num_kv_heads:
@@ -89,8 +132,11 @@ class ModelConfig:
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             # transformers >= 5 writes rope settings under "rope_parameters"
             rope_params = raw.get("rope_parameters") or {}
+            features = _parse_features(arch, raw)
+            if arch == "Gemma3ForCausalLM":  # per layer kind: rope_parameters.full_attention
+                rope_params = rope_params.get("full_attention") or {}
             act = raw.get("hidden_act", "silu")
-            if act != "silu":
+            if act != "silu" and arch != "Gemma3ForCausalLM":
                 raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
             return cls(
                 architecture=arch,
@@ -102,8 +148,12 @@ class ModelConfig:
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta") or rope_params.get("rope_theta") or 1e4),
-                rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope_params),
+                rope_theta=float(
+                    raw.get("rope_theta")
+                    or rope_params.get("rope_theta")
+                    or DEFAULT_THETA.get(arch, 1e4)
+                ),
+                rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope_params, raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=bool(raw.get("attention_bias", default_bias)),
@@ -111,6 +161,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 moe=_parse_moe(arch, raw),
+                features=features,
             )
         except KeyError as exc:
             raise ValueError(f"config.json is missing required field {exc.args[0]!r}") from None
@@ -129,6 +180,13 @@ class ModelConfig:
         return cls.from_hf(raw)
 
 
+# config.json's rope_theta where it names none (transformers' defaults; others 10000)
+DEFAULT_THETA: dict[str, float] = {
+    "GptOssForCausalLM": 150000.0,
+    "Gemma3ForCausalLM": 1_000_000.0,
+}
+
+
 def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
     """The sparse layers as transformers builds them: Mixtral's every layer; Qwen3-MoE's
     layer i unless i is in `mlp_only_layers`, when (i + 1) % `decoder_sparse_step` == 0."""
@@ -145,6 +203,20 @@ def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
             norm_topk_prob=True,
             sparse_layers=tuple(range(num_layers)),
         )
+    if arch == "GptOssForCausalLM":
+        # top k of the router's logits (with its bias), softmax over them; each expert's
+        # gate and up interleaved in the file, with biases, and a clamped SwiGLU
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=top_k,
+            expert_intermediate_size=int(raw["intermediate_size"]),
+            routing=Routing.TOPK_SOFTMAX,
+            norm_topk_prob=True,
+            sparse_layers=tuple(range(num_layers)),
+            biases=True,
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        )
     if arch != "Qwen3MoeForCausalLM" or num_experts == 0:
         return None
     dense = set(raw.get("mlp_only_layers") or ())
@@ -159,7 +231,52 @@ def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
     )
 
 
-def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
+def _parse_features(arch: str, raw: dict[str, Any]) -> Features:
+    """Gemma 3's and gpt-oss's additions (`Features`); the defaults for every other family."""
+    if arch not in ("Gemma3ForCausalLM", "GptOssForCausalLM"):
+        return Features()
+    num_layers = int(raw["num_hidden_layers"])
+    window = raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if types is None:  # transformers' defaults: gpt-oss alternates, Gemma 3 5 local : 1
+        period = 2 if arch == "GptOssForCausalLM" else int(raw.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % period else "full_attention"
+                 for i in range(num_layers)]  # fmt: skip
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"layer_types must name sliding_attention or full_attention for each of the "
+            f"{num_layers} layers, got {types!r}"
+        )
+    if "sliding_attention" in types and not window:
+        raise ValueError("sliding_attention layers need a positive sliding_window")
+    size = int(window or 0)
+    windows = tuple(size if t == "sliding_attention" else None for t in types)
+    if arch == "GptOssForCausalLM":
+        o_bias = bool(raw.get("attention_bias", True))
+        return Features(layer_windows=windows, sinks=True, o_bias=o_bias)
+    for field in ("attn_logit_softcapping",):
+        if raw.get(field) is not None:
+            raise ValueError(f"unsupported {field} {raw[field]!r}: Gemma 3 configs set none")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (a causal decoder)")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported hidden_activation {act!r}; Gemma 3 uses gelu_pytorch_tanh")
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+    local_theta = float(local.get("rope_theta") or raw.get("rope_local_base_freq") or 1e4)
+    cap = raw.get("final_logit_softcapping")
+    return Features(
+        layer_windows=windows,
+        gemma_norms=True,
+        embed_scale=float(raw["hidden_size"]) ** 0.5,
+        attn_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5,
+        activation="gelu_tanh",
+        local_rope=(local_theta, _parse_rope_scaling(local, raw)),
+        final_softcap=float(cap) if cap else None,
+    )
+
+
+def _parse_rope_scaling(raw: dict[str, Any] | None, config: dict[str, Any]) -> RopeScaling | None:
     if not raw:
         return None
     rope_type = raw.get("rope_type", raw.get("type", "default"))
@@ -175,4 +292,27 @@ def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:
         )
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(raw["factor"]))
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: llama3, linear")
+    if rope_type == "yarn":
+        original = int(raw["original_max_position_embeddings"])
+        factor = raw.get("factor") or int(config["max_position_embeddings"]) / original
+        attention = raw.get("attention_factor")
+        if attention is None:  # YaRN's mscale; mscale / mscale_all_dim where both are set
+            mscale, mscale_all = raw.get("mscale"), raw.get("mscale_all_dim")
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) \
+                if mscale and mscale_all else _yarn_mscale(factor)  # fmt: skip
+        return RopeScaling(
+            rope_type="yarn",
+            factor=float(factor),
+            original_max_position_embeddings=original,
+            beta_fast=float(raw.get("beta_fast") or 32),
+            beta_slow=float(raw.get("beta_slow") or 1),
+            truncate=bool(raw.get("truncate", True)),
+            attention_factor=float(attention),
+        )
+    raise ValueError(
+        f"unsupported rope_scaling type {rope_type!r}; supported: llama3, linear, yarn"
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

@@ -57,6 +57,12 @@ class LayerWeights:
     gate_up: Weight | None  # [hidden, 2 * intermediate]; None in a sparse layer
     down: Weight | None  # [intermediate, hidden]; None in a sparse layer
     moe: MoeWeights | None = None  # a sparse layer's router and experts
+    o_bias: torch.Tensor | None = None  # [hidden] (gpt-oss)
+    sinks: torch.Tensor | None = None  # [q_heads] float32 sink logits (gpt-oss)
+    # Gemma 3's sandwich: the attention's and the MLP's outputs normed before each residual
+    # add (post_norm is then its pre-feedforward norm); float32, stored as 1 + w
+    attn_out_norm: torch.Tensor | None = None  # [hidden]
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]
 
     def matrices(self) -> tuple[Weight, ...]:
         """The layer's dense matrices (a sparse layer's experts are not among them)."""
@@ -79,7 +85,8 @@ class ModelWeights:
         tensors: list[Weight | None] = [self.embed, self.final_norm, self.lm_head]
         for lw in self.layers:
             tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o]
-            tensors += [lw.post_norm, lw.gate_up, lw.down]
+            tensors += [lw.post_norm, lw.gate_up, lw.down, lw.o_bias, lw.sinks]
+            tensors += [lw.attn_out_norm, lw.mlp_out_norm]
             tensors += list(lw.moe.tensors()) if lw.moe is not None else []
         for t in tensors:
             if t is None:
@@ -107,6 +114,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scaled in float32 by `weight` (float32, already 1 + w), then cast."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight).to(x.dtype)
 
 
 class LlamaModel:
@@ -195,7 +209,15 @@ class LlamaModel:
         # in host time. The torch backend (chosen where Triton cannot launch) keeps torch ops.
         self.triton_ops = triton_ops_for(weights.embed.device, attention)
         self.rope = RotaryEmbedding(config, max_positions, weights.embed.device)
-        self.scale = config.head_dim**-0.5
+        feat = config.features
+        # Gemma 3's sliding layers rotate with their own base
+        self.local_rope = (
+            RotaryEmbedding(config, max_positions, weights.embed.device, local=True)
+            if feat.local_rope is not None
+            else None
+        )
+        self.norm = gemma_rms_norm if feat.gemma_norms else rms_norm
+        self.scale = feat.attn_scale or config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
         # Tokens routed to each expert of each sparse layer since load (metrics read it; on
@@ -281,13 +303,18 @@ class LlamaModel:
         """
         cfg, w, mm = self.config, self.weights, self.matmul
         eps = cfg.rms_norm_eps
+        feat = cfg.features
         h = self._embed(input_ids)  # [num_tokens, hidden]
+        if feat.embed_scale is not None:  # in the model's dtype, as transformers rounds it
+            h = h * torch.tensor(feat.embed_scale, dtype=h.dtype)
         cos, sin = self.rope.tables(positions, h.dtype)
+        local = self.local_rope.tables(positions, h.dtype) if self.local_rope else (cos, sin)
         n = input_ids.shape[0]
         if self._onednn_layers:
             self.onednn_row_counts.add(onednn_rows(n))
         pending: torch.Tensor | None = None  # the last layer's MLP output, not yet added to h
         for layer_idx, lw in enumerate(w.layers):
+            window = feat.window(layer_idx)
             h, x = self._add_norm(h, pending, lw.input_norm, eps)
             qkv = matmul(x, lw.qkv, mm, lw.qkv_bias)
             qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
@@ -295,24 +322,29 @@ class LlamaModel:
             qk = qk.view(n, cfg.num_q_heads + cfg.num_kv_heads, cfg.head_dim)
             if lw.q_norm is not None and lw.k_norm is not None:
                 q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
-                qk = torch.cat((rms_norm(q, lw.q_norm, eps), rms_norm(k, lw.k_norm, eps)), 1)
+                qk = torch.cat((self.norm(q, lw.q_norm, eps), self.norm(k, lw.k_norm, eps)), 1)
+            c, s = local if window is not None else (cos, sin)
             # Query and key heads rotated together: one set of element-wise ops, not two.
             if self.fused_ops is not None:  # bfloat16: the same roundings in one call
-                qk = cpu_ops.rope(self.fused_ops, qk, cos, sin)
+                qk = cpu_ops.rope(self.fused_ops, qk, c, s)
             elif self.triton_ops and cfg.head_dim & (cfg.head_dim - 1) == 0:
                 from tandem.kernels.fused import rope
 
-                qk = rope(qk, cos, sin)
+                qk = rope(qk, c, s)
             else:
-                qk = apply_rotary(qk, cos, sin)
+                qk = apply_rotary(qk, c, s)
             q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
-            attn = self.attention.forward(q, k, v, kv_cache[:, layer_idx], meta, self.scale)
+            attn = self.attention.forward(
+                q, k, v, kv_cache[:, layer_idx], meta, self.scale, window, lw.sinks
+            )
             if self._exact and self._reduce_o:  # every head's output, this rank's columns
                 o = self._output_split(attn.reshape(n, self._q_size), lw.o, self._widths[0])
             elif self._reduce_o:  # row-parallel: each rank's heads' share of the sum
                 o = self._row_parallel(attn.reshape(n, self._q_size), lw.o)
             else:
-                o = matmul(attn.reshape(n, self._q_size), lw.o, mm)
+                o = matmul(attn.reshape(n, self._q_size), lw.o, mm, lw.o_bias)
+            if lw.attn_out_norm is not None:
+                o = self.norm(o, lw.attn_out_norm, eps)
             h, x = self._add_norm(h, o, lw.post_norm, eps)
             if lw.moe is not None:
                 assert cfg.moe is not None
@@ -326,7 +358,10 @@ class LlamaModel:
             else:
                 assert lw.gate_up is not None and lw.down is not None
                 gate_up = matmul(x, lw.gate_up, mm)
-                if self.triton_ops:
+                if feat.activation == "gelu_tanh":
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = F.gelu(gate, approximate="tanh") * up
+                elif self.triton_ops:
                     from tandem.kernels.fused import silu_mul
 
                     act = silu_mul(gate_up)
@@ -339,6 +374,8 @@ class LlamaModel:
                     pending = self._row_parallel(act, lw.down)
                 else:
                     pending = matmul(act, lw.down, mm)
+            if lw.mlp_out_norm is not None:
+                pending = self.norm(pending, lw.mlp_out_norm, eps)
         return self._add_norm(h, pending, w.final_norm, eps)[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -360,6 +397,9 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + y, rms_norm(h + y)); y None: (h, rms_norm(h)). The native path adds in place
         (h is the forward's own residual stream)."""
+        if self.config.features.gemma_norms:  # the fused kernels are Llama's RMSNorm
+            h = h if y is None else h + y
+            return h, gemma_rms_norm(h, weight, eps)
         if self.fused_ops is not None and h.is_contiguous():
             return h, cpu_ops.add_rms_norm(self.fused_ops, h, y, weight, eps)
         if (
@@ -384,6 +424,9 @@ class LlamaModel:
         logits = matmul(hidden, self.weights.lm_head, self.matmul)
         if self.tp is not None:  # [rows, vocab / tp] per rank, the padding dropped
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+        cap = self.config.features.final_softcap
+        if cap is not None:  # Gemma's soft cap, in the model's dtype as transformers has it
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     def onednn_products(

@@ -9,6 +9,9 @@ sum of those experts' outputs. Routing is each model's own:
              Qwen3MoeTopKRouter)
   Mixtral    the top k router logits, softmax over those k (float32): the same numbers as
              transformers' softmax-top-k-renormalise, without normalising over all experts
+  gpt-oss    as Mixtral, the router with a bias; its experts have biases too, and a clamped
+             SwiGLU: gate clamped above and up on both sides at `swiglu_limit`,
+             act = (up + 1) * gate * sigmoid(alpha * gate)
 
 The experts run as one grouped operation, never a Python loop over experts: the
 (token, slot) pairs are sorted by expert, the tokens gathered in that order, and each
@@ -49,6 +52,9 @@ class MoeConfig:
     routing: Routing
     norm_topk_prob: bool  # SOFTMAX_TOPK: renormalise the top k (TOPK_SOFTMAX always sums to 1)
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts; the rest are dense
+    biases: bool = False  # gpt-oss: the router, gate_up and down have biases
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (None: plain SiLU * up)
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.expert_intermediate_size <= 0:
@@ -72,14 +78,20 @@ class MoeWeights:
     gate_up: torch.Tensor  # [num_local_experts, hidden, 2 * expert_intermediate]
     down: torch.Tensor  # [num_local_experts, expert_intermediate, hidden]
     first_expert: int = 0
+    router_bias: torch.Tensor | None = None  # [num_experts] (gpt-oss)
+    gate_up_bias: torch.Tensor | None = None  # [num_local_experts, 2 * expert_intermediate]
+    down_bias: torch.Tensor | None = None  # [num_local_experts, hidden]
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.router, self.gate_up, self.down
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        biases = (self.router_bias, self.gate_up_bias, self.down_bias)
+        return (self.router, self.gate_up, self.down, *(b for b in biases if b is not None))
 
 
 def router_name(architecture: str, layer: int) -> str:
     """A sparse layer's router in the checkpoint (Mixtral: block_sparse_moe.gate, Qwen3-MoE:
-    mlp.gate)."""
+    mlp.gate, gpt-oss: mlp.router)."""
+    if architecture == "GptOssForCausalLM":
+        return f"model.layers.{layer}.mlp.router.weight"
     block = "block_sparse_moe" if architecture == "MixtralForCausalLM" else "mlp"
     return f"model.layers.{layer}.{block}.gate.weight"
 
@@ -98,9 +110,13 @@ class Routed(NamedTuple):
     weights: torch.Tensor  # [num_tokens, top_k]
 
 
-def route(x: torch.Tensor, router: torch.Tensor, cfg: MoeConfig) -> Routed:
+def route(
+    x: torch.Tensor, router: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None
+) -> Routed:
     """x: [num_tokens, hidden] -> each token's top-k experts and their weights."""
     logits = x @ router  # [num_tokens, num_experts]
+    if bias is not None:
+        logits = logits + bias
     if cfg.routing is Routing.TOPK_SOFTMAX:
         top, ids = torch.topk(logits, cfg.top_k, dim=-1)
         return Routed(ids, torch.softmax(top.float(), dim=-1))
@@ -152,7 +168,20 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, sorted_pairs: SortedPairs) -> t
     return torch.bmm(x.unsqueeze(1), w[sorted_pairs.experts]).squeeze(1)
 
 
-def grouped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torch.Tensor:
+def activation(gate_up: torch.Tensor, cfg: MoeConfig) -> torch.Tensor:
+    """[rows, 2 * inter] (gate | up) -> [rows, inter]: SiLU(gate) * up, or gpt-oss's
+    clamped SwiGLU."""
+    gate, up = gate_up.chunk(2, -1)
+    if cfg.swiglu_limit is None:
+        return F.silu(gate) * up
+    limit = cfg.swiglu_limit
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha))
+
+
+def grouped_experts(
+    x: torch.Tensor, routed: Routed, weights: MoeWeights, cfg: MoeConfig
+) -> torch.Tensor:
     """The experts' weighted sum per token, as grouped GEMMs over expert-sorted pairs; with
     expert parallelism, over the pairs routed to this rank's experts only.
 
@@ -169,15 +198,21 @@ def grouped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> tor
     s = sort_by_expert(routed.expert_ids, num_local, weights.first_expert, num_experts)
     tokens = s.pairs // top_k  # [num_pairs] the token of each sorted pair
     xs = x.index_select(0, tokens)  # [num_pairs, hidden]
-    gate, up = grouped_mm(xs, weights.gate_up, s).chunk(2, -1)
-    act = (F.silu(gate) * up).contiguous()  # [num_pairs, expert_intermediate]
+    gate_up = grouped_mm(xs, weights.gate_up, s)
+    if weights.gate_up_bias is not None:
+        gate_up = gate_up + weights.gate_up_bias[s.experts]
+    act = activation(gate_up, cfg).contiguous()  # [num_pairs, expert_intermediate]
     out_dtype = torch.float32 if weights.down.dtype == torch.float32 else x.dtype
     ys = grouped_mm(act.to(out_dtype), weights.down, s)  # [num_pairs, hidden]
+    if weights.down_bias is not None:
+        ys = ys + weights.down_bias[s.experts]
     ys = (ys * routed.weights.flatten()[s.pairs].unsqueeze(1)).to(out_dtype)
     return torch.zeros_like(x, dtype=out_dtype).index_add_(0, tokens, ys)
 
 
-def looped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torch.Tensor:
+def looped_experts(
+    x: torch.Tensor, routed: Routed, weights: MoeWeights, cfg: MoeConfig
+) -> torch.Tensor:
     """The same sum, one expert at a time (transformers' way): the benchmark's baseline and
     a reference for tests. Not for the hot path."""
     out = torch.zeros_like(x)
@@ -185,8 +220,12 @@ def looped_experts(x: torch.Tensor, routed: Routed, weights: MoeWeights) -> torc
         token_idx, slot = torch.where(routed.expert_ids == e + weights.first_expert)
         if token_idx.numel() == 0:
             continue
-        gate, up = (x[token_idx] @ weights.gate_up[e]).chunk(2, -1)
-        y = (F.silu(gate) * up) @ weights.down[e]
+        gate_up = x[token_idx] @ weights.gate_up[e]
+        if weights.gate_up_bias is not None:
+            gate_up = gate_up + weights.gate_up_bias[e]
+        y = activation(gate_up, cfg) @ weights.down[e]
+        if weights.down_bias is not None:
+            y = y + weights.down_bias[e]
         out.index_add_(0, token_idx, (y * routed.weights[token_idx, slot, None]).to(x.dtype))
     return out
 
@@ -196,18 +235,19 @@ def moe_forward(
 ) -> torch.Tensor:
     """A sparse layer's MLP: x [num_tokens, hidden] -> [num_tokens, hidden]. `counts`
     ([num_experts] int64): the tokens routed to each expert are added to it (no host sync)."""
-    routed = route(x, weights.router, cfg)
+    routed = route(x, weights.router, cfg, weights.router_bias)
     if counts is not None:
         flat = routed.expert_ids.flatten()
         counts.scatter_add_(0, flat, torch.ones_like(flat))
-    if x.is_cuda:  # fixed shapes whatever the routing: CUDA graphs capture it
+    if x.is_cuda and not cfg.biases:  # fixed shapes whatever the routing: graphs capture it
         from tandem.kernels.fused_moe import fused_moe
 
         return fused_moe(
             x, weights.gate_up, weights.down, routed.expert_ids, routed.weights,
             first_expert=weights.first_expert,
         )  # fmt: skip
-    return grouped_experts(x, routed, weights)
+    # (gpt-oss's biased experts and clamped SwiGLU are not in the Triton kernel yet)
+    return grouped_experts(x, routed, weights, cfg)
 
 
 def active_params(num_params: int, cfg: MoeConfig, hidden: int) -> int:

@@ -6,22 +6,24 @@ import math
 
 import torch
 
-from tandem.model.config import ModelConfig
+from tandem.model.config import ModelConfig, RopeScaling
 
 
-def inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """RoPE inverse frequencies with the config's scaling. Returns: [head_dim // 2] float32.
+def inv_freq(dim: int, theta: float, sc: RopeScaling | None, device: torch.device) -> torch.Tensor:
+    """RoPE inverse frequencies of a `dim`-wide head with base `theta` and scaling `sc`.
+    Returns: [dim // 2] float32.
 
     Computed in float32 on `device` exactly as transformers does, so cos/sin match bit for bit.
     """
-    dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
-    freq = 1.0 / (config.rope_theta**exponents)
-    sc = config.rope_scaling
+    pos = theta**exponents
+    freq = 1.0 / pos
     if sc is None:
         return freq
     if sc.rope_type == "linear":
         return freq / sc.factor
+    if sc.rope_type == "yarn":
+        return _yarn(dim, theta, sc, pos)
     # llama3: keep high frequencies, divide low ones by `factor`, interpolate in between.
     low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
     high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
@@ -35,16 +37,44 @@ def inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding:
-    """Precomputed cos/sin tables for positions [0, max_positions)."""
+def _yarn(dim: int, theta: float, sc: RopeScaling, pos: torch.Tensor) -> torch.Tensor:
+    """YaRN: the low frequencies interpolated (divided by `factor`), the high ones kept,
+    a linear ramp between the dimensions whose wavelengths make beta_slow and beta_fast
+    rotations over the original context."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
-        freq = inv_freq(config, device)
+    def dim_of(rotations: float) -> float:
+        wavelengths = sc.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(theta))
+
+    low, high = dim_of(sc.beta_fast), dim_of(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)
+    keep = (1 - ramp.clamp(0, 1)).to(pos.device)  # 1: extrapolate (keep the frequency)
+    # pos = theta^e; transformers' order of operations
+    return 1.0 / (sc.factor * pos) * (1 - keep) + 1.0 / pos * keep
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables for positions [0, max_positions): the model's, or with
+    `local` its sliding layers' own (Gemma 3: `Features.local_rope`)."""
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, device: torch.device, local: bool = False
+    ) -> None:
+        theta, scaling = config.rope_theta, config.rope_scaling
+        if local and config.features.local_rope is not None:
+            theta, scaling = config.features.local_rope
+        freq = inv_freq(config.head_dim, theta, scaling, device)
         positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
         freqs = positions[:, None] * freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        scale = scaling.attention_factor if scaling is not None else 1.0
+        self.cos = emb.cos() * scale if scale != 1.0 else emb.cos()
+        self.sin = emb.sin() * scale if scale != 1.0 else emb.sin()
         self.max_positions = max_positions
 
     def tables(

@@ -34,7 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tandem.model.config import ModelConfig
+from tandem.model.config import Features, ModelConfig
 from tandem.model.moe import expert_names
 
 
@@ -77,6 +77,11 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     head, or whole replicas of every KV head with its query heads split evenly among them."""
     if size <= 0:
         raise ValueError(f"tensor_parallel_size must be positive, got {size}")
+    if size > 1 and config.features != Features():
+        raise ValueError(
+            f"tensor_parallel_size {size}: {config.architecture} is served on one rank only "
+            f"for now (its sinks, biases and norms are not sharded)"
+        )
     if config.moe is not None and config.moe.num_experts < size:
         raise ValueError(
             f"tensor_parallel_size {size} exceeds the number of experts ({config.moe.num_experts})"

@@ -47,6 +47,7 @@ from tandem.quant.gguf import GGUF_FILE, GGUFMatrices, gguf_matrices
 from tandem.quant.linear import QuantLinear
 from tandem.quant.online import quantized_matrix
 from tandem.quant.weight import WeightScheme
+from tandem.weights import families
 from tandem.weights.safetensors_io import (
     ProgressFn,
     TensorEntry,
@@ -62,8 +63,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MIB = 1 << 20
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor the model reads, in the order they are loaded."""
+def expected_shapes(config: ModelConfig, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the model reads, in the order they are loaded
+    (`mxfp4`: a gpt-oss checkpoint's experts as OpenAI ships them, tandem.weights.families)."""
     hid, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_q_heads * d, config.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {}
@@ -82,6 +84,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (hid, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (hid,)
+        shapes.update(families.layer_shapes(config, i, mxfp4))  # Gemma 3's, gpt-oss's
+        if config.architecture == families.GPT_OSS:
+            continue
         if config.moe is not None and i in config.moe.sparse_layers:
             e_inter = config.moe.expert_intermediate_size
             shapes[router_name(config.architecture, i)] = (config.moe.num_experts, hid)
@@ -123,11 +128,14 @@ class WeightBuilder:
         group_size: int = 64,
         row_parallel: frozenset[str] = frozenset(),
         reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        mxfp4: bool = False,
     ) -> None:
         """`row_parallel`: the tensors this tensor-parallel rank holds some columns of;
         `reduce_max`: the elementwise maximum over the ranks (a collective), which gives
-        their quantized rows the whole row's scales (`quantized_matrix`)."""
+        their quantized rows the whole row's scales (`quantized_matrix`); `mxfp4`: a
+        gpt-oss checkpoint's MXFP4 experts (tandem.weights.families)."""
         self.reader = reader
+        self.mxfp4 = mxfp4
         self.row_parallel = row_parallel
         self.reduce_max = reduce_max
         self.shapes = shapes
@@ -236,6 +244,12 @@ class WeightBuilder:
         if self.quantization is not WeightScheme.NONE:
             raise ValueError("mixture-of-experts models serve unquantized weights only for now")
         mine = experts if experts is not None else range(config.moe.num_experts)
+        if config.architecture == families.GPT_OSS:
+            reader = self.reader
+            assert isinstance(reader, TensorReader)
+            return families.gpt_oss_experts(
+                reader, config, i, mine, self.mxfp4, self.dtype, self.device
+            )
         num, hid = len(mine), config.hidden_size
         # a tensor-parallel rank's share of each expert's columns (the shapes are sliced)
         inter = self.shapes[expert_names(config.architecture, i, mine.start)[0]][0]
@@ -254,21 +268,39 @@ class WeightBuilder:
             first_expert=mine.start,
         )
 
+    def norm(self, config: ModelConfig, name: str) -> torch.Tensor:
+        """An RMSNorm's weight (Gemma's as 1 + w in float32)."""
+        gemma = config.features.gemma_norms
+        return families.norm(self.reader, name, gemma, self.dtype, self.device)
+
     def layer(self, config: ModelConfig, i: int, experts: range | None = None) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         sparse = config.moe is not None and i in config.moe.sparse_layers
+        feat = config.features
+        gemma = feat.gemma_norms
+        # Gemma's sandwich: post_attention_layernorm norms the attention's output, the MLP
+        # has its own pre- and post-norms; Llama's post_attention_layernorm is the pre-MLP one
+        post = p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"
         return LayerWeights(
             # qkv: [hid, q_out + 2 * kv_out]
             qkv=self.matrix([attn + f"{x}_proj.weight" for x in "qkv"]),
             qkv_bias=(
                 self.fused([attn + f"{x}_proj.bias" for x in "qkv"]) if config.qkv_bias else None
             ),
-            input_norm=self.fused([p + "input_layernorm.weight"]),
-            q_norm=self.fused([attn + "q_norm.weight"]) if config.qk_norm else None,
-            k_norm=self.fused([attn + "k_norm.weight"]) if config.qk_norm else None,
+            input_norm=self.norm(config, p + "input_layernorm.weight"),
+            q_norm=self.norm(config, attn + "q_norm.weight") if config.qk_norm else None,
+            k_norm=self.norm(config, attn + "k_norm.weight") if config.qk_norm else None,
             o=self.matrix([attn + "o_proj.weight"]),  # [q_out, hid]
-            post_norm=self.fused([p + "post_attention_layernorm.weight"]),
+            o_bias=self.fused([attn + "o_proj.bias"]) if feat.o_bias else None,
+            sinks=self.fused([attn + "sinks"]).float() if feat.sinks else None,
+            post_norm=self.norm(config, post),
+            attn_out_norm=self.norm(config, p + "post_attention_layernorm.weight")
+            if gemma
+            else None,
+            mlp_out_norm=self.norm(config, p + "post_feedforward_layernorm.weight")
+            if gemma
+            else None,
             # gate_up: [hid, 2 * inter]
             gate_up=None
             if sparse
@@ -292,7 +324,7 @@ class WeightBuilder:
         return ModelWeights(
             embed=embed,
             layers=layers,
-            final_norm=self.fused(["model.norm.weight"]),
+            final_norm=self.norm(config, "model.norm.weight"),
             lm_head=lm_head,
         )
 
@@ -330,13 +362,14 @@ def load_weights(
     entries: dict[str, TensorEntry] = {}
     for f in files:
         entries.update(read_header(f))
-    shapes = expected_shapes(config)
+    mxfp4 = config.architecture == families.GPT_OSS and families.is_mxfp4(model_dir)
+    shapes = expected_shapes(config, mxfp4)
     if shard is not None and shard.size > 1 and shard.expert_parallel:
         foreign = foreign_experts(config, shard)  # other ranks' experts: never read here
         shapes = {n: s for n, s in shapes.items() if n not in foreign}
     # A quantized checkpoint (config.json's quantization_config) stores its linear layers
     # in its own tensors: read those, converted by tandem.quant.checkpoint.
-    quant = read_checkpoint_quant(model_dir)
+    quant = None if mxfp4 else read_checkpoint_quant(model_dir)
     stored, quantized = stored_shapes(quant, shapes, entries) if quant else (shapes, {})
     # A converted GGUF kept beside its safetensors serves its matrices in their own scheme.
     kept = None if quant else gguf_matrices(model_dir, None, quantization, config)
@@ -376,7 +409,7 @@ def load_weights(
         row_parallel = frozenset(n for n, s in slices.items() if s.dim == 1)
         builder = WeightBuilder(
             source, sliced_shapes(shapes, slices), dtype, device, quantization, group_size,
-            row_parallel, reduce_max,
+            row_parallel, reduce_max, mxfp4,
         )  # fmt: skip
         experts = local_experts(config, shard) if config.moe and shard else None
         weights = builder.model(config, vocab_rows, experts)

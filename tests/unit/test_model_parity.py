@@ -10,7 +10,8 @@ import torch
 
 from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
 
-ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral"]
+ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral",
+         "gpt-oss", "gemma3"]  # fmt: skip
 ATOL = 1e-4
 
 
@@ -63,7 +64,7 @@ def test_prefill_and_decode_logits_match_hf(hf_model, engine_factory, arch, chun
     assert done.token_ids == hf_greedy(hf, prompt, 6)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3"])
 def test_prefix_cache_hit_logits_match_hf(hf_model, engine_factory, arch) -> None:
     """A second request that starts after cached blocks still computes the same logits."""
     model_dir, hf = hf_model(arch)
@@ -86,7 +87,9 @@ def _mixed_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
     return [(rng.choices(range(256), k=rng.randint(1, 40)), rng.randint(1, 20)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3"]
+)
 @pytest.mark.parametrize(
     "mode",
     ["chunked", "preemption"],

@@ -12,6 +12,7 @@ from tandem.model.moe import (
     MoeWeights,
     Routed,
     Routing,
+    activation,
     grouped_experts,
     looped_experts,
     route,
@@ -64,14 +65,14 @@ def test_grouped_equals_per_expert_loop(num_experts, top_k, hidden, inter, num_t
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(num_tokens))
     cfg = MoeConfig(num_experts, top_k, inter, Routing.SOFTMAX_TOPK, True, (0,))
     routed = route(x, w.router, cfg)
-    want = looped_experts(x, routed, w)
-    torch.testing.assert_close(grouped_experts(x, routed, w), want, atol=1e-5, rtol=1e-5)
+    want = looped_experts(x, routed, w, cfg)
+    torch.testing.assert_close(grouped_experts(x, routed, w, cfg), want, atol=1e-5, rtol=1e-5)
     # every token to expert 0 (the others idle), and to the last expert
     for e in (0, num_experts - 1):
         ids = torch.full((num_tokens, top_k), e)
         skew = Routed(ids, torch.rand(num_tokens, top_k))
         torch.testing.assert_close(
-            grouped_experts(x, skew, w), looped_experts(x, skew, w), atol=1e-5, rtol=1e-5
+            grouped_experts(x, skew, w, cfg), looped_experts(x, skew, w, cfg), atol=1e-5, rtol=1e-5
         )
 
 
@@ -80,16 +81,52 @@ def test_expert_parallel_shares_add_up_to_the_whole() -> None:
     only) sum to the whole layer."""
     w = _moe(6, 64, 32, seed=5)
     x = torch.randn(23, 64, generator=torch.Generator().manual_seed(5))
-    routed = route(x, w.router, MoeConfig(6, 2, 32, Routing.SOFTMAX_TOPK, True, (0,)))
+    cfg = MoeConfig(6, 2, 32, Routing.SOFTMAX_TOPK, True, (0,))
+    routed = route(x, w.router, cfg)
     parts = [
         MoeWeights(w.router, w.gate_up[lo:hi], w.down[lo:hi], first_expert=lo)
         for lo, hi in ((0, 3), (3, 6))
     ]
-    total = sum(grouped_experts(x, routed, p) for p in parts)
-    torch.testing.assert_close(total, looped_experts(x, routed, w), atol=1e-5, rtol=1e-5)
+    total = sum(grouped_experts(x, routed, p, cfg) for p in parts)
+    torch.testing.assert_close(total, looped_experts(x, routed, w, cfg), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
-        grouped_experts(x, routed, parts[1]), looped_experts(x, routed, parts[1])
+        grouped_experts(x, routed, parts[1], cfg), looped_experts(x, routed, parts[1], cfg)
     )
+
+
+def test_gpt_oss_experts_match_transformers() -> None:
+    """The router's bias, the experts' biases and the clamped SwiGLU, grouped, against
+    transformers' GptOssMLP on the same weights (its gate and up interleaved; ours fused
+    gate | up, as the loader de-interleaves them)."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    hf_cfg = transformers.GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4,
+                                       num_experts_per_tok=2, swiglu_limit=0.5)  # fmt: skip
+    torch.manual_seed(0)
+    mlp = GptOssMLP(hf_cfg).eval()
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0.0, 1.0)  # wide enough that the 0.5 clamp bites on both sides
+    ex = mlp.experts
+    gu, gub = ex.gate_up_proj.detach(), ex.gate_up_proj_bias.detach()
+    w = MoeWeights(
+        router=mlp.router.weight.detach().t(),
+        gate_up=torch.cat((gu[..., ::2], gu[..., 1::2]), -1),
+        down=ex.down_proj.detach(),
+        router_bias=mlp.router.bias.detach(),
+        gate_up_bias=torch.cat((gub[..., ::2], gub[..., 1::2]), -1),
+        down_bias=ex.down_proj_bias.detach(),
+    )
+    cfg = MoeConfig(4, 2, 8, Routing.TOPK_SOFTMAX, True, (0,), biases=True, swiglu_limit=0.5)
+    x = torch.randn(9, 16)
+    with torch.no_grad():
+        want = mlp(x.unsqueeze(0))[0][0]
+    routed = route(x, w.router, cfg, w.router_bias)
+    torch.testing.assert_close(grouped_experts(x, routed, w, cfg), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(looped_experts(x, routed, w, cfg), want, atol=1e-5, rtol=1e-5)
+    clamped = activation(torch.tensor([[2.0, -2.0]]), cfg)  # gate 2 -> 0.5, up -2 -> -0.5
+    assert clamped.item() == pytest.approx(0.5 * 0.5 * torch.sigmoid(torch.tensor(0.851)).item())
 
 
 def test_routing_rules() -> None:
