@@ -23,7 +23,8 @@ from tests.services.workers import assert_all_free, assert_answers_as_the_single
 
 
 def moe_model(root: Path, arch: str) -> Path:
-    """transformers' random `arch` checkpoint with the tiny model's tokenizer."""
+    """transformers' random `arch` checkpoint (tests/conftest.py ARCH_CONFIGS) with the tiny
+    model's tokenizer."""
     tiny = make_tiny_model(root / "tiny", preset="tiny")
     out = root / "model"
     build_hf_model(arch, out, vocab_size=512)

@@ -1,0 +1,173 @@
+"""Gemma 3 and gpt-oss (issue 42): their configs as shipped, YaRN and Gemma's rope tables
+against transformers', and gpt-oss's MXFP4 experts (dequantized exactly, served as
+transformers serves the same values)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.engine.sampling import SamplingParams
+from tandem.model.config import ModelConfig
+from tandem.model.rope import RotaryEmbedding
+from tandem.weights.families import E2M1_VALUES, dequantize_mxfp4
+
+
+def _base(arch: str, **extra: Any) -> dict[str, Any]:
+    raw = dict(
+        architectures=[arch], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    return {**raw, **extra}
+
+
+def test_gemma3_config_as_shipped_before_layer_types() -> None:
+    """gemma-3-1b's config.json (transformers 4.5x): no layer_types, a pattern of 6, the
+    local base in rope_local_base_freq, the global layers' linear scaling in rope_scaling."""
+    cfg = ModelConfig.from_hf(_base(
+        "Gemma3ForCausalLM", sliding_window=512, sliding_window_pattern=6, rope_theta=1e6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+        query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+    ))  # fmt: skip
+    f = cfg.features
+    assert f.layer_windows == (512, 512, 512, 512, 512, None)
+    assert f.gemma_norms and not f.sinks and f.activation == "gelu_tanh"
+    assert f.embed_scale == 8.0 and f.attn_scale == 256**-0.5
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is not None
+    assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 8.0
+    assert f.local_rope == (1e4, None)
+    assert cfg.qk_norm and not cfg.qkv_bias
+
+
+def test_gpt_oss_config_defaults_and_refusals() -> None:
+    cfg = ModelConfig.from_hf(_base(
+        "GptOssForCausalLM", num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 4096},
+    ))  # fmt: skip
+    f = cfg.features
+    # transformers' default pattern: sliding on even layers, full on odd ones
+    assert f.layer_windows == (128, None, 128, None, 128, None)
+    assert f.sinks and f.o_bias and cfg.qkv_bias and not f.gemma_norms
+    assert cfg.rope_theta == 150000.0
+    assert cfg.moe is not None and cfg.moe.biases and cfg.moe.swiglu_limit == 7.0
+    sc = cfg.rope_scaling
+    assert sc is not None and sc.rope_type == "yarn" and not sc.truncate
+    assert sc.attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf(_base("GptOssForCausalLM", num_local_experts=8,
+                                  num_experts_per_tok=2, sliding_window=8,
+                                  layer_types=["chunked_attention"] * 6))  # fmt: skip
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_hf(_base("Gemma3ForCausalLM", sliding_window=None))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ModelConfig.from_hf(_base("Gemma3ForCausalLM", sliding_window=8,
+                                  use_bidirectional_attention=True))  # fmt: skip
+    with pytest.raises(ValueError, match="one rank only"):
+        from tandem.parallel.sharding import check_shardable
+
+        check_shardable(cfg, 2)
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma3"])
+def test_rope_tables_match_transformers(hf_model, arch) -> None:
+    """cos/sin of every layer kind (YaRN with its attention factor; Gemma's local base and
+    the global layers' linear scaling), bit for bit against transformers' rotary module."""
+    model_dir, hf = hf_model(arch)
+    cfg = ModelConfig.from_dir(model_dir)
+    positions = torch.arange(0, 300, 7)
+    x = torch.zeros(1, dtype=torch.float32)
+    rotary = hf.model.rotary_emb
+    kinds = ["full_attention", "sliding_attention"] if arch == "gemma3" else [None]
+    for kind in kinds:
+        args = (kind,) if kind else ()
+        cos, sin = rotary(x, positions[None], *args)
+        ours = RotaryEmbedding(cfg, 512, torch.device("cpu"), local=kind == "sliding_attention")
+        got_cos, got_sin = ours.tables(positions, torch.float32)
+        half = cfg.head_dim // 2
+        if arch == "gpt-oss":  # its table holds each frequency once (no duplicated halves)
+            torch.testing.assert_close(got_cos[:, 0, :half], cos[0], atol=0, rtol=0)
+            torch.testing.assert_close(got_sin[:, 0, :half], sin[0], atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(got_cos[:, 0], cos[0], atol=0, rtol=0)
+            torch.testing.assert_close(got_sin[:, 0], sin[0], atol=0, rtol=0)
+
+
+def _quantize_mxfp4(w: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] -> random MXFP4 blocks [..., out, in / 32, 16] and scales: values drawn
+    from the e2m1 grid, scales 2^-3..2^1, so dequantization has one exact answer."""
+    *lead, out, inp = w.shape
+    nib = torch.randint(0, 16, (*lead, out, inp // 32, 32), generator=gen, dtype=torch.uint8)
+    blocks = nib[..., 0::2] | (nib[..., 1::2] << 4)
+    scales = torch.randint(124, 129, (*lead, out, inp // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+def test_mxfp4_dequantization_matches_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(3)
+    blocks, scales = _quantize_mxfp4(torch.empty(3, 8, 64), gen)
+    ours = dequantize_mxfp4(blocks, scales)  # [3, 8, 64]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 64, 8]
+    torch.testing.assert_close(ours, theirs.transpose(1, 2), atol=0, rtol=0)
+    # nibble 0x3 (1.5) low then 0xA (-1.0) high, scale 2^(128 - 127)
+    one = dequantize_mxfp4(torch.full((1, 1, 16), 0xA3, dtype=torch.uint8),
+                           torch.full((1, 1), 128, dtype=torch.uint8))  # fmt: skip
+    assert one[0, :2].tolist() == [3.0, -2.0] and E2M1_VALUES[0xA] == -1.0
+
+
+def test_gpt_oss_mxfp4_checkpoint_serves_as_transformers(hf_model, engine_factory, tmp_path):
+    """A gpt-oss checkpoint with MXFP4 experts, as OpenAI ships them: the engine's logits
+    equal transformers' on the same (dequantized) weights."""
+    from safetensors.torch import load_file, save_file
+
+    src, hf = hf_model("gpt-oss")
+    tensors = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(4)
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2)  # [E, out, in]
+        blocks, scales = _quantize_mxfp4(w, gen)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        state[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    import copy
+
+    ref = copy.deepcopy(hf)
+    ref.load_state_dict(state)
+    engine = engine_factory(tmp_path, block_size=4)
+    seen: list[torch.Tensor] = []
+    inner = engine.runner.sampler
+
+    def record(logits: torch.Tensor, rows: Any) -> Any:
+        seen.append(logits[0].clone())
+        return inner(logits, rows)
+
+    engine.runner.sampler = record
+    prompt = random.Random(9).choices(range(256), k=11)
+    [done] = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
+    with torch.no_grad():
+        full = torch.tensor([prompt + done.token_ids])
+        fresh = ref(full).logits[0, len(prompt) - 1 : -1]
+        stale = hf(full).logits[0, len(prompt) - 1 : -1]
+    torch.testing.assert_close(torch.stack(seen), fresh, atol=1e-4, rtol=0)
+    assert not torch.allclose(stale, fresh, atol=1e-2)  # the MXFP4 values are what served
+
+
+def test_model_dir_type_hint(tmp_path: Path) -> None:
+    """A Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration) is refused by name."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
+    )
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):
+        ModelConfig.from_dir(tmp_path)
