@@ -80,7 +80,7 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, block_size: int, use_dot: bo
 # The block table's row stride is its width, which follows the batch's longest context, and
 # the split count follows it too: Triton would compile a variant per value class of each
 # (1, multiple of 16, other), mid-serving. Only SPLITS_PAD (a constexpr) selects a variant.
-@triton.jit(do_not_specialize=["stride_bt_req"])
+@triton.jit(do_not_specialize=["stride_bt_req", "window"])
 def _decode_split_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [batch, num_q_heads, head_dim], the query of each request's newest token
     kv_ptr,  # [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer's cache
@@ -92,6 +92,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     scale,  # softmax scale (fp32)
     k_scale,  # fp32: an fp8 cache holds K / k_scale (unused otherwise)
     v_scale,  # fp32: likewise V
+    window,  # a sliding layer's window: keys at [context_len - window, context_len); 0: all
     stride_q_req,  # q.stride(0)
     stride_q_head,  # q.stride(1); q.stride(2) is 1
     stride_kv_block,  # kv.stride(0): may be large (all layers of a block), used in int64
@@ -117,12 +118,18 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     num_splits = tl.num_programs(2)
     num_q_heads = tl.num_programs(1) * GROUP
 
-    # Blocks [start, end) of this request belong to this split; empty when start >= end.
+    # Blocks [start, end) of this request belong to this split; empty when start >= end. A
+    # sliding layer's splits share out only the blocks from its window's first key on.
     context_len = tl.load(context_lens_ptr + req * stride_cl)
     num_ctx_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+    first_key = 0
+    if window > 0:
+        first_key = tl.maximum(context_len - window, 0)
+    first_block = first_key // BLOCK_SIZE
     # Whole tiles per split: only the context's last tile is partial.
-    blocks_per_split = tl.cdiv(tl.cdiv(num_ctx_blocks, num_splits), TILE_BLOCKS) * TILE_BLOCKS
-    start = split * blocks_per_split
+    num_read = num_ctx_blocks - first_block
+    blocks_per_split = tl.cdiv(tl.cdiv(num_read, num_splits), TILE_BLOCKS) * TILE_BLOCKS
+    start = first_block + split * blocks_per_split
     end = tl.minimum(start + blocks_per_split, num_ctx_blocks)
 
     h = tl.arange(0, BLOCK_H)  # row h is query head kv_head * GROUP + h
@@ -170,8 +177,10 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
         bases = block_ids.to(tl.int64) * stride_kv_block + head_offset  # [TILE_BLOCKS]
         keys = tl.reshape(bases[:, None] + t[None, :] * stride_kv_tok, [TILE])
         kv_offsets = keys[:, None] + d[None, :]  # [TILE, HEAD_DIM]
-        # Nothing past the context is read (splits are whole tiles: none crosses `end`).
-        tok_valid = blk * BLOCK_SIZE + tl.arange(0, TILE) < context_len  # [TILE]
+        # Nothing past the context is read (splits are whole tiles: none crosses `end`), nor
+        # before a sliding layer's window.
+        pos = blk * BLOCK_SIZE + tl.arange(0, TILE)
+        tok_valid = (pos < context_len) & (pos >= first_key)  # [TILE]
         k = tl.load(kv_ptr + kv_offsets, mask=tok_valid[:, None], other=0.0)
         v = tl.load(kv_ptr + stride_kv_kv + kv_offsets, mask=tok_valid[:, None], other=0.0)
         if FP8_KV:
@@ -218,11 +227,13 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     part_out_ptr,  # [batch, num_q_heads, num_splits, head_dim] fp32 normalized partials
     part_lse_ptr,  # [batch, num_q_heads, num_splits] fp32, -inf for an empty split
     out_ptr,  # [batch, num_q_heads, head_dim], out: in q's dtype
+    sinks_ptr,  # [num_q_heads] fp32 sink logits (read only when HAS_SINKS)
     stride_out_req,  # out.stride(0)
     stride_out_head,  # out.stride(1); out.stride(2) is 1
     num_splits,  # splits of the first kernel
     HEAD_DIM: tl.constexpr,  # power of two
     SPLITS_PAD: tl.constexpr,  # num_splits padded to a power of two
+    HAS_SINKS: tl.constexpr,  # each head's sink logit joins its softmax's denominator
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -237,6 +248,9 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
     # Split 0 always holds the request's first block (context_len >= 1), so the max is
     # finite; the guard keeps an all-empty row at 0 instead of NaN all the same.
     lse_max = tl.max(lse, axis=0)
+    if HAS_SINKS:  # exp(sink) is one more term of the denominator, attached to no value
+        sink = tl.load(sinks_ptr + head)
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits and padding
     # An empty split wrote no partial: never read it (0 x garbage could be NaN).
@@ -245,6 +259,8 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]
         part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=has_keys[:, None], other=0.0
     )
     total = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - lse_max)
     out = tl.sum(weights[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + req.to(tl.int64) * stride_out_req + head * stride_out_head + d,
@@ -355,6 +371,8 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's newest token over its paged context.
 
@@ -374,6 +392,8 @@ def paged_decode_attention(
             batch's longest context passes the choice for that.
         out: [batch, num_q_heads, head_dim] in q's dtype, written in place if given.
         k_scale, v_scale: a float8_e4m3fn cache's scales (value = stored * scale).
+        window: a sliding layer's window: only the last `window` keys are read.
+        sinks: [num_q_heads] float32 sink logits: exp(sink) joins each head's denominator.
 
     Returns:
         [batch, num_q_heads, head_dim] in q's dtype (`out` when given).
@@ -418,6 +438,7 @@ def paged_decode_attention(
         scale,
         float(k_scale),
         float(v_scale),
+        window or 0,
         q.stride(0),
         q.stride(1),
         kv_layer.stride(0),
@@ -442,10 +463,12 @@ def paged_decode_attention(
         part_out,
         part_lse,
         out,
+        sinks if sinks is not None else part_lse,  # never read without HAS_SINKS
         out.stride(0),
         out.stride(1),
         num_splits,
         HEAD_DIM=head_dim,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HAS_SINKS=sinks is not None,
     )
     return out

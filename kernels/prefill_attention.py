@@ -86,7 +86,7 @@ def tiles_for(dtype: torch.dtype, head_dim: int, group: int) -> Tiles:
 # Triton reads kernel annotations (tl.constexpr), so the arguments carry comments instead.
 # The block table's row stride is its width, which follows the step's longest context: not
 # specialised on, or each value class (1, multiple of 16, other) would compile mid-serving.
-@triton.jit(do_not_specialize=["stride_t_req"])
+@triton.jit(do_not_specialize=["stride_t_req", "window"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] the chunks' queries back to back
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] written for every valid (token, head)
@@ -94,6 +94,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     block_tables_ptr,  # [batch, max_blocks] int32/int64: each request's blocks in order
     query_starts_ptr,  # [batch + 1] cumulative chunk starts in q
     context_lens_ptr,  # [batch] context length including the chunk
+    sinks_ptr,  # [num_q_heads] fp32 sink logits (read only when HAS_SINKS)
+    window,  # a sliding layer's window (query p sees keys (p - window, p]); 0: none
     qk_scale,  # softmax scale * log2(e): scores go through exp2
     k_scale,  # fp32: an fp8 cache holds K / k_scale (unused otherwise)
     v_scale,  # fp32: likewise V
@@ -117,6 +119,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     DOT_FP32: tl.constexpr,  # feed tl.dot fp32 copies (Triton's CPU interpreter has no bf16 dot)
     NUM_STAGES: tl.constexpr,  # software-pipeline depth of the loop over key tiles
     FP8_KV: tl.constexpr,  # the cache is e4m3: dequantize each tile with the scales
+    HAS_SINKS: tl.constexpr,  # each head's sink logit joins its softmax's denominator
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     req = tl.program_id(0)
@@ -167,11 +170,22 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     RUN: tl.constexpr = BLOCK_N // TILE_BLOCKS  # keys of one block in a tile
     b = tl.arange(0, TILE_BLOCKS)
     r = tl.arange(0, RUN)
-    for start_n in tl.range(0, kv_end, BLOCK_N, num_stages=NUM_STAGES):
+    # A sliding layer's tiles start at its first query's window (rounded down to a whole
+    # BLOCK_N, as every tile is); keys before it are not even loaded (their pages may be
+    # freed). A later row may see no key in the first tiles: hence the guard on the max.
+    kv_first = 0
+    if window > 0:
+        kv_first = tl.maximum(prefix_len + tile_start - window + 1, 0)
+    kv_start = kv_first // BLOCK_N * BLOCK_N
+    for start_n in tl.range(kv_start, kv_end, BLOCK_N, num_stages=NUM_STAGES):
         keys = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions
-        key_valid = keys < kv_end
+        key_valid = (keys < kv_end) & (keys >= kv_first)
         blocks = start_n // BLOCK_SIZE + b  # [TILE_BLOCKS]
-        block = tl.load(table + blocks * stride_t_block, mask=blocks * BLOCK_SIZE < kv_end, other=0)
+        block = tl.load(
+            table + blocks * stride_t_block,
+            mask=(blocks * BLOCK_SIZE < kv_end) & ((blocks + 1) * BLOCK_SIZE > kv_first),
+            other=0,
+        )
         # int64: block id * stride_c_block overflows int32 in a large cache.
         slot = (
             tl.reshape(
@@ -191,11 +205,16 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         else:
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = s * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(keys[None, :] <= position[:, None], s, float("-inf"))
+        seen = keys[None, :] <= position[:, None]
+        if window > 0:
+            seen = seen & (keys[None, :] > position[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old max
-        p = tl.math.exp2(s - m_new[:, None])
+        # -inf only for a row that has seen no key yet: subtract 0 then (exp2(-inf) = 0)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was summed under the old max
+        p = tl.math.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
             cache_ptr + stride_c_kv + slot[:, None] + dims[None, :],
@@ -213,7 +232,14 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    if HAS_SINKS:
+        # exp(sink) in the denominator, under a max that covers it too (log2 units)
+        sink = tl.load(sinks_ptr + q_head, mask=head_in_group < GROUP, other=0.0) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        rescale = tl.math.exp2(m_i - m_f)
+        out = acc * rescale[:, None] / (l_i * rescale + tl.math.exp2(sink - m_f))[:, None]
+    else:
+        out = acc / l_i[:, None]
     tl.store(
         out_ptr + token[:, None] * stride_o_token + q_head[:, None] * stride_o_head + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -310,6 +336,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's chunk over its cached prefix and itself.
 
@@ -327,6 +355,9 @@ def paged_prefill_attention(
         scale: softmax scale.
         out: optional [num_tokens, num_q_heads, head_dim] output, q's dtype.
         k_scale, v_scale: a float8_e4m3fn cache's scales (value = stored * scale).
+        window: a sliding layer's window: the query at position p sees keys (p - window, p]
+            only, and no tile before its queries' windows is read.
+        sinks: [num_q_heads] float32 sink logits: exp(sink) joins each head's denominator.
 
     Returns:
         `out` (allocated when not given): [num_tokens, num_q_heads, head_dim], q's dtype,
@@ -356,6 +387,8 @@ def paged_prefill_attention(
         block_tables,
         query_starts,
         context_lens,
+        sinks if sinks is not None else context_lens,  # never read without HAS_SINKS
+        window or 0,
         scale * LOG2_E,
         float(k_scale),
         float(v_scale),
@@ -381,6 +414,7 @@ def paged_prefill_attention(
         DOT_FP32=q.device.type == "cpu" and q.dtype == torch.bfloat16,
         NUM_STAGES=tiles.num_stages,
         FP8_KV=kv_layer.dtype == FP8_KV_DTYPE,
+        HAS_SINKS=sinks is not None,
         num_warps=tiles.num_warps,
     )
     return out

@@ -59,6 +59,8 @@ def paged_attention(
     if window is not None:
         visible &= k_pos > q_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
+    # keys no query sees contribute nothing, even where a test poisons them with NaN
+    vals = vals.masked_fill(~visible.any(0)[:, None, None], 0.0)
     if sinks is None:
         probs = scores.softmax(dim=-1)
     else:  # exp(s) / (sum exp(s) + exp(sink))

@@ -109,13 +109,11 @@ def load_model_and_cache(
     """
     model_dir = Path(config.model_dir)
     sched_cfg = config.scheduler
-    features = ModelConfig.from_dir(model_dir).features
-    special = bool(features.sinks or any(w is not None for w in features.layer_windows))
     model = load_model(
         model_dir,
         config.resolved_dtype,
         config.device,
-        attention=make_attention(config.attention_backend, config.device, special),
+        attention=make_attention(config.attention_backend, config.device),
         progress=progress,
         quantization=config.quantization,
         quantization_group_size=config.quantization_group_size,

@@ -11,15 +11,12 @@ Triton is imported on first construction: the CPU path never loads it.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from tandem.model.attention import AttentionMetadata
 from tandem.quant.kv import KVScales, layer_index
-
-log = logging.getLogger(__name__)
 
 
 class TritonAttention:
@@ -85,8 +82,6 @@ class TritonAttention:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        if window is not None or sinks is not None:  # make_attention never pairs them
-            raise NotImplementedError("the Triton kernels take no sliding window or sinks yet")
         paged = meta.paged
         assert paged is not None, "the runner builds AttentionMetadata.paged for this backend"
         k_scale, v_scale = self._scales(kv_layer)
@@ -104,6 +99,8 @@ class TritonAttention:
                 out=out[:nd],
                 k_scale=k_scale,
                 v_scale=v_scale,
+                window=window,
+                sinks=sinks,
             )
         if q.shape[0] > nd:
             self._prefill(
@@ -117,38 +114,30 @@ class TritonAttention:
                 out=out[nd:],
                 k_scale=k_scale,
                 v_scale=v_scale,
+                window=window,
+                sinks=sinks,
             )
         return out
 
 
-def make_attention(name: str, device: str, windows_or_sinks: bool = False) -> Any:
+def make_attention(name: str, device: str) -> Any:
     """The attention backend `name` for `device`:
       triton  the paged Triton kernels (CUDA; the CPU only under TRITON_INTERPRET=1);
       torch   TorchAttention with torch ops only;
       native  TorchAttention with its decode rows through the native paged CPU kernel
               (tandem.kernels.cpu_ops, built with the system's C compiler);
       auto    Triton on CUDA; on a CPU native when the kernel builds, else torch.
-    `windows_or_sinks`: the model has sliding-window layers or attention sinks (Gemma 3,
-    gpt-oss), which the Triton kernels do not take yet: auto is then torch on CUDA (the
-    native CPU kernel serves the full layers; the others take torch ops).
+    Every backend takes sliding-window layers and sinks (Gemma 3, gpt-oss); on a CPU the
+    native kernel serves full layers without sinks, torch ops the others.
 
     Raises:
-        ValueError: an unknown name, native where the kernel cannot be built, triton for a
-            model with windows or sinks.
+        ValueError: an unknown name, or native where the kernel cannot be built.
     """
     from tandem.kernels import cpu_ops
     from tandem.model.attention import TorchAttention
 
     is_cuda = torch.device(device).type == "cuda"
-    if name == "triton" and windows_or_sinks:
-        raise ValueError(
-            "attention_backend triton: the Triton kernels do not take sliding windows or "
-            "attention sinks yet; use auto or torch for this model"
-        )
     if name == "auto":
-        if is_cuda and windows_or_sinks:
-            log.warning("sliding windows or sinks: torch attention on CUDA (no Triton kernel yet)")
-            return TorchAttention()
         if is_cuda:
             return TritonAttention()
         return TorchAttention(cpu_ops.load())

@@ -329,6 +329,37 @@ def test_rejects_tensors_on_another_device() -> None:
 # at least two stream at once. (4 warps at 139 registers measured faster on an H200 than 8
 # at 128: decode_tiles.)
 REGISTER_BUDGET = 32768
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize(("window", "with_sinks"), [(1, False), (40, False), (40, True), (0, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_and_sinks(
+    dtype: torch.dtype, window: int, with_sinks: bool, num_splits: int | None
+) -> None:
+    """A sliding layer's window (only its blocks read: every block before it is poisoned
+    with NaN) and gpt-oss's sinks, across splits, against the reference."""
+    lens = [1, 15, 17, 41, 300]
+    q, kv, tables, ctx = make_case(lens, block_size=16, group=4, dtype=dtype, seed=7)
+    if window:
+        for r, n in enumerate(lens):
+            first_block = max(0, n - window) // 16
+            kv[tables[r, :first_block].long()] = float("nan")
+    sinks = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(1)) * 2
+    sinks = sinks.to(DEVICE) if with_sinks else None
+    out = paged_decode_attention(
+        q, kv, tables, ctx, 0.125, num_splits=num_splits, window=window or None, sinks=sinks
+    )
+    kv_cpu = kv.cpu()
+    want = torch.stack([
+        paged_attention(q[r : r + 1].cpu(), kv_cpu, tables[r].tolist(), n, 0.125,
+                        window or None, None if sinks is None else sinks.cpu())[0]
+        for r, n in enumerate(lens)
+    ]).to(q.device)  # fmt: skip
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+
+
 LOWER_SCRIPT = r"""
 import sys
 
@@ -396,13 +427,14 @@ for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf1
         print(dtype, cache, head_dim, group, block_size, registers, "registers ok")
 
 for dtype in DTYPES:
-    constants = dict(HEAD_DIM=128, SPLITS_PAD=32)
+    constants = dict(HEAD_DIM=128, SPLITS_PAD=32, HAS_SINKS=dtype == "bf16")
     signature = {
         "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*" + dtype,
-        "stride_out_req": "i32", "stride_out_head": "i32", "num_splits": "i32",
-        "HEAD_DIM": "constexpr", "SPLITS_PAD": "constexpr",
+        "sinks_ptr": "*fp32", "stride_out_req": "i32", "stride_out_head": "i32",
+        "num_splits": "i32", "HEAD_DIM": "constexpr", "SPLITS_PAD": "constexpr",
+        "HAS_SINKS": "constexpr",
     }
-    ptrs = ["part_out_ptr", "part_lse_ptr", "out_ptr"]
+    ptrs = ["part_out_ptr", "part_lse_ptr", "out_ptr", "sinks_ptr"]
     kernel = build(
         _decode_reduce_kernel, signature, constants, aligned_attrs(_decode_reduce_kernel, ptrs), 4
     )

@@ -39,7 +39,12 @@ class Case:
     query_starts: list[int]
     scale: float
 
-    def run(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        out: torch.Tensor | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         max_blocks = max(len(t) for t in self.tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in self.tables]
         return paged_prefill_attention(
@@ -51,19 +56,27 @@ class Case:
             max(end - start for start, end in pairwise(self.query_starts)),
             self.scale,
             out=out,
+            window=window,
+            sinks=sinks,
         )
 
-    def reference(self, i: int) -> torch.Tensor:
+    def reference(
+        self, i: int, window: int | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         start, end = self.query_starts[i], self.query_starts[i + 1]
         return paged_attention(
-            self.q[start:end], self.kv_layer, self.tables[i], self.context_lens[i], self.scale
-        )
+            self.q[start:end], self.kv_layer, self.tables[i], self.context_lens[i], self.scale,
+            window, sinks,
+        )  # fmt: skip
 
-    def check(self, out: torch.Tensor) -> None:
+    def check(
+        self, out: torch.Tensor, window: int | None = None, sinks: torch.Tensor | None = None
+    ) -> None:
         atol, rtol = TOLERANCES[self.q.dtype]
         for i in range(len(self.tables)):
             start, end = self.query_starts[i], self.query_starts[i + 1]
-            torch.testing.assert_close(out[start:end], self.reference(i), atol=atol, rtol=rtol)
+            want = self.reference(i, window, sinks)
+            torch.testing.assert_close(out[start:end], want, atol=atol, rtol=rtol)
 
 
 def make_case(
@@ -140,6 +153,23 @@ def test_single_chunk(lens: list[tuple[int, int]], block_size: int) -> None:
 
 
 RAGGED = [(0, 1), (37, 17), (5, 33), (0, 120), (64, 16), (200, 3)]
+
+
+@pytest.mark.parametrize(
+    ("window", "with_sinks"), [(1, False), (24, False), (24, True), (None, True)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_and_sinks(dtype: torch.dtype, window: int | None, with_sinks: bool) -> None:
+    """A sliding layer's window (blocks wholly before every query's window are poisoned with
+    NaN: never read) and gpt-oss's sinks, over chunks with and without cached prefixes."""
+    case = make_case(RAGGED, group=4, block_size=16, dtype=dtype, seed=11)
+    if window:
+        for (prefix, _), table in zip(RAGGED, case.tables, strict=True):
+            first_block = max(0, prefix - window + 1) // 16
+            case.kv_layer[torch.tensor(table[:first_block], dtype=torch.long)] = float("nan")
+    g = torch.Generator().manual_seed(2)
+    sinks = torch.randn(case.q.shape[1], generator=g) * 2 if with_sinks else None
+    case.check(case.run(window=window, sinks=sinks), window, sinks)
 
 
 @pytest.mark.parametrize(
@@ -309,6 +339,7 @@ for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf1
             DOT_FP32=False,
             NUM_STAGES=tiles.num_stages,
             FP8_KV=cache == "fp8e4nv",
+            HAS_SINKS=head_dim == 64,  # gpt-oss's head size (its sinks' epilogue compiled)
         )
         signature = {}
         for name in _prefill_kernel.arg_names:
@@ -318,6 +349,8 @@ for dtype, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("bf1
                 signature[name] = "*" + dtype
             elif name == "cache_ptr":
                 signature[name] = "*" + cache
+            elif name == "sinks_ptr":
+                signature[name] = "*fp32"
             elif name.endswith("_ptr"):
                 signature[name] = "*i32"
             elif name in ("qk_scale", "k_scale", "v_scale"):

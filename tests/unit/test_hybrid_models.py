@@ -164,6 +164,25 @@ def test_gpt_oss_mxfp4_checkpoint_serves_as_transformers(hf_model, engine_factor
     assert not torch.allclose(stale, fresh, atol=1e-2)  # the MXFP4 values are what served
 
 
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma3"])
+def test_triton_backend_serves_windows_and_sinks(hf_model, engine_factory, arch) -> None:
+    """The Triton kernels (under the interpreter here) with windows and sinks: chunked
+    prefills over prefix hits and decodes past the windows give transformers' greedy
+    answers."""
+    from tests.unit.test_model_parity import hf_greedy
+
+    model_dir, hf = hf_model(arch)
+    engine = engine_factory(
+        model_dir, block_size=4, attention_backend="triton", max_num_batched_tokens=8
+    )
+    shared = random.Random(arch).choices(range(256), k=9)
+    prompts = [shared + random.Random(i).choices(range(256), k=3 + 5 * i) for i in range(3)]
+    engine.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0))  # cache it
+    done = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
+    assert done[1].num_cached_tokens == 8
+    assert [d.token_ids for d in done] == [hf_greedy(hf, p, 5) for p in prompts]
+
+
 def test_model_dir_type_hint(tmp_path: Path) -> None:
     """A Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration) is refused by name."""
     (tmp_path / "config.json").write_text(
