@@ -15,6 +15,10 @@ The pairs are sorted by expert and each expert's run padded to a multiple of BLO
                    the epilogue; the host sums each token's top_k rows (no atomics, so the
                    sum's order is fixed)
 
+gpt-oss's experts (`biases`, `swiglu_limit`): each GEMM's bias added in its epilogue, and
+the clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = min(gate, limit), up clamped to
+[-limit, limit], in place of silu(gate) * up.
+
 Every shape is a function of (num_tokens, top_k, num_experts, BLOCK_M) only, never of the
 routing: the sort, the padding and both grids have fixed sizes and nothing is read back to
 the host, so CUDA graphs capture a decode step through it. Tiles past the last expert's
@@ -82,10 +86,13 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     sorted_pairs_ptr,  # int32 [num_blocks * BLOCK_M] pair ids by expert, num_pairs = padding
     block_expert_ptr,  # int32 [num_blocks] each tile's expert (num_experts: empty tile)
     act_ptr,  # [num_pairs, inter] out: silu(gate) * up per pair, in x's dtype
+    bias_ptr,  # [num_experts, 2 * inter] gate | up biases, contiguous (read when HAS_BIAS)
     num_pairs,  # num_tokens * TOP_K (the padding sentinel)
     num_experts,  # tiles with this expert are past the last run
     hidden,  # K of the GEMM
     inter,  # expert intermediate size (masks the last column tile)
+    limit,  # CLAMPED: the SwiGLU's clamp
+    alpha,  # CLAMPED: the sigmoid's gain
     stride_xm,  # x.stride(0)
     stride_we,  # w.stride(0)
     stride_wk,  # w.stride(1)
@@ -96,6 +103,8 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,  # hidden inputs per K step
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations, else "tf32" (unused)
     DOT_FP32: tl.constexpr,  # fp32 operands (Triton's CPU interpreter has no bf16 dot)
+    HAS_BIAS: tl.constexpr,  # gpt-oss: gate and up have per-expert biases
+    CLAMPED: tl.constexpr,  # gpt-oss's clamped SwiGLU
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -131,8 +140,23 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     dtype = act_ptr.dtype.element_ty
     # (each bf16 product computed in fp32 and rounded: the interpreter has no bf16 arithmetic)
     g = gate.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+    u = up.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        b = bias_ptr + expert.to(tl.int64) * 2 * inter + cols
+        g = (g + tl.load(b, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+        u = (u + tl.load(b + inter, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        ga = (g * alpha).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-ga))).to(dtype).to(tl.float32)
+        glu = (g * sig).to(dtype).to(tl.float32)
+        act = ((u + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+    else:
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        act = (silu * u).to(dtype)
     out = act_ptr + pairs.to(tl.int64)[:, None] * stride_am + cols[None, :]
     tl.store(out, act, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -144,6 +168,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     sorted_pairs_ptr,  # int32 [num_blocks * BLOCK_M] pair ids by expert, num_pairs = padding
     block_expert_ptr,  # int32 [num_blocks] each tile's expert (num_experts: empty tile)
     weights_ptr,  # [num_pairs] routing weight of each pair (fp32 or x's dtype)
+    bias_ptr,  # [num_experts, hidden] contiguous (read when HAS_BIAS)
     out_ptr,  # [num_pairs, hidden] out: each pair's weighted expert output
     num_pairs,  # the padding sentinel
     num_experts,  # tiles with this expert are past the last run
@@ -158,6 +183,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,  # intermediate inputs per K step
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations, else "tf32" (unused)
     DOT_FP32: tl.constexpr,  # fp32 operands (Triton's CPU interpreter has no bf16 dot)
+    HAS_BIAS: tl.constexpr,  # gpt-oss: down has per-expert biases
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -189,7 +215,11 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     # path's order of roundings)
     dtype = out_ptr.dtype.element_ty
     rw = tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
-    y = acc.to(dtype).to(tl.float32) * rw[:, None]
+    y = acc.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0)
+        y = (y + bias.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    y = y * rw[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -205,10 +235,16 @@ def fused_moe(
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     first_expert: int = 0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
 ) -> torch.Tensor:
     """The experts' routed, weighted sum per token; with expert parallelism (`gate_up` and
     `down` hold experts [first_expert, first_expert + num_local) of more), the sum over the
-    pairs routed to those: the others' rows stay zero.
+    pairs routed to those: the others' rows stay zero. gpt-oss: `gate_up_bias` [E, 2 * inter]
+    and `down_bias` [E, hidden] (contiguous, x's dtype), and with `swiglu_limit` its clamped
+    SwiGLU.
 
     Args:
         x: [num_tokens, hidden] float16/bfloat16/float32, hidden contiguous.
@@ -255,19 +291,30 @@ def fused_moe(
     num_blocks = block_expert.shape[0]
     fp32 = x.device.type == "cpu" and x.dtype != torch.float32  # the interpreter's dots
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    for name, bias, shape in (("gate_up_bias", gate_up_bias, (num_experts, 2 * inter)),
+                              ("down_bias", down_bias, (num_experts, hidden))):  # fmt: skip
+        if bias is not None and (
+            bias.shape != shape or not bias.is_contiguous() or bias.dtype != x.dtype
+        ):
+            raise ValueError(f"{name} must be contiguous {list(shape)} {x.dtype}")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    clamped = swiglu_limit is not None
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, gate_up, sorted_pairs, block_expert, act,
+        gate_up_bias if gate_up_bias is not None else act,  # never read without HAS_BIAS
         num_pairs, num_experts, hidden, inter,
+        float(swiglu_limit or 0.0), float(swiglu_alpha),
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, DOT_PRECISION=precision, DOT_FP32=fp32, **tiles,
+        TOP_K=top_k, DOT_PRECISION=precision, DOT_FP32=fp32,
+        HAS_BIAS=gate_up_bias is not None, CLAMPED=clamped, **tiles,
     )  # fmt: skip
     out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)  # others' pairs: 0
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
-        act, down, sorted_pairs, block_expert, weights.reshape(-1).contiguous(), out,
+        act, down, sorted_pairs, block_expert, weights.reshape(-1).contiguous(),
+        down_bias if down_bias is not None else out, out,
         num_pairs, num_experts, inter, hidden,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        DOT_PRECISION=precision, DOT_FP32=fp32, **tiles,
+        DOT_PRECISION=precision, DOT_FP32=fp32, HAS_BIAS=down_bias is not None, **tiles,
     )  # fmt: skip
     # each token's top_k rows, summed in a fixed order
     return out.view(n, top_k, hidden).sum(1)

@@ -234,7 +234,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
 
     if HAS_SINKS:
         # exp(sink) in the denominator, under a max that covers it too (log2 units)
-        sink = tl.load(sinks_ptr + q_head, mask=head_in_group < GROUP, other=0.0) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + q_head, mask=head_in_group < GROUP, other=0.0)
+        sink = sink * 1.4426950408889634
         m_f = tl.maximum(m_i, sink)
         rescale = tl.math.exp2(m_i - m_f)
         out = acc * rescale[:, None] / (l_i * rescale + tl.math.exp2(sink - m_f))[:, None]

@@ -239,14 +239,15 @@ def moe_forward(
     if counts is not None:
         flat = routed.expert_ids.flatten()
         counts.scatter_add_(0, flat, torch.ones_like(flat))
-    if x.is_cuda and not cfg.biases:  # fixed shapes whatever the routing: graphs capture it
+    if x.is_cuda:  # fixed shapes whatever the routing: CUDA graphs capture it
         from tandem.kernels.fused_moe import fused_moe
 
         return fused_moe(
             x, weights.gate_up, weights.down, routed.expert_ids, routed.weights,
-            first_expert=weights.first_expert,
+            first_expert=weights.first_expert, gate_up_bias=weights.gate_up_bias,
+            down_bias=weights.down_bias, swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
         )  # fmt: skip
-    # (gpt-oss's biased experts and clamped SwiGLU are not in the Triton kernel yet)
     return grouped_experts(x, routed, weights, cfg)
 
 

@@ -57,6 +57,31 @@ def test_matches_reference(num_tokens, num_experts, top_k, dtype) -> None:
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_oss_biases_and_clamped_swiglu(dtype) -> None:
+    """gpt-oss's experts: biases on both GEMMs and the clamped SwiGLU (a limit that bites),
+    against the CPU path (tandem.model.moe.grouped_experts), itself checked against
+    transformers' GptOssMLP (tests/unit/test_moe.py)."""
+    from tandem.model.moe import MoeConfig, MoeWeights, Routed, Routing, grouped_experts
+
+    hidden, inter, num_experts = 48, 40, 6
+    x, gate_up, down, ids, weights = _case(37, num_experts, 2, hidden, inter, dtype, seed=5)
+    g = torch.Generator().manual_seed(6)
+    gub = torch.randn(num_experts, 2 * inter, generator=g).to(dtype)
+    db = torch.randn(num_experts, hidden, generator=g).to(dtype)
+    cfg = MoeConfig(num_experts, 2, inter, Routing.TOPK_SOFTMAX, True, (0,), biases=True,
+                    swiglu_limit=0.6)  # fmt: skip
+    w = MoeWeights(torch.empty(hidden, num_experts), gate_up, down, gate_up_bias=gub,
+                   down_bias=db)  # fmt: skip
+    got = fused_moe(x, gate_up, down, ids, weights, gate_up_bias=gub, down_bias=db,
+                    swiglu_limit=0.6)  # fmt: skip
+    want = grouped_experts(x, Routed(ids, weights.to(dtype)), w, cfg)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    plain = fused_moe(x, gate_up, down, ids, weights)
+    assert not torch.allclose(plain, want, atol=1e-2)
+
+
 @pytest.mark.parametrize("expert", [0, 7])
 def test_skewed_routing_all_tokens_to_one_expert(expert: int) -> None:
     x, gate_up, down, _, _ = _case(40, 8, 2, 32, 32, torch.float32, seed=expert)
@@ -109,16 +134,19 @@ from tandem.kernels.fused_moe import _down_kernel, _gate_up_kernel, _tiles
 from tests.kernels.compile_check import aligned_attrs, compile_sm90, ptxas_usage
 
 POINTERS = {
-    _gate_up_kernel: ("x_ptr", "w_ptr", "act_ptr"),
-    _down_kernel: ("act_ptr", "w_ptr", "out_ptr"),
+    _gate_up_kernel: ("x_ptr", "w_ptr", "act_ptr", "bias_ptr"),
+    _down_kernel: ("act_ptr", "w_ptr", "out_ptr", "bias_ptr"),
 }
 
 for kernel in (_gate_up_kernel, _down_kernel):
     for block_m in (16, 64):
         for x in ("fp16", "bf16"):
-            constants = dict(_tiles(block_m), DOT_PRECISION="tf32", DOT_FP32=False)
+            # bf16: gpt-oss's variant (biases, the clamped SwiGLU)
+            constants = dict(_tiles(block_m), DOT_PRECISION="tf32", DOT_FP32=False,
+                             HAS_BIAS=x == "bf16")  # fmt: skip
             if kernel is _gate_up_kernel:
                 constants["TOP_K"] = 2
+                constants["CLAMPED"] = x == "bf16"
             signature = {}
             for arg in kernel.arg_names:
                 if arg in constants:
@@ -127,6 +155,8 @@ for kernel in (_gate_up_kernel, _down_kernel):
                     signature[arg] = "*" + x
                 elif arg.endswith("_ptr"):
                     signature[arg] = "*fp32" if arg == "weights_ptr" else "*i32"
+                elif arg in ("limit", "alpha"):
+                    signature[arg] = "fp32"
                 else:
                     signature[arg] = "i32"
             names = [n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride_")]
