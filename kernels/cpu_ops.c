@@ -215,12 +215,16 @@ static void values_bf16(const uint16_t *v, int64_t s_block, int64_t s_tok, int64
    converted once and dotted with the query heads that share it; one softmax per query head;
    then the values the same way, accumulated for every query head. Scratch (float32):
    qf and acc [num_q_heads][dim], scores [num_q_heads][ctx]. vector: take the AVX512-BF16
-   path when the library has it (bfloat16, dim a multiple of 32). */
+   path when the library has it (bfloat16, dim a multiple of 32). The first `skip` keys
+   are read but take no weight (a sliding window that starts inside the table's first
+   block); sinks (NULL: none): one logit per query head added to its softmax's
+   denominator. */
 static void decode_row(const void *q, int64_t sq_head, const char *k, const char *v,
                        int is_bf16, int64_t elem, int64_t s_block, int64_t s_tok,
                        int64_t s_head, const int64_t *table, int64_t ctx, int64_t block_size,
                        int64_t num_q_heads, int64_t num_kv_heads, int64_t dim, float scale,
-                       int vector, float *qf, float *acc, float *scores, void *out) {
+                       int vector, int64_t skip, const float *sinks, float *qf, float *acc,
+                       float *scores, void *out) {
     int64_t group = num_q_heads / num_kv_heads;
     float row[MAX_DIM];
 #ifdef TANDEM_BF16_DOT
@@ -254,9 +258,12 @@ static void decode_row(const void *q, int64_t sq_head, const char *k, const char
     }
     for (int64_t h = 0; h < num_q_heads; h++) {
         float *sh = scores + h * ctx, m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < ctx; t++) m = sh[t] > m ? sh[t] : m;
-        for (int64_t t = 0; t < ctx; t++) sh[t] = exp_nonpositive(sh[t] - m);
-        for (int64_t t = 0; t < ctx; t++) sum += sh[t];
+        for (int64_t t = skip; t < ctx; t++) m = sh[t] > m ? sh[t] : m;
+        if (sinks != NULL) m = sinks[h] > m ? sinks[h] : m;
+        for (int64_t t = 0; t < skip; t++) sh[t] = 0.0f;
+        for (int64_t t = skip; t < ctx; t++) sh[t] = exp_nonpositive(sh[t] - m);
+        for (int64_t t = skip; t < ctx; t++) sum += sh[t];
+        if (sinks != NULL) sum += exp_nonpositive(sinks[h] - m);
         float inv = 1.0f / sum;
         for (int64_t t = 0; t < ctx; t++) sh[t] *= inv;
         for (int64_t d = 0; d < dim; d++) acc[h * dim + d] = 0.0f;
@@ -299,6 +306,8 @@ int tandem_has_bf16_dot(void) {
    s_block, s_tok, s_head (dim contiguous), tables [rows][s_table] int64 of which the first
    table_width entries are valid, context_lens [rows]; out [rows][num_q_heads][dim]
    contiguous; is_bf16: the caches' (and q's, out's) element type, bfloat16, else float32.
+   window > 0: a sliding layer's, only a row's last `window` keys are attended (its blocks
+   before them never read); sinks: NULL, or [num_q_heads] logits (gpt-oss).
    Returns 0; -1 for a head_dim past MAX_DIM, -2 for a context length outside
    [1, table_width * block_size] (nothing is read), -3 when scratch cannot be allocated. */
 int tandem_decode_attention(const void *q, int64_t sq_row, int64_t sq_head, const void *k,
@@ -306,7 +315,7 @@ int tandem_decode_attention(const void *q, int64_t sq_row, int64_t sq_head, cons
                   const int64_t *tables, int64_t s_table, int64_t table_width,
                   const int64_t *context_lens, int64_t rows, int64_t num_q_heads,
                   int64_t num_kv_heads, int64_t dim, int64_t block_size, float scale,
-                  void *out, int is_bf16, int vector) {
+                  void *out, int is_bf16, int vector, int64_t window, const float *sinks) {
     int64_t elem = is_bf16 ? 2 : 4, max_ctx = 0;
     if (dim > MAX_DIM) return -1;
     for (int64_t r = 0; r < rows; r++) {
@@ -321,9 +330,15 @@ int tandem_decode_attention(const void *q, int64_t sq_row, int64_t sq_head, cons
     for (int64_t r = 0; r < rows; r++) {
         const char *qr = (const char *)q + r * sq_row * elem;
         char *outr = (char *)out + r * num_q_heads * dim * elem;
+        /* a window reads from the block holding its first key: the table and the context
+           start there, the keys before the window in that block skipped */
+        int64_t ctx = context_lens[r];
+        int64_t first = window > 0 && ctx > window ? ctx - window : 0;
+        int64_t first_block = first / block_size, start = first_block * block_size;
         decode_row(qr, sq_head, (const char *)k, (const char *)v, is_bf16, elem, s_block,
-                   s_tok, s_head, tables + r * s_table, context_lens[r], block_size,
-                   num_q_heads, num_kv_heads, dim, scale, vector, qf, acc, scores, outr);
+                   s_tok, s_head, tables + r * s_table + first_block, ctx - start,
+                   block_size, num_q_heads, num_kv_heads, dim, scale, vector, first - start,
+                   sinks, qf, acc, scores, outr);
     }
     free(scratch);
     return 0;

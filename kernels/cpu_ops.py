@@ -112,7 +112,7 @@ def load() -> ctypes.CDLL | None:
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                 ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                 ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
-                ctypes.c_int,
+                ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
             ]  # fmt: skip
             lib.tandem_has_bf16_dot.restype = ctypes.c_int
             lib.tandem_has_bf16_dot.argtypes = []
@@ -171,9 +171,13 @@ def decode_attention(
     *,
     vector: bool = True,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row over its paged context. `vector=False` keeps the plain loops even
     where the library has the AVX512-BF16 products (`has_bf16_dot`): tests compare the two.
+    `window`: a sliding layer's, only each row's last `window` keys (the blocks before them
+    are not read); `sinks`: [num_q_heads] float32 logits joining each head's denominator.
 
     Args:
         q: [rows, num_q_heads, head_dim]
@@ -194,6 +198,9 @@ def decode_attention(
     lens = context_lens.contiguous()
     if tables.dtype != torch.int64 or lens.dtype != torch.int64:
         raise ValueError("block_tables and context_lens must be int64")
+    sink_rows = None if sinks is None else sinks.to(torch.float32).contiguous()
+    if sink_rows is not None and sink_rows.shape != (num_q_heads,):
+        raise ValueError(f"sinks must be [{num_q_heads}], got {tuple(sink_rows.shape)}")
     if out is None:
         out = torch.empty((rows, num_q_heads, head_dim), dtype=k_cache.dtype, device="cpu")
     elif out.shape != q.shape or out.dtype != k_cache.dtype or not out.is_contiguous():
@@ -204,7 +211,8 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
         rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), int(k_cache.dtype == torch.bfloat16), int(vector),
+        out.data_ptr(), int(k_cache.dtype == torch.bfloat16), int(vector), window or 0,
+        None if sinks is None else sink_rows.data_ptr(),
     )  # fmt: skip
     if status == -1:
         raise ValueError(f"native decode attention refused head_dim {head_dim}")

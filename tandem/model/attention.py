@@ -313,16 +313,11 @@ class TorchAttention:
         layer's output rows) when given, the torch ops return their own tensor. A sliding
         layer reads only its window's blocks (`DecodeGroup.windowed`)."""
         lib = self.decode_kernel
-        if (
-            lib is not None
-            and window is None
-            and sinks is None
-            and group.context_lens is not None
-            and cpu_ops.supports(q, k_cache)
-        ):
+        if lib is not None and group.context_lens is not None and cpu_ops.supports(q, k_cache):
             return cpu_ops.decode_attention(
-                lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale, out=out
-            )
+                lib, q, k_cache, v_cache, group.block_tables, group.context_lens, scale,
+                out=out, window=window, sinks=sinks,
+            )  # fmt: skip
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         tables, bias = group.block_tables, group.key_bias
         if window is not None:

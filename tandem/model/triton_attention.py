@@ -127,8 +127,7 @@ def make_attention(name: str, device: str) -> Any:
       native  TorchAttention with its decode rows through the native paged CPU kernel
               (tandem.kernels.cpu_ops, built with the system's C compiler);
       auto    Triton on CUDA; on a CPU native when the kernel builds, else torch.
-    Every backend takes sliding-window layers and sinks (Gemma 3, gpt-oss); on a CPU the
-    native kernel serves full layers without sinks, torch ops the others.
+    Every backend takes sliding-window layers and sinks (Gemma 3, gpt-oss).
 
     Raises:
         ValueError: an unknown name, or native where the kernel cannot be built.

@@ -66,6 +66,35 @@ def test_native_decode_matches_the_reference(
         torch.testing.assert_close(out[i].float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("window", "with_sinks"), [(1, False), (20, False), (20, True), (0, True)])
+def test_native_decode_windows_and_sinks(lib, vector, dtype, block_size, window, with_sinks):  # type: ignore[no-untyped-def]
+    """Sliding windows (starting mid-block; the blocks before them poisoned with NaN, so a
+    read of one fails) and gpt-oss's sinks, against the float64 reference."""
+    rng = random.Random(block_size * 31 + window)
+    lens = [1, 7, 33, 300]
+    cache, tables, ctx, q = _case(rng, lens, block_size, 8, 2, 64, dtype)
+    layer = cache[:, 1]
+    if window:
+        for i, n in enumerate(lens):
+            first_block = max(0, n - window) // block_size
+            layer[tables[i, :first_block]] = float("nan")
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2 if with_sinks else None
+    out = cpu_ops.decode_attention(
+        lib, q, layer[:, 0], layer[:, 1], tables, ctx, 0.125, vector=vector,
+        window=window or None, sinks=sinks,
+    )  # fmt: skip
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, n in enumerate(lens):
+        want = reference.paged_attention(
+            q[i : i + 1].float(), layer.float(), tables[i].tolist(), n, 0.125,
+            window or None, sinks,
+        )[0]  # fmt: skip
+        torch.testing.assert_close(out[i].float(), want, atol=tol, rtol=tol)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [heads, dim], k/v [ctx, kv_heads, dim]: softmax attention, GQA by repetition."""
     group = q.shape[0] // k.shape[1]
