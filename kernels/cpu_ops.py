@@ -212,7 +212,7 @@ def decode_attention(
         tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
         rows, num_q_heads, num_kv_heads, head_dim, block_size, scale,
         out.data_ptr(), int(k_cache.dtype == torch.bfloat16), int(vector), window or 0,
-        None if sinks is None else sink_rows.data_ptr(),
+        None if sink_rows is None else sink_rows.data_ptr(),
     )  # fmt: skip
     if status == -1:
         raise ValueError(f"native decode attention refused head_dim {head_dim}")

@@ -105,6 +105,17 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
         },
     ),  # fmt: skip
+    # Qwen3-Next: Gated DeltaNet layers (2 key heads shared by 4 value heads) around a
+    # gated full-attention layer with partial RoPE; MoE with a shared expert, one dense layer.
+    "qwen3-next": dict(
+        cls="Qwen3NextConfig", head_dim=16, num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2],
+    ),  # fmt: skip
 }
 
 BASE_SHAPE = dict(
@@ -147,7 +158,7 @@ def build_hf_model(arch: str, out_dir: Path, seed: int = 0, **shape: Any) -> Any
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.2)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.2)
-    if arch in ("gpt-oss", "gemma3"):
+    if arch in ("gpt-oss", "gemma3", "qwen3-next"):
         # transformers zeroes biases and Gemma's norms (applied as 1 + w): give them values
         # so each path is exercised
         with torch.no_grad():
@@ -156,7 +167,7 @@ def build_hf_model(arch: str, out_dir: Path, seed: int = 0, **shape: Any) -> Any
                     p.normal_(0.0, 0.2)
                 if name.endswith("sinks"):
                     p.normal_(0.0, 1.0)
-    if arch in ("qwen3-moe", "mixtral"):
+    if arch in ("qwen3-moe", "mixtral", "qwen3-next"):
         # transformers initializes routers to zero (every expert tied): spread them so each
         # token's top k is decided and the experts differ in use.
         with torch.no_grad():

@@ -12,7 +12,8 @@ prefill worker (tandem.routing.recovery); without, the prompt is recomputed here
 layout (dtype, block geometry) differs from this worker's cache is not a transient failure
 but a misconfigured deployment: the call ends with FAILED_PRECONDITION naming the fields, before
 any block is reserved or read. Without a hand-off, the prompt is prefilled here (conditional
-disaggregation).
+disaggregation). A model with linear-attention layers (Qwen3-Next) keeps per-request state that
+the KV blocks do not hold: its hand-offs are declined (lease released) and recomputed here.
 
 A hand-off is trusted only as far as it is proven, before anything is reserved, read or
 dialled: its signature (with a cluster secret, `tandem.transfer.signing`) must hold for this
@@ -147,7 +148,15 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             except ValueError as exc:
                 raise invalid_argument(str(exc)) from None
             handoff = decode.handoff
-            if handoff is not None:
+            if handoff is not None and self.engine.model.linear_states is not None:
+                # Linear-attention layers (Qwen3-Next): their state is not in the KV cache,
+                # so the hand-off cannot resume the request; never decode from part of it.
+                await self._decline_kv(spec, handoff, span)
+                self.num_recomputed += 1
+                self.metrics.recomputed.inc()
+                complete.recomputed = True
+                await self.add_request(spec, decode.resume)
+            elif handoff is not None:
                 with tracing.span(
                     "tandem.kv_transfer",
                     span,
@@ -290,6 +299,28 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         else:
             await self.loop.call(lambda e: e.commit_kv(rid))
         return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3, failure, outcome)
+
+    async def _decline_kv(
+        self, spec: RequestSpec, handoff: KVHandoff, span: tracing.Span = tracing.INVALID_SPAN
+    ) -> None:
+        """A hand-off this worker will not read: once the handle is proven (signature,
+        owner), its lease is released at the owner so the prefill worker frees the blocks now
+        rather than when the lease lapses. A failed release is logged, not raised: the lease
+        lapses anyway."""
+        self._check_signature(spec, handoff)
+        await self._check_owner(handoff)
+        try:
+            await self._prefill_stub(handoff.owner_address).ReleaseKv(
+                wpb.ReleaseKvRequest(
+                    request_id=spec.request_id, lease_id=handoff.lease_id, epoch=handoff.epoch
+                ),
+                timeout=5.0,
+                metadata=tracing.headers(span),
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("releasing the declined KV of %s failed: %s", spec.request_id, exc)
+        log.info("KV hand-off of %s declined: linear-attention state does not travel; "
+                 "recomputed here", spec.request_id)  # fmt: skip
 
     def _check_signature(self, spec: RequestSpec, handoff: KVHandoff) -> None:
         """The owner signed this handle for this request id and for the prompt hashes this

@@ -130,7 +130,12 @@ class LLMEngine:
         # Every rank's cache and its first KV head, mapped here (a tensor-parallel worker on
         # a CPU); empty otherwise: then only a single-rank engine's cache can be handed off.
         self.rank_kv = loaded.rank_kv
-        self.kv = KVCacheManager(self.num_blocks, block_size, config.cache.enable_prefix_caching)
+        # A linear-attention model's (Qwen3-Next) state is not in the KV cache: a cached
+        # prefix could not resume it, so none is looked up or published.
+        caching = config.cache.enable_prefix_caching and self.model.linear_states is None
+        if config.cache.enable_prefix_caching and not caching:
+            log.info("prefix caching off: linear-attention layers keep no per-block state")
+        self.kv = KVCacheManager(self.num_blocks, block_size, caching)
         self.scheduler = Scheduler(
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
         )

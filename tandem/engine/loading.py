@@ -154,7 +154,9 @@ def load_model_and_cache(
             max_model_len, context, cdiv(max_model_len, block_size) * per_block,
         )  # fmt: skip
     # A CUDA graph's padding rows write one scratch block outside the pool's range.
-    graphs = wants_decode_graphs(config, model.attention.needs_paged_batch)
+    # linear-attention layers (Qwen3-Next) step their states by host-side slot lists
+    linear = model.linear_states is not None
+    graphs = wants_decode_graphs(config, model.attention.needs_paged_batch) and not linear
     if kv_share and tp is not None and tp.size > 1 and device.type == "cpu":
         full = ModelConfig.from_dir(model_dir)
         blocks = num_blocks + int(graphs)  # the graphs' scratch block too, as below

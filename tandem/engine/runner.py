@@ -18,6 +18,7 @@ from tandem.engine.sampling import Sampler, SampleResult, SampleRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.step_inputs import BlockTables, HostStaging
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
+from tandem.model.linear_attention import StateRows
 from tandem.model.llama import LlamaModel
 
 # Decode rows are split into groups of similar context length, each padded to its own
@@ -135,10 +136,17 @@ class ModelRunner:
             else None
         )
         self.graphs: DecodeGraphs | None = None  # captured by capture_decode_graphs (CUDA)
+        # Linear-attention models (Qwen3-Next): each live request's state slot in
+        # model.linear_states, assigned at its first token and reused after it is released
+        self._state_slots: dict[str, int] = {}
+        self._free_slots: list[int] = []
 
     def release(self, request_id: str) -> None:
         """The request is gone (finished, aborted, released): free its block table row
-        (the other ranks' with the next step)."""
+        (the other ranks' with the next step) and its linear-attention state slot."""
+        slot = self._state_slots.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         if self.block_tables is not None:
             self.block_tables.release(request_id)
             if self.followers is not None:
@@ -174,7 +182,39 @@ class ModelRunner:
             meta.paged = self._paged_batch(decodes, prefills, staged[4:])
         else:
             self._torch_groups(meta, decodes, prefills)
+        if self.model.linear_states is not None:
+            meta.state_rows = self._state_rows(decodes, prefills)
         return StepInputs(rows, ids_t, pos_t, meta, last_t, num_decode)
+
+    def _state_rows(self, decodes: list[StepRow], prefills: list[StepRow]) -> StateRows:
+        """Each row's linear-attention state slot; a request's first chunk starts from a
+        zeroed one. A request that arrives past its first token without a state here (a
+        prefix-cache hit or a KV hand-off could bring it) cannot be computed: its state is
+        not in the KV cache. The engine never schedules one (no prefix caching for these
+        models; decode workers recompute hand-offs), so this is a bug, raised, not served."""
+        states = self.model.linear_states
+        assert states is not None
+        slots = []
+        for s in decodes + prefills:
+            slot = self._state_slots.get(s.request_id)
+            if slot is None:
+                if s.start:
+                    raise RuntimeError(
+                        f"request {s.request_id!r} resumes at token {s.start} without its "
+                        "linear-attention state"
+                    )
+                used = len(self._state_slots) + len(self._free_slots)
+                slot = self._free_slots.pop() if self._free_slots else used
+                self._state_slots[s.request_id] = slot
+            if s.start == 0:
+                states.reset(slot)
+            slots.append(slot)
+        nd = len(decodes)
+        chunks, start = [], nd
+        for s, slot in zip(prefills, slots[nd:], strict=True):
+            chunks.append((start, s.num_new_tokens, slot))
+            start += s.num_new_tokens
+        return StateRows(tuple(slots[:nd]), tuple(chunks))
 
     def _paged_arrays(self, decodes: list[StepRow], prefills: list[StepRow]) -> list[list[int]]:
         """Host arrays of the paged batch: table rows, lengths, query starts, table writes."""

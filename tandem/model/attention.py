@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from tandem.kernels import cpu_ops
 from tandem.model import windowed
+from tandem.model.linear_attention import StateRows
 from tandem.quant.kv import KVScales, dequantize_kv, layer_index, quantize_kv
 
 # Up to this many KV heads, CPU decode attention multiplies block-diagonal queries (one
@@ -125,6 +126,8 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
     paged: PagedBatch | None = None  # set for backends with `needs_paged_batch`
+    # each request's linear-attention state slot (Qwen3-Next; None for other models)
+    state_rows: StateRows | None = None
 
 
 @dataclass(frozen=True, slots=True)

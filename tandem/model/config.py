@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     "Qwen3MoeForCausalLM": (False, True),
+    "Qwen3NextForCausalLM": (False, True),
     "MixtralForCausalLM": (False, False),
 }
 
@@ -49,28 +50,58 @@ class Features:
         sinks: each attention head has a learned sink logit (gpt-oss): one more term in
             the softmax's denominator, attached to no value.
         o_bias: o_proj has a bias (gpt-oss's attention_bias covers o too).
-        gemma_norms: Gemma's RMSNorm (the weight stored as 1 + w, the product taken in
-            float32) and its sandwich: each sublayer's output normed before the residual
+        offset_norms: Gemma's and Qwen3-Next's RMSNorm: the weight stored as 1 + w, the
+            product taken in float32.
+        sandwich_norms: Gemma's sandwich: each sublayer's output normed before the residual
             add, a separate norm before the MLP.
         embed_scale: the embedding multiplied by it (Gemma: sqrt(hidden)).
         attn_scale: the softmax scale (None: head_dim ** -0.5).
         activation: the dense MLP's, "silu" or "gelu_tanh".
         local_rope: the sliding layers' own RoPE (theta, scaling); None: the model's.
         final_softcap: logits = cap * tanh(logits / cap).
+        linear: Qwen3-Next's Gated DeltaNet layers (`LinearAttention`), whose indices are
+            `linear_layers`; None: none.
+        attn_gate: each full-attention head's output times sigmoid(its gate), the gate
+            projected with the query (Qwen3-Next).
+        rotary_dim: RoPE rotates only the first rotary_dim dims of each head (None: all).
+        shared_expert_size: a sparse layer's shared expert's width, gated per token
+            (Qwen3-Next); 0: none.
     """
 
     layer_windows: tuple[int | None, ...] = ()
     sinks: bool = False
     o_bias: bool = False
-    gemma_norms: bool = False
+    offset_norms: bool = False
+    sandwich_norms: bool = False
     embed_scale: float | None = None
     attn_scale: float | None = None
     activation: str = "silu"
     local_rope: tuple[float, RopeScaling | None] | None = None
     final_softcap: float | None = None
+    linear: LinearAttention | None = None
+    linear_layers: tuple[int, ...] = ()
+    attn_gate: bool = False
+    rotary_dim: int | None = None
+    shared_expert_size: int = 0
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's shape (Qwen3-Next's linear_* fields)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int  # per head
+    v_dim: int  # per head
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v, convolved together."""
+        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +248,7 @@ def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
             swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         )
-    if arch != "Qwen3MoeForCausalLM" or num_experts == 0:
+    if arch not in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or num_experts == 0:
         return None
     dense = set(raw.get("mlp_only_layers") or ())
     step = int(raw.get("decoder_sparse_step") or 1)
@@ -232,7 +263,10 @@ def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
 
 
 def _parse_features(arch: str, raw: dict[str, Any]) -> Features:
-    """Gemma 3's and gpt-oss's additions (`Features`); the defaults for every other family."""
+    """Gemma 3's, gpt-oss's and Qwen3-Next's additions (`Features`); the defaults for every
+    other family."""
+    if arch == "Qwen3NextForCausalLM":
+        return _qwen3_next_features(raw)
     if arch not in ("Gemma3ForCausalLM", "GptOssForCausalLM"):
         return Features()
     num_layers = int(raw["num_hidden_layers"])
@@ -267,12 +301,51 @@ def _parse_features(arch: str, raw: dict[str, Any]) -> Features:
     cap = raw.get("final_logit_softcapping")
     return Features(
         layer_windows=windows,
-        gemma_norms=True,
+        offset_norms=True,
+        sandwich_norms=True,
         embed_scale=float(raw["hidden_size"]) ** 0.5,
         attn_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5,
         activation="gelu_tanh",
         local_rope=(local_theta, _parse_rope_scaling(local, raw)),
         final_softcap=float(cap) if cap else None,
+    )
+
+
+def _qwen3_next_features(raw: dict[str, Any]) -> Features:
+    """Qwen3-Next: Gated DeltaNet layers between gated full-attention ones (transformers'
+    default: every `full_attention_interval`-th full), partial RoPE, 1 + w norms, a shared
+    expert beside the routed ones."""
+    num_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None:
+        interval = int(raw.get("full_attention_interval") or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(num_layers)]  # fmt: skip
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(
+            f"layer_types must name linear_attention or full_attention for each of the "
+            f"{num_layers} layers, got {types!r}"
+        )
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
+    missing = [n for n in names if not raw.get(n)]
+    if missing:
+        raise ValueError(f"linear_attention layers need {', '.join(missing)}")
+    linear = LinearAttention(*(int(raw[n]) for n in names))
+    if linear.num_v_heads % linear.num_k_heads:
+        raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    rope = raw.get("rope_parameters") or {}
+    factor = float(rope.get("partial_rotary_factor") or raw.get("partial_rotary_factor") or 1.0)
+    head_dim = int(raw.get("head_dim") or 0) or int(raw["hidden_size"]) // int(
+        raw["num_attention_heads"]
+    )
+    return Features(
+        offset_norms=True,
+        linear=linear,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        attn_gate=True,
+        rotary_dim=int(head_dim * factor) if factor < 1.0 else None,
+        shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0),
     )
 
 

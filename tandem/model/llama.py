@@ -25,6 +25,7 @@ from tandem.kernels import cpu_ops
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.linear import MatmulKind, matmul, onednn_row_counts, onednn_rows, pack
+from tandem.model.linear_attention import LinearStates, LinearWeights, gdn_forward
 from tandem.model.moe import MoeWeights, moe_forward
 from tandem.model.rope import RotaryEmbedding, apply_rotary
 from tandem.parallel.sharding import hidden_columns
@@ -48,11 +49,13 @@ Weight = torch.Tensor | QuantizedWeight | QuantLinear
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Weight  # [hidden, (q_heads + 2 * kv_heads) * head_dim]
+    # [hidden, (q_heads + 2 * kv_heads) * head_dim] (Qwen3-Next: each query head followed
+    # by its output gate, 2 * q_heads); None in a linear-attention layer
+    qkv: Weight | None
     qkv_bias: torch.Tensor | None  # [(q_heads + 2 * kv_heads) * head_dim]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    o: Weight  # [q_heads * head_dim, hidden]
+    o: Weight | None  # [q_heads * head_dim, hidden]; None in a linear-attention layer
     post_norm: torch.Tensor  # [hidden]
     gate_up: Weight | None  # [hidden, 2 * intermediate]; None in a sparse layer
     down: Weight | None  # [intermediate, hidden]; None in a sparse layer
@@ -63,6 +66,7 @@ class LayerWeights:
     # add (post_norm is then its pre-feedforward norm); float32, stored as 1 + w
     attn_out_norm: torch.Tensor | None = None  # [hidden]
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
+    linear: LinearWeights | None = None  # a Gated DeltaNet layer's (Qwen3-Next)
 
     def matrices(self) -> tuple[Weight, ...]:
         """The layer's dense matrices (a sparse layer's experts are not among them)."""
@@ -87,6 +91,9 @@ class ModelWeights:
             tensors += [lw.input_norm, lw.qkv, lw.qkv_bias, lw.q_norm, lw.k_norm, lw.o]
             tensors += [lw.post_norm, lw.gate_up, lw.down, lw.o_bias, lw.sinks]
             tensors += [lw.attn_out_norm, lw.mlp_out_norm]
+            if lw.linear is not None:
+                la = lw.linear
+                tensors += [la.qkvz, la.ba, la.conv, la.dt_bias, la.a_log, la.norm, la.out]
             tensors += list(lw.moe.tensors()) if lw.moe is not None else []
         for t in tensors:
             if t is None:
@@ -116,8 +123,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm: scaled in float32 by `weight` (float32, already 1 + w), then cast."""
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's and Qwen3-Next's RMSNorm: scaled in float32 by `weight` (float32, already
+    1 + w), then cast."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight).to(x.dtype)
@@ -171,8 +179,12 @@ class LlamaModel:
         self._reduce_o = self.tp is not None and not self.tp.shard.replicate_attention
         split = self._pack if self._exact else self._pack_row_parallel
         for lw in weights.layers:
-            lw.qkv = self._pack(lw.qkv, dtype)
-            lw.o = split(lw.o, dtype) if self._reduce_o else self._pack(lw.o, dtype)
+            if lw.qkv is not None and lw.o is not None:
+                lw.qkv = self._pack(lw.qkv, dtype)
+                lw.o = split(lw.o, dtype) if self._reduce_o else self._pack(lw.o, dtype)
+            if lw.linear is not None:
+                lw.linear.qkvz = self._pack(lw.linear.qkvz, dtype)
+                lw.linear.out = self._pack(lw.linear.out, dtype)
             if lw.moe is not None and self.reduce_f32:
                 lw.moe.down = lw.moe.down.float()
             if lw.gate_up is not None and lw.down is not None:
@@ -194,7 +206,7 @@ class LlamaModel:
             weights.lm_head = pack(weights.lm_head, matmul)
         # Whether the layers' products run through oneDNN (quantized matrices do not: their
         # row counts compile no oneDNN kernel, so they are not recorded).
-        first = weights.layers[0].qkv if weights.layers else None
+        first = next((lw.qkv for lw in weights.layers if lw.qkv is not None), None)
         self._onednn_layers = isinstance(first, torch.Tensor) and first.is_mkldnn
         self.weights = weights
         self.attention = attention
@@ -216,7 +228,14 @@ class LlamaModel:
             if feat.local_rope is not None
             else None
         )
-        self.norm = gemma_rms_norm if feat.gemma_norms else rms_norm
+        self.norm = offset_rms_norm if feat.offset_norms else rms_norm
+        # Qwen3-Next's linear layers: each request's state (tandem.model.linear_attention)
+        self.linear_states: LinearStates | None = None
+        self._linear_index = {layer: i for i, layer in enumerate(feat.linear_layers)}
+        if feat.linear is not None:
+            self.linear_states = LinearStates(
+                feat.linear, len(feat.linear_layers), dtype, weights.embed.device
+            )
         self.scale = feat.attn_scale or config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
@@ -314,35 +333,17 @@ class LlamaModel:
             self.onednn_row_counts.add(onednn_rows(n))
         pending: torch.Tensor | None = None  # the last layer's MLP output, not yet added to h
         for layer_idx, lw in enumerate(w.layers):
-            window = feat.window(layer_idx)
             h, x = self._add_norm(h, pending, lw.input_norm, eps)
-            qkv = matmul(x, lw.qkv, mm, lw.qkv_bias)
-            qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
-            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-            qk = qk.view(n, cfg.num_q_heads + cfg.num_kv_heads, cfg.head_dim)
-            if lw.q_norm is not None and lw.k_norm is not None:
-                q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
-                qk = torch.cat((self.norm(q, lw.q_norm, eps), self.norm(k, lw.k_norm, eps)), 1)
-            c, s = local if window is not None else (cos, sin)
-            # Query and key heads rotated together: one set of element-wise ops, not two.
-            if self.fused_ops is not None:  # bfloat16: the same roundings in one call
-                qk = cpu_ops.rope(self.fused_ops, qk, c, s)
-            elif self.triton_ops and cfg.head_dim & (cfg.head_dim - 1) == 0:
-                from tandem.kernels.fused import rope
-
-                qk = rope(qk, c, s)
+            if lw.linear is not None:
+                assert feat.linear is not None and self.linear_states is not None
+                assert meta.state_rows is not None, "the runner names each request's state"
+                o = gdn_forward(
+                    x, lw.linear, feat.linear, self.linear_states,
+                    self._linear_index[layer_idx], meta.state_rows, self._project, eps,
+                )  # fmt: skip
             else:
-                qk = apply_rotary(qk, c, s)
-            q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
-            attn = self.attention.forward(
-                q, k, v, kv_cache[:, layer_idx], meta, self.scale, window, lw.sinks
-            )
-            if self._exact and self._reduce_o:  # every head's output, this rank's columns
-                o = self._output_split(attn.reshape(n, self._q_size), lw.o, self._widths[0])
-            elif self._reduce_o:  # row-parallel: each rank's heads' share of the sum
-                o = self._row_parallel(attn.reshape(n, self._q_size), lw.o)
-            else:
-                o = matmul(attn.reshape(n, self._q_size), lw.o, mm, lw.o_bias)
+                tables = local if feat.window(layer_idx) is not None else (cos, sin)
+                o = self._attention(x, lw, layer_idx, tables, meta, kv_cache[:, layer_idx])
             if lw.attn_out_norm is not None:
                 o = self.norm(o, lw.attn_out_norm, eps)
             h, x = self._add_norm(h, o, lw.post_norm, eps)
@@ -378,6 +379,64 @@ class LlamaModel:
                 pending = self.norm(pending, lw.mlp_out_norm, eps)
         return self._add_norm(h, pending, w.final_norm, eps)[1]
 
+    def _attention(
+        self,
+        x: torch.Tensor,
+        lw: LayerWeights,
+        layer_idx: int,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_layer: torch.Tensor,
+    ) -> torch.Tensor:
+        """A full or sliding attention layer over x [n, hidden] (normed): its output
+        projection's [n, hidden]."""
+        cfg, feat, eps = self.config, self.config.features, self.config.rms_norm_eps
+        assert lw.qkv is not None and lw.o is not None
+        n = x.shape[0]
+        qkv = matmul(x, lw.qkv, self.matmul, lw.qkv_bias)
+        gate = None
+        if feat.attn_gate:  # Qwen3-Next: each query head followed by its output gate
+            qg, kv = qkv.split([2 * self._q_size, 2 * self._kv_size], dim=-1)
+            qg = qg.view(n, cfg.num_q_heads, 2 * cfg.head_dim)
+            gate = qg[..., cfg.head_dim :].reshape(n, self._q_size)
+            k, v = kv.split([self._kv_size, self._kv_size], dim=-1)
+            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+            qk = torch.cat((qg[..., : cfg.head_dim], k), dim=1)
+        else:
+            qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
+            qk = qk.view(n, cfg.num_q_heads + cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        if lw.q_norm is not None and lw.k_norm is not None:
+            q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat((self.norm(q, lw.q_norm, eps), self.norm(k, lw.k_norm, eps)), 1)
+        c, s = tables  # cos, sin
+        # Query and key heads rotated together: one set of element-wise ops, not two.
+        if feat.rotary_dim is not None:  # partial RoPE: the first rotary_dim dims only
+            rd = feat.rotary_dim
+            qk = torch.cat((apply_rotary(qk[..., :rd], c, s), qk[..., rd:]), dim=-1)
+        elif self.fused_ops is not None:  # bfloat16: the same roundings in one call
+            qk = cpu_ops.rope(self.fused_ops, qk, c, s)
+        elif self.triton_ops and cfg.head_dim & (cfg.head_dim - 1) == 0:
+            from tandem.kernels.fused import rope
+
+            qk = rope(qk, c, s)
+        else:
+            qk = apply_rotary(qk, c, s)
+        q, k = qk.split([cfg.num_q_heads, cfg.num_kv_heads], dim=1)
+        attn = self.attention.forward(
+            q, k, v, kv_layer, meta, self.scale, feat.window(layer_idx), lw.sinks
+        ).reshape(n, self._q_size)
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        if self._exact and self._reduce_o:  # every head's output, this rank's columns
+            return self._output_split(attn, lw.o, self._widths[0])
+        if self._reduce_o:  # row-parallel: each rank's heads' share of the sum
+            return self._row_parallel(attn, lw.o)
+        return matmul(attn, lw.o, self.matmul, lw.o_bias)
+
+    def _project(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return matmul(x, w, self.matmul)
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden]. Vocabulary-parallel: each rank looks up
         the ids in its rows and adds zeros for the rest; the all-reduce sums one real row
@@ -397,9 +456,9 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + y, rms_norm(h + y)); y None: (h, rms_norm(h)). The native path adds in place
         (h is the forward's own residual stream)."""
-        if self.config.features.gemma_norms:  # the fused kernels are Llama's RMSNorm
+        if self.config.features.offset_norms:  # the fused kernels are Llama's RMSNorm
             h = h if y is None else h + y
-            return h, gemma_rms_norm(h, weight, eps)
+            return h, offset_rms_norm(h, weight, eps)
         if self.fused_ops is not None and h.is_contiguous():
             return h, cpu_ops.add_rms_norm(self.fused_ops, h, y, weight, eps)
         if (
@@ -441,7 +500,11 @@ class LlamaModel:
         w = self.weights
         body: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         for lw in w.layers:
-            pairs = ((lw.qkv, lw.qkv_bias), (lw.o, None), (lw.gate_up, None), (lw.down, None))
+            pairs: list[tuple[Weight | None, torch.Tensor | None]] = [
+                (lw.qkv, lw.qkv_bias), (lw.o, None), (lw.gate_up, None), (lw.down, None)
+            ]  # fmt: skip
+            if lw.linear is not None:
+                pairs += [(lw.linear.qkvz, None), (lw.linear.out, None)]
             for m, bias in pairs:
                 if isinstance(m, torch.Tensor) and m.is_mkldnn:  # packed by `pack`
                     key = (tuple(m.shape), m.dtype, bias is not None)

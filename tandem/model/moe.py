@@ -81,10 +81,15 @@ class MoeWeights:
     router_bias: torch.Tensor | None = None  # [num_experts] (gpt-oss)
     gate_up_bias: torch.Tensor | None = None  # [num_local_experts, 2 * expert_intermediate]
     down_bias: torch.Tensor | None = None  # [num_local_experts, hidden]
+    # Qwen3-Next's shared expert: (gate | up [hidden, 2S], down [S, hidden], its per-token
+    # gate [hidden, 1]): every token also gets sigmoid(x @ gate) * down(silu(gate) * up)
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        biases = (self.router_bias, self.gate_up_bias, self.down_bias)
-        return (self.router, self.gate_up, self.down, *(b for b in biases if b is not None))
+        extra = (self.router_bias, self.gate_up_bias, self.down_bias)
+        shared = self.shared or ()
+        return (self.router, self.gate_up, self.down, *(b for b in extra if b is not None),
+                *shared)  # fmt: skip
 
 
 def router_name(architecture: str, layer: int) -> str:
@@ -235,6 +240,17 @@ def moe_forward(
 ) -> torch.Tensor:
     """A sparse layer's MLP: x [num_tokens, hidden] -> [num_tokens, hidden]. `counts`
     ([num_experts] int64): the tokens routed to each expert are added to it (no host sync)."""
+    out = _routed(x, weights, cfg, counts)
+    if weights.shared is not None:
+        gate_up, down, gate = weights.shared
+        g, u = (x @ gate_up).chunk(2, dim=-1)
+        out = out + torch.sigmoid(x @ gate) * ((F.silu(g) * u) @ down)
+    return out
+
+
+def _routed(
+    x: torch.Tensor, weights: MoeWeights, cfg: MoeConfig, counts: torch.Tensor | None
+) -> torch.Tensor:
     routed = route(x, weights.router, cfg, weights.router_bias)
     if counts is not None:
         flat = routed.expert_ids.flatten()

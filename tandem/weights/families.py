@@ -1,4 +1,5 @@
-"""What Gemma 3 and gpt-oss checkpoints store beyond the Llama layout, and how it loads.
+"""What Gemma 3, gpt-oss and Qwen3-Next checkpoints store beyond the Llama layout, and how
+it loads.
 
 Gemma 3   per layer four norms: input_layernorm, post_attention_layernorm (on the
           attention's output), pre_feedforward_layernorm, post_feedforward_layernorm (on
@@ -25,6 +26,7 @@ from typing import Protocol
 import torch
 
 from tandem.model.config import ModelConfig
+from tandem.model.linear_attention import LinearWeights
 from tandem.model.moe import MoeWeights
 
 GPT_OSS = "GptOssForCausalLM"
@@ -56,9 +58,27 @@ def layer_shapes(config: ModelConfig, layer: int, mxfp4: bool) -> dict[str, tupl
         shapes[p + "self_attn.o_proj.bias"] = (hid,)
     if feat.sinks:
         shapes[p + "self_attn.sinks"] = (config.num_q_heads,)
-    if feat.gemma_norms:
+    if feat.sandwich_norms:
         shapes[p + "pre_feedforward_layernorm.weight"] = (hid,)
         shapes[p + "post_feedforward_layernorm.weight"] = (hid,)
+    if layer in feat.linear_layers:
+        assert feat.linear is not None
+        c = feat.linear
+        k_all, v_all = c.num_k_heads * c.k_dim, c.num_v_heads * c.v_dim
+        la = p + "linear_attn."
+        shapes[la + "in_proj_qkvz.weight"] = (2 * k_all + 2 * v_all, hid)
+        shapes[la + "in_proj_ba.weight"] = (2 * c.num_v_heads, hid)
+        shapes[la + "conv1d.weight"] = (c.conv_channels, 1, c.conv_kernel)
+        shapes[la + "dt_bias"] = (c.num_v_heads,)
+        shapes[la + "A_log"] = (c.num_v_heads,)
+        shapes[la + "norm.weight"] = (c.v_dim,)
+        shapes[la + "out_proj.weight"] = (hid, v_all)
+    if feat.shared_expert_size and config.moe is not None and layer in config.moe.sparse_layers:
+        s = feat.shared_expert_size
+        shapes[p + "mlp.shared_expert.gate_proj.weight"] = (s, hid)
+        shapes[p + "mlp.shared_expert.up_proj.weight"] = (s, hid)
+        shapes[p + "mlp.shared_expert.down_proj.weight"] = (hid, s)
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, hid)
     if config.architecture == GPT_OSS:
         assert config.moe is not None
         num, inter = config.moe.num_experts, config.moe.expert_intermediate_size
@@ -129,11 +149,65 @@ def gpt_oss_experts(
 
 
 def norm(
-    reader: Reader, name: str, gemma: bool, dtype: torch.dtype, device: torch.device
+    reader: Reader, name: str, offset: bool, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """An RMSNorm weight: as stored, in `dtype`; Gemma's as 1 + w in float32 (the product
-    transformers takes)."""
+    """An RMSNorm weight: as stored, in `dtype`; with `offset` (Gemma, Qwen3-Next) as 1 + w
+    in float32 (the product transformers takes)."""
     w = reader.read(name)
-    if gemma:
+    if offset:
         return (w.to(torch.float32) + 1.0).to(device)
     return w.to(device=device, dtype=dtype, copy=True)
+
+
+def linear_layer(
+    reader: Reader, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
+) -> LinearWeights:
+    """Layer `layer`'s Gated DeltaNet weights (Qwen3-Next). The checkpoint groups in_proj_qkvz's
+    rows per key head ([q, k, v of its value heads, z of them] for each) and in_proj_ba's
+    likewise ([b, a] per key head); they are regrouped as q | k | v | z and b | a."""
+    c = config.features.linear
+    assert c is not None
+    p = f"model.layers.{layer}.linear_attn."
+    ratio = c.num_v_heads // c.num_k_heads
+    width = 2 * c.k_dim + 2 * ratio * c.v_dim  # rows per key head in in_proj_qkvz
+    parts = ((0, c.k_dim), (c.k_dim, c.k_dim), (2 * c.k_dim, ratio * c.v_dim),
+             (2 * c.k_dim + ratio * c.v_dim, ratio * c.v_dim))  # fmt: skip
+    qkvz = torch.tensor([g * width + off + i for off, n in parts
+                         for g in range(c.num_k_heads) for i in range(n)])  # fmt: skip
+    ba = torch.tensor([g * 2 * ratio + off + i for off in (0, ratio)
+                       for g in range(c.num_k_heads) for i in range(ratio)])  # fmt: skip
+
+    def load(name: str, rows: torch.Tensor | None = None, transpose: bool = False) -> torch.Tensor:
+        t = reader.read(p + name)
+        t = t[rows] if rows is not None else t
+        t = t.t() if transpose else t
+        return t.to(device=device, dtype=dtype, copy=True).contiguous()
+
+    return LinearWeights(
+        qkvz=load("in_proj_qkvz.weight", qkvz, transpose=True),
+        ba=load("in_proj_ba.weight", ba, transpose=True),
+        conv=load("conv1d.weight")[:, 0],
+        dt_bias=load("dt_bias"),
+        a_log=load("A_log"),
+        norm=load("norm.weight"),
+        out=load("out_proj.weight", transpose=True),
+    )
+
+
+def shared_expert(
+    reader: Reader, layer: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Qwen3-Next sparse layer's shared expert: (gate | up [hidden, 2S], down [S, hidden],
+    its gate [hidden, 1]), transposed like every matrix."""
+    p = f"model.layers.{layer}.mlp."
+
+    def load(name: str) -> torch.Tensor:
+        return reader.read(p + name).t().to(device=device, dtype=dtype, copy=True)
+
+    gate_up = torch.cat((load("shared_expert.gate_proj.weight"),
+                         load("shared_expert.up_proj.weight")), dim=1)  # fmt: skip
+    return (
+        gate_up,
+        load("shared_expert.down_proj.weight").contiguous(),
+        load("shared_expert_gate.weight").contiguous(),
+    )

@@ -69,22 +69,26 @@ def expected_shapes(config: ModelConfig, mxfp4: bool = False) -> dict[str, tuple
     hid, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_q_heads * d, config.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {}
+    # Qwen3-Next: each head's query, then its output gate
+    q_rows = 2 * q_out if config.features.attn_gate else q_out
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, hid)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, hid)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, hid)
-        if config.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
         shapes[p + "input_layernorm.weight"] = (hid,)
-        if config.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "self_attn.o_proj.weight"] = (hid, q_out)
+        if i not in config.features.linear_layers:  # a linear layer has linear_attn instead
+            shapes[p + "self_attn.q_proj.weight"] = (q_rows, hid)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_out, hid)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_out, hid)
+            if config.qkv_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+                shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+                shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+            if config.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (d,)
+                shapes[p + "self_attn.k_norm.weight"] = (d,)
+            shapes[p + "self_attn.o_proj.weight"] = (hid, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (hid,)
-        shapes.update(families.layer_shapes(config, i, mxfp4))  # Gemma 3's, gpt-oss's
+        # Gemma 3's, gpt-oss's and Qwen3-Next's own tensors
+        shapes.update(families.layer_shapes(config, i, mxfp4))
         if config.architecture == families.GPT_OSS:
             continue
         if config.moe is not None and i in config.moe.sparse_layers:
@@ -261,45 +265,64 @@ class WeightBuilder:
             for name, dst in ((gate, gate_up[e, :, :inter]), (up, gate_up[e, :, inter:])):
                 self.copy_transposed(dst, self.reader.read(name))
             self.copy_transposed(down[e], self.reader.read(down_name))
+        shared = None
+        if config.features.shared_expert_size:  # Qwen3-Next
+            shared = families.shared_expert(self.reader, i, self.dtype, self.device)
         return MoeWeights(
             router=router,
             gate_up=gate_up,
             down=down,
             first_expert=mine.start,
+            shared=shared,
         )
 
     def norm(self, config: ModelConfig, name: str) -> torch.Tensor:
-        """An RMSNorm's weight (Gemma's as 1 + w in float32)."""
-        gemma = config.features.gemma_norms
-        return families.norm(self.reader, name, gemma, self.dtype, self.device)
+        """An RMSNorm's weight (Gemma's and Qwen3-Next's as 1 + w in float32)."""
+        offset = config.features.offset_norms
+        return families.norm(self.reader, name, offset, self.dtype, self.device)
 
     def layer(self, config: ModelConfig, i: int, experts: range | None = None) -> LayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         sparse = config.moe is not None and i in config.moe.sparse_layers
         feat = config.features
-        gemma = feat.gemma_norms
+        sandwich = feat.sandwich_norms
         # Gemma's sandwich: post_attention_layernorm norms the attention's output, the MLP
         # has its own pre- and post-norms; Llama's post_attention_layernorm is the pre-MLP one
-        post = p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"
+        post = p + ("pre_feedforward" if sandwich else "post_attention") + "_layernorm.weight"
+        linear = i in feat.linear_layers
+        attention = not linear  # a Gated DeltaNet layer (Qwen3-Next) has no self_attn
+        reader = self.reader
+        if linear and not isinstance(reader, TensorReader):
+            raise ValueError(
+                "linear-attention layers (Qwen3-Next) load from dense safetensors checkpoints "
+                "only for now (not a quantized checkpoint or a kept GGUF)"
+            )
         return LayerWeights(
             # qkv: [hid, q_out + 2 * kv_out]
-            qkv=self.matrix([attn + f"{x}_proj.weight" for x in "qkv"]),
+            qkv=self.matrix([attn + f"{x}_proj.weight" for x in "qkv"]) if attention else None,
             qkv_bias=(
                 self.fused([attn + f"{x}_proj.bias" for x in "qkv"]) if config.qkv_bias else None
             ),
             input_norm=self.norm(config, p + "input_layernorm.weight"),
-            q_norm=self.norm(config, attn + "q_norm.weight") if config.qk_norm else None,
-            k_norm=self.norm(config, attn + "k_norm.weight") if config.qk_norm else None,
-            o=self.matrix([attn + "o_proj.weight"]),  # [q_out, hid]
+            q_norm=self.norm(config, attn + "q_norm.weight")
+            if config.qk_norm and attention
+            else None,
+            k_norm=self.norm(config, attn + "k_norm.weight")
+            if config.qk_norm and attention
+            else None,
+            o=self.matrix([attn + "o_proj.weight"]) if attention else None,  # [q_out, hid]
+            linear=families.linear_layer(reader, config, i, self.dtype, self.device)
+            if linear
+            else None,
             o_bias=self.fused([attn + "o_proj.bias"]) if feat.o_bias else None,
             sinks=self.fused([attn + "sinks"]).float() if feat.sinks else None,
             post_norm=self.norm(config, post),
             attn_out_norm=self.norm(config, p + "post_attention_layernorm.weight")
-            if gemma
+            if sandwich
             else None,
             mlp_out_norm=self.norm(config, p + "post_feedforward_layernorm.weight")
-            if gemma
+            if sandwich
             else None,
             # gate_up: [hid, 2 * inter]
             gate_up=None

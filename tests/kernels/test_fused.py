@@ -57,13 +57,15 @@ def test_add_rms_norm_is_the_residual_add_then_rms_norm(dtype: torch.dtype, with
 def test_rope_rotates_q_and_k_heads_like_apply_rotary(dtype: torch.dtype) -> None:
     """A strided qk view (the qkv GEMM's output: v's columns beside), 6 heads (padded to 8),
     tables of real positions."""
+    from tandem.model.config import Features
     from tandem.model.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(2)
     n, heads, head_dim = 4, 6, 16
     qkv = torch.randn(n, (heads + 2) * head_dim, generator=g).to(dtype)
     qk = qkv[:, : heads * head_dim].view(n, heads, head_dim)
-    cfg = type("Cfg", (), {"head_dim": head_dim, "rope_theta": 10000.0, "rope_scaling": None})
+    cfg = type("Cfg", (), {"head_dim": head_dim, "rope_theta": 10000.0, "rope_scaling": None,
+                           "features": Features()})  # fmt: skip
     table = RotaryEmbedding(cfg, 64, torch.device("cpu"))  # type: ignore[arg-type]
     cos, sin = table.tables(torch.tensor([0, 5, 17, 63]), dtype)
     got = rope(qk, cos, sin)

@@ -36,7 +36,7 @@ def test_gemma3_config_as_shipped_before_layer_types() -> None:
     ))  # fmt: skip
     f = cfg.features
     assert f.layer_windows == (512, 512, 512, 512, 512, None)
-    assert f.gemma_norms and not f.sinks and f.activation == "gelu_tanh"
+    assert f.offset_norms and not f.sinks and f.activation == "gelu_tanh"
     assert f.embed_scale == 8.0 and f.attn_scale == 256**-0.5
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling is not None
     assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 8.0
@@ -54,7 +54,7 @@ def test_gpt_oss_config_defaults_and_refusals() -> None:
     f = cfg.features
     # transformers' default pattern: sliding on even layers, full on odd ones
     assert f.layer_windows == (128, None, 128, None, 128, None)
-    assert f.sinks and f.o_bias and cfg.qkv_bias and not f.gemma_norms
+    assert f.sinks and f.o_bias and cfg.qkv_bias and not f.offset_norms
     assert cfg.rope_theta == 150000.0
     assert cfg.moe is not None and cfg.moe.biases and cfg.moe.swiglu_limit == 7.0
     sc = cfg.rope_scaling

@@ -11,7 +11,7 @@ import torch
 from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
 
 ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral",
-         "gpt-oss", "gemma3"]  # fmt: skip
+         "gpt-oss", "gemma3", "qwen3-next"]  # fmt: skip
 ATOL = 1e-4
 
 
@@ -88,7 +88,8 @@ def _mixed_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3"]
+    "arch",
+    ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "qwen3-next"],
 )
 @pytest.mark.parametrize(
     "mode",
