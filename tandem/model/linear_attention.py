@@ -19,7 +19,8 @@ the paged KV cache, so a prefix cache hit or a KV hand-off cannot resume such a 
 engine serves these models without prefix caching, and a decode worker recomputes a handed-off
 prompt (tandem.services.decode). Computed in float32 (S always), on the torch ops of the
 device; a prefill chunk through the chunked form (`chunk_rule`), decode rows together
-through the recurrent form (`recurrent_step`).
+through the recurrent form (`recurrent_step`; on CUDA one Triton kernel,
+tandem.kernels.delta_rule, steps every row's state in its slot).
 """
 
 from __future__ import annotations
@@ -223,9 +224,15 @@ def gdn_forward(
         conv_out[:nd] = F.silu((history * w.conv).sum(-1)).to(mixed.dtype)
         states.conv[slots, layer] = history[..., 1:]
         q, k, v = heads(conv_out[:nd])
-        rec = states.recurrent[slots, layer]
-        o[:nd], rec = recurrent_step(q, k, v, g[:nd], beta[:nd], rec)
-        states.recurrent[slots, layer] = rec
+        if x.is_cuda:  # one kernel: each row's state stepped in its slot
+            from tandem.kernels.delta_rule import delta_rule_step
+
+            layer_states = states.recurrent[:, layer]
+            o[:nd] = delta_rule_step(q, k, v, g[:nd], beta[:nd], layer_states, slots)
+        else:
+            rec = states.recurrent[slots, layer]
+            o[:nd], rec = recurrent_step(q, k, v, g[:nd], beta[:nd], rec)
+            states.recurrent[slots, layer] = rec
     for start, num, slot in rows.chunks:
         end = start + num
         out, states.conv[slot, layer] = conv_step(

@@ -190,3 +190,64 @@ def test_model_dir_type_hint(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 150])  # within, at and across chunks
+def test_chunked_delta_rule_equals_the_recurrence(num_tokens: int) -> None:
+    """The chunked (WY) form over a request's tokens, from a non-zero state, equals the
+    token-by-token recurrence, outputs and final state; and both equal transformers'
+    reference functions on the same inputs."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (
+        torch_chunk_gated_delta_rule,
+    )
+
+    from tandem.model.linear_attention import chunk_rule, l2norm, recurrent_step
+
+    g = torch.Generator().manual_seed(num_tokens)
+    heads, kd, vd = 3, 8, 6
+    q = l2norm(torch.randn(num_tokens, heads, kd, generator=g)) * kd**-0.5
+    k = l2norm(torch.randn(num_tokens, heads, kd, generator=g))
+    v = torch.randn(num_tokens, heads, vd, generator=g)
+    decay = -torch.rand(num_tokens, heads, generator=g) * 2  # log space, <= 0
+    beta = torch.rand(num_tokens, heads, generator=g)
+    s0 = torch.randn(heads, kd, vd, generator=g) * 0.3
+    state, outs = s0[None], []
+    for t in range(num_tokens):
+        o, state = recurrent_step(q[t : t + 1], k[t : t + 1], v[t : t + 1],
+                                  decay[t : t + 1], beta[t : t + 1], state)  # fmt: skip
+        outs.append(o[0])
+    got, final = chunk_rule(q, k, v, decay, beta, s0)
+    torch.testing.assert_close(got, torch.stack(outs), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, state[0], atol=1e-5, rtol=1e-5)
+    # transformers' chunked reference (it normalises and scales q, k itself: pass raw ones
+    # whose normalised forms are ours)
+    ref, ref_state = torch_chunk_gated_delta_rule(
+        (q * kd**0.5)[None], k[None], v[None], g=decay[None], beta=beta[None],
+        initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got, ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, ref_state[0], atol=1e-5, rtol=1e-5)
+
+
+def test_linear_models_take_no_prefix_hit_and_refuse_state_they_lack(
+    hf_model, engine_factory
+) -> None:
+    """Qwen3-Next: a prompt sharing a cached prefix is computed whole (its recurrent state
+    is not in the cached blocks: a hit on the attention layers but not on the linear ones
+    is a miss), with transformers' logits; and a request arriving past its first token
+    without a state (as a hand-off would bring one) is refused, not served."""
+    from tandem.engine.runner import StepRow
+    from tests.unit.test_model_parity import hf_greedy
+
+    model_dir, hf = hf_model("qwen3-next")
+    engine = engine_factory(model_dir, block_size=4)  # prefix caching asked for
+    assert engine.kv.enable_caching is False
+    shared = random.Random(5).choices(range(256), k=12)
+    first, second = shared + [1, 2, 3], shared + [7, 8, 9]
+    engine.generate([first], SamplingParams(max_tokens=1, temperature=0.0))
+    [done] = engine.generate([second], SamplingParams(max_tokens=4, temperature=0.0))
+    assert done.num_cached_tokens == 0
+    assert done.token_ids == hf_greedy(hf, second, 4)
+    row = StepRow("handed-off", 12, 1, (0, 1, 2, 3), True, [5])
+    with pytest.raises(RuntimeError, match="without its linear-attention state"):
+        engine.runner.prepare_rows([row])
