@@ -121,6 +121,12 @@ def load_model_and_cache(
         cpu_matmul=config.cpu_matmul,
     )
     mcfg = model.config
+    if model.linear_states is not None:  # before the KV cache is sized around them
+        model.linear_states.reserve(sched_cfg.max_num_seqs)
+        log.info(
+            "linear-attention state: %d slots x %.2f MiB",
+            model.linear_states.num_slots, model.linear_states.slot_bytes() / 2**20,
+        )  # fmt: skip
     max_model_len = min(
         sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
     )

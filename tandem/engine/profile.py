@@ -18,6 +18,7 @@ from tandem.engine.kv_manager import cdiv
 from tandem.engine.memory import KVSizing, blocks_for_bytes, gpu_kv_bytes
 from tandem.engine.runner import MAX_DECODE_GROUPS, MIN_DECODE_GROUP_ROWS
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
+from tandem.model.linear_attention import StateRows
 from tandem.model.llama import LlamaModel
 
 
@@ -100,9 +101,15 @@ def profile_steps(
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     positions = torch.arange(n, device=device)
     meta = prefill_metadata(n, block_size, paged, device)
-    model.compute_logits(model.forward(ids, positions, meta, scratch)[-1:])
     rows = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+    states = model.linear_states  # linear-attention layers: scratch states in slots 0..
+    if states is not None:
+        states.reserve(rows)
+        meta.state_rows = StateRows((), ((0, n, 0),))
+    model.compute_logits(model.forward(ids, positions, meta, scratch)[-1:])
     meta = decode_metadata(rows, max_model_len, block_size, paged, device)
+    if states is not None:
+        meta.state_rows = StateRows(tuple(range(rows)), ())
     positions = torch.full((rows,), max_model_len - 1, device=device)
     ids = torch.zeros(rows, dtype=torch.int64, device=device)
     model.compute_logits(model.forward(ids, positions, meta, scratch))

@@ -85,11 +85,17 @@ class LinearStates:
         rec = c.num_v_heads * c.k_dim * c.v_dim * 4
         return (conv + rec) * self.num_layers
 
+    def reserve(self, slots: int) -> None:
+        """Hold at least `slots` slots now (the engine reserves its max_num_seqs at load, so
+        the states are allocated before the KV cache is sized around them)."""
+        if slots > self.num_slots:
+            self._grow(slots)
+
     def reset(self, slot: int) -> None:
         """Zero slot `slot` (a request starting from its first token), growing the pool to
         hold it."""
-        while slot >= self.num_slots:
-            self._grow(2 * self.num_slots)
+        if slot >= self.num_slots:
+            self._grow(max(slot + 1, 2 * self.num_slots))
         self.conv[slot].zero_()
         self.recurrent[slot].zero_()
 

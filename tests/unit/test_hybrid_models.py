@@ -251,3 +251,24 @@ def test_linear_models_take_no_prefix_hit_and_refuse_state_they_lack(
     row = StepRow("handed-off", 12, 1, (0, 1, 2, 3), True, [5])
     with pytest.raises(RuntimeError, match="without its linear-attention state"):
         engine.runner.prepare_rows([row])
+
+
+def test_profile_steps_run_linear_models(hf_model, engine_factory) -> None:
+    """The GPU sizing's profile steps (a full-budget prefill, max_num_seqs decode rows) run
+    a Qwen3-Next model too, in slots reserved at load; whatever the slots hold after, a
+    request starts from a zeroed one."""
+    from tandem.config import SchedulerConfig
+    from tandem.engine.profile import profile_steps
+    from tests.unit.test_model_parity import hf_greedy
+
+    model_dir, hf = hf_model("qwen3-next")
+    engine = engine_factory(model_dir, block_size=4, max_num_seqs=6)
+    states = engine.model.linear_states
+    assert states is not None and states.num_slots >= 6  # reserved at load
+    sched = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32)
+    states.recurrent.fill_(7.0)  # stale: a request must start from zeros whatever it holds
+    states.conv.fill_(7.0)
+    assert profile_steps(engine.model, sched, 4, torch.float32, 64, torch.device("cpu")) > 0
+    prompt = random.Random(8).choices(range(256), k=9)
+    [done] = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
+    assert done.token_ids == hf_greedy(hf, prompt, 3)
