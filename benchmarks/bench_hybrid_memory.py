@@ -1,7 +1,9 @@
 """KV and recurrent-state bytes per request for the hybrid families (issue 42) against dense
 models, from their configs alone (`tandem.model.layer_groups`): what a request holds at 1k,
-8k and 32k tokens once its out-of-window pages are freed, and what a hand-off of a 4k-token
-prompt moves. bf16 cache and state, blocks of 16 tokens.
+8k and 32k tokens once its out-of-window pages are freed (per-group pools, not built yet),
+what the engine holds as it serves them today (every layer's pages for the whole sequence,
+plus a linear layer's state), and what a hand-off of a 4k-token prompt moves in each case.
+bf16 cache and state, blocks of 16 tokens.
 
     .venv/bin/python benchmarks/bench_hybrid_memory.py
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.model.layer_groups import layer_groups
+from tandem.model.layer_groups import LayerGroup, LayerKind, layer_groups
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid_memory.json"
 FAMILIES = {  # label -> (transformers config class, overrides)
@@ -31,6 +33,20 @@ CONTEXTS = (1024, 8192, 32768)
 HANDOFF_TOKENS = 4096
 BLOCK_SIZE = 16
 DTYPE_BYTES = 2
+
+
+def pages(groups: tuple[LayerGroup, ...], num_tokens: int) -> int:
+    """Every layer's pages for the whole sequence: today's single pool (a linear layer's
+    pages too, allocated and never written)."""
+    per_token = next(g.kv_token_bytes for g in groups if g.kv_token_bytes)
+    num_layers = sum(len(g.layers) for g in groups)
+    return -(-num_tokens // BLOCK_SIZE) * BLOCK_SIZE * per_token * num_layers
+
+
+def served(groups: tuple[LayerGroup, ...], num_tokens: int) -> int:
+    """What a request holds as the engine serves it today: `pages` and its linear state."""
+    states = sum(g.state_bytes * len(g.layers) for g in groups if g.kind is LayerKind.LINEAR)
+    return pages(groups, num_tokens) + states
 
 
 def main() -> int:
@@ -51,6 +67,8 @@ def main() -> int:
             "handoff_4k_mib": round(
                 sum(g.request_bytes(HANDOFF_TOKENS, BLOCK_SIZE) for g in groups) / 2**20, 2
             ),
+            "served_mib": {str(n): round(served(groups, n) / 2**20, 2) for n in CONTEXTS},
+            "served_handoff_4k_mib": round(pages(groups, HANDOFF_TOKENS) / 2**20, 2),
         }
         rows.append(row)
     print("| config | layers | window | " + " | ".join(f"MiB at {n}" for n in CONTEXTS)
@@ -58,9 +76,12 @@ def main() -> int:
     print("|---|---|---|" + "---|" * len(CONTEXTS) + "---|")
     for r in rows:
         layers = ", ".join(f"{v} {k.split('_')[0]}" for k, v in r["layers"].items())
-        sizes = " | ".join(str(r["request_mib"][str(n)]) for n in CONTEXTS)
+        sizes = " | ".join(
+            f"{r['request_mib'][str(n)]} ({r['served_mib'][str(n)]})" for n in CONTEXTS
+        )
         print(f"| {r['config']} | {layers} | {r['window'] or '-'} | {sizes} | "
-              f"{r['handoff_4k_mib']} |")  # fmt: skip
+              f"{r['handoff_4k_mib']} ({r['served_handoff_4k_mib']}) |")  # fmt: skip
+    print("\n(per-group pools; in parentheses as served today)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"block_size": BLOCK_SIZE, "dtype_bytes": DTYPE_BYTES,
                                    "rows": rows}, indent=2) + "\n")  # fmt: skip
