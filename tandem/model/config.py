@@ -219,13 +219,17 @@ DEFAULT_THETA: dict[str, float] = {
 
 
 def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
-    """The sparse layers as transformers builds them: Mixtral's every layer; Qwen3-MoE's
-    layer i unless i is in `mlp_only_layers`, when (i + 1) % `decoder_sparse_step` == 0."""
+    """The sparse layers as transformers builds them: Mixtral's and gpt-oss's every layer;
+    Qwen3-MoE's and Qwen3-Next's layer i unless i is in `mlp_only_layers`, when (i + 1) %
+    `decoder_sparse_step` == 0."""
     num_layers = int(raw["num_hidden_layers"])
     # transformers >= 5 writes Qwen3-MoE's expert count as num_local_experts
     num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
     top_k = int(raw.get("num_experts_per_tok") or 0)
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        # every layer sparse, the top k router logits softmaxed; gpt-oss's router and
+        # experts have biases (its gate and up interleaved in the file) and a clamped SwiGLU
+        oss = arch == "GptOssForCausalLM"
         return MoeConfig(
             num_experts=num_experts,
             top_k=top_k,
@@ -233,19 +237,8 @@ def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
             routing=Routing.TOPK_SOFTMAX,
             norm_topk_prob=True,
             sparse_layers=tuple(range(num_layers)),
-        )
-    if arch == "GptOssForCausalLM":
-        # top k of the router's logits (with its bias), softmax over them; each expert's
-        # gate and up interleaved in the file, with biases, and a clamped SwiGLU
-        return MoeConfig(
-            num_experts=num_experts,
-            top_k=top_k,
-            expert_intermediate_size=int(raw["intermediate_size"]),
-            routing=Routing.TOPK_SOFTMAX,
-            norm_topk_prob=True,
-            sparse_layers=tuple(range(num_layers)),
-            biases=True,
-            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+            biases=oss,
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)) if oss else None,
             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         )
     if arch not in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or num_experts == 0:
