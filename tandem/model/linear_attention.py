@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tandem.model.config import LinearAttention
 
 if TYPE_CHECKING:
-    from tandem.model.llama import Weight
+    from tandem.model.layer_weights import Weight
 
 # Tokens per chunk of the chunked form (each chunk's intra-chunk products are [C, C]).
 CHUNK = 64
