@@ -37,6 +37,7 @@ from .common import (
     tree_stamp,
 )
 from .e2e_bench import check_e2e
+from .hybrid_bench import check_hybrid
 from .kernels_bench import check_kernels, use_interpreter
 from .moe_bench import check_moe
 from .nixl_pull import check_nixl
@@ -62,10 +63,12 @@ PARTS = (
     "nixl",
     "serve",
     "tiles",
+    "hybrid",
 )
 # One command of <= 8 minutes on an H200 (`timeout 470`; budgets in sizes.CUDA_SIZES): what
 # issue 40 measures. parity and tiles (done: the engine matches transformers, the tiles are
-# chosen), nixl and serve (they need the site archive carried) run when named.
+# chosen), nixl and serve (they need the site archive carried), hybrid (issue 42's kernels)
+# run when named.
 DEFAULT_PARTS = ("preflight", "startup", "throughput", "kernels", "e2e", "quant", "moe")
 JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
 PART_FNS: dict[str, Callable[[Context], Figures]] = {
@@ -80,6 +83,7 @@ PART_FNS: dict[str, Callable[[Context], Figures]] = {
     "nixl": check_nixl,
     "serve": check_serve,
     "tiles": check_tiles,
+    "hybrid": check_hybrid,
 }
 
 

@@ -189,6 +189,7 @@ CUDA_SIZES = Sizes(
         nixl=30,
         serve=60,
         tiles=75,
+        hybrid=60,
     ),
 )
 
@@ -280,5 +281,6 @@ CPU_SIZES = Sizes(
         nixl=60,
         serve=120,
         tiles=60,
+        hybrid=90,
     ),
 )

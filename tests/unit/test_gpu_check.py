@@ -40,7 +40,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     parts = report["parts"]
     assert list(parts) == [
         "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "moe", "nixl",
-        "serve", "tiles",
+        "serve", "tiles", "hybrid",
     ]  # fmt: skip
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
     expected = {
@@ -55,6 +55,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         "nixl": nixl_status,
         "serve": "ok",
         "tiles": "ok",
+        "hybrid": "ok",
     }
     assert {name: p["status"] for name, p in parts.items()} == expected, output
     for part in parts.values():
