@@ -80,7 +80,7 @@ def decode_tiles(dtype: torch.dtype, head_dim: int, block_size: int, use_dot: bo
 # The block table's row stride is its width, which follows the batch's longest context, and
 # the split count follows it too: Triton would compile a variant per value class of each
 # (1, multiple of 16, other), mid-serving. Only SPLITS_PAD (a constexpr) selects a variant.
-@triton.jit(do_not_specialize=["stride_bt_req", "window"])
+@triton.jit(do_not_specialize=["stride_bt_req"])
 def _decode_split_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [batch, num_q_heads, head_dim], the query of each request's newest token
     kv_ptr,  # [num_blocks, 2, block_size, num_kv_heads, head_dim], one layer's cache
@@ -93,6 +93,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     k_scale,  # fp32: an fp8 cache holds K / k_scale (unused otherwise)
     v_scale,  # fp32: likewise V
     window,  # a sliding layer's window: keys at [context_len - window, context_len); 0: all
+    #          (specialised on: a model's one or two values compile at warm-up)
     stride_q_req,  # q.stride(0)
     stride_q_head,  # q.stride(1); q.stride(2) is 1
     stride_kv_block,  # kv.stride(0): may be large (all layers of a block), used in int64

@@ -86,7 +86,7 @@ def tiles_for(dtype: torch.dtype, head_dim: int, group: int) -> Tiles:
 # Triton reads kernel annotations (tl.constexpr), so the arguments carry comments instead.
 # The block table's row stride is its width, which follows the step's longest context: not
 # specialised on, or each value class (1, multiple of 16, other) would compile mid-serving.
-@triton.jit(do_not_specialize=["stride_t_req", "window"])
+@triton.jit(do_not_specialize=["stride_t_req"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] the chunks' queries back to back
     out_ptr,  # [num_tokens, num_q_heads, HEAD_DIM] written for every valid (token, head)
