@@ -90,7 +90,7 @@ def check_moe(ctx: Context) -> Figures:
         fused = functools.partial(
             fused_moe, x, weights.gate_up, weights.down, routed.expert_ids, routed.weights
         )
-        grouped = functools.partial(moe.grouped_experts, x, routed, weights)
+        grouped = functools.partial(moe.grouped_experts, x, routed, weights, cfg)
         try:
             got, base = fused(), grouped()
             n = min(tokens, REFERENCE_TOKENS)

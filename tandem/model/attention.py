@@ -400,8 +400,9 @@ class TorchAttention:
         num_new, ctx = span.num_new_tokens, span.context_len
         if window is not None or sinks is not None:
             return windowed.prefill(
-                q, k, v, k_cache, v_cache, span, scale, kv_scales, window, sinks, self._gather
-            )
+                q, k, v, k_cache, v_cache, ctx, span.block_ids, scale, kv_scales, window, sinks,
+                self._gather,
+            )  # fmt: skip
         if ctx == num_new:
             # Nothing cached before this chunk: attend over the chunk itself, causally.
             keys, values, mask, causal = k, v, None, True

@@ -35,7 +35,11 @@ import torch.nn.functional as F
 from tandem.model.config import LinearAttention
 
 if TYPE_CHECKING:
-    from tandem.model.layer_weights import Weight
+    from tandem.quant.linear import QuantLinear
+    from tandem.quant.weight import QuantizedWeight
+
+    # as tandem.model.layer_weights.Weight (not imported: it imports this module)
+    Weight = torch.Tensor | QuantizedWeight | QuantLinear
 
 # Tokens per chunk of the chunked form (each chunk's intra-chunk products are [C, C]).
 CHUNK = 64

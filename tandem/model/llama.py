@@ -258,7 +258,7 @@ class LlamaModel:
         feat = cfg.features
         h = self._embed(input_ids)  # [num_tokens, hidden]
         if feat.embed_scale is not None:  # in the model's dtype, as transformers rounds it
-            h = h * torch.tensor(feat.embed_scale, dtype=h.dtype)
+            h = h * torch.tensor(feat.embed_scale, dtype=h.dtype, device=h.device)
         cos, sin = self.rope.tables(positions, h.dtype)
         local = self.local_rope.tables(positions, h.dtype) if self.local_rope else (cos, sin)
         n = input_ids.shape[0]

@@ -52,8 +52,8 @@ def _yarn(dim: int, theta: float, sc: RopeScaling, pos: torch.Tensor) -> torch.T
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)
-    keep = (1 - ramp.clamp(0, 1)).to(pos.device)  # 1: extrapolate (keep the frequency)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32, device=pos.device) - low) / (high - low)
+    keep = 1 - ramp.clamp(0, 1)  # 1: extrapolate (keep the frequency)
     # pos = theta^e; transformers' order of operations
     return 1.0 / (sc.factor * pos) * (1 - keep) + 1.0 / pos * keep
 

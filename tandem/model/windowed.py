@@ -10,15 +10,11 @@ of queries, each over the keys it can see.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tandem.quant.kv import dequantize_kv
-
-if TYPE_CHECKING:
-    from tandem.model.attention import PrefillSpan
 
 
 def prefill(
@@ -27,7 +23,8 @@ def prefill(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    span: PrefillSpan,
+    context_len: int,
+    block_ids: torch.Tensor,
     scale: float,
     kv_scales: tuple[float, float] | None,
     window: int | None,
@@ -37,8 +34,9 @@ def prefill(
     """A chunk of a sliding layer or one with sinks, in tiles of PREFILL_TILE queries:
     each tile reads only the keys its queries can see (with a window, its last
     `window` - 1 positions before the tile and the tile itself), so memory and work
-    grow with chunk x window, not chunk x context."""
-    num_new, ctx = span.num_new_tokens, span.context_len
+    grow with chunk x window, not chunk x context. The chunk (q's rows) holds the last
+    positions of `context_len`, whose blocks are `block_ids`; `gather` is the backend's."""
+    num_new, ctx = q.shape[0], context_len
     start = ctx - num_new  # the chunk's first position
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     first_key = 0 if window is None else max(0, start - window + 1)
@@ -47,7 +45,7 @@ def prefill(
     else:
         first_block = first_key // block_size
         key_start = first_block * block_size
-        ids = span.block_ids[first_block:]
+        ids = block_ids[first_block:]
         keys = gather(k_cache, ids, 0).view(-1, num_kv_heads, head_dim)[: ctx - key_start]
         values = gather(v_cache, ids, 1).view(-1, num_kv_heads, head_dim)[: ctx - key_start]
         if kv_scales is not None:

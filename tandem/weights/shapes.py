@@ -19,8 +19,8 @@ def expected_shapes(config: ModelConfig, mxfp4: bool = False) -> dict[str, tuple
     q_rows = 2 * q_out if config.features.attn_gate else q_out
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hid,)
-        if i not in config.features.linear_layers:  # a linear layer has linear_attn instead
+        attention = i not in config.features.linear_layers  # else linear_attn's own
+        if attention:  # in the order the builder reads them
             shapes[p + "self_attn.q_proj.weight"] = (q_rows, hid)
             shapes[p + "self_attn.k_proj.weight"] = (kv_out, hid)
             shapes[p + "self_attn.v_proj.weight"] = (kv_out, hid)
@@ -28,6 +28,8 @@ def expected_shapes(config: ModelConfig, mxfp4: bool = False) -> dict[str, tuple
                 shapes[p + "self_attn.q_proj.bias"] = (q_out,)
                 shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
                 shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        shapes[p + "input_layernorm.weight"] = (hid,)
+        if attention:
             if config.qk_norm:
                 shapes[p + "self_attn.q_norm.weight"] = (d,)
                 shapes[p + "self_attn.k_norm.weight"] = (d,)

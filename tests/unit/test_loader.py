@@ -46,10 +46,15 @@ def test_unsupported_architecture(hf_model, tmp_path):
 def test_unsupported_rope_scaling(hf_model, tmp_path):
     d = copy_dir(hf_model("llama")[0], tmp_path)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
     cfg.pop("rope_parameters", None)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope'"):
+        load_model(d)
+    # YaRN is supported (gpt-oss), with the field it cannot do without
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
         load_model(d)
 
 
