@@ -46,7 +46,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "Gemma-3-shaped": ("Gemma3TextConfig", dict(sliding_window=512, query_pre_attn_scalar=64)),
 }  # fmt: skip
 CONTEXTS = (1024, 8192)
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 
 
 def build(cls: str, extra: dict[str, Any], out: Path, all_full: bool) -> Path:
