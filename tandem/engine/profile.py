@@ -105,11 +105,11 @@ def profile_steps(
     states = model.linear_states  # linear-attention layers: scratch states in slots 0..
     if states is not None:
         states.reserve(rows)
-        meta.state_rows = StateRows((), ((0, n, 0),))
+        meta.state_rows = StateRows(torch.zeros(0, dtype=torch.int64, device=device), ((0, n, 0),))
     model.compute_logits(model.forward(ids, positions, meta, scratch)[-1:])
     meta = decode_metadata(rows, max_model_len, block_size, paged, device)
     if states is not None:
-        meta.state_rows = StateRows(tuple(range(rows)), ())
+        meta.state_rows = StateRows(torch.arange(rows, device=device), ())
     positions = torch.full((rows,), max_model_len - 1, device=device)
     ids = torch.zeros(rows, dtype=torch.int64, device=device)
     model.compute_logits(model.forward(ids, positions, meta, scratch))

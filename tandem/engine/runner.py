@@ -214,7 +214,8 @@ class ModelRunner:
         for s, slot in zip(prefills, slots[nd:], strict=True):
             chunks.append((start, s.num_new_tokens, slot))
             start += s.num_new_tokens
-        return StateRows(tuple(slots[:nd]), tuple(chunks))
+        decode_slots = torch.tensor(slots[:nd], dtype=torch.int64, device=self.device)
+        return StateRows(decode_slots, tuple(chunks))
 
     def _paged_arrays(self, decodes: list[StepRow], prefills: list[StepRow]) -> list[list[int]]:
         """Host arrays of the paged batch: table rows, lengths, query starts, table writes."""

@@ -117,10 +117,11 @@ class LinearStates:
 @dataclass(frozen=True, slots=True)
 class StateRows:
     """Which slot each part of the step's flat batch reads and writes: the decode rows
-    (one token each, the first `len(decode_slots)` flat indices) and each prefill chunk
+    (one token each, the first `len(decode_slots)` flat indices; int64 on the model's
+    device, made once per step for every linear layer) and each prefill chunk
     (token_start, num_tokens, slot), in flat order."""
 
-    decode_slots: tuple[int, ...]
+    decode_slots: torch.Tensor
     chunks: tuple[tuple[int, int, int], ...]
 
 
@@ -228,7 +229,7 @@ def gdn_forward(
         return q, k, v.view(-1, vh, vd)
 
     if nd:  # decode rows: one token each, their states gathered and stepped together
-        slots = torch.tensor(rows.decode_slots, device=x.device)
+        slots = rows.decode_slots
         conv_state = states.conv[slots, layer]  # [R, channels, K - 1]
         history = torch.cat((conv_state, mixed[:nd, :, None].to(conv_state.dtype)), dim=-1)
         conv_out[:nd] = F.silu((history * w.conv).sum(-1)).to(mixed.dtype)
