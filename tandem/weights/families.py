@@ -192,22 +192,3 @@ def linear_layer(
         norm=load("norm.weight"),
         out=load("out_proj.weight", transpose=True),
     )
-
-
-def shared_expert(
-    reader: Reader, layer: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Qwen3-Next sparse layer's shared expert: (gate | up [hidden, 2S], down [S, hidden],
-    its gate [hidden, 1]), transposed like every matrix."""
-    p = f"model.layers.{layer}.mlp."
-
-    def load(name: str) -> torch.Tensor:
-        return reader.read(p + name).t().to(device=device, dtype=dtype, copy=True)
-
-    gate_up = torch.cat((load("shared_expert.gate_proj.weight"),
-                         load("shared_expert.up_proj.weight")), dim=1)  # fmt: skip
-    return (
-        gate_up,
-        load("shared_expert.down_proj.weight").contiguous(),
-        load("shared_expert_gate.weight").contiguous(),
-    )

@@ -211,8 +211,13 @@ class WeightBuilder:
                 self.copy_transposed(dst, self.reader.read(name))
             self.copy_transposed(down[e], self.reader.read(down_name))
         shared = None
-        if config.features.shared_expert_size:  # Qwen3-Next
-            shared = families.shared_expert(self.reader, i, self.dtype, self.device)
+        if config.features.shared_expert_size:  # Qwen3-Next: gate | up, down, its gate
+            name = f"model.layers.{i}.mlp.shared_expert"
+            shared = (
+                self.fused([f"{name}.gate_proj.weight", f"{name}.up_proj.weight"], True),
+                self.fused([f"{name}.down_proj.weight"], transpose=True),
+                self.fused([f"{name}_gate.weight"], transpose=True),
+            )
         return MoeWeights(
             router=router,
             gate_up=gate_up,
