@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandem.model.layer_groups import LayerKind, LinearAttention, layer_types
 from tandem.model.moe import MoeConfig, Routing
 
 # HF architecture name -> (qkv bias default, q/k norm)
@@ -86,22 +87,6 @@ class Features:
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
-
-
-@dataclass(frozen=True, slots=True)
-class LinearAttention:
-    """A Gated DeltaNet layer's shape (Qwen3-Next's linear_* fields)."""
-
-    num_k_heads: int
-    num_v_heads: int
-    k_dim: int  # per head
-    v_dim: int  # per head
-    conv_kernel: int
-
-    @property
-    def conv_channels(self) -> int:
-        """q, k and v, convolved together."""
-        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,18 +247,10 @@ def _parse_features(arch: str, raw: dict[str, Any]) -> Features:
         return _qwen3_next_features(raw)
     if arch not in ("Gemma3ForCausalLM", "GptOssForCausalLM"):
         return Features()
-    num_layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    types = raw.get("layer_types")
-    if types is None:  # transformers' defaults: gpt-oss alternates, Gemma 3 5 local : 1
-        period = 2 if arch == "GptOssForCausalLM" else int(raw.get("sliding_window_pattern", 6))
-        types = ["sliding_attention" if (i + 1) % period else "full_attention"
-                 for i in range(num_layers)]  # fmt: skip
-    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(
-            f"layer_types must name sliding_attention or full_attention for each of the "
-            f"{num_layers} layers, got {types!r}"
-        )
+    # transformers' defaults: gpt-oss alternates, Gemma 3 5 local : 1
+    period = 2 if arch == "GptOssForCausalLM" else int(raw.get("sliding_window_pattern", 6))
+    types = layer_types(raw, LayerKind.SLIDING, period)
     if "sliding_attention" in types and not window:
         raise ValueError("sliding_attention layers need a positive sliding_window")
     size = int(window or 0)
@@ -308,23 +285,9 @@ def _qwen3_next_features(raw: dict[str, Any]) -> Features:
     """Qwen3-Next: Gated DeltaNet layers between gated full-attention ones (transformers'
     default: every `full_attention_interval`-th full), partial RoPE, 1 + w norms, a shared
     expert beside the routed ones."""
-    num_layers = int(raw["num_hidden_layers"])
-    types = raw.get("layer_types")
-    if types is None:
-        interval = int(raw.get("full_attention_interval") or 4)
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(num_layers)]  # fmt: skip
-    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
-        raise ValueError(
-            f"layer_types must name linear_attention or full_attention for each of the "
-            f"{num_layers} layers, got {types!r}"
-        )
-    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
-    missing = [n for n in names if not raw.get(n)]
-    if missing:
-        raise ValueError(f"linear_attention layers need {', '.join(missing)}")
-    linear = LinearAttention(*(int(raw[n]) for n in names))
+    # transformers' default: every full_attention_interval-th layer full
+    types = layer_types(raw, LayerKind.LINEAR, int(raw.get("full_attention_interval") or 4))
+    linear = LinearAttention.from_raw(raw)
     if linear.num_v_heads % linear.num_k_heads:
         raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     rope = raw.get("rope_parameters") or {}

@@ -73,6 +73,59 @@ class LayerGroup:
         return pages * block_size * self.kv_token_bytes * len(self.layers)
 
 
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's shape (Qwen3-Next's linear_* fields)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int  # per head
+    v_dim: int  # per head
+    conv_kernel: int
+
+    FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any]) -> LinearAttention:
+        """From a config.json. Raises ValueError naming the linear_* fields it lacks."""
+        missing = [n for n in cls.FIELDS if not raw.get(n)]
+        if missing:
+            raise ValueError(f"linear_attention layers need {', '.join(missing)}")
+        return cls(*(int(raw[n]) for n in cls.FIELDS))
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v, convolved together."""
+        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """One request's state in one layer: the convolution's last kernel - 1 inputs and a
+        [k_dim, v_dim] matrix per value head."""
+        conv = self.conv_channels * (self.conv_kernel - 1)
+        return (conv + self.num_v_heads * self.k_dim * self.v_dim) * dtype_bytes
+
+
+def layer_types(raw: Mapping[str, Any], other: LayerKind, period: int) -> tuple[str, ...]:
+    """A config.json's `layer_types` for a model that mixes full layers with `other`
+    ones; absent, transformers' default pattern: every `period`-th layer full.
+
+    Raises:
+        ValueError: a list of the wrong length, or naming a kind other than these two.
+    """
+    num_layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None:
+        types = [LayerKind.FULL.value if (i + 1) % period == 0 else other.value
+                 for i in range(num_layers)]  # fmt: skip
+    if len(types) != num_layers or set(types) - {other.value, LayerKind.FULL.value}:
+        raise ValueError(
+            f"layer_types must name {other.value} or full_attention for each of the "
+            f"{num_layers} layers, got {types!r}"
+        )
+    return tuple(types)
+
+
 def layer_groups(raw: Mapping[str, Any], dtype_bytes: int) -> tuple[LayerGroup, ...]:
     """A config.json's layers as groups, in order of each kind's first layer.
 
@@ -116,18 +169,8 @@ def layer_groups(raw: Mapping[str, Any], dtype_bytes: int) -> tuple[LayerGroup, 
 
 
 def linear_state_bytes(raw: Mapping[str, Any], dtype_bytes: int) -> int:
-    """One request's Gated DeltaNet state in one layer: the convolution's last kernel - 1
-    inputs over the q, k and v channels, and a [key_dim, value_dim] matrix per value head."""
-    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim", "linear_conv_kernel_dim")  # fmt: skip
-    missing = [n for n in names if not raw.get(n)]
-    if missing:
-        raise ValueError(f"linear_attention layers need {', '.join(missing)}")
-    k_heads, v_heads, k_dim, v_dim, kernel = (int(raw[n]) for n in names)
-    conv_channels = 2 * k_heads * k_dim + v_heads * v_dim
-    conv = conv_channels * (kernel - 1)
-    recurrent = v_heads * k_dim * v_dim
-    return (conv + recurrent) * dtype_bytes
+    """One request's Gated DeltaNet state in one layer (`LinearAttention.state_bytes`)."""
+    return LinearAttention.from_raw(raw).state_bytes(dtype_bytes)
 
 
 def resumable_prefix(

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tandem.model.config import LinearAttention
+from tandem.model.layer_groups import LinearAttention
 
 if TYPE_CHECKING:
     from tandem.quant.linear import QuantLinear
