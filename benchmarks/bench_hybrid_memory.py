@@ -2,8 +2,9 @@
 models, from their configs alone (`tandem.model.layer_groups`): what a request holds at 1k,
 8k and 32k tokens once its out-of-window pages are freed (per-group pools, not built yet),
 what the engine holds as it serves them today (every layer's pages for the whole sequence,
-plus a linear layer's state), and what a hand-off of a 4k-token prompt moves in each case.
-bf16 cache and state, blocks of 16 tokens.
+plus a linear layer's state), and what a hand-off of a 4k-token prompt moves in each case
+(a linear layer's state travels in a section of its own). bf16 cache and convolution state,
+float32 recurrent state (as the engine keeps it), blocks of 16 tokens.
 
     .venv/bin/python benchmarks/bench_hybrid_memory.py
 
@@ -68,7 +69,7 @@ def main() -> int:
                 sum(g.request_bytes(HANDOFF_TOKENS, BLOCK_SIZE) for g in groups) / 2**20, 2
             ),
             "served_mib": {str(n): round(served(groups, n) / 2**20, 2) for n in CONTEXTS},
-            "served_handoff_4k_mib": round(pages(groups, HANDOFF_TOKENS) / 2**20, 2),
+            "served_handoff_4k_mib": round(served(groups, HANDOFF_TOKENS) / 2**20, 2),
         }
         rows.append(row)
     print("| config | layers | window | " + " | ".join(f"MiB at {n}" for n in CONTEXTS)

@@ -13,7 +13,12 @@ layout (dtype, block geometry) differs from this worker's cache is not a transie
 but a misconfigured deployment: the call ends with FAILED_PRECONDITION naming the fields, before
 any block is reserved or read. Without a hand-off, the prompt is prefilled here (conditional
 disaggregation). A model with linear-attention layers (Qwen3-Next) keeps per-request state that
-the KV blocks do not hold: its hand-offs are declined (lease released) and recomputed here.
+no KV page holds: its hand-off carries that state in a typed section of its own
+(`tandem.transfer.sections`), read with the pages into blocks reserved for it and moved into the
+request's slot at commit. A hand-off without exactly the sections this worker's model needs,
+each complete and of its format, is declined before anything is reserved (its lease released)
+and prefilled again -- here, or elsewhere when the router asked for `report_kv_failure` --
+never decoded from partial state.
 
 A hand-off is trusted only as far as it is proven, before anything is reserved, read or
 dialled: its signature (with a cluster secret, `tandem.transfer.signing`) must hold for this
@@ -34,8 +39,10 @@ import grpc
 
 from tandem import wire
 from tandem.config import EngineRole
+from tandem.engine.engine import LLMEngine
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec, Resume
+from tandem.engine.state_pages import expected_sections
 from tandem.services.common.observe import tracing
 from tandem.services.common.redis.registry import Registry, WorkerWatcher
 from tandem.services.common.rpc import convert
@@ -61,11 +68,18 @@ from tandem.transfer import (
     prompt_hashes,
     verify_handoff,
 )
+from tandem.transfer.plan import ReadPlan
+from tandem.transfer.sections import SectionKind, SectionRefused, check_sections
 from tandem.types import KVOutcome
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
+
+
+def _reserve_state(engine: LLMEngine, request_id: str) -> list[int] | None:
+    assert engine.state_handoff is not None  # a linear_state section was expected
+    return engine.state_handoff.reserve(request_id)
 
 
 def permission_denied(message: str) -> ServiceError:
@@ -148,10 +162,14 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             except ValueError as exc:
                 raise invalid_argument(str(exc)) from None
             handoff = decode.handoff
-            if handoff is not None and self.engine.model.linear_states is not None:
-                # Linear-attention layers (Qwen3-Next): their state is not in the KV cache,
-                # so the hand-off cannot resume the request; never decode from part of it.
-                await self._decline_kv(spec, handoff, span)
+            refusal = None if handoff is None else self._section_refusal(spec, handoff)
+            if handoff is not None and refusal is not None:
+                # Not every group's state is in it: never decode from part of it.
+                await self._decline_kv(spec, handoff, refusal, span)
+                self.metrics.kv_transfer(KVOutcome.REFUSED)
+                if decode.report_kv_failure:
+                    yield wpb.DecodeResponse(request_id=rid, kv_failed=wpb.KvFailed(reason=refusal))
+                    return
                 self.num_recomputed += 1
                 self.metrics.recomputed.inc()
                 complete.recomputed = True
@@ -256,15 +274,28 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             )
         table, num_cached = reserved
         done = ReadDone(0, 0.0)
+        ids, sections = handoff.remote.block_ids, self._sections(spec, handoff)
+        state = sections.get(SectionKind.LINEAR_STATE)
+        state_ids = None
+        if state is not None:
+            state_ids = await self.loop.call(lambda e: _reserve_state(e, rid))
+            if state_ids is None:
+                await self.loop.call(lambda e: e.abort(rid))
+                raise resource_exhausted("no free KV blocks for the hand-off's linear state")
         try:
             plan = plan_read(
-                handoff.remote.block_ids,
+                [ids[i] for i in sections[SectionKind.ATTENTION]],
                 handoff.block_size,
                 table,
                 num_cached,
                 len(prompt),
                 self.engine.kv.block_size,
             )
+            if state is not None and state_ids is not None:  # read with the pages
+                plan = ReadPlan(
+                    plan.remote_block_ids + tuple(ids[i] for i in state),
+                    plan.local_block_ids + tuple(state_ids),
+                )
             tracing.kv_plan(span, plan.remote_block_ids, plan.local_block_ids)
             done = await self._reader.read(handoff.remote, plan, handoff.lease_id.encode())
             resp = await self._prefill_stub(handoff.owner_address).ReleaseKv(
@@ -300,8 +331,30 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             await self.loop.call(lambda e: e.commit_kv(rid))
         return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3, failure, outcome)
 
+    def _section_refusal(self, spec: RequestSpec, handoff: KVHandoff) -> str | None:
+        """Why this worker cannot resume from the hand-off's sections; None: it can."""
+        try:
+            self._sections(spec, handoff)
+        except SectionRefused as exc:
+            return f"KV hand-off refused: {exc}"
+        return None
+
+    def _sections(self, spec: RequestSpec, handoff: KVHandoff) -> dict[SectionKind, range]:
+        return check_sections(
+            handoff.sections,
+            expected_sections(self.engine.kv_format, self.engine.state_handoff),
+            len(handoff.remote.block_ids),
+            spec.num_prompt_tokens,
+            self.engine.kv.block_size,
+            self.transport.layout.block_bytes,
+        )
+
     async def _decline_kv(
-        self, spec: RequestSpec, handoff: KVHandoff, span: tracing.Span = tracing.INVALID_SPAN
+        self,
+        spec: RequestSpec,
+        handoff: KVHandoff,
+        reason: str,
+        span: tracing.Span = tracing.INVALID_SPAN,
     ) -> None:
         """A hand-off this worker will not read: once the handle is proven (signature,
         owner), its lease is released at the owner so the prefill worker frees the blocks now
@@ -319,8 +372,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("releasing the declined KV of %s failed: %s", spec.request_id, exc)
-        log.info("KV hand-off of %s declined: linear-attention state does not travel; "
-                 "recomputed here", spec.request_id)  # fmt: skip
+        log.warning("%s: %s declined, its prompt prefilled again", reason, spec.request_id)
 
     def _check_signature(self, spec: RequestSpec, handoff: KVHandoff) -> None:
         """The owner signed this handle for this request id and for the prompt hashes this

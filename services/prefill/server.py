@@ -26,6 +26,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.footprint import StateSize
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec
+from tandem.engine.state_pages import handoff_sections
 from tandem.services.common.observe import tracing
 from tandem.services.common.rpc import convert
 from tandem.services.common.rpc.errors import ServiceError, aborted, rpc
@@ -138,6 +139,12 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                     lease_id=lease.lease_id,
                     epoch=lease.epoch,
                     expires_at=lease.expires_at,
+                    sections=handoff_sections(
+                        self.engine.kv_format,
+                        len(out.block_ids),
+                        self.engine.state_handoff,
+                        out.state_blocks,
+                    ),
                 )
                 resp.kv.CopyFrom(convert.handoff_to_proto(self._sign(spec, handoff)))
             elif out.handed_off:  # aborted while the hand-off was on its way here

@@ -46,6 +46,8 @@ from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, c
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.state_checkpoints import StateCheckpoints
+from tandem.engine.state_pages import StateHandoff
 from tandem.load import Load
 from tandem.model.config import ModelConfig
 from tandem.parallel.group import TPGroup
@@ -131,19 +133,23 @@ class LLMEngine:
         # a CPU); empty otherwise: then only a single-rank engine's cache can be handed off.
         self.rank_kv = loaded.rank_kv
         # A linear-attention model's (Qwen3-Next) state is not in the KV cache: a cached
-        # prefix could not resume it, so none is looked up or published.
-        caching = config.cache.enable_prefix_caching and self.model.linear_states is None
-        if config.cache.enable_prefix_caching and not caching:
-            log.info("prefix caching off: linear-attention layers keep no per-block state")
-        self.kv = KVCacheManager(self.num_blocks, block_size, caching)
+        # prefix resumes it from a state checkpoint (tandem.engine.state_checkpoints).
+        caching, ckpts = config.cache.enable_prefix_caching, self.model.linear_checkpoints
+        checkpoints = StateCheckpoints(ckpts.num_slots) if caching and ckpts else None
+        self.kv = KVCacheManager(self.num_blocks, block_size, caching, False,
+                                 mcfg.layer_groups, checkpoints)  # fmt: skip
         self.scheduler = Scheduler(
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
         )
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
         self.runner = ModelRunner(
-            self.model, self.kv_cache, block_size, sampler, self.max_model_len, self.followers
-        )
+            self.model, self.kv_cache, block_size, sampler, self.max_model_len, self.followers,
+            self.kv,
+        )  # fmt: skip
+        # a linear-attention model's state travels in a hand-off's blocks (state_pages)
+        states = self.model.linear_states
+        self.state_handoff = StateHandoff(self.kv, self.runner, states) if states else None
         self._requests: dict[str, Request] = {}
         self._text: dict[str, TextStream] = {}
         self.num_steps = 0
@@ -183,7 +189,7 @@ class LLMEngine:
             for out in outputs:
                 if out.handed_off:  # the prefill role pins the blocks; nobody will read them
                     self.release(out.request_id)
-        self.kv.pool.reset_prefix_cache()
+        self.kv.reset_prefix_cache()
         self.take_kv_events()
         self.num_steps = self.num_tokens_computed = 0
         compile_matmuls(self.model, self.config)
@@ -295,6 +301,8 @@ class LLMEngine:
         return request is not None
 
     def _forget(self, request_id: str) -> None:
+        if self.state_handoff is not None:
+            self.state_handoff.forget(request_id)
         self.runner.release(request_id)
         self._requests.pop(request_id, None)
         self._text.pop(request_id, None)
@@ -330,6 +338,10 @@ class LLMEngine:
         return reserved
 
     def commit_kv(self, request_id: str) -> None:
+        """Decode role: the prompt's KV (and a linear-attention state, read into the blocks
+        `state_handoff.reserve` gave) is in place; the request joins the batch."""
+        if self.state_handoff is not None and request_id in self._requests:
+            self.state_handoff.unpack(request_id, self._requests[request_id].num_prompt_tokens)
         self.scheduler.commit_kv(request_id)
 
     # -- stepping --------------------------------------------------------------------------
@@ -366,6 +378,7 @@ class LLMEngine:
                         finish_reason=None,
                         handed_off=True,
                         num_cached_tokens=request.num_cached_tokens or 0,
+                        state_blocks=self.state_handoff.pack(rid) if self.state_handoff else 0,
                         block_ids=self.block_table(rid),
                         logprobs=lps,
                     )

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from tandem.engine.block_pool import BlockPool, KVEvent
 from tandem.engine.request import Request
+from tandem.engine.state_checkpoints import StateCheckpoints
+from tandem.model.layer_groups import LayerGroup, LayerKind, resumable_prefix
 
 
 def cdiv(a: int, b: int) -> int:
@@ -20,7 +22,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Owns the block pool and every request's block table."""
+    """Owns the block pool and every request's block table.
+
+    A model with linear-attention layers (`groups` holds one) resumes a cached prefix only
+    where a state checkpoint was taken (`checkpoints`, which the runner fills): lookups stop
+    at the longest prefix every group can resume from.
+    """
 
     def __init__(
         self,
@@ -28,9 +35,16 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         record_events: bool = False,
+        groups: Sequence[LayerGroup] = (),
+        checkpoints: StateCheckpoints | None = None,
     ) -> None:
+        if any(g.kind is LayerKind.LINEAR for g in groups) and enable_caching:
+            if checkpoints is None:
+                raise ValueError("prefix caching with linear-attention layers needs checkpoints")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.groups = tuple(groups)
+        self.checkpoints = checkpoints if enable_caching else None
         self.pool = BlockPool(num_blocks, enable_caching, record_events)
         self.block_tables: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # request id -> blocks already published
@@ -61,7 +75,41 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.checkpoints is not None:
+            hits = hits[: self._resumable(request, len(hits)) // self.block_size]
         return hits, len(hits) * self.block_size
+
+    def _resumable(self, request: Request, num_hits: int) -> int:
+        """Tokens of the first `num_hits` cached blocks every group can resume from (the
+        pages hold every attention layer; linear layers need a checkpoint), its checkpoint
+        marked used."""
+        assert self.checkpoints is not None
+        bs, hashes = self.block_size, request.block_hashes
+        pages = range(num_hits)
+        held = {(i + 1) * bs for i in pages if hashes[i] in self.checkpoints}
+        tokens = resumable_prefix(
+            self.groups,
+            {i: pages for i, g in enumerate(self.groups) if g.kind is not LayerKind.LINEAR},
+            {i: held for i, g in enumerate(self.groups) if g.kind is LayerKind.LINEAR},
+            num_hits * bs,
+            bs,
+        )
+        if tokens:
+            self.checkpoints.lookup(hashes[tokens // bs - 1])
+        return tokens
+
+    def checkpoint_slot(self, request: Request, num_tokens: int) -> int:
+        """The state checkpoint a request resumes from after its first `num_tokens` tokens
+        (a prefix `get_computed_blocks` found this step)."""
+        slot = None
+        if self.checkpoints is not None and num_tokens % self.block_size == 0:
+            slot = self.checkpoints.lookup(request.block_hashes[num_tokens // self.block_size - 1])
+        if slot is None:
+            raise RuntimeError(
+                f"request {request.request_id!r} resumes at token {num_tokens} without a "
+                "linear-attention state checkpoint there"
+            )
+        return slot
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
@@ -108,12 +156,34 @@ class KVCacheManager:
             self.pool.cache_block(table[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(done, num_full)
 
+    def append_blocks(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """`num_blocks` more blocks at the end of a request's table, past its tokens (a
+        linear-attention state packed for a hand-off); None if too few are free. They are
+        never published, and go back with the request (`free`) or `drop_blocks`."""
+        new_ids = self.pool.allocate(num_blocks)
+        if new_ids is not None:
+            self.block_tables[request_id] = self.block_tables.get(request_id, []) + new_ids
+        return new_ids
+
+    def drop_blocks(self, request_id: str, num_blocks: int) -> None:
+        """Free the last `num_blocks` of a request's table (those `append_blocks` added)."""
+        table = self.block_tables[request_id]
+        dropped = table[len(table) - num_blocks :]
+        del table[len(table) - num_blocks :]
+        self.pool.free(reversed(dropped))
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first so its prefix is evicted last."""
         table = self.block_tables.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         if table:
             self.pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix no request holds, and every state checkpoint."""
+        self.pool.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
@@ -124,3 +194,5 @@ class KVCacheManager:
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1
         self.pool.check_integrity(refs)
+        if self.checkpoints is not None:
+            self.checkpoints.check_integrity()

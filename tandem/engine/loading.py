@@ -123,9 +123,14 @@ def load_model_and_cache(
     mcfg = model.config
     if model.linear_states is not None:  # before the KV cache is sized around them
         model.linear_states.reserve(sched_cfg.max_num_seqs)
+        # as many prefix-cache checkpoints as requests (tandem.engine.state_checkpoints)
+        assert model.linear_checkpoints is not None
+        if config.cache.enable_prefix_caching:
+            model.linear_checkpoints.reserve(sched_cfg.max_num_seqs)
         log.info(
-            "linear-attention state: %d slots x %.2f MiB",
-            model.linear_states.num_slots, model.linear_states.slot_bytes() / 2**20,
+            "linear-attention state: %d slots + %d prefix-cache checkpoints x %.2f MiB",
+            model.linear_states.num_slots, model.linear_checkpoints.num_slots,
+            model.linear_states.slot_bytes() / 2**20,
         )  # fmt: skip
     max_model_len = min(
         sched_cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings

@@ -21,6 +21,9 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     num_cached_tokens: int = 0  # prompt tokens that were prefix-cache hits
     block_ids: list[int] = field(default_factory=list)  # handed off: the pinned blocks
+    # handed off: how many of block_ids, at the end, hold a linear-attention state
+    # (tandem.engine.state_pages); the others are the prompt's KV pages
+    state_blocks: int = 0
     # (logprob, top-n) of each new token, when the request asked for logprobs
     logprobs: list[LogprobEntry] = field(default_factory=list)
 

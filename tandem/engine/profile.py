@@ -18,7 +18,7 @@ from tandem.engine.kv_manager import cdiv
 from tandem.engine.memory import KVSizing, blocks_for_bytes, gpu_kv_bytes
 from tandem.engine.runner import MAX_DECODE_GROUPS, MIN_DECODE_GROUP_ROWS
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
-from tandem.model.linear_attention import StateRows
+from tandem.model.linear_attention import Chunk, StateRows
 from tandem.model.llama import LlamaModel
 
 
@@ -105,7 +105,8 @@ def profile_steps(
     states = model.linear_states  # linear-attention layers: scratch states in slots 0..
     if states is not None:
         states.reserve(rows)
-        meta.state_rows = StateRows(torch.zeros(0, dtype=torch.int64, device=device), ((0, n, 0),))
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        meta.state_rows = StateRows(none, (Chunk(0, n, 0),))
     model.compute_logits(model.forward(ids, positions, meta, scratch)[-1:])
     meta = decode_metadata(rows, max_model_len, block_size, paged, device)
     if states is not None:

@@ -14,11 +14,13 @@ from tandem.engine.cuda_graphs import (
     capture_plan,
     graph_size_for,
 )
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.request import Request
 from tandem.engine.sampling import Sampler, SampleResult, SampleRow
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.step_inputs import BlockTables, HostStaging
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
-from tandem.model.linear_attention import StateRows
+from tandem.model.linear_attention import Chunk, StateRows
 from tandem.model.llama import LlamaModel
 
 # Decode rows are split into groups of similar context length, each padded to its own
@@ -121,8 +123,10 @@ class ModelRunner:
         sampler: Sampler,
         max_model_len: int,
         followers: StepFollowers | None = None,
+        kv: KVCacheManager | None = None,
     ) -> None:
         self.model = model
+        self.kv = kv  # rank 0's: a linear-attention model's prefix-cache checkpoints
         self.followers = followers  # tensor parallelism: the ranks that follow this one
         self._released: list[str] = []  # since the last step, for the followers' tables
         self.kv_cache = kv_cache
@@ -139,12 +143,15 @@ class ModelRunner:
         # Linear-attention models (Qwen3-Next): each live request's state slot in
         # model.linear_states, assigned at its first token and reused after it is released
         self._state_slots: dict[str, int] = {}
+        self._state_pos: dict[str, int] = {}  # request id -> tokens its slot's state is after
         self._free_slots: list[int] = []
+        self.num_state_restores = 0  # rows resumed from a checkpoint (prefix hit, preemption)
 
     def release(self, request_id: str) -> None:
         """The request is gone (finished, aborted, released): free its block table row
         (the other ranks' with the next step) and its linear-attention state slot."""
         slot = self._state_slots.pop(request_id, None)
+        self._state_pos.pop(request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
         if self.block_tables is not None:
@@ -154,10 +161,14 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """Order rows (decode first) and build input ids, positions and attention metadata."""
-        return self.prepare_rows([StepRow.of(s) for s in order_rows(out)])
+        scheduled = order_rows(out)
+        return self.prepare_rows([StepRow.of(s) for s in scheduled], [s.request for s in scheduled])
 
-    def prepare_rows(self, rows: list[StepRow]) -> StepInputs:
-        """A step's inputs from its rows, ordered as `order_rows` orders them."""
+    def prepare_rows(
+        self, rows: list[StepRow], requests: list[Request] | None = None
+    ) -> StepInputs:
+        """A step's inputs from its rows, ordered as `order_rows` orders them; `requests`,
+        theirs (rank 0): what a linear-attention model's state checkpoints are keyed by."""
         num_decode = sum(1 for s in rows if s.is_decode)
         decodes, prefills = rows[:num_decode], rows[num_decode:]
         bs = self.block_size
@@ -183,39 +194,78 @@ class ModelRunner:
         else:
             self._torch_groups(meta, decodes, prefills)
         if self.model.linear_states is not None:
-            meta.state_rows = self._state_rows(decodes, prefills)
+            meta.state_rows = self._state_rows(rows, num_decode, requests)
         return StepInputs(rows, ids_t, pos_t, meta, last_t, num_decode)
 
-    def _state_rows(self, decodes: list[StepRow], prefills: list[StepRow]) -> StateRows:
-        """Each row's linear-attention state slot; a request's first chunk starts from a
-        zeroed one. A request that arrives past its first token without a state here (a
-        prefix-cache hit or a KV hand-off could bring it) cannot be computed: its state is
-        not in the KV cache. The engine never schedules one (no prefix caching for these
-        models; decode workers recompute hand-offs), so this is a bug, raised, not served."""
-        states = self.model.linear_states
-        assert states is not None
-        slots = []
-        for s in decodes + prefills:
-            slot = self._state_slots.get(s.request_id)
-            if slot is None:
-                if s.start:
+    def _state_rows(
+        self, rows: list[StepRow], num_decode: int, requests: list[Request] | None
+    ) -> StateRows:
+        """Each row's linear-attention state slot, and the checkpoints the step takes.
+
+        A request's first chunk starts from a zeroed slot, a later one from where its last
+        step left the slot -- or, when it resumes elsewhere (a prefix-cache hit, after a
+        preemption too), from the checkpoint taken after exactly that prefix, copied in. A
+        row that crosses a block boundary saves the state at its last one as that block's
+        checkpoint (`StateCheckpoints.claim`: none if it has one).
+        """
+        states, ckpt_states = self.model.linear_states, self.model.linear_checkpoints
+        assert states is not None and ckpt_states is not None
+        kv = self.kv if self.kv is not None and self.kv.checkpoints is not None else None
+        slots, restore_from, restore_to = [], [], []
+        for i, s in enumerate(rows):
+            slot = self.state_slot(s.request_id)
+            if s.start == 0:
+                states.reset(slot)
+            elif self._state_pos.get(s.request_id) != s.start:
+                if kv is None or requests is None:
                     raise RuntimeError(
                         f"request {s.request_id!r} resumes at token {s.start} without its "
                         "linear-attention state"
                     )
-                used = len(self._state_slots) + len(self._free_slots)
-                slot = self._free_slots.pop() if self._free_slots else used
-                self._state_slots[s.request_id] = slot
-            if s.start == 0:
-                states.reset(slot)
+                restore_from.append(kv.checkpoint_slot(requests[i], s.start))
+                restore_to.append(slot)
+            self._state_pos[s.request_id] = s.start + s.num_new_tokens
             slots.append(slot)
-        nd = len(decodes)
-        chunks, start = [], nd
-        for s, slot in zip(prefills, slots[nd:], strict=True):
-            chunks.append((start, s.num_new_tokens, slot))
-            start += s.num_new_tokens
-        decode_slots = torch.tensor(slots[:nd], dtype=torch.int64, device=self.device)
-        return StateRows(decode_slots, tuple(chunks))
+        states.copy_slots(ckpt_states, restore_from, restore_to)
+        self.num_state_restores += len(restore_from)
+        saves = self._claim_checkpoints(rows, requests, set(restore_from)) if kv else {}
+        chunks, start = [], num_decode
+        for i in range(num_decode, len(rows)):
+            n = rows[i].num_new_tokens
+            chunks.append(Chunk(start, n, slots[i], *saves.get(i, (0, -1))))
+            start += n
+        decode_slots = torch.tensor(slots[:num_decode], dtype=torch.int64, device=self.device)
+        decode_saves = tuple((slots[i], saves[i][1]) for i in range(num_decode) if i in saves)
+        return StateRows(decode_slots, tuple(chunks), decode_saves, ckpt_states)
+
+    def state_slot(self, request_id: str, num_tokens: int | None = None) -> int:
+        """A request's linear-attention state slot, assigned at its first use; `num_tokens`:
+        the caller has just put the state after that many tokens in it (a hand-off's)."""
+        slot = self._state_slots.get(request_id)
+        if slot is None:
+            used = len(self._state_slots) + len(self._free_slots)
+            slot = self._free_slots.pop() if self._free_slots else used
+            self._state_slots[request_id] = slot
+        if num_tokens is not None:
+            self._state_pos[request_id] = num_tokens
+        return slot
+
+    def _claim_checkpoints(
+        self, rows: list[StepRow], requests: list[Request] | None, pinned: set[int]
+    ) -> dict[int, tuple[int, int]]:
+        """Row index -> (tokens into the row, checkpoint slot) for each row crossing a block
+        boundary whose prefix has no checkpoint yet: the last boundary it crosses."""
+        assert self.kv is not None and self.kv.checkpoints is not None and requests is not None
+        bs, saves = self.block_size, {}
+        for i, (s, request) in enumerate(zip(rows, requests, strict=True)):
+            boundary = (s.start + s.num_new_tokens) // bs * bs
+            if boundary <= s.start or boundary // bs > len(request.block_hashes):
+                continue
+            slot = self.kv.checkpoints.claim(request.block_hashes[boundary // bs - 1], pinned)
+            if slot is not None:
+                pinned.add(slot)
+                saves[i] = (boundary - s.start, slot)
+        return saves
 
     def _paged_arrays(self, decodes: list[StepRow], prefills: list[StepRow]) -> list[list[int]]:
         """Host arrays of the paged batch: table rows, lengths, query starts, table writes."""
@@ -301,7 +351,8 @@ class ModelRunner:
         if self.followers is not None:  # the other ranks run the same step on their shards
             self.followers.send(plan)
             self._released = []
-        logits = self._logits(self.prepare_rows(plan.rows), plan.graph_size)
+        requests = [s.request for s in rows]
+        logits = self._logits(self.prepare_rows(plan.rows, requests), plan.graph_size)
         if logits is None:
             return {}
         sampled_rows = [s for s in rows if s.sample]

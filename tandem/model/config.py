@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.model.layer_groups import LayerKind, LinearAttention, layer_types
+from tandem.model.layer_groups import (
+    LayerGroup,
+    LayerKind,
+    LinearAttention,
+    group_layers,
+    layer_types,
+)
 from tandem.model.moe import MoeConfig, Routing
 
 # HF architecture name -> (qkv bias default, q/k norm)
@@ -88,6 +94,16 @@ class Features:
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def layer_kinds(self, num_layers: int) -> tuple[LayerKind, ...]:
+        """Each layer's kind of per-request state (tandem.model.layer_groups)."""
+        linear = set(self.linear_layers)
+        return tuple(
+            LayerKind.LINEAR if i in linear
+            else LayerKind.SLIDING if self.window(i) is not None
+            else LayerKind.FULL
+            for i in range(num_layers)
+        )  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -122,6 +138,15 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The layers grouped by the state they keep, without bytes: what the prefix-hit
+        rule across groups (layer_groups.resumable_prefix) reads."""
+        kinds = self.features.layer_kinds(self.num_layers)
+        # one sliding group: under the widest window (every family here has one)
+        windows = [w for w in self.features.layer_windows if w is not None]
+        return group_layers(kinds, max(windows, default=None))
 
     @property
     def kv_elements_per_token(self) -> int:

@@ -100,10 +100,11 @@ class LinearAttention:
         return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
 
     def state_bytes(self, dtype_bytes: int) -> int:
-        """One request's state in one layer: the convolution's last kernel - 1 inputs and a
-        [k_dim, v_dim] matrix per value head."""
-        conv = self.conv_channels * (self.conv_kernel - 1)
-        return (conv + self.num_v_heads * self.k_dim * self.v_dim) * dtype_bytes
+        """One request's state in one layer: the convolution's last kernel - 1 inputs (in the
+        model's dtype, `dtype_bytes`) and a [k_dim, v_dim] matrix per value head (float32,
+        as the recurrence keeps it)."""
+        conv = self.conv_channels * (self.conv_kernel - 1) * dtype_bytes
+        return conv + self.num_v_heads * self.k_dim * self.v_dim * 4
 
 
 def layer_types(raw: Mapping[str, Any], other: LayerKind, period: int) -> tuple[str, ...]:
@@ -148,23 +149,32 @@ def layer_groups(raw: Mapping[str, Any], dtype_bytes: int) -> tuple[LayerGroup, 
     unknown = sorted(set(types) - known)
     if unknown:
         raise ValueError(f"unknown layer types {unknown}; known: {sorted(known)}")
+    kinds = [LayerKind(t) for t in types]
+    window = raw.get("sliding_window")
+    if LayerKind.SLIDING in kinds and not window:
+        raise ValueError("sliding_attention layers need a sliding_window")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     kv_heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
-    kv_token_bytes = 2 * kv_heads * head_dim * dtype_bytes
+    state = linear_state_bytes(raw, dtype_bytes) if LayerKind.LINEAR in kinds else 0
+    return group_layers(kinds, window, 2 * kv_heads * head_dim * dtype_bytes, state)
+
+
+def group_layers(
+    kinds: Sequence[LayerKind],
+    window: int | None,
+    kv_token_bytes: int = 0,
+    state_bytes: int = 0,
+) -> tuple[LayerGroup, ...]:
+    """Layers of the given kinds (one per layer) as groups, in order of each kind's first
+    layer; `window` for the sliding ones, the bytes as `LayerGroup` holds them."""
     groups = []
-    for kind in dict.fromkeys(LayerKind(t) for t in types):  # order of first appearance
-        layers = tuple(i for i, t in enumerate(types) if t == kind.value)
-        if kind is LayerKind.FULL:
-            groups.append(LayerGroup(kind, layers, kv_token_bytes=kv_token_bytes))
-        elif kind is LayerKind.SLIDING:
-            window = raw.get("sliding_window")
-            if not window:
-                raise ValueError("sliding_attention layers need a sliding_window")
-            groups.append(LayerGroup(kind, layers, int(window), kv_token_bytes=kv_token_bytes))
+    for kind in dict.fromkeys(kinds):
+        layers = tuple(i for i, k in enumerate(kinds) if k is kind)
+        if kind is LayerKind.LINEAR:
+            groups.append(LayerGroup(kind, layers, state_bytes=state_bytes))
         else:
-            groups.append(
-                LayerGroup(kind, layers, state_bytes=linear_state_bytes(raw, dtype_bytes))
-            )
+            sliding = int(window) if kind is LayerKind.SLIDING and window else None
+            groups.append(LayerGroup(kind, layers, sliding, kv_token_bytes=kv_token_bytes))
     return tuple(groups)
 
 

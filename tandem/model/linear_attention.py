@@ -15,9 +15,10 @@ A request's state is the convolution's last kernel - 1 inputs ([channels, kernel
 per value head, for every linear layer: `LinearStates` keeps one slot of it per request the
 runner has seen (tandem.engine.runner assigns the slots; a request's first chunk starts from
 zeros, each later chunk and decode step from where the last one left S). Nothing of it is in
-the paged KV cache, so a prefix cache hit or a KV hand-off cannot resume such a request: the
-engine serves these models without prefix caching, and a decode worker recomputes a handed-off
-prompt (tandem.services.decode). Computed in float32 (S always), on the torch ops of the
+the paged KV cache: a cached prefix resumes a request only from a state checkpoint taken after
+exactly that prefix (tandem.engine.state_checkpoints; a row may save one mid-chunk, `StateRows`),
+and a decode worker recomputes a handed-off prompt (tandem.services.decode). Computed in
+float32 (S always), on the torch ops of the
 device; a prefill chunk through the chunked form (`chunk_rule`), decode rows together
 through the recurrent form (`recurrent_step`; on CUDA one Triton kernel,
 tandem.kernels.delta_rule, steps every row's state in its slot).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -84,10 +85,7 @@ class LinearStates:
 
     def slot_bytes(self) -> int:
         """One request's state over every linear layer."""
-        c = self.cfg
-        conv = c.conv_channels * (c.conv_kernel - 1) * self.conv.element_size()
-        rec = c.num_v_heads * c.k_dim * c.v_dim * 4
-        return (conv + rec) * self.num_layers
+        return self.cfg.state_bytes(self.conv.element_size()) * self.num_layers
 
     def reserve(self, slots: int) -> None:
         """Hold at least `slots` slots now (the engine reserves its max_num_seqs at load, so
@@ -103,6 +101,14 @@ class LinearStates:
         self.conv[slot].zero_()
         self.recurrent[slot].zero_()
 
+    def copy_slots(self, src: LinearStates, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Every layer's state of `src`'s slots into this pool's (a checkpoint restored into
+        a request's slot)."""
+        if src_slots:
+            self.reserve(max(dst_slots) + 1)
+            self.conv[dst_slots] = src.conv[src_slots]
+            self.recurrent[dst_slots] = src.recurrent[src_slots]
+
     def _grow(self, slots: int) -> None:
         c, n = self.cfg, self.num_slots
         conv = torch.zeros(slots, self.num_layers, c.conv_channels, c.conv_kernel - 1,
@@ -114,15 +120,36 @@ class LinearStates:
         self.conv, self.recurrent = conv, rec
 
 
+class Chunk(NamedTuple):
+    """A prefill chunk of the step's flat batch: tokens [start, start + num) of one request
+    whose state is in `slot`. save_at > 0: the state after the chunk's first save_at tokens
+    is also copied to checkpoint slot `save_slot` (a block boundary inside the chunk)."""
+
+    start: int
+    num: int
+    slot: int
+    save_at: int = 0
+    save_slot: int = -1
+
+
 @dataclass(frozen=True, slots=True)
 class StateRows:
     """Which slot each part of the step's flat batch reads and writes: the decode rows
     (one token each, the first `len(decode_slots)` flat indices; int64 on the model's
-    device, made once per step for every linear layer) and each prefill chunk
-    (token_start, num_tokens, slot), in flat order."""
+    device, made once per step for every linear layer) and each prefill chunk, in flat
+    order; `decode_saves`: (slot, checkpoint slot) for each decode row whose state after
+    its token is kept as a checkpoint (in `checkpoints`)."""
 
     decode_slots: torch.Tensor
-    chunks: tuple[tuple[int, int, int], ...]
+    chunks: tuple[Chunk, ...]
+    decode_saves: tuple[tuple[int, int], ...] = ()
+    checkpoints: LinearStates | None = None
+
+    def save(self, states: LinearStates, layer: int, slots: list[int], saves: list[int]) -> None:
+        """Copy one layer's state of `slots` into checkpoint slots `saves`."""
+        assert self.checkpoints is not None
+        self.checkpoints.conv[saves, layer] = states.conv[slots, layer]
+        self.checkpoints.recurrent[saves, layer] = states.recurrent[slots, layer]
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -244,16 +271,25 @@ def gdn_forward(
             rec = states.recurrent[slots, layer]
             o[:nd], rec = recurrent_step(q, k, v, g[:nd], beta[:nd], rec)
             states.recurrent[slots, layer] = rec
-    for start, num, slot in rows.chunks:
-        end = start + num
-        out, states.conv[slot, layer] = conv_step(
-            mixed[start:end], states.conv[slot, layer], w.conv
-        )
-        conv_out[start:end] = out
-        q, k, v = heads(out)
-        o[start:end], states.recurrent[slot, layer] = chunk_rule(
-            q, k, v, g[start:end], beta[start:end], states.recurrent[slot, layer]
-        )
+        if rows.decode_saves:
+            src, dst = zip(*rows.decode_saves, strict=True)
+            rows.save(states, layer, list(src), list(dst))
+    for c in rows.chunks:
+        # split at a checkpoint's boundary: the state there is saved before going on
+        cut = c.start + c.save_at
+        for lo, hi in ((c.start, cut), (cut, c.start + c.num)):
+            if lo == hi:
+                continue
+            out, states.conv[c.slot, layer] = conv_step(
+                mixed[lo:hi], states.conv[c.slot, layer], w.conv
+            )
+            conv_out[lo:hi] = out
+            q, k, v = heads(out)
+            o[lo:hi], states.recurrent[c.slot, layer] = chunk_rule(
+                q, k, v, g[lo:hi], beta[lo:hi], states.recurrent[c.slot, layer]
+            )
+            if hi == cut:
+                rows.save(states, layer, [c.slot], [c.save_slot])
     # the gated RMSNorm, in transformers' order of roundings (o in the model's dtype first)
     of = o.to(x.dtype).float()
     normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)

@@ -162,13 +162,15 @@ class LlamaModel:
             else None
         )
         self.norm = offset_rms_norm if feat.offset_norms else rms_norm
-        # Qwen3-Next's linear layers: each request's state (tandem.model.linear_attention)
+        # Qwen3-Next's linear layers: each request's state (tandem.model.linear_attention),
+        # and the prefix cache's checkpoints of it (tandem.engine.state_checkpoints)
         self.linear_states: LinearStates | None = None
+        self.linear_checkpoints: LinearStates | None = None
         self._linear_index = {layer: i for i, layer in enumerate(feat.linear_layers)}
         if feat.linear is not None:
-            self.linear_states = LinearStates(
-                feat.linear, len(feat.linear_layers), dtype, weights.embed.device
-            )
+            n, device = len(feat.linear_layers), weights.embed.device
+            self.linear_states = LinearStates(feat.linear, n, dtype, device)
+            self.linear_checkpoints = LinearStates(feat.linear, n, dtype, device)
         self.scale = feat.attn_scale or config.head_dim**-0.5
         self._q_size = config.num_q_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim

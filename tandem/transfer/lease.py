@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from tandem.transfer.base import RemoteKV
+from tandem.transfer.sections import HandoffSection
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,8 @@ class KVHandoff:
         lease_id, epoch: identify the lease; expires_at is when it lapses (owner's clock).
         signature: the owner's HMAC over every other field, the request id and the prompt's
             hashes (`tandem.transfer.signing`); empty when the cluster has no secret.
+        sections: which of the blocks hold what (`tandem.transfer.sections`): the prompt's
+            KV pages, then a linear-attention model's state; empty: all KV pages.
     """
 
     remote: RemoteKV
@@ -143,8 +146,10 @@ class KVHandoff:
     epoch: int
     expires_at: float
     signature: bytes = b""
+    sections: tuple[HandoffSection, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sections", tuple(self.sections))
         if self.block_size != self.remote.layout.block_size:
             raise ValueError(
                 f"block_size {self.block_size} differs from the handle's layout "

@@ -30,6 +30,10 @@ length, every integer is fixed width):
     ["ranks" ints(base_addr, head_start, num_heads for each rank)]
                                             only for a tensor-parallel owner (`RemoteKV.ranks`):
                                             every rank's cache address and KV-head range
+    ["sections" u32(count) (str(kind) str(format) u64(num_blocks) u64(num_bytes))*]
+                                            only for a handle with typed sections
+                                            (`tandem.transfer.sections`): a section dropped,
+                                            cut short or relabelled fails verification
 
     bytes(b) = u32le(len(b)) || b     str(s) = bytes(utf8(s))
     ints(xs) = u32le(len(xs)) || u64le(x) for x in xs     f64 = IEEE 754 little-endian
@@ -46,6 +50,7 @@ from collections.abc import Sequence
 
 from tandem.engine.prefix_hash import ROOT_PARENT_HASH, hash_block, hash_blocks
 from tandem.transfer.lease import KVHandoff
+from tandem.transfer.sections import HandoffSection
 
 _DOMAIN = b"tandem.kv-handoff.v1"
 
@@ -131,6 +136,17 @@ def handoff_message(request_id: str, block_hashes: Sequence[int], handoff: KVHan
             + _ints([x for r in remote.ranks for x in (r.base_addr, r.head_start, r.num_heads)])
             if remote.ranks
             else b"",
+            _sections(handoff.sections) if handoff.sections else b"",
+        )
+    )
+
+
+def _sections(sections: Sequence[HandoffSection]) -> bytes:
+    return (
+        _str("sections")
+        + struct.pack("<I", len(sections))
+        + b"".join(
+            _str(s.kind) + _str(s.format) + _u64(s.num_blocks) + _u64(s.num_bytes) for s in sections
         )
     )
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import router_pb2 as tandem_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/router.proto\"C\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x19\n\x11\x65xpires_at_unix_s\x18\x03 \x01(\x01\"\xc4\x01\n\x08KvLayout\x12\x13\n\x0bmemory_type\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05order\x18\x08 \x01(\t\x12\x10\n\x08k_scales\x18\t \x03(\x02\x12\x10\n\x08v_scales\x18\n \x03(\x02\"\xc0\x02\n\x08KvHandle\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1f\n\x05lease\x18\t \x01(\x0b\x32\x10.tandem.v1.Lease\x12\x17\n\x0fprefill_address\x18\n \x01(\t\x12#\n\x06layout\x18\x0b \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x11\n\tsignature\x18\x0c \x01(\x0c\x12 \n\x05ranks\x18\r \x03(\x0b\x32\x11.tandem.v1.KvRank\"B\n\x06KvRank\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\"\x96\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rdecode_worker\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x89\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x1f\n\x02kv\x18\t \x01(\x0b\x32\x13.tandem.v1.KvHandle\"Q\n\x08Progress\x12\x16\n\x0equeue_position\x18\x01 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x65ngine_steps\x18\x03 \x01(\x04\"m\n\x0cPrefillEvent\x12\'\n\x08progress\x18\x01 \x01(\x0b\x32\x13.tandem.v1.ProgressH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.PrefillResponseH\x00\x42\x06\n\x04kind\"G\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\"\n\x11ReleaseKvResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\"\xef\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x19\n\x11num_emitted_chars\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1f\n\x02kv\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KvHandle\x12\x19\n\x11report_kv_failure\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\x1a\n\x08KvFailed\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x0e\x44\x65\x63odeComplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x12\n\nrecomputed\x18\x04 \x01(\x08\x12\x16\n\x0ekv_transfer_ms\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\"\xd1\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.tandem.v1.ChunkH\x00\x12-\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x19.tandem.v1.DecodeCompleteH\x00\x12(\n\tkv_failed\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KvFailedH\x00\x12\'\n\x08progress\x18\x05 \x01(\x0b\x32\x13.tandem.v1.ProgressH\x00\x42\x06\n\x04kind\"\x11\n\x0fGetStatsRequest\"\xb6\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x1b\n\x13num_pinned_requests\x18\x08 \x01(\r\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x12\n\nnum_aborts\x18\n \x01(\x04\x12\x19\n\x11num_reaped_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14num_audit_violations\x18\x0c \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\x32\x94\x02\n\rPrefillWorker\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillEvent0\x01\x12\x46\n\tReleaseKv\x12\x1b.tandem.v1.ReleaseKvRequest\x1a\x1c.tandem.v1.ReleaseKvResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStats2\xcb\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x16tandem/v1/router.proto\"C\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x19\n\x11\x65xpires_at_unix_s\x18\x03 \x01(\x01\"\xc4\x01\n\x08KvLayout\x12\x13\n\x0bmemory_type\x18\x01 \x01(\t\x12\x11\n\tdevice_id\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\r\n\x05order\x18\x08 \x01(\t\x12\x10\n\x08k_scales\x18\t \x03(\x02\x12\x10\n\x08v_scales\x18\n \x03(\x02\"\xe8\x02\n\x08KvHandle\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x11\n\tbase_addr\x18\x04 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x05 \x01(\x04\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x12\n\nnum_tokens\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1f\n\x05lease\x18\t \x01(\x0b\x32\x10.tandem.v1.Lease\x12\x17\n\x0fprefill_address\x18\n \x01(\t\x12#\n\x06layout\x18\x0b \x01(\x0b\x32\x13.tandem.v1.KvLayout\x12\x11\n\tsignature\x18\x0c \x01(\x0c\x12 \n\x05ranks\x18\r \x03(\x0b\x32\x11.tandem.v1.KvRank\x12&\n\x08sections\x18\x0e \x03(\x0b\x32\x14.tandem.v1.KvSection\"P\n\tKvSection\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"B\n\x06KvRank\x12\x11\n\tbase_addr\x18\x01 \x01(\x04\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\"\x96\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rdecode_worker\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\x89\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x1f\n\x02kv\x18\t \x01(\x0b\x32\x13.tandem.v1.KvHandle\"Q\n\x08Progress\x12\x16\n\x0equeue_position\x18\x01 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x65ngine_steps\x18\x03 \x01(\x04\"m\n\x0cPrefillEvent\x12\'\n\x08progress\x18\x01 \x01(\x0b\x32\x13.tandem.v1.ProgressH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.PrefillResponseH\x00\x42\x06\n\x04kind\"G\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\"\n\x11ReleaseKvResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\"\xef\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x19\n\x11num_emitted_chars\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x1f\n\x02kv\x18\x06 \x01(\x0b\x32\x13.tandem.v1.KvHandle\x12\x19\n\x11report_kv_failure\x18\x07 \x01(\x08\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\x1a\n\x08KvFailed\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x0e\x44\x65\x63odeComplete\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x12\n\nrecomputed\x18\x04 \x01(\x08\x12\x16\n\x0ekv_transfer_ms\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\"\xd1\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.tandem.v1.ChunkH\x00\x12-\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x19.tandem.v1.DecodeCompleteH\x00\x12(\n\tkv_failed\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KvFailedH\x00\x12\'\n\x08progress\x18\x05 \x01(\x0b\x32\x13.tandem.v1.ProgressH\x00\x42\x06\n\x04kind\"\x11\n\x0fGetStatsRequest\"\xb6\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x1b\n\x13num_pinned_requests\x18\x08 \x01(\r\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x12\n\nnum_aborts\x18\n \x01(\x04\x12\x19\n\x11num_reaped_blocks\x18\x0b \x01(\x04\x12\x1c\n\x14num_audit_violations\x18\x0c \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\x32\x94\x02\n\rPrefillWorker\x12?\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x17.tandem.v1.PrefillEvent0\x01\x12\x46\n\tReleaseKv\x12\x1b.tandem.v1.ReleaseKvRequest\x1a\x1c.tandem.v1.ReleaseKvResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStats2\xcb\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12>\n\x08GetStats\x12\x1a.tandem.v1.GetStatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,35 +37,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=131
   _globals['_KVLAYOUT']._serialized_end=327
   _globals['_KVHANDLE']._serialized_start=330
-  _globals['_KVHANDLE']._serialized_end=650
-  _globals['_KVRANK']._serialized_start=652
-  _globals['_KVRANK']._serialized_end=718
-  _globals['_PREFILLREQUEST']._serialized_start=721
-  _globals['_PREFILLREQUEST']._serialized_end=871
-  _globals['_PREFILLRESPONSE']._serialized_start=874
-  _globals['_PREFILLRESPONSE']._serialized_end=1139
-  _globals['_PROGRESS']._serialized_start=1141
-  _globals['_PROGRESS']._serialized_end=1222
-  _globals['_PREFILLEVENT']._serialized_start=1224
-  _globals['_PREFILLEVENT']._serialized_end=1333
-  _globals['_RELEASEKVREQUEST']._serialized_start=1335
-  _globals['_RELEASEKVREQUEST']._serialized_end=1406
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1408
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1442
-  _globals['_DECODEREQUEST']._serialized_start=1445
-  _globals['_DECODEREQUEST']._serialized_end=1684
-  _globals['_KVFAILED']._serialized_start=1686
-  _globals['_KVFAILED']._serialized_end=1712
-  _globals['_DECODECOMPLETE']._serialized_start=1715
-  _globals['_DECODECOMPLETE']._serialized_end=1898
-  _globals['_DECODERESPONSE']._serialized_start=1901
-  _globals['_DECODERESPONSE']._serialized_end=2110
-  _globals['_GETSTATSREQUEST']._serialized_start=2112
-  _globals['_GETSTATSREQUEST']._serialized_end=2129
-  _globals['_WORKERSTATS']._serialized_start=2132
-  _globals['_WORKERSTATS']._serialized_end=2442
-  _globals['_PREFILLWORKER']._serialized_start=2445
-  _globals['_PREFILLWORKER']._serialized_end=2721
-  _globals['_DECODEWORKER']._serialized_start=2724
-  _globals['_DECODEWORKER']._serialized_end=2927
+  _globals['_KVHANDLE']._serialized_end=690
+  _globals['_KVSECTION']._serialized_start=692
+  _globals['_KVSECTION']._serialized_end=772
+  _globals['_KVRANK']._serialized_start=774
+  _globals['_KVRANK']._serialized_end=840
+  _globals['_PREFILLREQUEST']._serialized_start=843
+  _globals['_PREFILLREQUEST']._serialized_end=993
+  _globals['_PREFILLRESPONSE']._serialized_start=996
+  _globals['_PREFILLRESPONSE']._serialized_end=1261
+  _globals['_PROGRESS']._serialized_start=1263
+  _globals['_PROGRESS']._serialized_end=1344
+  _globals['_PREFILLEVENT']._serialized_start=1346
+  _globals['_PREFILLEVENT']._serialized_end=1455
+  _globals['_RELEASEKVREQUEST']._serialized_start=1457
+  _globals['_RELEASEKVREQUEST']._serialized_end=1528
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1530
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1564
+  _globals['_DECODEREQUEST']._serialized_start=1567
+  _globals['_DECODEREQUEST']._serialized_end=1806
+  _globals['_KVFAILED']._serialized_start=1808
+  _globals['_KVFAILED']._serialized_end=1834
+  _globals['_DECODECOMPLETE']._serialized_start=1837
+  _globals['_DECODECOMPLETE']._serialized_end=2020
+  _globals['_DECODERESPONSE']._serialized_start=2023
+  _globals['_DECODERESPONSE']._serialized_end=2232
+  _globals['_GETSTATSREQUEST']._serialized_start=2234
+  _globals['_GETSTATSREQUEST']._serialized_end=2251
+  _globals['_WORKERSTATS']._serialized_start=2254
+  _globals['_WORKERSTATS']._serialized_end=2564
+  _globals['_PREFILLWORKER']._serialized_start=2567
+  _globals['_PREFILLWORKER']._serialized_end=2843
+  _globals['_DECODEWORKER']._serialized_start=2846
+  _globals['_DECODEWORKER']._serialized_end=3049
 # @@protoc_insertion_point(module_scope)

@@ -42,7 +42,7 @@ class KvLayout(_message.Message):
     def __init__(self, memory_type: _Optional[str] = ..., device_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., order: _Optional[str] = ..., k_scales: _Optional[_Iterable[float]] = ..., v_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("transport", "agent_name", "agent_metadata", "base_addr", "block_bytes", "block_ids", "num_tokens", "block_size", "lease", "prefill_address", "layout", "signature", "ranks")
+    __slots__ = ("transport", "agent_name", "agent_metadata", "base_addr", "block_bytes", "block_ids", "num_tokens", "block_size", "lease", "prefill_address", "layout", "signature", "ranks", "sections")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class KvHandle(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    SECTIONS_FIELD_NUMBER: _ClassVar[int]
     transport: str
     agent_name: str
     agent_metadata: bytes
@@ -69,7 +70,20 @@ class KvHandle(_message.Message):
     layout: KvLayout
     signature: bytes
     ranks: _containers.RepeatedCompositeFieldContainer[KvRank]
-    def __init__(self, transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., prefill_address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., signature: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[KvRank, _Mapping]]] = ...) -> None: ...
+    sections: _containers.RepeatedCompositeFieldContainer[KvSection]
+    def __init__(self, transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_addr: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., prefill_address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., signature: _Optional[bytes] = ..., ranks: _Optional[_Iterable[_Union[KvRank, _Mapping]]] = ..., sections: _Optional[_Iterable[_Union[KvSection, _Mapping]]] = ...) -> None: ...
+
+class KvSection(_message.Message):
+    __slots__ = ("kind", "format", "num_blocks", "num_bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    format: str
+    num_blocks: int
+    num_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., format: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class KvRank(_message.Message):
     __slots__ = ("base_addr", "head_start", "num_heads")

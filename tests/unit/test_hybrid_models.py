@@ -229,28 +229,45 @@ def test_chunked_delta_rule_equals_the_recurrence(num_tokens: int) -> None:
     torch.testing.assert_close(final, ref_state[0], atol=1e-5, rtol=1e-5)
 
 
-def test_linear_models_take_no_prefix_hit_and_refuse_state_they_lack(
-    hf_model, engine_factory
-) -> None:
-    """Qwen3-Next: a prompt sharing a cached prefix is computed whole (its recurrent state
-    is not in the cached blocks: a hit on the attention layers but not on the linear ones
-    is a miss), with transformers' logits; and a request arriving past its first token
-    without a state (as a hand-off would bring one) is refused, not served."""
+def test_linear_models_resume_a_prefix_from_its_state_checkpoint(hf_model, engine_factory) -> None:
+    """Qwen3-Next with prefix caching: a prompt sharing a cached prefix resumes from the state
+    checkpoint the first request took mid-chunk at that prefix's last block boundary, with
+    transformers' greedy tokens; with the checkpoint gone (the pages still cached) it is a
+    miss; and a request arriving past its first token without a state (as a hand-off would
+    bring one) is refused, not served."""
     from tandem.engine.runner import StepRow
     from tests.unit.test_model_parity import hf_greedy
 
     model_dir, hf = hf_model("qwen3-next")
-    engine = engine_factory(model_dir, block_size=4)  # prefix caching asked for
-    assert engine.kv.enable_caching is False
+    engine = engine_factory(model_dir, block_size=4)
     shared = random.Random(5).choices(range(256), k=12)
     first, second = shared + [1, 2, 3], shared + [7, 8, 9]
     engine.generate([first], SamplingParams(max_tokens=1, temperature=0.0))
     [done] = engine.generate([second], SamplingParams(max_tokens=4, temperature=0.0))
-    assert done.num_cached_tokens == 0
+    assert (done.num_cached_tokens, engine.runner.num_state_restores) == (12, 1)
     assert done.token_ids == hf_greedy(hf, second, 4)
+    assert engine.kv.checkpoints is not None
+    engine.kv.checkpoints.clear()
+    [again] = engine.generate([second], SamplingParams(max_tokens=4, temperature=0.0))
+    assert (again.num_cached_tokens, again.token_ids) == (0, done.token_ids)
+    assert engine.runner.num_state_restores == 1
     row = StepRow("handed-off", 12, 1, (0, 1, 2, 3), True, [5])
     with pytest.raises(RuntimeError, match="without its linear-attention state"):
         engine.runner.prepare_rows([row])
+
+
+def test_a_preempted_linear_request_resumes_from_a_checkpoint(hf_model, engine_factory) -> None:
+    """Two Qwen3-Next requests outgrow 12 blocks: the later one is preempted, and resumes
+    from the cached blocks its preemption left and the state checkpoint its decode steps
+    took there, not from zero; both continue as transformers does."""
+    from tests.unit.test_model_parity import assert_batch_matches_hf
+
+    model_dir, hf = hf_model("qwen3-next")
+    engine = engine_factory(model_dir, block_size=4, num_blocks=12)
+    rng = random.Random(9)
+    cases = [(rng.choices(range(256), k=10), 20) for _ in range(2)]
+    assert_batch_matches_hf(engine, hf, cases, preempts=True)
+    assert engine.runner.num_state_restores > 0
 
 
 def test_profile_steps_run_linear_models(hf_model, engine_factory) -> None:
@@ -272,3 +289,52 @@ def test_profile_steps_run_linear_models(hf_model, engine_factory) -> None:
     prompt = random.Random(8).choices(range(256), k=9)
     [done] = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
     assert done.token_ids == hf_greedy(hf, prompt, 3)
+
+
+def test_linear_state_travels_in_an_in_process_hand_off(hf_model, engine_factory) -> None:
+    """Qwen3-Next, prefill and decode roles in one process: the prefill engine packs the
+    request's state after its pages (`RequestOutput.state_blocks`), the decode engine reads
+    both (blocks copied as a transport would) and continues exactly as the single engine,
+    greedy and seeded sampling, with and without a prefix of the prompt cached locally;
+    every block free at the end, the state's blocks included."""
+    from tandem.config import EngineRole
+    from tandem.engine.request import Resume
+    from tests.unit.test_engine import copy_blocks
+
+    model_dir, _ = hf_model("qwen3-next")
+    full = engine_factory(model_dir, block_size=4)
+    prefill = engine_factory(model_dir, block_size=4, role=EngineRole.PREFILL)
+    decode = engine_factory(model_dir, block_size=4, role=EngineRole.DECODE)
+    assert prefill.state_handoff is not None and decode.state_handoff is not None
+    rng = random.Random(11)
+    shared = rng.choices(range(256), k=12)
+    prompts = [rng.choices(range(256), k=n) for n in (3, 17)] + [shared + [1], shared + [2, 3]]
+    for i, prompt in enumerate(prompts):
+        for params in (
+            SamplingParams(max_tokens=6, temperature=0.0),
+            SamplingParams(max_tokens=6, temperature=0.8, seed=3),
+        ):
+            rid = f"h{i}-{params.seed}"
+            [ref] = full.generate([prompt], params)
+            prefill.add_request(prefill.spec(rid, prompt, params))
+            [out] = [o for o in prefill.step() if o.request_id == rid]
+            assert out.handed_off and out.state_blocks == prefill.state_handoff.num_blocks
+            src = out.block_ids
+            spec = decode.spec(rid, prompt, params)
+            reserved = decode.reserve_kv(spec, Resume(tuple(out.new_token_ids)))
+            assert reserved is not None
+            table, cached = reserved
+            state = decode.state_handoff.reserve(rid)
+            assert state is not None
+            first = cached // 4
+            pages = len(src) - out.state_blocks
+            copy_blocks(prefill, src[first:pages] + src[pages:], decode, table[first:] + state)
+            decode.commit_kv(rid)
+            request = decode._requests[rid]
+            assert prefill.release(rid)
+            while decode.has_unfinished():
+                decode.step()
+            assert request.output_token_ids == ref.token_ids, rid
+    for e in (full, prefill, decode):
+        e.check_integrity()
+        assert e.num_free_blocks() == e.num_blocks

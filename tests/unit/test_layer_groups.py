@@ -37,13 +37,13 @@ def test_alternating_sliding_and_full_layers() -> None:
 
 
 def test_linear_layers_keep_a_state_per_request() -> None:
-    """Qwen3-Next's sizes: conv over q, k (16 heads x 128) and v (32 x 128) for 3 inputs, and
-    a 128 x 128 matrix per value head."""
-    assert linear_state_bytes(NEXT, 2) == ((2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128) * 2
+    """Qwen3-Next's sizes: conv over q, k (16 heads x 128) and v (32 x 128) for 3 inputs, in
+    the model's dtype, and a 128 x 128 float32 matrix per value head."""
+    assert linear_state_bytes(NEXT, 2) == (2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4
     raw = {**DENSE, **NEXT, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
     linear, full = layer_groups(raw, dtype_bytes=2)
     assert linear.kind is LINEAR and linear.layers == (0, 1, 2)
-    assert linear.request_bytes(1, 16) == linear.request_bytes(100_000, 16) == 3 * 1_097_728
+    assert linear.request_bytes(1, 16) == linear.request_bytes(100_000, 16) == 3 * 2_146_304
     assert full.layers == (3,)
 
 

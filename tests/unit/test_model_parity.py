@@ -64,7 +64,9 @@ def test_prefill_and_decode_logits_match_hf(hf_model, engine_factory, arch, chun
     assert done.token_ids == hf_greedy(hf, prompt, 6)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "qwen3-next"]
+)
 def test_prefix_cache_hit_logits_match_hf(hf_model, engine_factory, arch) -> None:
     """A second request that starts after cached blocks still computes the same logits."""
     model_dir, hf = hf_model(arch)

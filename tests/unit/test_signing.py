@@ -13,6 +13,7 @@ import pytest
 from tandem.engine.prefix_hash import hash_block, hash_blocks, hash_keys
 from tandem.services.common.rpc import convert
 from tandem.transfer import KVHandoff, KVLayout, RankKV, RemoteKV
+from tandem.transfer.sections import HandoffSection
 from tandem.transfer.signing import handoff_message, prompt_hashes, sign_handoff, verify_handoff
 
 KEY = b"k" * 32
@@ -76,6 +77,8 @@ HANDOFF_CHANGES = {
     "lease_id": "lease-2",
     "epoch": 1_700_000_000_000_000_001,
     "expires_at": 1.8e9,
+    # typed sections added (each section's fields altered: test_handoff_sections.py)
+    "sections": (HandoffSection("attention", "float32", 3),),
 }
 REMOTE_CHANGES = {
     "transport": "local",

@@ -19,6 +19,7 @@ from tandem.engine.sampling import LogprobEntry, SamplingParams
 from tandem.routing.stall import HopProgress
 from tandem.services.common.redis.worker_info import WorkerInfo
 from tandem.transfer import KVHandoff, KVLayout, RankKV, RemoteKV
+from tandem.transfer.sections import HandoffSection
 from tandem.v1 import router_pb2 as rpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.wire import finish_reason_to_proto
@@ -288,7 +289,12 @@ def handoff_to_proto(handoff: KVHandoff) -> wpb.KvHandle:
             expires_at_unix_s=handoff.expires_at,
         ),
         signature=handoff.signature,
-    )
+        sections=[
+            wpb.KvSection(kind=s.kind, format=s.format, num_blocks=s.num_blocks,
+                          num_bytes=s.num_bytes)
+            for s in handoff.sections
+        ],
+    )  # fmt: skip
 
 
 def handoff_from_proto(msg: wpb.KvHandle) -> KVHandoff:
@@ -302,6 +308,9 @@ def handoff_from_proto(msg: wpb.KvHandle) -> KVHandoff:
         epoch=msg.lease.epoch,
         expires_at=msg.lease.expires_at_unix_s,
         signature=msg.signature,
+        sections=tuple(
+            HandoffSection(s.kind, s.format, s.num_blocks, s.num_bytes) for s in msg.sections
+        ),
     )
 
 

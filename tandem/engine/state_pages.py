@@ -1,0 +1,139 @@
+"""A linear-attention request's state packed into KV blocks, so that a hand-off moves it
+with the prompt's pages (issue 42: Qwen3-Next's state travels, no recompute).
+
+The state (every linear layer's recurrent matrices, float32, then its convolution inputs, in
+the model's dtype) is `num_bytes` bytes; its section (tandem.transfer.sections) is the
+ceil(num_bytes / block_bytes) blocks that follow the prompt's pages in the handle. The owner
+packs them when it hands the request off (blocks taken for the request, freed with it); the
+reader reserves as many, reads them with the pages, and unpacks them into the request's slot
+before freeing them. The blocks are raw bytes to every transport, whatever the cache's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.model.linear_attention import LinearStates
+from tandem.transfer.sections import HandoffSection, SectionKind
+
+if TYPE_CHECKING:
+    from tandem.engine.kv_manager import KVCacheManager
+    from tandem.engine.runner import ModelRunner
+
+
+def state_format(states: LinearStates) -> str:
+    """What a packed state's bytes are: two workers exchange it only when this is equal."""
+    rec, conv = states.recurrent.shape[1:], states.conv.shape[1:]
+    dims = "x".join
+    return (
+        f"gdn.v1 recurrent={str(states.recurrent.dtype).removeprefix('torch.')}"
+        f"[{dims(map(str, rec))}] conv={str(states.conv.dtype).removeprefix('torch.')}"
+        f"[{dims(map(str, conv))}]"
+    )
+
+
+def num_state_blocks(states: LinearStates, kv_cache: torch.Tensor) -> int:
+    return -(-states.slot_bytes() // _rows(kv_cache).shape[1])
+
+
+def pack_state(
+    states: LinearStates, slot: int, kv_cache: torch.Tensor, block_ids: list[int]
+) -> None:
+    """Slot `slot`'s state into `block_ids` (num_state_blocks of them), the last padded."""
+    rows = _rows(kv_cache)
+    payload = torch.zeros(len(block_ids) * rows.shape[1], dtype=torch.uint8, device=rows.device)
+    n_rec = states.recurrent[slot].nbytes
+    payload[:n_rec] = states.recurrent[slot].reshape(-1).view(torch.uint8)
+    payload[n_rec : n_rec + states.conv[slot].nbytes] = (
+        states.conv[slot].reshape(-1).view(torch.uint8)
+    )
+    rows[block_ids] = payload.view(len(block_ids), -1)
+
+
+def unpack_state(
+    states: LinearStates, slot: int, kv_cache: torch.Tensor, block_ids: list[int]
+) -> None:
+    """The state packed in `block_ids` into slot `slot`."""
+    payload = _rows(kv_cache)[block_ids].reshape(-1)
+    n_rec, n_conv = states.recurrent[slot].nbytes, states.conv[slot].nbytes
+    rec, conv = states.recurrent, states.conv
+    rec[slot] = payload[:n_rec].clone().view(rec.dtype).view(rec.shape[1:])
+    conv[slot] = payload[n_rec : n_rec + n_conv].clone().view(conv.dtype).view(conv.shape[1:])
+
+
+def _rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as [num_blocks, block_bytes] bytes (block-major and contiguous)."""
+    return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
+
+
+class StateHandoff:
+    """A linear-attention engine's side of a hand-off's linear_state section.
+
+    Prefill role: `pack` puts a handed-off request's state in blocks appended to its table
+    (pinned with its pages, freed with them). Decode role: `reserve` appends as many blocks
+    to a reserved request's table for the read, `unpack` moves what was read into the
+    request's slot and frees them.
+    """
+
+    def __init__(self, kv: KVCacheManager, runner: ModelRunner, states: LinearStates) -> None:
+        self.kv, self.runner, self.states = kv, runner, states
+        self.format = state_format(states)
+        self.num_bytes = states.slot_bytes()
+        self.num_blocks = num_state_blocks(states, runner.kv_cache)
+        self._reserved: dict[str, list[int]] = {}  # decode role: request id -> its blocks
+
+    def pack(self, request_id: str) -> int:
+        """Blocks now holding the request's state, after its pages; 0 when too few are free
+        (the hand-off then has no state section, and its reader prefills again)."""
+        ids = self.kv.append_blocks(request_id, self.num_blocks)
+        if ids is None:
+            return 0
+        pack_state(self.states, self.runner.state_slot(request_id), self.runner.kv_cache, ids)
+        return len(ids)
+
+    def reserve(self, request_id: str) -> list[int] | None:
+        """Blocks to read a hand-off's state into; None when too few are free."""
+        ids = self.kv.append_blocks(request_id, self.num_blocks)
+        if ids is not None:
+            self._reserved[request_id] = ids
+        return ids
+
+    def unpack(self, request_id: str, num_tokens: int) -> None:
+        """The state read into the reserved blocks, after `num_tokens` prompt tokens, into
+        the request's slot; the blocks go back. Nothing to do for a request without."""
+        ids = self._reserved.pop(request_id, None)
+        if ids is not None:
+            slot = self.runner.state_slot(request_id, num_tokens)
+            unpack_state(self.states, slot, self.runner.kv_cache, ids)
+            self.kv.drop_blocks(request_id, len(ids))
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone (its blocks went back with its table)."""
+        self._reserved.pop(request_id, None)
+
+
+def handoff_sections(
+    kv_format: str, num_blocks: int, state: StateHandoff | None, state_blocks: int
+) -> tuple[HandoffSection, ...]:
+    """A hand-off's sections (tandem.transfer.sections) for `num_blocks` blocks whose last
+    `state_blocks` hold a packed state: none for a model without linear layers (its handle
+    signs as before sections existed), else the pages and, when packed, the state."""
+    if state is None:
+        return ()
+    pages = HandoffSection(SectionKind.ATTENTION, kv_format, num_blocks - state_blocks)
+    if not state_blocks:
+        return (pages,)  # no room to pack: its reader refuses it and prefills again
+    packed = HandoffSection(SectionKind.LINEAR_STATE, state.format, state_blocks, state.num_bytes)
+    return pages, packed
+
+
+def expected_sections(
+    kv_format: str, state: StateHandoff | None
+) -> dict[SectionKind, tuple[str, int]]:
+    """The sections a reader with this cache and state needs (`check_sections`)."""
+    expected = {SectionKind.ATTENTION: (kv_format, 0)}
+    if state is not None:
+        expected[SectionKind.LINEAR_STATE] = (state.format, state.num_bytes)
+    return expected
