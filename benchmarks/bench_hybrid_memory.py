@@ -1,8 +1,8 @@
 """KV and recurrent-state bytes per request for the hybrid families (issue 42) against dense
 models, from their configs alone (`tandem.model.layer_groups`): what a request holds at 1k,
 8k and 32k tokens once its out-of-window pages are freed (per-group pools, not built yet),
-what the engine holds as it serves them today (every layer's pages for the whole sequence,
-plus a linear layer's state), and what a hand-off of a 4k-token prompt moves in each case
+what the engine holds as it serves them today (every attention layer's pages for the whole
+sequence, plus a linear layer's state), and what a hand-off of a 4k-token prompt moves in each case
 (a linear layer's state travels in a section of its own). bf16 cache and convolution state,
 float32 recurrent state (as the engine keeps it), blocks of 16 tokens.
 
@@ -37,10 +37,10 @@ DTYPE_BYTES = 2
 
 
 def pages(groups: tuple[LayerGroup, ...], num_tokens: int) -> int:
-    """Every layer's pages for the whole sequence: today's single pool (a linear layer's
-    pages too, allocated and never written)."""
+    """Every attention layer's pages for the whole sequence: today's single pool (a sliding
+    layer's out-of-window pages too; a linear layer has none)."""
     per_token = next(g.kv_token_bytes for g in groups if g.kv_token_bytes)
-    num_layers = sum(len(g.layers) for g in groups)
+    num_layers = sum(len(g.layers) for g in groups if g.kind is not LayerKind.LINEAR)
     return -(-num_tokens // BLOCK_SIZE) * BLOCK_SIZE * per_token * num_layers
 
 

@@ -139,7 +139,7 @@ def load_model_and_cache(
     # FP8 KV (tandem.quant.kv): the backend quantizes on write with these scales.
     kv_scales: KVScales | None = None
     if config.kv_cache_dtype == "fp8":
-        kv_scales = load_kv_scales(model_dir, mcfg.num_layers)
+        kv_scales = load_kv_scales(model_dir, mcfg.kv_layers)
         model.attention.use_fp8_kv(kv_scales, dtype)
         log.info("FP8 KV cache, scales from the %s", kv_scales.source)
     kv_dtype = FP8_DTYPE if kv_scales is not None else dtype
@@ -194,7 +194,7 @@ def _share_kv_caches(
 
     def shape(rank: int) -> tuple[int, ...]:
         heads = len(kv_heads(full, dataclasses.replace(tp.shard, rank=rank)))
-        return (num_blocks, full.num_layers, 2, block_size, heads, full.head_dim)
+        return (num_blocks, len(full.kv_layers), 2, block_size, heads, full.head_dim)
 
     def first_head(rank: int) -> int:
         return kv_heads(full, dataclasses.replace(tp.shard, rank=rank)).start

@@ -149,9 +149,17 @@ class ModelConfig:
         return group_layers(kinds, max(windows, default=None))
 
     @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K and V in the paged cache, in order: every attention layer
+        (a linear-attention layer keeps a state instead, tandem.model.linear_attention).
+        The cache's layer dimension follows this order."""
+        linear = set(self.features.linear_layers)
+        return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    @property
     def kv_elements_per_token(self) -> int:
-        """Elements of K and V for one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        """Elements of K and V for one token across the layers that keep them."""
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:

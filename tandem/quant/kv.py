@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,8 +76,10 @@ def _f32(value: float) -> float:
     return float(struct.unpack("<f", struct.pack("<f", float(value)))[0])
 
 
-def load_kv_scales(model_dir: str | Path, num_layers: int) -> KVScales:
-    """The checkpoint's K/V scales (see the module docstring), else `KVScales.default`.
+def load_kv_scales(model_dir: str | Path, layers: int | Sequence[int]) -> KVScales:
+    """The checkpoint's K/V scales (see the module docstring), else `KVScales.default`:
+    one pair per layer of `layers` (a count: layers 0..n-1; or the layers that keep KV,
+    `ModelConfig.kv_layers`), in the cache's layer order.
 
     Raises:
         ValueError: the checkpoint has scales for some layers only, or a scale with more
@@ -84,11 +87,12 @@ def load_kv_scales(model_dir: str | Path, num_layers: int) -> KVScales:
     """
     from tandem.weights.safetensors_io import TensorReader, read_header, safetensors_files
 
+    indices = range(layers) if isinstance(layers, int) else layers
     entries = {}
     for path in safetensors_files(Path(model_dir)) if Path(model_dir).is_dir() else []:
         entries.update(read_header(path))
     for k_name, v_name in _SCALE_NAMES:
-        names = [f"model.layers.{i}.{n}" for i in range(num_layers) for n in (k_name, v_name)]
+        names = [f"model.layers.{i}.{n}" for i in indices for n in (k_name, v_name)]
         present = [n for n in names if n in entries]
         if not present:
             continue
@@ -106,7 +110,7 @@ def load_kv_scales(model_dir: str | Path, num_layers: int) -> KVScales:
                     )
                 values.append(float(t.float().item()))
         return KVScales(tuple(values[0::2]), tuple(values[1::2]), "checkpoint")
-    return KVScales.default(num_layers)
+    return KVScales.default(len(indices))
 
 
 def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -123,7 +127,7 @@ def layer_index(kv_layer: torch.Tensor) -> int:
     """Which layer a view `kv_cache[:, layer]` of the block-major cache is (the attention
     backends receive the view, not the index):
 
-        kv_cache  [num_blocks, num_layers, 2, block_size, heads, dim]   contiguous
+        kv_cache  [num_blocks, num_kv_layers, 2, block_size, heads, dim]   contiguous
         kv_layer = kv_cache[:, layer]: storage offset = layer * (2 * block_size * heads * dim)
                                                       = layer * 2 * kv_layer.stride(1)
     """

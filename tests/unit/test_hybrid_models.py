@@ -240,6 +240,9 @@ def test_linear_models_resume_a_prefix_from_its_state_checkpoint(hf_model, engin
 
     model_dir, hf = hf_model("qwen3-next")
     engine = engine_factory(model_dir, block_size=4)
+    # pages only for the attention layers: the linear layers' state is outside the cache
+    cfg = engine.model.config
+    assert engine.kv_cache.shape[1] == len(cfg.kv_layers) == cfg.num_layers - 3
     shared = random.Random(5).choices(range(256), k=12)
     first, second = shared + [1, 2, 3], shared + [7, 8, 9]
     engine.generate([first], SamplingParams(max_tokens=1, temperature=0.0))
