@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tandem.engine.prefix_hash import hash_blocks, hash_keys, kv_hash_format
+from tandem.engine.prefix_hash import hash_blocks, hash_keys, kv_hash_format, state_mark
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
 from tandem.routing import (
@@ -44,10 +44,14 @@ class Placer:
         config: RouterConfig,
         model_id: str,
         on_join: Callable[[WorkerInfo], None] | None = None,
+        state_marks: bool = False,
     ) -> None:
         self.config = config
         self._on_join = on_join  # e.g. the router drops a connection from an earlier outage
         self.model_id = model_id
+        # A model with linear-attention layers resumes a prefix only where a worker holds a
+        # state checkpoint: lookups count up to the last block whose state mark it holds.
+        self.state_marks = state_marks
         self.inflight = InflightLoad()
         self.breakers = CircuitBreakers(config.breaker)
         self.index_degraded = False
@@ -219,8 +223,9 @@ class Placer:
         if self._index is None or not hashes:
             return None
         try:
+            marks = [state_mark(h) for h in hashes] if self.state_marks else None
             overlap = await asyncio.wait_for(
-                self._index.lookup(self.model_id, hashes), self.config.index_timeout_s
+                self._index.lookup(self.model_id, hashes, marks), self.config.index_timeout_s
             )
         except (IndexUnavailable, TimeoutError) as exc:
             if not self.index_degraded:

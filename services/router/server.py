@@ -70,7 +70,12 @@ class RouterServer(rgrpc.RouterServicer):
         self.replies = Replies(self.metrics)
         # A worker (re)joining the registry gets a fresh connection: the old one may sit in
         # reconnect backoff from the outage that took it out.
-        self.placer = Placer(config, self.model_id, lambda w: self.links.retire(w.address))
+        self.placer = Placer(
+            config,
+            self.model_id,
+            lambda w: self.links.retire(w.address),
+            state_marks=bool(self.model_config.features.linear_layers),
+        )
         self.metrics.running.set_function(lambda: len(self._admitted))
         self.metrics.index_degraded.set_function(lambda: float(self.placer.index_degraded))
         self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)

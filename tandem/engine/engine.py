@@ -467,13 +467,13 @@ class LLMEngine:
 
     def enable_kv_events(self) -> None:
         """Record prefix-cache stored/removed events for `take_kv_events` (cluster index)."""
-        self.kv.pool.record_events = True
+        self.kv.enable_events()
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.take_events()
 
     def cached_block_hashes(self) -> list[int]:
-        return self.kv.pool.cached_hashes()
+        return self.kv.cached_hashes()
 
     def stats(self) -> Load:
         """The counts of this engine's load (its rates are the worker's to add)."""

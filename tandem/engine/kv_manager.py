@@ -185,8 +185,23 @@ class KVCacheManager:
         if self.checkpoints is not None:
             self.checkpoints.clear()
 
+    def enable_events(self) -> None:
+        """Record prefix-cache changes (blocks, and state checkpoints' marks) for
+        `take_events`."""
+        self.pool.record_events = True
+        if self.checkpoints is not None:
+            self.checkpoints.record_events = True
+
     def take_events(self) -> list[KVEvent]:
-        return self.pool.take_events()
+        events = self.pool.take_events()
+        if self.checkpoints is not None:
+            events += self.checkpoints.take_events()
+        return events
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash (and state checkpoint mark) a lookup can find here now."""
+        marks = self.checkpoints.marks() if self.checkpoints is not None else []
+        return self.pool.cached_hashes() + marks
 
     def check_integrity(self) -> None:
         refs: dict[int, int] = {}

@@ -98,3 +98,14 @@ def hash_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def state_mark(block_hash: int) -> int:
+    """What a worker of a model with linear-attention layers publishes to the prefix index
+    when it holds a state checkpoint right after the block `block_hash`
+    (tandem.engine.state_checkpoints): a lookup with these marks counts a prefix only up to
+    where the worker can resume it (`PrefixIndex.lookup`). Its own digest domain, so a mark
+    never equals a block's hash."""
+    h = hashlib.blake2b(digest_size=8, person=b"tandem.state.v1")
+    h.update(struct.pack("<Q", block_hash))
+    return int.from_bytes(h.digest(), "little")

@@ -12,14 +12,19 @@ checkpoint are both held (`layer_groups.resumable_prefix`: a hit on one group bu
 another is a miss at that length).
 
 Checkpoints live in a fixed number of slots (tandem.model.linear_attention.LinearStates,
-reserved at load next to the requests' own) and are evicted least recently used. Pure
-bookkeeping: which hash is in which slot.
+reserved at load next to the requests' own) and are evicted least recently used. With
+`record_events`, each one kept or evicted is a STORED or REMOVED event of its block's
+`prefix_hash.state_mark`, for the cluster's prefix index. Pure bookkeeping: which hash is in
+which slot.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection
+
+from tandem.engine.block_pool import KVEvent, KVEventKind
+from tandem.engine.prefix_hash import state_mark
 
 
 class StateCheckpoints:
@@ -29,6 +34,8 @@ class StateCheckpoints:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         self.num_slots = num_slots
+        self.record_events = False
+        self._events: list[KVEvent] = []
         self._slots: OrderedDict[int, int] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
 
@@ -58,13 +65,29 @@ class StateCheckpoints:
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
+            self._event(KVEventKind.REMOVED, victim)
         self._slots[block_hash] = slot
+        self._event(KVEventKind.STORED, block_hash)
         return slot
+
+    def marks(self) -> list[int]:
+        """The state mark of every checkpoint held (a snapshot for the prefix index)."""
+        return [state_mark(h) for h in self._slots]
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
 
     def clear(self) -> None:
         """Forget every checkpoint (the prefix cache was reset)."""
+        for h in self._slots:
+            self._event(KVEventKind.REMOVED, h)
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._slots.clear()
+
+    def _event(self, kind: KVEventKind, block_hash: int) -> None:
+        if self.record_events:
+            self._events.append(KVEvent(kind, state_mark(block_hash)))
 
     def check_integrity(self) -> None:
         used = list(self._slots.values())

@@ -47,7 +47,7 @@ This module and `tandem.index.memory` do no I/O.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -198,18 +198,48 @@ class EventBatch:
         )
 
 
-def leading_counts_reference(holdings: dict[str, set[int]], chain: Sequence[int]) -> dict[str, int]:
+def leading_counts_reference(
+    holdings: dict[str, set[int]], chain: Sequence[int], marks: Sequence[int] | None = None
+) -> dict[str, int]:
     """The lookup contract in its plainest form: for each worker (id -> hashes it holds), the
-    number of leading hashes of `chain` it holds, omitting workers with none. Used by tests
-    as the oracle; too slow for serving."""
+    number of leading hashes of `chain` it holds -- with `marks`, cut back to the last of them
+    whose mark it holds -- omitting workers with none. Used by tests as the oracle; too slow
+    for serving."""
     counts: dict[str, int] = {}
     for worker_id, held in holdings.items():
         n = 0
         while n < len(chain) and chain[n] in held:
             n += 1
+        while marks is not None and n and marks[n - 1] not in held:
+            n -= 1
         if n:
             counts[worker_id] = n
     return counts
+
+
+def resumable_counts(
+    counts: Mapping[str, int], mark_holders: Sequence[Collection[str]]
+) -> dict[str, int]:
+    """Leading counts cut back to where each worker can resume: the largest n <= its count
+    such that it holds mark n - 1 (`mark_holders[i]`: the workers holding marks[i]); workers
+    left with 0 omitted."""
+    out: dict[str, int] = {}
+    for worker_id, n in counts.items():
+        while n and worker_id not in mark_holders[n - 1]:
+            n -= 1
+        if n:
+            out[worker_id] = n
+    return out
+
+
+def check_marks(chain: Sequence[int], marks: Sequence[int] | None) -> tuple[int, ...] | None:
+    if marks is None:
+        return None
+    marks = check_hashes("marks", marks)
+    if len(marks) != len(chain):
+        raise ValueError(f"marks must have one hash per block of the chain ({len(chain)}), "
+                         f"got {len(marks)}")  # fmt: skip
+    return marks
 
 
 class PrefixIndex(ABC):
@@ -240,11 +270,19 @@ class PrefixIndex(ABC):
         throughout (only the difference is applied)."""
 
     @abstractmethod
-    async def lookup(self, model: str, chain: Sequence[int]) -> dict[str, int]:
+    async def lookup(
+        self, model: str, chain: Sequence[int], marks: Sequence[int] | None = None
+    ) -> dict[str, int]:
         """For a request's chain of block hashes (block 0 first), map each worker holding
         chain[0] to the number of leading blocks of the chain it holds: counting stops at
         that worker's first miss. Workers with 0 are omitted; an empty chain or an unknown
-        model gives {}."""
+        model gives {}.
+
+        marks: for a model that resumes a prefix only where it also holds a state (linear
+        attention: `tandem.engine.prefix_hash.state_mark`), one hash per block of the chain
+        that a worker publishes when it can resume right after that block: each count is
+        then cut back to the last block whose mark the worker holds (a prefix held by one
+        group of layers but not another is a miss at that length)."""
 
     @abstractmethod
     async def remove_worker(self, worker_id: str) -> None:

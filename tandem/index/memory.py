@@ -18,8 +18,10 @@ from tandem.index.base import (
     IndexFull,
     PrefixIndex,
     check_hashes,
+    check_marks,
     check_name,
     check_snapshot,
+    resumable_counts,
 )
 
 
@@ -96,9 +98,19 @@ class MemoryPrefixIndex(PrefixIndex):
         w.epoch, w.seq = epoch, seq
         return ApplyResult.APPLIED
 
-    async def lookup(self, model: str, chain: Sequence[int]) -> dict[str, int]:
+    async def lookup(
+        self, model: str, chain: Sequence[int], marks: Sequence[int] | None = None
+    ) -> dict[str, int]:
         check_name("model", model)
         chain = check_hashes("chain", chain)
+        marks = check_marks(chain, marks)
+        counts = self._leading(model, chain)
+        if marks is None or not counts:
+            return counts
+        holders = self._holders[model]
+        return resumable_counts(counts, [holders.get(m, set()) for m in marks])
+
+    def _leading(self, model: str, chain: tuple[int, ...]) -> dict[str, int]:
         holders = self._holders.get(model)
         if not holders or not chain:
             return {}

@@ -100,6 +100,27 @@ def test_lookup_counts_leading_blocks_and_stops_at_first_miss(check: Check) -> N
     check(body)
 
 
+def test_lookup_with_marks_stops_where_a_worker_can_resume(check: Check) -> None:
+    """A model that resumes a prefix only where it also holds a state (linear attention):
+    each count is cut back to the last block whose mark the worker holds, a worker holding
+    pages but no mark is a miss, and a mark without its pages counts for nothing."""
+
+    async def body(index: PrefixIndex) -> None:
+        await _join(index, "a", [10, 11, 12, 13, 20, 22])  # resumes after blocks 0 and 2
+        await _join(index, "b", [10, 11, 21, 23])  # a mark past its pages (23) is no use
+        await _join(index, "c", [10, 11, 12, 13])  # pages, no state
+        chain, marks = [10, 11, 12, 13], [20, 21, 22, 23]
+        assert await index.lookup("m", chain) == {"a": 4, "b": 2, "c": 4}
+        assert await index.lookup("m", chain, marks) == {"a": 3, "b": 2}
+        assert await index.lookup("m", chain[:2], marks[:2]) == {"a": 1, "b": 2}
+        assert await index.apply(EventBatch("a", "m", 1, 2, removed=(22,))) is APPLIED
+        assert await index.lookup("m", chain, marks) == {"a": 1, "b": 2}
+        with pytest.raises(ValueError, match="marks must have one hash per block"):
+            await index.lookup("m", chain, marks[:3])
+
+    check(body)
+
+
 def test_models_are_isolated(check: Check) -> None:
     async def body(index: PrefixIndex) -> None:
         await _join(index, "a", [1, 2], model="llama")
@@ -408,9 +429,11 @@ class _Oracle:
         self.known[worker] = _Known(model, epoch, seq, set(hashes))
         return True
 
-    def lookup(self, model: str, chain: list[int]) -> dict[str, int]:
+    def lookup(
+        self, model: str, chain: list[int], marks: list[int] | None = None
+    ) -> dict[str, int]:
         holdings = {w: k.blocks for w, k in self.known.items() if k.model == model}
-        return leading_counts_reference(holdings, chain)
+        return leading_counts_reference(holdings, chain, marks)
 
 
 @dataclass
@@ -489,6 +512,10 @@ def test_random_operations_match_a_plain_model(check: Check, seed: int) -> None:
                 assert await index.lookup(model, chain) == oracle.lookup(model, chain), (
                     f"step {step}: lookup {model} {chain}"
                 )
+                marks = [rng.choice(universe) for _ in chain]  # held by some, here and there
+                assert await index.lookup(model, chain, marks) == oracle.lookup(
+                    model, chain, marks
+                ), f"step {step}: lookup {model} {chain} marks {marks}"
         expected = {w: (k.epoch, k.seq) for w, k in oracle.known.items()}
         assert await index.workers() == expected
 

@@ -93,6 +93,9 @@ def test_leading_counts_reference_stops_at_first_miss() -> None:
     holdings = {"a": {1, 2, 4}, "b": {2, 3}, "c": {1, 2, 3}}
     assert leading_counts_reference(holdings, [1, 2, 3, 4]) == {"a": 2, "c": 3}
     assert leading_counts_reference(holdings, []) == {}
+    # with marks: cut back to the last block whose mark each worker holds
+    assert leading_counts_reference(holdings, [1, 2, 3, 4], [9, 1, 4, 9]) == {"a": 2, "c": 2}
+    assert leading_counts_reference(holdings, [1, 2, 3, 4], [1, 9, 9, 9]) == {"c": 1, "a": 1}
 
 
 # -- MemoryPrefixIndex --------------------------------------------------------------------

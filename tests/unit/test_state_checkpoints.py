@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.engine.block_pool import KVEvent, KVEventKind
 from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.prefix_hash import state_mark
 from tandem.engine.request import Request
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.state_checkpoints import StateCheckpoints
@@ -87,3 +89,50 @@ def test_dense_models_and_caching_off_need_no_checkpoints() -> None:
     assert KVCacheManager(8, BS, enable_caching=False, groups=GROUPS).checkpoints is None
     with pytest.raises(ValueError, match="needs checkpoints"):
         KVCacheManager(8, BS, groups=GROUPS)
+
+
+def test_checkpoints_publish_their_state_marks() -> None:
+    """Kept and evicted checkpoints are STORED and REMOVED events of their blocks' state
+    marks (the prefix index's view of where a worker can resume), and a snapshot lists the
+    marks held; a mark is never a block hash."""
+    ckpts = StateCheckpoints(1)
+    kv = KVCacheManager(8, BS, groups=GROUPS, checkpoints=ckpts)
+    first = _cached(kv, 8)
+    ckpts.claim(1)  # before events are recorded: none
+    kv.enable_events()
+    kv.take_events()
+    h0, h1 = first.block_hashes[:2]
+    ckpts.claim(h1)  # evicts 1
+    assert kv.take_events() == [
+        KVEvent(KVEventKind.REMOVED, state_mark(1)),
+        KVEvent(KVEventKind.STORED, state_mark(h1)),
+    ]
+    assert sorted(kv.cached_hashes()) == sorted([h0, h1, state_mark(h1)])
+    assert state_mark(h1) not in (h0, h1) and state_mark(h1) != state_mark(h0)
+    kv.reset_prefix_cache()
+    assert kv.take_events()[-1] == KVEvent(KVEventKind.REMOVED, state_mark(h1))
+
+
+def test_the_router_looks_up_a_linear_models_prefixes_with_state_marks() -> None:
+    import asyncio
+
+    from tandem.engine.prefix_hash import hash_blocks, hash_keys
+    from tandem.engine.request import RequestSpec
+    from tandem.services.router.config import RouterConfig
+    from tandem.services.router.placer import Placer
+
+    asked: list[tuple[list[int], list[int] | None]] = []
+
+    class Index:
+        async def lookup(self, model, hashes, marks=None):  # type: ignore[no-untyped-def]
+            asked.append((hashes, marks))
+            return {"d0": 2}
+
+    tokens = tuple(range(5, 69))  # 4 blocks of 16
+    config = RouterConfig(model_dir="m", block_size=16, decode_addresses=("d:1",))
+    for marks_on in (False, True):
+        placer = Placer(config, "m", state_marks=marks_on)
+        placer._index = Index()  # type: ignore[assignment]
+        asyncio.run(placer._prefix_overlap(RequestSpec("r", tokens), []))
+    hashes = hash_blocks(list(tokens), 16, hash_keys("m"))
+    assert asked == [(hashes, None), (hashes, [state_mark(h) for h in hashes])]

@@ -45,8 +45,10 @@ from tandem.index.base import (
     IndexUnavailable,
     PrefixIndex,
     check_hashes,
+    check_marks,
     check_name,
     check_snapshot,
+    resumable_counts,
 )
 from tandem.services.common.redis.resp import LookupClient
 from tandem.services.common.redis.scripts import (
@@ -105,6 +107,19 @@ def _leading_counts(values: list[bytes | None], names: list[str]) -> dict[str, i
         alive ^= low
         _credit(counts, names, 64 - low.bit_length(), n)
     return counts
+
+
+def _holders(raw: bytes | None, names: list[str]) -> set[str]:
+    """The workers whose bits a block's bitmap (None: no key) has set."""
+    bits = int.from_bytes(raw, "big") << (64 - 8 * len(raw)) if raw else 0
+    held = set()
+    while bits:
+        low = bits & -bits
+        bits ^= low
+        slot = 64 - low.bit_length()
+        if slot < len(names) and names[slot]:
+            held.add(names[slot])
+    return held
 
 
 def _credit(counts: dict[str, int], names: list[str], slot: int, count: int) -> None:
@@ -225,14 +240,19 @@ class RedisPrefixIndex(PrefixIndex):
             )
         return RESULT_OF_CODE[code]
 
-    async def lookup(self, model: str, chain: Sequence[int]) -> dict[str, int]:
+    async def lookup(
+        self, model: str, chain: Sequence[int], marks: Sequence[int] | None = None
+    ) -> dict[str, int]:
         check_name("model", model)
         if not chain:
             return {}
+        marks = check_marks(chain, marks)
         # struct checks the range itself, at a fraction of check_hashes' cost on this hot path;
         # check_hashes then only words the error (it also rejects bools, which struct takes).
+        # The marks' keys are read in the same MGET, after the chain's.
+        keyed = [*chain, *marks] if marks is not None else chain
         try:
-            packed = struct.pack(f">{len(chain)}Q", *chain)
+            packed = struct.pack(f">{len(keyed)}Q", *keyed)
         except struct.error:
             check_hashes("chain", chain)
             raise
@@ -260,7 +280,11 @@ class RedisPrefixIndex(PrefixIndex):
         if cached is None or cached[0] != raw_slotmap:
             cached = (raw_slotmap, raw_slotmap.decode("utf-8").split("\n"))
             self._slotmaps[model] = cached
-        return _leading_counts(values[1:], cached[1])
+        names, n = cached[1], len(chain)
+        counts = _leading_counts(values[1 : 1 + n], names)
+        if marks is None or not counts:
+            return counts
+        return resumable_counts(counts, [_holders(v, names) for v in values[1 + n :]])
 
     async def remove_worker(self, worker_id: str) -> None:
         check_name("worker_id", worker_id)
