@@ -24,7 +24,6 @@ import pytest
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.prefix_hash import hash_keys
-from tandem.engine.sampling import SamplingParams
 from tandem.services.common.redis.server import RedisServer
 from tandem.services.common.rpc import convert
 from tandem.services.common.security import AuthConfig, derive_key, internal_metadata, load_secret
@@ -33,9 +32,9 @@ from tandem.transfer.sections import HandoffSection
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tests.services.conftest import KV_BYTES
-from tests.services.test_forged_handoff import MAX_TOKENS, SAMPLING
+from tests.services.test_forged_handoff import SAMPLING, decode, greedy, prefill, stats
 from tests.services.test_moe_up import moe_model
-from tests.services.workers import decode_result, prefill_result, signed_worker_args
+from tests.services.workers import signed_worker_args
 
 
 @pytest.fixture(scope="module")
@@ -81,33 +80,6 @@ def reference(model_dir: Path) -> LLMEngine:
     )
 
 
-def greedy(reference: LLMEngine, prompt: list[int]) -> list[int]:
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    [out] = reference.generate([prompt], params)
-    return out.token_ids
-
-
-def prefill(c: SimpleNamespace, rid: str, prompt: list[int]) -> wpb.PrefillResponse:
-    request = wpb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING)
-    resp = prefill_result(c.prefill.Prefill(request, metadata=c.metadata, timeout=60))
-    assert resp.HasField("kv") and not resp.finished
-    return resp
-
-
-def decode_request(rid: str, prompt: list[int], first: wpb.PrefillResponse, kv: wpb.KvHandle,
-                   report: bool = False) -> wpb.DecodeRequest:  # fmt: skip
-    request = wpb.DecodeRequest(
-        request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING, report_kv_failure=report
-    )
-    request.output_token_ids.append(first.first_token_id)
-    request.kv.CopyFrom(kv)
-    return request
-
-
-def stats(c: SimpleNamespace, stub: wgrpc.PrefillWorkerStub | wgrpc.DecodeWorkerStub):  # type: ignore[no-untyped-def]
-    return stub.GetStats(wpb.GetStatsRequest(), metadata=c.metadata)
-
-
 def resigned(c: SimpleNamespace, rid: str, prompt: list[int], handoff: KVHandoff) -> wpb.KvHandle:
     """`handoff` signed with the cluster's key, as an owner holding the secret would."""
     hashes = prompt_hashes(prompt, handoff.block_size, hash_keys("model"))
@@ -125,9 +97,8 @@ def test_the_state_travels_with_the_pages(cluster, reference) -> None:  # type: 
     sections = [(s.kind, s.num_blocks) for s in first.kv.sections]
     assert [k for k, _ in sections] == ["attention", "linear_state"]
     assert sections[0][1] == 3 and len(first.kv.block_ids) == sum(n for _, n in sections)
-    request = decode_request("s1", p, first, first.kv)
-    tokens, complete = decode_result(cluster.decode.Decode(request, metadata=cluster.metadata))
-    assert [first.first_token_id, *tokens] == greedy(reference, p)
+    tokens, complete = decode(cluster, "s1", p, first)
+    assert tokens == greedy(reference, p)
     assert complete.kv_transfer_bytes > 0 and not complete.recomputed
     assert stats(cluster, cluster.prefill).num_pinned_requests == 0  # lease confirmed
 
@@ -176,9 +147,8 @@ def test_a_section_missing_truncated_or_of_another_format_is_prefilled_again(
     rid = f"bad-{name}"
     first = prefill(cluster, rid, p)
     bad = resigned(cluster, rid, p, ALTERATIONS[name](convert.handoff_from_proto(first.kv)))
-    request = decode_request(rid, p, first, bad)
-    tokens, complete = decode_result(cluster.decode.Decode(request, metadata=cluster.metadata))
-    assert [first.first_token_id, *tokens] == greedy(reference, p)
+    tokens, complete = decode(cluster, rid, p, first, bad)
+    assert tokens == greedy(reference, p)
     assert complete.recomputed and complete.kv_transfer_bytes == 0
     # declined: the lease released at once, nothing left here
     assert stats(cluster, cluster.prefill).num_pinned_requests == 0
@@ -190,7 +160,11 @@ def test_with_report_kv_failure_the_router_is_told_why(cluster) -> None:  # type
     p = prompt(20)
     first = prefill(cluster, "rep", p)
     bad = resigned(cluster, "rep", p, _cut_state(convert.handoff_from_proto(first.kv)))
-    request = decode_request("rep", p, first, bad, report=True)
+    request = wpb.DecodeRequest(
+        request_id="rep", prompt_token_ids=p, sampling=SAMPLING, report_kv_failure=True
+    )
+    request.output_token_ids.append(first.first_token_id)
+    request.kv.CopyFrom(bad)
     events = list(cluster.decode.Decode(request, metadata=cluster.metadata))
     assert [e.WhichOneof("kind") for e in events] == ["kv_failed"]
     assert "the linear_state section has" in events[0].kv_failed.reason
