@@ -61,13 +61,18 @@ def test_expert_parallel_cluster_answers_as_the_single_engine(
         assert_all_free(c)
 
 
+def reference_engine(model_dir: Path) -> LLMEngine:
+    """The single float32 engine a cluster over `model_dir` answers as."""
+    return LLMEngine(
+        EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES))
+    )
+
+
 def assert_answers_as_its_engine(cluster: Cluster, model_dir: Path) -> None:
     """Greedy answers through the cluster equal a float32 engine over `model_dir`, some of
     them handed off."""
-    reference = LLMEngine(
-        EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES))
-    )
     results = assert_answers_as_the_single_engine(
-        cluster, reference, seed=30, num_prompts=10, max_prompt_len=160, max_tokens=12
-    )
+        cluster, reference_engine(model_dir), seed=30, num_prompts=10, max_prompt_len=160,
+        max_tokens=12,
+    )  # fmt: skip
     assert any(r.disaggregated for r in results)
