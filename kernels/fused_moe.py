@@ -19,6 +19,13 @@ gpt-oss's experts (`biases`, `swiglu_limit`): each GEMM's bias added in its epil
 the clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = min(gate, limit), up clamped to
 [-limit, limit], in place of silu(gate) * up.
 
+MXFP4 experts (gpt-oss as OpenAI ships it, kept in 4 bits on the device): each matrix is
+uint8 [E, in / 2, out], two e2m1 values per byte along the inputs (input 2i in the low nibble,
+2i + 1 in the high one), with uint8 scales [E, in / 32, out], each block of 32 inputs of a
+column scaled by 2^(scale - 127). A K step is one such block (BLOCK_K = 32): its bytes are
+split and decoded in registers (`_mxfp4_tile`: every value times its power of two is exact in
+bfloat16) and fed to the same dot as a bf16 tile, so a step reads a quarter of the bytes.
+
 Every shape is a function of (num_tokens, top_k, num_experts, BLOCK_M) only, never of the
 routing: the sort, the padding and both grids have fixed sizes and nothing is read back to
 the host, so CUDA graphs capture a decode step through it. Tiles past the last expert's
@@ -36,6 +43,7 @@ import triton
 import triton.language as tl
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MXFP4_BLOCK = 32  # inputs per MXFP4 scale
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -79,6 +87,20 @@ def align_by_expert(
 
 
 # Triton reads kernel annotations (tl.constexpr), so the arguments carry comments instead.
+@triton.jit
+def _mxfp4_tile(packed, scale, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
+    """[R, N] uint8 (two e2m1 values each, low nibble first) and [N] uint8 scales (one per
+    column for the tile's 2R inputs) -> the [2R, N] weights in `dtype`, exactly."""
+    rows: tl.constexpr = packed.shape[0]
+    cols: tl.constexpr = packed.shape[1]
+    nib = tl.reshape(tl.permute(tl.join(packed & 0xF, packed >> 4), (0, 2, 1)), (2 * rows, cols))
+    exp = ((nib >> 1) & 3).to(tl.float32)
+    half = (nib & 1).to(tl.float32) * 0.5
+    mag = tl.where(exp == 0.0, half, (1.0 + half) * tl.exp2(exp - 1.0))
+    val = tl.where((nib & 8) != 0, -mag, mag)
+    return (val * tl.exp2(scale.to(tl.float32) - 127.0)[None, :]).to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(  # type: ignore[no-untyped-def]
     x_ptr,  # [num_tokens, hidden] activations, hidden contiguous
@@ -87,6 +109,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     block_expert_ptr,  # int32 [num_blocks] each tile's expert (num_experts: empty tile)
     act_ptr,  # [num_pairs, inter] out: silu(gate) * up per pair, in x's dtype
     bias_ptr,  # [num_experts, 2 * inter] gate | up biases, contiguous (read when HAS_BIAS)
+    scales_ptr,  # MXFP4: uint8 [num_experts, hidden / 32, 2 * inter], contiguous
     num_pairs,  # num_tokens * TOP_K (the padding sentinel)
     num_experts,  # tiles with this expert are past the last run
     hidden,  # K of the GEMM
@@ -95,7 +118,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     alpha,  # CLAMPED: the sigmoid's gain
     stride_xm,  # x.stride(0)
     stride_we,  # w.stride(0)
-    stride_wk,  # w.stride(1)
+    stride_wk,  # w.stride(1) (MXFP4: one row of bytes holds two inputs)
     stride_am,  # act.stride(0)
     TOP_K: tl.constexpr,  # slots per token (pair p is token p // TOP_K)
     BLOCK_M: tl.constexpr,  # pairs per program (one expert's)
@@ -105,6 +128,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
     DOT_FP32: tl.constexpr,  # fp32 operands (Triton's CPU interpreter has no bf16 dot)
     HAS_BIAS: tl.constexpr,  # gpt-oss: gate and up have per-expert biases
     CLAMPED: tl.constexpr,  # gpt-oss's clamped SwiGLU
+    MXFP4: tl.constexpr,  # w is MXFP4 (BLOCK_K = 32: a step is one scale block)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -125,10 +149,25 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]
         k = k0 + ks
         k_ok = k < hidden
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_rows = w_base + k.to(tl.int64)[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
-        wmask = k_ok[:, None] & col_ok[None, :]
-        wg = tl.load(w_rows, mask=wmask, other=0.0)
-        wu = tl.load(w_rows + inter, mask=wmask, other=0.0)
+        if MXFP4:  # hidden is a multiple of 32: no K mask
+            kb = (k0 // 2 + tl.arange(0, BLOCK_K // 2)).to(tl.int64)
+            b_rows = w_base + kb[:, None] * stride_wk  # [BLOCK_K / 2, BLOCK_N] bytes
+            bmask = col_ok[None, :]
+            s_row = scales_ptr + expert.to(tl.int64) * (hidden // 32) * 2 * inter
+            s_row += (k0 // 32) * 2 * inter + cols
+            wg = _mxfp4_tile(
+                tl.load(b_rows, mask=bmask, other=0),
+                tl.load(s_row, mask=col_ok, other=0),
+                x_ptr.dtype.element_ty,
+            )
+            wu = _mxfp4_tile(tl.load(b_rows + inter, mask=bmask, other=0),
+                             tl.load(s_row + inter, mask=col_ok, other=0),
+                             x_ptr.dtype.element_ty)  # fmt: skip
+        else:
+            w_rows = w_base + k.to(tl.int64)[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+            wmask = k_ok[:, None] & col_ok[None, :]
+            wg = tl.load(w_rows, mask=wmask, other=0.0)
+            wu = tl.load(w_rows + inter, mask=wmask, other=0.0)
         if DOT_FP32:
             x = x.to(tl.float32)
             gate = tl.dot(x, wg.to(tl.float32), gate, input_precision="ieee")
@@ -169,6 +208,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     block_expert_ptr,  # int32 [num_blocks] each tile's expert (num_experts: empty tile)
     weights_ptr,  # [num_pairs] routing weight of each pair (fp32 or x's dtype)
     bias_ptr,  # [num_experts, hidden] contiguous (read when HAS_BIAS)
+    scales_ptr,  # MXFP4: uint8 [num_experts, inter / 32, hidden], contiguous
     out_ptr,  # [num_pairs, hidden] out: each pair's weighted expert output
     num_pairs,  # the padding sentinel
     num_experts,  # tiles with this expert are past the last run
@@ -184,6 +224,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 activations, else "tf32" (unused)
     DOT_FP32: tl.constexpr,  # fp32 operands (Triton's CPU interpreter has no bf16 dot)
     HAS_BIAS: tl.constexpr,  # gpt-oss: down has per-expert biases
+    MXFP4: tl.constexpr,  # w is MXFP4 (BLOCK_K = 32: a step is one scale block)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -202,11 +243,20 @@ def _down_kernel(  # type: ignore[no-untyped-def]
         k = k0 + ks
         k_ok = k < inter
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(
-            w_base + k.to(tl.int64)[:, None] * stride_wk,
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
+        if MXFP4:  # inter is a multiple of 32: no K mask
+            kb = (k0 // 2 + tl.arange(0, BLOCK_K // 2)).to(tl.int64)
+            s_row = scales_ptr + (expert.to(tl.int64) * (inter // 32) + k0 // 32) * hidden + cols
+            w = _mxfp4_tile(
+                tl.load(w_base + kb[:, None] * stride_wk, mask=col_ok[None, :], other=0),
+                tl.load(s_row, mask=col_ok, other=0),
+                act_ptr.dtype.element_ty,
+            )
+        else:
+            w = tl.load(
+                w_base + k.to(tl.int64)[:, None] * stride_wk,
+                mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
         if DOT_FP32:
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -224,6 +274,27 @@ def _down_kernel(  # type: ignore[no-untyped-def]
     tl.store(out, y.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _check_mxfp4(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_scales: torch.Tensor | None,
+    down_scales: torch.Tensor | None,
+    hidden: int,
+    inter: int,
+) -> None:
+    if hidden % MXFP4_BLOCK or inter % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 experts need hidden ({hidden}) and inter ({inter}) in 32s")
+    num_experts = gate_up.shape[0]
+    want = ((num_experts, hidden // MXFP4_BLOCK, 2 * inter),
+            (num_experts, inter // MXFP4_BLOCK, hidden))  # fmt: skip
+    for name, t, shape in (("gate_up_scales", gate_up_scales, want[0]),
+                           ("down_scales", down_scales, want[1])):  # fmt: skip
+        if t is None or t.shape != shape or t.dtype != torch.uint8 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous uint8 {list(shape)}")
+    if gate_up.dtype != torch.uint8 or down.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 experts must be uint8, got {gate_up.dtype}, {down.dtype}")
+
+
 def _tiles(block_m: int) -> dict[str, Any]:
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=32 if block_m <= 16 else 64)
 
@@ -239,6 +310,8 @@ def fused_moe(
     down_bias: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.702,
+    gate_up_scales: torch.Tensor | None = None,
+    down_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' routed, weighted sum per token; with expert parallelism (`gate_up` and
     `down` hold experts [first_expert, first_expert + num_local) of more), the sum over the
@@ -248,10 +321,14 @@ def fused_moe(
 
     Args:
         x: [num_tokens, hidden] float16/bfloat16/float32, hidden contiguous.
-        gate_up: [num_experts, hidden, 2 * inter] in x's dtype, contiguous (gate, then up).
-        down: [num_experts, inter, hidden] in x's dtype, contiguous.
+        gate_up: [num_experts, hidden, 2 * inter] in x's dtype, contiguous (gate, then up);
+            MXFP4 (with `gate_up_scales`): uint8 [num_experts, hidden / 2, 2 * inter].
+        down: [num_experts, inter, hidden] in x's dtype, contiguous; MXFP4 (with
+            `down_scales`): uint8 [num_experts, inter / 2, hidden].
         expert_ids: [num_tokens, top_k] int, global expert ids.
         weights: [num_tokens, top_k] routing weights (fp32 or x's dtype).
+        gate_up_scales, down_scales: MXFP4's uint8 scales, [num_experts, hidden / 32,
+            2 * inter] and [num_experts, inter / 32, hidden], contiguous (module docstring).
     Returns:
         [num_tokens, hidden] in x's dtype.
     Raises:
@@ -265,15 +342,20 @@ def fused_moe(
     n, hidden = x.shape
     num_experts, _, two_inter = gate_up.shape
     inter = two_inter // 2
-    if gate_up.shape != (num_experts, hidden, 2 * inter) or not gate_up.is_contiguous():
+    mxfp4 = gate_up_scales is not None
+    pack = 2 if mxfp4 else 1  # inputs per stored element
+    if gate_up.shape != (num_experts, hidden // pack, 2 * inter) or not gate_up.is_contiguous():
         raise ValueError(
-            f"gate_up must be contiguous [E, {hidden}, 2 * inter], got {gate_up.shape}"
+            f"gate_up must be contiguous [E, {hidden // pack}, 2 * inter], got {gate_up.shape}"
         )
-    if down.shape != (num_experts, inter, hidden) or not down.is_contiguous():
+    if down.shape != (num_experts, inter // pack, hidden) or not down.is_contiguous():
         raise ValueError(
-            f"down must be contiguous [{num_experts}, {inter}, {hidden}], got {tuple(down.shape)}"
+            f"down must be contiguous [{num_experts}, {inter // pack}, {hidden}], got "
+            f"{tuple(down.shape)}"
         )
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+    if mxfp4:
+        _check_mxfp4(gate_up, down, gate_up_scales, down_scales, hidden, inter)
+    elif gate_up.dtype != x.dtype or down.dtype != x.dtype or down_scales is not None:
         raise ValueError(f"expert weights must be {x.dtype}, got {gate_up.dtype}, {down.dtype}")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != n or weights.shape != expert_ids.shape:
         raise ValueError(
@@ -299,22 +381,26 @@ def fused_moe(
             raise ValueError(f"{name} must be contiguous {list(shape)} {x.dtype}")
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     clamped = swiglu_limit is not None
+    if mxfp4:
+        tiles["BLOCK_K"] = MXFP4_BLOCK  # a K step is one scale block
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
         x, gate_up, sorted_pairs, block_expert, act,
         gate_up_bias if gate_up_bias is not None else act,  # never read without HAS_BIAS
+        gate_up_scales if mxfp4 else act,  # never read without MXFP4
         num_pairs, num_experts, hidden, inter,
         float(swiglu_limit or 0.0), float(swiglu_alpha),
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, DOT_PRECISION=precision, DOT_FP32=fp32,
-        HAS_BIAS=gate_up_bias is not None, CLAMPED=clamped, **tiles,
+        HAS_BIAS=gate_up_bias is not None, CLAMPED=clamped, MXFP4=mxfp4, **tiles,
     )  # fmt: skip
     out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)  # others' pairs: 0
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
         act, down, sorted_pairs, block_expert, weights.reshape(-1).contiguous(),
-        down_bias if down_bias is not None else out, out,
+        down_bias if down_bias is not None else out, down_scales if mxfp4 else out, out,
         num_pairs, num_experts, inter, hidden,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        DOT_PRECISION=precision, DOT_FP32=fp32, HAS_BIAS=down_bias is not None, **tiles,
+        DOT_PRECISION=precision, DOT_FP32=fp32, HAS_BIAS=down_bias is not None,
+        MXFP4=mxfp4, **tiles,
     )  # fmt: skip
     # each token's top_k rows, summed in a fixed order
     return out.view(n, top_k, hidden).sum(1)

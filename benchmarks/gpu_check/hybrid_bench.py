@@ -1,6 +1,7 @@
 """Part `hybrid`: issue 42's kernels on the device -- the paged decode and prefill kernels with
 a sliding window and sinks (gpt-oss, Gemma 3), the Gated DeltaNet decode step (Qwen3-Next)
-and the fused MoE kernel with gpt-oss's biases and clamped SwiGLU.
+and the fused MoE kernel with gpt-oss's biases and clamped SwiGLU, and with its MXFP4 experts
+kept in 4 bits.
 
 1. Correctness first, bf16 (float32 for the delta rule, its state's dtype): each against its
    reference (`tandem.kernels.reference.paged_attention` with window and sinks; the torch
@@ -9,7 +10,9 @@ and the fused MoE kernel with gpt-oss's biases and clamped SwiGLU.
 2. Speed, each as a ratio in the same run: a sliding layer's decode (window 128, as gpt-oss)
    against the same rows at full attention, at batch 16 and 8k tokens of context (a sliding
    layer should cost ~window / context of a full one); its prefill (a 2048-token chunk after
-   6k cached) likewise; the delta-rule kernel against the torch recurrence at 64 rows.
+   6k cached) likewise; the delta-rule kernel against the torch recurrence at 64 rows; the
+   MXFP4 experts (gpt-oss-20b's 32 of 2880 x 2880, top 4) against the same in bf16, at 1
+   and 64 tokens (a quarter of the bytes: up to ~3.5x where the weights' reads dominate).
 
 A wrong result fails the part; speeds are figures. With --cpu: tiny shapes under Triton's
 interpreter (a smoke run). Not in the default parts: `--parts hybrid`.
@@ -45,6 +48,30 @@ def _paged(batch: int, context: int, heads: tuple[int, int], dim: int, dev: str)
     lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     q = torch.randn(batch, q_heads, dim, device=dev).to(DTYPE)
     return cache, tables, lens, q
+
+
+def _mxfp4_experts(cuda: bool, dev: str) -> dict[str, Any]:
+    """Random MXFP4 experts (gpt-oss-20b's 32 experts of 2880 x 2880, top 4, on CUDA; tiny
+    with --cpu), packed as the loader keeps them and dequantized to bf16."""
+    from tandem.weights.families import dequantize_mxfp4, pack_mxfp4
+
+    hidden, inter, experts, top_k = (2880, 2880, 32, 4) if cuda else (64, 96, 6, 2)
+
+    def matrix(out: int, inp: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        blocks = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8).to(dev)
+        scales = torch.randint(119, 124, (experts, out, inp // 32), dtype=torch.uint8).to(dev)
+        dense = dequantize_mxfp4(blocks, scales).to(DTYPE).transpose(1, 2).contiguous()
+        return pack_mxfp4(blocks, scales), dense
+
+    (gu, gus), gu_dense = matrix(2 * inter, hidden)
+    (d, ds), d_dense = matrix(hidden, inter)
+    return {"hidden": hidden, "experts": experts, "top_k": top_k, "packed": (gu, d),
+            "scales": (gus, ds), "dense": (gu_dense, d_dense)}  # fmt: skip
+
+
+def _routes(n: int, experts: int, top_k: int, dev: str) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = torch.topk(torch.softmax(torch.rand(n, experts, device=dev), -1), top_k)
+    return ids, weights
 
 
 def check_hybrid(ctx: Context) -> Figures:
@@ -120,6 +147,13 @@ def check_hybrid(ctx: Context) -> Figures:
                         gate_up_bias=w.gate_up_bias, down_bias=w.down_bias,
                         swiglu_limit=7.0)  # fmt: skip
         judged("fused_moe_gpt_oss", got, moe.grouped_experts(x, routed, w, cfg), MOE_TOLERANCE)
+        # MXFP4 experts (kept in 4 bits) against the same experts dequantized to bf16
+        mx = _mxfp4_experts(cuda, dev)
+        ids, rw = _routes(16, mx["experts"], mx["top_k"], dev)
+        xm = torch.randn(16, mx["hidden"], device=dev).to(DTYPE)
+        got = fused_moe(xm, *mx["packed"], ids, rw, gate_up_scales=mx["scales"][0],
+                        down_scales=mx["scales"][1])  # fmt: skip
+        judged("fused_moe_mxfp4", got, fused_moe(xm, *mx["dense"], ids, rw), MOE_TOLERANCE)
     except Exception as exc:  # a launch or compile error on this device
         ctx.log(traceback.format_exc().rstrip())
         raise PartFailed(f"{type(exc).__name__}: {exc}", figures) from None
@@ -162,8 +196,27 @@ def check_hybrid(ctx: Context) -> Figures:
         "rows": rows, "heads": vh, "kernel_us": round(kernel * 1e6, 1),
         "torch_us": round(eager * 1e6, 1), "speedup": round(eager / kernel, 2),
     }  # fmt: skip
+    figures["mxfp4"] = {}
+    for n in (1, 64) if cuda else (2,):
+        ids, rw = _routes(n, mx["experts"], mx["top_k"], dev)
+        xn = torch.randn(n, mx["hidden"], device=dev).to(DTYPE)
+        packed = functools.partial(
+            fused_moe,
+            xn,
+            *mx["packed"],
+            ids,
+            rw,
+            gate_up_scales=mx["scales"][0],
+            down_scales=mx["scales"][1],
+        )
+        dense = functools.partial(fused_moe, xn, *mx["dense"], ids, rw)  # fmt: skip
+        four, sixteen = time_s(packed), time_s(dense)
+        figures["mxfp4"][str(n)] = {
+            "mxfp4_us": round(four * 1e6, 1), "bf16_us": round(sixteen * 1e6, 1),
+            "speedup": round(sixteen / four, 2),
+        }  # fmt: skip
     ctx.log(f"hybrid: decode {figures['decode']}, prefill {figures['prefill']}, "
-            f"delta rule {figures['delta_rule']}")  # fmt: skip
+            f"delta rule {figures['delta_rule']}, mxfp4 experts {figures['mxfp4']}")  # fmt: skip
     free_memory(dev)
     if not cuda:
         figures["note"] = "not judged as speed: a smoke run"

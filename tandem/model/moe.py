@@ -84,9 +84,14 @@ class MoeWeights:
     # Qwen3-Next's shared expert: (gate | up [hidden, 2S], down [S, hidden], its per-token
     # gate [hidden, 1]): every token also gets sigmoid(x @ gate) * down(silu(gate) * up)
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # MXFP4 experts kept in 4 bits (gpt-oss on CUDA, tandem.kernels.fused_moe): gate_up and
+    # down are then uint8 [E, in / 2, out] and these their scales [E, in / 32, out]
+    gate_up_scales: torch.Tensor | None = None
+    down_scales: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        extra = (self.router_bias, self.gate_up_bias, self.down_bias)
+        extra = (self.router_bias, self.gate_up_bias, self.down_bias, self.gate_up_scales,
+                 self.down_scales)  # fmt: skip
         shared = self.shared or ()
         return (self.router, self.gate_up, self.down, *(b for b in extra if b is not None),
                 *shared)  # fmt: skip
@@ -262,8 +267,11 @@ def _routed(
             x, weights.gate_up, weights.down, routed.expert_ids, routed.weights,
             first_expert=weights.first_expert, gate_up_bias=weights.gate_up_bias,
             down_bias=weights.down_bias, swiglu_limit=cfg.swiglu_limit,
-            swiglu_alpha=cfg.swiglu_alpha,
+            swiglu_alpha=cfg.swiglu_alpha, gate_up_scales=weights.gate_up_scales,
+            down_scales=weights.down_scales,
         )  # fmt: skip
+    if weights.gate_up_scales is not None:
+        raise ValueError("MXFP4 experts are kept in 4 bits on CUDA only")
     return grouped_experts(x, routed, weights, cfg)
 
 

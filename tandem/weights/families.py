@@ -12,9 +12,10 @@ gpt-oss   o_proj's bias, self_attn.sinks [q_heads], the router (mlp.router, with
           quantization_config.quant_method "mxfp4") the two expert matrices are MXFP4
           instead: `<name>_blocks` [E, out, in / 32, 16] uint8, two e2m1 values per byte
           (low nibble first), and `<name>_scales` [E, out, in / 32] uint8, each block of
-          32 inputs scaled by 2^(scale - 127). They are dequantized as they load
-          (`dequantize_mxfp4`): exactly, every e2m1 value times a power of two being a
-          bfloat16.
+          32 inputs scaled by 2^(scale - 127). On CUDA they stay in 4 bits
+          (`pack_mxfp4`: the fused MoE kernel decodes them tile by tile); elsewhere they
+          are dequantized as they load (`dequantize_mxfp4`): exactly, every e2m1 value
+          times a power of two being a bfloat16.
 """
 
 from __future__ import annotations
@@ -108,6 +109,14 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return values.flatten(-2)
 
 
+def pack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 [..., out, groups, 16] blocks and [..., out, groups] scales as the fused MoE
+    kernel reads them (tandem.kernels.fused_moe): bytes [..., in / 2, out] and scales
+    [..., groups, out], each a matrix [in, out] like every other, still 4 bits a value."""
+    packed = blocks.flatten(-2).transpose(-1, -2).contiguous()
+    return packed, scales.transpose(-1, -2).contiguous()
+
+
 def gpt_oss_experts(
     reader: Reader,
     config: ModelConfig,
@@ -116,10 +125,15 @@ def gpt_oss_experts(
     mxfp4: bool,
     dtype: torch.dtype,
     device: torch.device,
+    keep_4bit: bool = False,
 ) -> MoeWeights:
     """Layer `layer`'s router and experts `experts` in our layout: matrices [in, out], gate
-    and up de-interleaved into gate | up (the grouped GEMM's layout), biases alike."""
+    and up de-interleaved into gate | up (the grouped GEMM's layout), biases alike. MXFP4
+    experts are dequantized, or with `keep_4bit` (the loader's choice on CUDA) kept in 4 bits
+    (`pack_mxfp4`: the fused MoE kernel decodes them)."""
     p = f"model.layers.{layer}.mlp."
+    packed = mxfp4 and keep_4bit
+    kept: dict[str, torch.Tensor] = {}  # packed: each matrix's scales
 
     def load(name: str, dt: torch.dtype = dtype, stacked: bool = True) -> torch.Tensor:
         # this layer's experts only; a view of the reader's buffer, copied before the next read
@@ -132,19 +146,25 @@ def gpt_oss_experts(
             return load(f"experts.{name}")
         blocks = load(f"experts.{name}_blocks", torch.uint8)
         scales = load(f"experts.{name}_scales", torch.uint8)
+        if packed:
+            matrix_bytes, kept[name] = pack_mxfp4(blocks, scales)
+            return matrix_bytes
         return dequantize_mxfp4(blocks, scales).to(dtype).transpose(1, 2).contiguous()
 
     def deinterleave(t: torch.Tensor) -> torch.Tensor:
         return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1).contiguous()
 
+    gate_up = deinterleave(matrix("gate_up_proj"))
     return MoeWeights(
         router=load("router.weight", stacked=False).t().contiguous(),  # [hidden, E]
-        gate_up=deinterleave(matrix("gate_up_proj")),
+        gate_up=gate_up,
         down=matrix("down_proj"),
         first_expert=experts.start,
         router_bias=load("router.bias", stacked=False),
         gate_up_bias=deinterleave(load("experts.gate_up_proj_bias")),
         down_bias=load("experts.down_proj_bias"),
+        gate_up_scales=deinterleave(kept["gate_up_proj"]) if packed else None,
+        down_scales=kept.get("down_proj"),
     )
 
 

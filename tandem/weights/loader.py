@@ -196,9 +196,11 @@ class WeightBuilder:
         if config.architecture == families.GPT_OSS:
             reader = self.reader
             assert isinstance(reader, TensorReader)
+            # MXFP4 experts stay in 4 bits where the fused MoE kernel decodes them (CUDA)
             return families.gpt_oss_experts(
-                reader, config, i, mine, self.mxfp4, self.dtype, self.device
-            )
+                reader, config, i, mine, self.mxfp4, self.dtype, self.device,
+                keep_4bit=self.device.type == "cuda",
+            )  # fmt: skip
         num, hid = len(mine), config.hidden_size
         # a tensor-parallel rank's share of each expert's columns (the shapes are sliced)
         inter = self.shapes[expert_names(config.architecture, i, mine.start)[0]][0]

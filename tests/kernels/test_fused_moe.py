@@ -140,10 +140,15 @@ POINTERS = {
 
 for kernel in (_gate_up_kernel, _down_kernel):
     for block_m in (16, 64):
-        for x in ("fp16", "bf16"):
-            # bf16: gpt-oss's variant (biases, the clamped SwiGLU)
+        for variant in ("fp16", "bf16", "mxfp4"):
+            # bf16: gpt-oss's variant (biases, the clamped SwiGLU); mxfp4: its experts as
+            # shipped, decoded in the kernel (one 32-input scale block per K step)
+            mxfp4 = variant == "mxfp4"
+            x = "bf16" if mxfp4 else variant
             constants = dict(_tiles(block_m), DOT_PRECISION="tf32", DOT_FP32=False,
-                             HAS_BIAS=x == "bf16")  # fmt: skip
+                             HAS_BIAS=x == "bf16", MXFP4=mxfp4)  # fmt: skip
+            if mxfp4:
+                constants["BLOCK_K"] = 32
             if kernel is _gate_up_kernel:
                 constants["TOP_K"] = 2
                 constants["CLAMPED"] = x == "bf16"
@@ -151,6 +156,8 @@ for kernel in (_gate_up_kernel, _down_kernel):
             for arg in kernel.arg_names:
                 if arg in constants:
                     signature[arg] = "constexpr"
+                elif mxfp4 and arg in ("w_ptr", "scales_ptr"):
+                    signature[arg] = "*u8"
                 elif arg in POINTERS[kernel]:
                     signature[arg] = "*" + x
                 elif arg.endswith("_ptr"):
@@ -165,10 +172,48 @@ for kernel in (_gate_up_kernel, _down_kernel):
                 num_warps=4 if block_m == 16 else 8, enable_fp_fusion=True,
             )
             registers, spills = ptxas_usage(compiled.asm["ptx"])
-            assert spills == 0, (kernel.fn.__name__, block_m, x, registers, spills)
-            print(kernel.fn.__name__, block_m, x, registers, "registers ok")
+            assert spills == 0, (kernel.fn.__name__, block_m, variant, registers, spills)
+            print(kernel.fn.__name__, block_m, variant, registers, "registers ok")
 """
 
 
 def test_lowers_for_sm90() -> None:
-    assert_lowers(LOWER_SCRIPT, 8)
+    assert_lowers(LOWER_SCRIPT, 12)
+
+
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (37, 2), (70, 3)])
+def test_mxfp4_experts_decode_in_the_kernel(num_tokens: int, top_k: int) -> None:
+    """gpt-oss's MXFP4 experts kept in 4 bits (`families.pack_mxfp4`): the kernel that decodes
+    them tile by tile gives what it gives on the same weights dequantized to bfloat16 first
+    (`families.dequantize_mxfp4`, exact), biases and the clamped SwiGLU included; and it
+    refuses scales that do not fit."""
+    from tandem.weights.families import dequantize_mxfp4, pack_mxfp4
+
+    hidden, inter, num_experts = 64, 96, 6  # in 32s; 96 masks the last 64-column tile
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=g).to(torch.bfloat16)
+
+    def mxfp4(out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:  # as shipped
+        blocks = torch.randint(0, 256, (num_experts, out, inp // 32, 16), generator=g)
+        scales = torch.randint(119, 124, (num_experts, out, inp // 32), generator=g)
+        return blocks.to(torch.uint8), scales.to(torch.uint8)
+
+    gu_blocks, gu_scales = mxfp4(2 * inter, hidden)
+    d_blocks, d_scales = mxfp4(hidden, inter)
+    dense = [dequantize_mxfp4(b, s).transpose(1, 2).contiguous().to(torch.bfloat16)
+             for b, s in ((gu_blocks, gu_scales), (d_blocks, d_scales))]  # fmt: skip
+    (gu, gus), (d, ds) = pack_mxfp4(gu_blocks, gu_scales), pack_mxfp4(d_blocks, d_scales)
+    assert gu.shape == (num_experts, hidden // 2, 2 * inter) and gus.shape[1] == hidden // 32
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    weights, ids = torch.topk(torch.softmax(scores, -1), top_k, dim=-1)
+    gub = torch.randn(num_experts, 2 * inter, generator=g).to(torch.bfloat16)
+    db = torch.randn(num_experts, hidden, generator=g).to(torch.bfloat16)
+    extra = dict(gate_up_bias=gub, down_bias=db, swiglu_limit=7.0)
+    got = fused_moe(x, gu, d, ids, weights, gate_up_scales=gus, down_scales=ds, **extra)
+    want = fused_moe(x, *dense, ids, weights, **extra)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    assert got.abs().max() > 0.1  # not all zeros
+    with pytest.raises(ValueError, match="down_scales must be contiguous uint8"):
+        fused_moe(x, gu, d, ids, weights, gate_up_scales=gus, down_scales=ds[:, :1])
+    with pytest.raises(ValueError, match="expert weights must be"):
+        fused_moe(x, *dense, ids, weights, down_scales=ds)

@@ -188,6 +188,12 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         assert all(c[case]["time_us" if kind == "decode" else "time_ms"] > 0 for c in candidates)
         assert tiles[kind]["best"]["tiles"] in [c["tiles"] for c in candidates]
 
+    # hybrid: every kernel judged against its reference, MXFP4 experts decoded in the kernel
+    hybrid = parts["hybrid"]["figures"]
+    assert all(c["passed"] for c in hybrid["correct"].values()), hybrid["correct"]
+    assert "fused_moe_mxfp4" in hybrid["correct"]
+    assert hybrid["mxfp4"]["2"]["mxfp4_us"] > 0 and hybrid["mxfp4"]["2"]["bf16_us"] > 0
+
 
 def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:
     """kernels as the first part (its interpreter set-up), e2e without throughput's weights,

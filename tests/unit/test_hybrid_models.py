@@ -123,12 +123,11 @@ def test_mxfp4_dequantization_matches_transformers() -> None:
     assert one[0, :2].tolist() == [3.0, -2.0] and E2M1_VALUES[0xA] == -1.0
 
 
-def test_gpt_oss_mxfp4_checkpoint_serves_as_transformers(hf_model, engine_factory, tmp_path):
-    """A gpt-oss checkpoint with MXFP4 experts, as OpenAI ships them: the engine's logits
-    equal transformers' on the same (dequantized) weights."""
+def _mxfp4_checkpoint(src: Path, hf: Any, out: Path) -> dict[str, torch.Tensor]:
+    """`src`'s gpt-oss checkpoint with its experts in MXFP4, as OpenAI ships them, written
+    to `out`; returns `hf`'s state with those experts dequantized."""
     from safetensors.torch import load_file, save_file
 
-    src, hf = hf_model("gpt-oss")
     tensors = load_file(str(src / "model.safetensors"))
     gen = torch.Generator().manual_seed(4)
     state = {k: v.clone() for k, v in hf.state_dict().items()}
@@ -137,10 +136,18 @@ def test_gpt_oss_mxfp4_checkpoint_serves_as_transformers(hf_model, engine_factor
         blocks, scales = _quantize_mxfp4(w, gen)
         tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
         state[name] = dequantize_mxfp4(blocks, scales).transpose(1, 2).contiguous()
-    save_file(tensors, str(tmp_path / "model.safetensors"))
+    save_file(tensors, str(out / "model.safetensors"))
     raw = json.loads((src / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (out / "config.json").write_text(json.dumps(raw))
+    return state
+
+
+def test_gpt_oss_mxfp4_checkpoint_serves_as_transformers(hf_model, engine_factory, tmp_path):
+    """A gpt-oss checkpoint with MXFP4 experts, as OpenAI ships them: the engine's logits
+    equal transformers' on the same (dequantized) weights."""
+    src, hf = hf_model("gpt-oss")
+    state = _mxfp4_checkpoint(src, hf, tmp_path)
     import copy
 
     ref = copy.deepcopy(hf)
@@ -162,6 +169,39 @@ def test_gpt_oss_mxfp4_checkpoint_serves_as_transformers(hf_model, engine_factor
         stale = hf(full).logits[0, len(prompt) - 1 : -1]
     torch.testing.assert_close(torch.stack(seen), fresh, atol=1e-4, rtol=0)
     assert not torch.allclose(stale, fresh, atol=1e-2)  # the MXFP4 values are what served
+
+
+def test_mxfp4_experts_load_in_4_bits_for_the_kernel(hf_model, tmp_path) -> None:
+    """Where the fused MoE kernel decodes MXFP4 (CUDA: the loader's `keep_4bit`), gpt-oss's
+    experts load as shipped, a quarter of bf16's bytes: their packed gate | up (de-interleaved
+    with its scales) and down, through the kernel (the interpreter here), give what the
+    dequantized experts give."""
+    from tandem.kernels.fused_moe import fused_moe
+    from tandem.weights.families import gpt_oss_experts
+    from tandem.weights.safetensors_io import TensorReader, read_header
+
+    src, hf = hf_model("gpt-oss")
+    _mxfp4_checkpoint(src, hf, tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.moe is not None
+    entries = read_header(tmp_path / "model.safetensors")
+    cpu, bf16, experts = torch.device("cpu"), torch.bfloat16, range(config.moe.num_experts)
+    with TensorReader(entries, [n for n in entries if ".layers.0.mlp." in n], None) as reader:
+        kept = gpt_oss_experts(reader, config, 0, experts, True, bf16, cpu, keep_4bit=True)
+        dense = gpt_oss_experts(reader, config, 0, experts, True, bf16, cpu)
+    assert kept.gate_up.dtype == torch.uint8 and kept.gate_up_scales is not None
+    assert kept.gate_up.numel() * 4 == dense.gate_up.numel() * 2  # 4 bits against 16
+    assert dense.gate_up_scales is None
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, config.hidden_size, generator=g).to(bf16)
+    scores = torch.rand(9, config.moe.num_experts, generator=g)
+    weights, ids = torch.topk(torch.softmax(scores, -1), config.moe.top_k, dim=-1)
+    common = dict(gate_up_bias=dense.gate_up_bias, down_bias=dense.down_bias,
+                  swiglu_limit=config.moe.swiglu_limit)  # fmt: skip
+    got = fused_moe(x, kept.gate_up, kept.down, ids, weights, gate_up_scales=kept.gate_up_scales,
+                    down_scales=kept.down_scales, **common)  # fmt: skip
+    want = fused_moe(x, dense.gate_up, dense.down, ids, weights, **common)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("arch", ["gpt-oss", "gemma3"])
