@@ -50,7 +50,15 @@ def engine_footprint(engine: LLMEngine) -> dict[str, StateSize]:
     if engine.grammars is not None:
         grammars = engine.grammars
         sizes["grammar_cache"] = StateSize(len(grammars._compiled), grammars.cache_size)
-    model = engine.model
+    runner, model = engine.runner, engine.model
+    if model.linear_states is not None:  # linear-attention layers (Qwen3-Next)
+        sizes["linear_state_slots"] = StateSize(len(runner._state_slots), None)
+        sizes["linear_state_positions"] = StateSize(len(runner._state_pos), None)
+        ckpts = engine.kv.checkpoints
+        if ckpts is not None:
+            sizes["linear_state_checkpoints"] = StateSize(len(ckpts), ckpts.num_slots)
+    if engine.state_handoff is not None:
+        sizes["state_handoff_reserved"] = StateSize(len(engine.state_handoff._reserved), None)
     if getattr(model, "matmul", None) is MatmulKind.ONEDNN:
         max_rows = engine.config.scheduler.max_step_rows
         sizes["onednn_row_counts"] = StateSize(

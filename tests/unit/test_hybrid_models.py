@@ -378,6 +378,14 @@ def test_linear_state_travels_in_an_in_process_hand_off(hf_model, engine_factory
             while decode.has_unfinished():
                 decode.step()
             assert request.output_token_ids == ref.token_ids, rid
+    from tandem.engine.footprint import engine_footprint
+
     for e in (full, prefill, decode):
         e.check_integrity()
         assert e.num_free_blocks() == e.num_blocks
+        # no request's state outlives it (slots, positions, reserved state blocks)
+        sizes = engine_footprint(e)
+        assert {"linear_state_slots", "state_handoff_reserved"} <= set(sizes)
+        assert all(s.entries == 0 for s in sizes.values() if s.bound is None), sizes
+        ckpts = sizes["linear_state_checkpoints"]
+        assert ckpts.bound is not None and 0 < ckpts.entries <= ckpts.bound
