@@ -14,6 +14,10 @@ kept in 4 bits.
    MXFP4 experts (gpt-oss-20b's 32 of 2880 x 2880, top 4) against the same in bf16, at 1
    and 64 tokens (a quarter of the bytes: up to ~3.5x where the weights' reads dominate).
 
+3. The families through the whole engine (`hybrid_engines`): gpt-oss (bf16 experts and MXFP4
+   ones kept in 4 bits), Gemma 3 and Qwen3-Next, float32, greedy tokens as transformers',
+   with a prefix hit (Qwen3-Next's from a state checkpoint).
+
 A wrong result fails the part; speeds are figures. With --cpu: tiny shapes under Triton's
 interpreter (a smoke run). Not in the default parts: `--parts hybrid`.
 """
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from .common import Context, Figures, PartFailed, free_memory, median_time_s
+from .hybrid_engines import check_hybrid_engines
 from .kernels_bench import compare, use_interpreter
 
 DTYPE = torch.bfloat16
@@ -154,6 +159,11 @@ def check_hybrid(ctx: Context) -> Figures:
         got = fused_moe(xm, *mx["packed"], ids, rw, gate_up_scales=mx["scales"][0],
                         down_scales=mx["scales"][1])  # fmt: skip
         judged("fused_moe_mxfp4", got, fused_moe(xm, *mx["dense"], ids, rw), MOE_TOLERANCE)
+        # the families through the whole engine, against transformers
+        figures["engines"] = check_hybrid_engines(ctx, ctx.tmp_dir / "hybrid-models")
+        for family, result in figures["engines"].items():
+            if not result["identical"] or result["prefix_hit_tokens"] != 24:
+                wrong.append(f"engine {family}: {result}")
     except Exception as exc:  # a launch or compile error on this device
         ctx.log(traceback.format_exc().rstrip())
         raise PartFailed(f"{type(exc).__name__}: {exc}", figures) from None

@@ -189,7 +189,7 @@ CUDA_SIZES = Sizes(
         nixl=30,
         serve=60,
         tiles=75,
-        hybrid=60,
+        hybrid=120,  # its engine check builds four tiny models and runs transformers on them
     ),
 )
 

@@ -17,13 +17,13 @@ from tandem.engine.engine import LLMEngine
 from tandem.model.config import ModelConfig
 from tandem.services.up import Cluster
 from tandem.weights.tiny import make_tiny_model
-from tests.conftest import build_hf_model
+from tests.hf_models import build_hf_model
 from tests.services.conftest import KV_BYTES, up_cluster
 from tests.services.workers import assert_all_free, assert_answers_as_the_single_engine
 
 
 def moe_model(root: Path, arch: str) -> Path:
-    """transformers' random `arch` checkpoint (tests/conftest.py ARCH_CONFIGS) with the tiny
+    """transformers' random `arch` checkpoint (tests/hf_models.py ARCH_CONFIGS) with the tiny
     model's tokenizer."""
     tiny = make_tiny_model(root / "tiny", preset="tiny")
     out = root / "model"

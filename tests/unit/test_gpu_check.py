@@ -193,6 +193,9 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     assert all(c["passed"] for c in hybrid["correct"].values()), hybrid["correct"]
     assert "fused_moe_mxfp4" in hybrid["correct"]
     assert hybrid["mxfp4"]["2"]["mxfp4_us"] > 0 and hybrid["mxfp4"]["2"]["bf16_us"] > 0
+    engines = hybrid["engines"]
+    assert set(engines) == {"gpt-oss", "gpt-oss-mxfp4", "gemma3", "qwen3-next"}
+    assert all(e["identical"] and e["prefix_hit_tokens"] == 24 for e in engines.values())
 
 
 def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from tandem.quant.weight import QuantizedWeight, WeightScheme
 from tandem.weights.fetch import convert_gguf_file
 from tandem.weights.loader import load_weights
 from tandem.weights.safetensors_io import TensorReader
-from tests.conftest import build_hf_model
+from tests.hf_models import build_hf_model
 from tests.unit.test_gguf import _write_gguf
 from tests.unit.test_quant_checkpoints import (
     QUANT_CONFIGS,
