@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -42,16 +43,24 @@ KV_BYTES = 64 << 20
 
 
 def spawn(module: str, *args: str) -> tuple[subprocess.Popen[str], str]:
-    """Start `python -m module args`, wait for its READY line; return (process, address)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), f"{module} failed to start: {line!r}"
+    """Start `python -m module args`, wait for its READY line; return (process, address).
+    Its stderr goes to a temporary file (a pipe nobody reads would fill and block it), whose
+    tail is the failure's message when it never gets ready."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("READY"):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            err.seek(0)
+            tail = err.read()[-3000:]
+            raise AssertionError(f"{module} failed to start ({proc.returncode}): {line!r}\n{tail}")
     return proc, line.split()[-1]
 
 
