@@ -369,6 +369,8 @@ class LLMEngine:
             text = self._detokenize(request, new_ids, now)
             lps = request.logprobs[-1:] if new_ids and request.logprobs else []
             if request.status == RequestStatus.HANDED_OFF:
+                # a linear-attention state into blocks after the pages, before reading the table
+                packed = self.state_handoff.pack(rid) if self.state_handoff else 0
                 outputs.append(
                     RequestOutput(
                         request_id=rid,
@@ -378,7 +380,7 @@ class LLMEngine:
                         finish_reason=None,
                         handed_off=True,
                         num_cached_tokens=request.num_cached_tokens or 0,
-                        state_blocks=self.state_handoff.pack(rid) if self.state_handoff else 0,
+                        state_blocks=packed,
                         block_ids=self.block_table(rid),
                         logprobs=lps,
                     )

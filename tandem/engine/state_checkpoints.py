@@ -37,7 +37,8 @@ class StateCheckpoints:
         self.record_events = False
         self._events: list[KVEvent] = []
         self._slots: OrderedDict[int, int] = OrderedDict()
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._free: list[int] = []
+        self.clear()
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -82,7 +83,7 @@ class StateCheckpoints:
         """Forget every checkpoint (the prefix cache was reset)."""
         for h in self._slots:
             self._event(KVEventKind.REMOVED, h)
-        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._free = list(range(self.num_slots - 1, -1, -1))  # popped from the end: 0 first
         self._slots.clear()
 
     def _event(self, kind: KVEventKind, block_hash: int) -> None:

@@ -17,11 +17,10 @@ runner has seen (tandem.engine.runner assigns the slots; a request's first chunk
 zeros, each later chunk and decode step from where the last one left S). Nothing of it is in
 the paged KV cache: a cached prefix resumes a request only from a state checkpoint taken after
 exactly that prefix (tandem.engine.state_checkpoints; a row may save one mid-chunk, `StateRows`),
-and a decode worker recomputes a handed-off prompt (tandem.services.decode). Computed in
-float32 (S always), on the torch ops of the
-device; a prefill chunk through the chunked form (`chunk_rule`), decode rows together
-through the recurrent form (`recurrent_step`; on CUDA one Triton kernel,
-tandem.kernels.delta_rule, steps every row's state in its slot).
+and a hand-off carries it in a section of its own (tandem.engine.state_pages). Computed in
+float32 (S always), on the torch ops of the device; a prefill chunk through the chunked form
+(`chunk_rule`), decode rows together through the recurrent form (`recurrent_step`; on CUDA
+one Triton kernel, tandem.kernels.delta_rule, steps every row's state in its slot).
 """
 
 from __future__ import annotations

@@ -132,8 +132,6 @@ def gpt_oss_experts(
     experts are dequantized, or with `keep_4bit` (the loader's choice on CUDA) kept in 4 bits
     (`pack_mxfp4`: the fused MoE kernel decodes them)."""
     p = f"model.layers.{layer}.mlp."
-    packed = mxfp4 and keep_4bit
-    kept: dict[str, torch.Tensor] = {}  # packed: each matrix's scales
 
     def load(name: str, dt: torch.dtype = dtype, stacked: bool = True) -> torch.Tensor:
         # this layer's experts only; a view of the reader's buffer, copied before the next read
@@ -141,30 +139,31 @@ def gpt_oss_experts(
         t = t[experts.start : experts.stop] if stacked else t
         return t.to(device=device, dtype=dt, copy=True)
 
-    def matrix(name: str) -> torch.Tensor:  # [E, in, out]
+    def matrix(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[E, in, out], and its MXFP4 scales when it stays in 4 bits (else None)."""
         if not mxfp4:
-            return load(f"experts.{name}")
+            return load(f"experts.{name}"), None
         blocks = load(f"experts.{name}_blocks", torch.uint8)
         scales = load(f"experts.{name}_scales", torch.uint8)
-        if packed:
-            matrix_bytes, kept[name] = pack_mxfp4(blocks, scales)
-            return matrix_bytes
-        return dequantize_mxfp4(blocks, scales).to(dtype).transpose(1, 2).contiguous()
+        if keep_4bit:
+            return pack_mxfp4(blocks, scales)
+        return dequantize_mxfp4(blocks, scales).to(dtype).transpose(1, 2).contiguous(), None
 
     def deinterleave(t: torch.Tensor) -> torch.Tensor:
         return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1).contiguous()
 
-    gate_up = deinterleave(matrix("gate_up_proj"))
+    gate_up, gate_up_scales = matrix("gate_up_proj")
+    down, down_scales = matrix("down_proj")
     return MoeWeights(
         router=load("router.weight", stacked=False).t().contiguous(),  # [hidden, E]
-        gate_up=gate_up,
-        down=matrix("down_proj"),
+        gate_up=deinterleave(gate_up),
+        down=down,
         first_expert=experts.start,
         router_bias=load("router.bias", stacked=False),
         gate_up_bias=deinterleave(load("experts.gate_up_proj_bias")),
         down_bias=load("experts.down_proj_bias"),
-        gate_up_scales=deinterleave(kept["gate_up_proj"]) if packed else None,
-        down_scales=kept.get("down_proj"),
+        gate_up_scales=None if gate_up_scales is None else deinterleave(gate_up_scales),
+        down_scales=down_scales,
     )
 
 
