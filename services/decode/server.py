@@ -162,26 +162,29 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             except ValueError as exc:
                 raise invalid_argument(str(exc)) from None
             handoff = decode.handoff
-            refusal = None if handoff is None else self._section_refusal(spec, handoff)
-            if handoff is not None and refusal is not None:
+            sections = None if handoff is None else self._read_sections(spec, handoff)
+            if handoff is not None and isinstance(sections, str):
                 # Not every group's state is in it: never decode from part of it.
-                await self._decline_kv(spec, handoff, refusal, span)
+                await self._decline_kv(spec, handoff, sections, span)
                 self.metrics.kv_transfer(KVOutcome.REFUSED)
                 if decode.report_kv_failure:
-                    yield wpb.DecodeResponse(request_id=rid, kv_failed=wpb.KvFailed(reason=refusal))
+                    failed = wpb.KvFailed(reason=sections)
+                    yield wpb.DecodeResponse(request_id=rid, kv_failed=failed)
                     return
                 self.num_recomputed += 1
                 self.metrics.recomputed.inc()
                 complete.recomputed = True
                 await self.add_request(spec, decode.resume)
-            elif handoff is not None:
+            elif handoff is not None and isinstance(sections, dict):
                 with tracing.span(
                     "tandem.kv_transfer",
                     span,
                     error_attributes={"tandem.kv.outcome": KVOutcome.REFUSED.value},
                 ) as kv_span:
                     try:
-                        pulled = await self._pull_kv(spec, decode.resume, handoff, kv_span)
+                        pulled = await self._pull_kv(
+                            spec, decode.resume, handoff, sections, kv_span
+                        )
                     except ServiceError:
                         self.metrics.kv_transfer(KVOutcome.REFUSED)
                         raise
@@ -237,9 +240,11 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         spec: RequestSpec,
         resume: Resume,
         handoff: KVHandoff,
+        sections: dict[SectionKind, range],
         span: tracing.Span = tracing.INVALID_SPAN,
     ) -> Pulled:
-        """Check the handle, reserve, read, confirm. Raises ServiceError when the request
+        """Check the handle, reserve, read, confirm; `sections`: which of its blocks are the
+        pages and which the state (`_read_sections`). Raises ServiceError when the request
         cannot be served here (invalid, no free blocks within kv_wait_s, a KV layout that
         differs from this worker's, or a handle that is not proven genuine for this request:
         PERMISSION_DENIED)."""
@@ -274,7 +279,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             )
         table, num_cached = reserved
         done = ReadDone(0, 0.0)
-        ids, sections = handoff.remote.block_ids, self._sections(spec, handoff)
+        ids = handoff.remote.block_ids
         state = sections.get(SectionKind.LINEAR_STATE)
         state_ids = None
         if state is not None:
@@ -331,23 +336,22 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             await self.loop.call(lambda e: e.commit_kv(rid))
         return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3, failure, outcome)
 
-    def _section_refusal(self, spec: RequestSpec, handoff: KVHandoff) -> str | None:
-        """Why this worker cannot resume from the hand-off's sections; None: it can."""
+    def _read_sections(
+        self, spec: RequestSpec, handoff: KVHandoff
+    ) -> dict[SectionKind, range] | str:
+        """Each of the hand-off's sections' blocks (`check_sections`), or why this worker
+        cannot resume from them."""
         try:
-            self._sections(spec, handoff)
+            return check_sections(
+                handoff.sections,
+                expected_sections(self.engine.kv_format, self.engine.state_handoff),
+                len(handoff.remote.block_ids),
+                spec.num_prompt_tokens,
+                self.engine.kv.block_size,
+                self.transport.layout.block_bytes,
+            )
         except SectionRefused as exc:
             return f"KV hand-off refused: {exc}"
-        return None
-
-    def _sections(self, spec: RequestSpec, handoff: KVHandoff) -> dict[SectionKind, range]:
-        return check_sections(
-            handoff.sections,
-            expected_sections(self.engine.kv_format, self.engine.state_handoff),
-            len(handoff.remote.block_ids),
-            spec.num_prompt_tokens,
-            self.engine.kv.block_size,
-            self.transport.layout.block_bytes,
-        )
 
     async def _decline_kv(
         self,

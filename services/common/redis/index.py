@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -82,51 +82,46 @@ def _pack(hashes: tuple[int, ...]) -> list[bytes]:
 def _leading_counts(values: list[bytes | None], names: list[str]) -> dict[str, int]:
     """Per worker, the number of leading `values` (bitmaps, None for a missing key) that have
     its bit set, omitting workers with none. `names[s]` is the worker of slot s."""
-    first = values[0]
-    if not first:
+    alive = _bitmap(values[0])
+    if not alive:
         return {}
-    # Slot s is bit 63 - s of the value read big-endian and padded to 8 bytes (SETBIT writes
-    # only as many bytes as the highest slot set needs).
-    alive = int.from_bytes(first, "big") << (64 - 8 * len(first))
     counts: dict[str, int] = {}
     n = len(values)
     for i in range(1, n):
-        raw = values[i]
-        held = int.from_bytes(raw, "big") << (64 - 8 * len(raw)) if raw else 0
-        lost = alive & ~held
+        lost = alive & ~_bitmap(values[i])
         if lost:
             alive ^= lost
-            while lost:
-                low = lost & -lost
-                lost ^= low
-                _credit(counts, names, 64 - low.bit_length(), i)
+            for worker in _workers(lost, names):
+                counts[worker] = i
             if not alive:
                 return counts
-    while alive:
-        low = alive & -alive
-        alive ^= low
-        _credit(counts, names, 64 - low.bit_length(), n)
+    for worker in _workers(alive, names):
+        counts[worker] = n
     return counts
 
 
 def _holders(raw: bytes | None, names: list[str]) -> set[str]:
     """The workers whose bits a block's bitmap (None: no key) has set."""
-    bits = int.from_bytes(raw, "big") << (64 - 8 * len(raw)) if raw else 0
-    held = set()
+    return set(_workers(_bitmap(raw), names))
+
+
+def _bitmap(raw: bytes | None) -> int:
+    """A block's worker bitmap as a 64-bit int, None (no key) as 0. Slot s is bit 63 - s of
+    the value read big-endian and padded to 8 bytes (SETBIT writes only as many bytes as the
+    highest slot set needs)."""
+    return int.from_bytes(raw, "big") << (64 - 8 * len(raw)) if raw else 0
+
+
+def _workers(bits: int, names: list[str]) -> Iterator[str]:
+    """The workers of the slots whose bits are set in `bits`. A bit without a name would be a
+    slot freed while its bit stayed set, which the scripts never leave behind; it is skipped
+    rather than a worker invented."""
     while bits:
         low = bits & -bits
         bits ^= low
         slot = 64 - low.bit_length()
         if slot < len(names) and names[slot]:
-            held.add(names[slot])
-    return held
-
-
-def _credit(counts: dict[str, int], names: list[str], slot: int, count: int) -> None:
-    # A bit without a name would be a slot freed while its bit stayed set, which the scripts
-    # never leave behind; skip it rather than invent a worker.
-    if slot < len(names) and names[slot]:
-        counts[names[slot]] = count
+            yield names[slot]
 
 
 @dataclass(frozen=True, slots=True)
