@@ -99,7 +99,8 @@ def up_kv_cache(
     """`tandem up`'s KV cache per worker and a line saying what it holds: `requested`, or
     (None) enough blocks for one full context of the model, at least the engine's default.
     An fp8 cache (`kv_cache_dtype`) holds a token in one byte per element."""
-    from tandem.config import DEFAULT_BLOCK_SIZE, EngineConfig
+    from tandem.config import DEFAULT_BLOCK_SIZE, EngineConfig, SchedulerConfig
+    from tandem.engine.memory import blocks_needed
     from tandem.model.config import ModelConfig
 
     if device.startswith("cuda"):
@@ -110,11 +111,15 @@ def up_kv_cache(
     per_token = model.kv_elements_per_token * itemsize
     if kv_cache_dtype == "fp8":
         resolved = "fp8 KV"
-    block = DEFAULT_BLOCK_SIZE * per_token
+    block = DEFAULT_BLOCK_SIZE * per_token  # one block of one KV table's layers
     context = model.max_position_embeddings
-    full = -(-context // DEFAULT_BLOCK_SIZE) * block
+    # with sliding tables, a request holds their windows only (`KVLayout.peak_blocks`)
+    layout, chunk = model.kv_layout, SchedulerConfig().max_num_batched_tokens
+    full = blocks_needed(context, DEFAULT_BLOCK_SIZE, layout, chunk) * block
     size = requested if requested is not None else max(CacheConfig().kv_cache_bytes, full)
     tokens = size // block * DEFAULT_BLOCK_SIZE
+    if layout.num_tables > 1:
+        tokens = layout.max_tokens(size // block, DEFAULT_BLOCK_SIZE, chunk)
     held = (
         f"{tokens} tokens: the model's full context of {context}"
         if tokens >= context

@@ -288,13 +288,15 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 await self.loop.call(lambda e: e.abort(rid))
                 raise resource_exhausted("no free KV blocks for the hand-off's linear state")
         try:
+            kv = self.engine.kv
             plan = plan_read(
                 [ids[i] for i in sections[SectionKind.ATTENTION]],
                 handoff.block_size,
                 table,
                 num_cached,
                 len(prompt),
-                self.engine.kv.block_size,
+                kv.block_size,
+                kv.handoff_live(len(prompt)) if kv.num_tables > 1 else None,
             )
             if state is not None and state_ids is not None:  # read with the pages
                 plan = ReadPlan(
@@ -341,14 +343,15 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     ) -> dict[SectionKind, range] | str:
         """Each of the hand-off's sections' blocks (`check_sections`), or why this worker
         cannot resume from them."""
+        kv = self.engine.kv
         try:
             return check_sections(
                 handoff.sections,
-                expected_sections(self.engine.kv_format, self.engine.state_handoff),
+                expected_sections(self.engine.pages_format, self.engine.state_handoff),
                 len(handoff.remote.block_ids),
-                spec.num_prompt_tokens,
-                self.engine.kv.block_size,
+                sum(map(len, kv.handoff_live(spec.num_prompt_tokens))),
                 self.transport.layout.block_bytes,
+                needs_sections=kv.num_tables > 1,
             )
         except SectionRefused as exc:
             return f"KV hand-off refused: {exc}"

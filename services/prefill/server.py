@@ -140,10 +140,11 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                     epoch=lease.epoch,
                     expires_at=lease.expires_at,
                     sections=handoff_sections(
-                        self.engine.kv_format,
+                        self.engine.pages_format,
                         len(out.block_ids),
                         self.engine.state_handoff,
                         out.state_blocks,
+                        self.engine.kv.num_tables > 1,
                     ),
                 )
                 resp.kv.CopyFrom(convert.handoff_to_proto(self._sign(spec, handoff)))

@@ -8,11 +8,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
-from tandem.engine.prefix_hash import hash_blocks, hash_keys, kv_hash_format, state_mark
+from tandem.engine.prefix_hash import (
+    hash_blocks,
+    hash_keys,
+    kv_hash_format,
+    state_mark,
+    table_key,
+)
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
+from tandem.model.config import ModelConfig
+from tandem.model.layer_groups import window_marks_from
 from tandem.routing import (
     InflightLoad,
     Placement,
@@ -35,6 +45,52 @@ from tandem.types import Role
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeMarks:
+    """What a worker must hold besides a prefix's blocks to resume it: the marks the router's
+    index lookups carry (`PrefixIndex.lookup`), by `kind`:
+
+        "none"     full attention only: the blocks are enough
+        "state"    linear-attention layers: a state checkpoint right after the prefix's last
+                   block (`state_mark` of its hash)
+        "sliding"  sliding-window layers: KV table `table`'s key (`table_key`) of every block
+                   the next token's `window` tokens read (`window_marks_from`)
+    """
+
+    kind: Literal["none", "state", "sliding"] = "none"
+    table: int = 0
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind == "sliding" and self.window < 2:
+            # window_marks_from's bound, checked when the router starts rather than per request
+            raise ValueError(f"sliding marks need a window of 2 tokens or more, got {self.window}")
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ResumeMarks:
+        """The marks of a model: state marks where it has linear-attention layers (whose
+        checkpoints decide where it resumes), else its first sliding table's keys where it
+        has one (the table workers publish), else none."""
+        if config.features.linear_layers:
+            return cls("state")
+        layout = config.kv_layout
+        if layout.sliding is None:
+            return cls()
+        return cls("sliding", layout.sliding, layout.tables[layout.sliding].window or 0)
+
+    def lookup_args(
+        self, hashes: Sequence[int], block_size: int
+    ) -> tuple[list[int] | None, tuple[int, ...] | None]:
+        """(marks, marks_from) for looking up the chain `hashes` of `block_size`-token
+        blocks."""
+        if self.kind == "state":
+            return [state_mark(h) for h in hashes], None
+        if self.kind == "sliding":
+            marks = [table_key(h, self.table) for h in hashes]
+            return marks, window_marks_from(len(hashes), self.window, block_size)
+        return None, None
+
+
 class Placer:
     """Chooses a (prefill, decode) pair per request. `place` never fails because the index
     is down: placement then uses load alone and `index_degraded` says so."""
@@ -44,14 +100,14 @@ class Placer:
         config: RouterConfig,
         model_id: str,
         on_join: Callable[[WorkerInfo], None] | None = None,
-        state_marks: bool = False,
+        marks: ResumeMarks = ResumeMarks(),
     ) -> None:
         self.config = config
         self._on_join = on_join  # e.g. the router drops a connection from an earlier outage
         self.model_id = model_id
-        # A model with linear-attention layers resumes a prefix only where a worker holds a
-        # state checkpoint: lookups count up to the last block whose state mark it holds.
-        self.state_marks = state_marks
+        # A model with linear-attention or sliding-window layers resumes a prefix only where
+        # a worker holds more than its blocks: lookups count only what it can resume.
+        self.marks = marks
         self.inflight = InflightLoad()
         self.breakers = CircuitBreakers(config.breaker)
         self.index_degraded = False
@@ -222,10 +278,11 @@ class Placer:
         (then placement uses load alone: no request fails because the index is down)."""
         if self._index is None or not hashes:
             return None
+        marks, marks_from = self.marks.lookup_args(hashes, self.config.block_size)
         try:
-            marks = [state_mark(h) for h in hashes] if self.state_marks else None
             overlap = await asyncio.wait_for(
-                self._index.lookup(self.model_id, hashes, marks), self.config.index_timeout_s
+                self._index.lookup(self.model_id, hashes, marks, marks_from),
+                self.config.index_timeout_s,
             )
         except (IndexUnavailable, TimeoutError) as exc:
             if not self.index_degraded:

@@ -41,7 +41,7 @@ from tandem.services.router.hops import Hops
 from tandem.services.router.inputs import GenerateInput, Source
 from tandem.services.router.links import Background, Links
 from tandem.services.router.openai.http import OpenAIServer
-from tandem.services.router.placer import Placer
+from tandem.services.router.placer import Placer, ResumeMarks
 from tandem.services.router.prompts import Prompts, check_request_id
 from tandem.services.router.replies import Replies
 from tandem.services.router.tenants import Tenants
@@ -74,7 +74,7 @@ class RouterServer(rgrpc.RouterServicer):
             config,
             self.model_id,
             lambda w: self.links.retire(w.address),
-            state_marks=bool(self.model_config.features.linear_layers),
+            marks=ResumeMarks.of(self.model_config),
         )
         self.metrics.running.set_function(lambda: len(self._admitted))
         self.metrics.index_degraded.set_function(lambda: float(self.placer.index_degraded))

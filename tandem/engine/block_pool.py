@@ -29,6 +29,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    published: bool = True  # its hash is told to the prefix index (`cache_block`)
 
 
 class KVEventKind(StrEnum):
@@ -78,8 +79,9 @@ class BlockPool:
         return [*range(len(self.blocks), self.num_blocks), *self._free]
 
     def cached_hashes(self) -> list[int]:
-        """Every prefix hash the pool can serve right now (used and free cached blocks)."""
-        return list(self._cached)
+        """Every published prefix hash the pool can serve right now (used and free cached
+        blocks)."""
+        return [h for h, b in self._cached.items() if self.blocks[b].published]
 
     def get_cached_block(self, block_hash: int) -> int | None:
         """The block holding the prefix `block_hash`, used or free, if any."""
@@ -126,8 +128,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block_id] = None
 
-    def cache_block(self, block_id: int, block_hash: int) -> bool:
-        """Publish a full, computed block under its prefix hash.
+    def cache_block(self, block_id: int, block_hash: int, publish: bool = True) -> bool:
+        """Cache a full, computed block under its prefix hash; `publish`: its events go to
+        the prefix index (a KV table the index is not told about caches it quietly).
 
         Returns False if caching is off or another block already holds that prefix (the
         duplicate stays private to its request and is not cached).
@@ -140,8 +143,9 @@ class BlockPool:
         if block_hash in self._cached:
             return False
         block.block_hash = block_hash
+        block.published = publish
         self._cached[block_hash] = block_id
-        if self.record_events:
+        if self.record_events and publish:
             self._events.append(KVEvent(KVEventKind.STORED, block_hash))
         return True
 
@@ -160,7 +164,7 @@ class BlockPool:
     def _evict(self, block: Block) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
-        if self.record_events:
+        if self.record_events and block.published:
             self._events.append(KVEvent(KVEventKind.REMOVED, block.block_hash))
         block.block_hash = None
 

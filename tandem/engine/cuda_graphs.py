@@ -134,9 +134,9 @@ class DecodeInputs(NamedTuple):
 
     input_ids: torch.Tensor  # [size] int64
     positions: torch.Tensor  # [size] int64
-    slot_block_ids: torch.Tensor  # [size] int64, block of each new token's KV slot
+    slot_block_ids: torch.Tensor  # [num_tables, size] int64, each new token's block per table
     slot_offsets: torch.Tensor  # [size] int64, offset inside that block
-    block_tables: torch.Tensor  # [size, max_blocks] int32
+    block_tables: torch.Tensor  # [size, max_blocks * num_tables] int32, tables interleaved
     context_lens: torch.Tensor  # [size] int32, tokens attended, the new one included
 
 
@@ -164,10 +164,17 @@ class DecodeBuffers:
         padding_block_id: a block of the KV cache reserved for padding (never allocated to a
             request); its contents are garbage.
         device: where the buffers live (the KV cache's device).
+        num_tables: KV tables per request (tandem.model.layer_groups.KVLayout): a row's
+            tables interleaved in one row of block_tables, a slot block per table.
     """
 
     def __init__(
-        self, num_rows: int, max_blocks: int, padding_block_id: int, device: torch.device | str
+        self,
+        num_rows: int,
+        max_blocks: int,
+        padding_block_id: int,
+        device: torch.device | str,
+        num_tables: int = 1,
     ) -> None:
         if num_rows < 1:
             raise ValueError(f"num_rows must be positive, got {num_rows}")
@@ -176,15 +183,16 @@ class DecodeBuffers:
         if padding_block_id < 0:
             raise ValueError(f"padding_block_id must be >= 0, got {padding_block_id}")
         self.num_rows = num_rows
-        self.max_blocks = max_blocks
+        self.num_tables = num_tables
+        self.max_blocks = max_blocks * num_tables
         self.padding_block_id = padding_block_id
         self.device = torch.device(device)
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.empty(num_rows, dtype=i64, device=device)
         self.positions = torch.empty(num_rows, dtype=i64, device=device)
-        self.slot_block_ids = torch.empty(num_rows, dtype=i64, device=device)
+        self.slot_block_ids = torch.empty(num_tables, num_rows, dtype=i64, device=device)
         self.slot_offsets = torch.empty(num_rows, dtype=i64, device=device)
-        self.block_tables = torch.empty(num_rows, max_blocks, dtype=i32, device=device)
+        self.block_tables = torch.empty(num_rows, self.max_blocks, dtype=i32, device=device)
         self.context_lens = torch.empty(num_rows, dtype=i32, device=device)
         self.reset()
 
@@ -194,7 +202,7 @@ class DecodeBuffers:
         return DecodeInputs(
             self.input_ids[:size],
             self.positions[:size],
-            self.slot_block_ids[:size],
+            self.slot_block_ids[:, :size],
             self.slot_offsets[:size],
             self.block_tables[:size],
             self.context_lens[:size],
@@ -220,8 +228,9 @@ class DecodeBuffers:
 
         Args:
             size: the graph size about to replay.
-            input_ids, positions, slot_block_ids, slot_offsets, context_lens: [n]
-            block_tables: [n, width], width <= max_blocks.
+            input_ids, positions, slot_offsets, context_lens: [n]
+            slot_block_ids: [num_tables, n]
+            block_tables: [n, width], width <= max_blocks (tables interleaved).
 
         Raises:
             ValueError: size outside 1..num_rows, n > size, rows of differing lengths, or a
@@ -234,12 +243,16 @@ class DecodeBuffers:
         for name, t in (
             ("input_ids", input_ids),
             ("positions", positions),
-            ("slot_block_ids", slot_block_ids),
             ("slot_offsets", slot_offsets),
             ("context_lens", context_lens),
         ):
             if t.dim() != 1 or t.shape[0] != n:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({n},)")
+        if tuple(slot_block_ids.shape) != (self.num_tables, n):
+            raise ValueError(
+                f"slot_block_ids has shape {tuple(slot_block_ids.shape)}, expected "
+                f"({self.num_tables}, {n})"
+            )
         if block_tables.dim() != 2 or block_tables.shape[0] != n:
             raise ValueError(
                 f"block_tables has shape {tuple(block_tables.shape)}, expected ({n}, width)"
@@ -251,7 +264,7 @@ class DecodeBuffers:
             )
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_block_ids[:n].copy_(slot_block_ids)
+        self.slot_block_ids[:, :n].copy_(slot_block_ids)
         self.slot_offsets[:n].copy_(slot_offsets)
         self.context_lens[:n].copy_(context_lens)
         self.block_tables[:n, :width].copy_(block_tables)
@@ -261,7 +274,7 @@ class DecodeBuffers:
     def _pad(self, start: int, end: int) -> None:
         self.input_ids[start:end].fill_(0)
         self.positions[start:end].fill_(0)
-        self.slot_block_ids[start:end].fill_(self.padding_block_id)
+        self.slot_block_ids[:, start:end].fill_(self.padding_block_id)
         self.slot_offsets[start:end].fill_(0)
         self.block_tables[start:end].fill_(self.padding_block_id)
         self.context_lens[start:end].fill_(1)

@@ -47,7 +47,7 @@ from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.state_checkpoints import StateCheckpoints
-from tandem.engine.state_pages import StateHandoff
+from tandem.engine.state_pages import StateHandoff, pages_format
 from tandem.load import Load
 from tandem.model.config import ModelConfig
 from tandem.parallel.group import TPGroup
@@ -124,6 +124,7 @@ class LLMEngine:
         # What the registry advertises and, for a scaled cache, what the prefix hashes add.
         self.kv_format = loaded.kv_format
         self.kv_hash_format = self.kv_format if self.kv_scales is not None else ""
+        self.pages_format = pages_format(self.kv_format, mcfg.kv_layout)  # a hand-off's pages
         block_size = config.cache.block_size
         self.num_blocks = loaded.num_blocks
         self.max_model_len = loaded.max_model_len
@@ -137,7 +138,7 @@ class LLMEngine:
         caching, ckpts = config.cache.enable_prefix_caching, self.model.linear_checkpoints
         checkpoints = StateCheckpoints(ckpts.num_slots) if caching and ckpts else None
         self.kv = KVCacheManager(self.num_blocks, block_size, caching, False,
-                                 mcfg.layer_groups, checkpoints)  # fmt: skip
+                                 mcfg.layer_groups, checkpoints, mcfg.kv_layout)  # fmt: skip
         self.scheduler = Scheduler(
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
         )
@@ -179,8 +180,7 @@ class LLMEngine:
         prompt = [(7 + i) % vocab for i in range(n)]
         params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
         self.add_request(RequestSpec(WARMUP_REQUEST_ID, tuple(prompt), params))
-        t0 = time.perf_counter()
-        first = True
+        t0, first = time.perf_counter(), True
         while self.has_unfinished():
             outputs = self.step()
             if first:  # the whole prompt in one step: a first (pessimistic) prefill rate
@@ -200,10 +200,9 @@ class LLMEngine:
             t0 = time.perf_counter()
             plan = decode_capture_plan(self.config, self.max_model_len, self.num_blocks)
             self.runner.capture_graphs(plan)
-            sizes = plan.sizes
             log.info(
                 "captured CUDA graphs of decode steps for %d batch sizes (1..%d) in %.1fs",
-                len(sizes), sizes[-1], time.perf_counter() - t0,
+                len(plan.sizes), plan.sizes[-1], time.perf_counter() - t0,
             )  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------
@@ -309,9 +308,12 @@ class LLMEngine:
 
     # -- disaggregation hooks --------------------------------------------------------------
 
-    def block_table(self, request_id: str) -> list[int]:
-        """Blocks holding a request's KV, in token order."""
-        return list(self.kv.get_block_ids(request_id))
+    def block_table(self, request_id: str, num_tokens: int | None = None) -> list[int]:
+        """Blocks holding a request's KV, in token order; given `num_tokens`, what a hand-off
+        after them moves (`KVCacheManager.handoff_blocks`)."""
+        if num_tokens is None:
+            return list(self.kv.get_block_ids(request_id))
+        return self.kv.handoff_blocks(request_id, num_tokens)
 
     def release(self, request_id: str) -> bool:
         """Prefill role: the decode side has the KV; free the pinned blocks."""
@@ -381,7 +383,7 @@ class LLMEngine:
                         handed_off=True,
                         num_cached_tokens=request.num_cached_tokens or 0,
                         state_blocks=packed,
-                        block_ids=self.block_table(rid),
+                        block_ids=self.block_table(rid, request.num_prompt_tokens),
                         logprobs=lps,
                     )
                 )

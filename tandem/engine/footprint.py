@@ -43,6 +43,7 @@ def engine_footprint(engine: LLMEngine) -> dict[str, StateSize]:
         ),
         "kv_block_tables": StateSize(len(engine.kv.block_tables), None),
         "kv_published_requests": StateSize(len(engine.kv._num_cached_blocks), None),
+        "kv_first_live": StateSize(len(engine.kv._first_live), None),
     }
     tables = engine.runner.block_tables
     if tables is not None:

@@ -1,9 +1,12 @@
 """The KV cache tensor and its layout.
 
-    kv_cache: [num_blocks, num_kv_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+    kv_cache: [num_blocks, slots, 2 (K, V), block_size, num_kv_heads, head_dim]
 
-num_kv_layers counts the layers that keep K and V (`ModelConfig.kv_layers`: every layer but a
-linear-attention one, whose per-request state lives outside the pages), in layer order.
+Each block holds `slots` layers' K and V (`ModelConfig.kv_layout`): a model whose attention
+layers all keep every token has one table and a slot per layer, in layer order (a
+linear-attention layer keeps its per-request state outside the pages); one with sliding
+layers splits them from the full ones into tables of `slots` layers, each block belonging
+to one table (tandem.model.layer_groups.KVLayout).
 
 One block holds every layer's K and V contiguously, so moving a block to another worker is
 one descriptor, and a run of adjacent block ids is one contiguous byte range. A layer's
@@ -31,7 +34,7 @@ def allocate_kv_cache(
     model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """Zeroed cache tensor (zeros so that a never-written slot is not NaN garbage)."""
-    shape = (num_blocks, len(model.kv_layers), 2, block_size, model.num_kv_heads, model.head_dim)
+    shape = (num_blocks, model.kv_layout.slots, 2, block_size, model.num_kv_heads, model.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -18,8 +18,7 @@ import torch
 
 from tandem.config import EngineConfig, EngineRole
 from tandem.engine.kv_cache import allocate_kv_cache, block_bytes, map_kv_file, shared_kv_path
-from tandem.engine.kv_manager import cdiv
-from tandem.engine.memory import fit_context
+from tandem.engine.memory import blocks_needed, fit_context
 from tandem.engine.profile import size_kv_cache
 from tandem.model.config import ModelConfig
 from tandem.model.llama import LlamaModel
@@ -140,6 +139,7 @@ def load_model_and_cache(
     kv_scales: KVScales | None = None
     if config.kv_cache_dtype == "fp8":
         kv_scales = load_kv_scales(model_dir, mcfg.kv_layers)
+        kv_scales = kv_scales.arranged(mcfg.kv_layers, mcfg.kv_layout.cache_layers())
         model.attention.use_fp8_kv(kv_scales, dtype)
         log.info("FP8 KV cache, scales from the %s", kv_scales.source)
     kv_dtype = FP8_DTYPE if kv_scales is not None else dtype
@@ -152,17 +152,19 @@ def load_model_and_cache(
         num_blocks = tp.min_int(num_blocks, "cpu" if device.type == "cpu" else config.device)
     per_block = block_bytes(mcfg, block_size, kv_dtype)
     explicit = sched_cfg.max_model_len is not None
-    context = fit_context(max_model_len, explicit, num_blocks, block_size, per_block)
+    layout, chunk = mcfg.kv_layout, sched_cfg.max_num_batched_tokens
+    context = fit_context(max_model_len, explicit, num_blocks, block_size, per_block, layout, chunk)
     log.info(
         "KV cache (%s): %d blocks x %d tokens = %d tokens, %.1f MiB %s on %s; context %d",
         sizing.source, num_blocks, block_size, num_blocks * block_size,
         num_blocks * per_block / 2**20, fmt, config.device, context,
     )  # fmt: skip
     if context < max_model_len:
+        need = blocks_needed(max_model_len, block_size, layout, chunk) * per_block
         log.warning(
             "the model's context of %d tokens does not fit the KV cache: serving at most "
             "%d tokens per request (give the cache %d bytes for the full context)",
-            max_model_len, context, cdiv(max_model_len, block_size) * per_block,
+            max_model_len, context, need,
         )  # fmt: skip
     # A CUDA graph's padding rows write one scratch block outside the pool's range.
     # linear-attention layers (Qwen3-Next) step their states by host-side slot lists
@@ -194,7 +196,7 @@ def _share_kv_caches(
 
     def shape(rank: int) -> tuple[int, ...]:
         heads = len(kv_heads(full, dataclasses.replace(tp.shard, rank=rank)))
-        return (num_blocks, len(full.kv_layers), 2, block_size, heads, full.head_dim)
+        return (num_blocks, full.kv_layout.slots, 2, block_size, heads, full.head_dim)
 
     def first_head(rank: int) -> int:
         return kv_heads(full, dataclasses.replace(tp.shard, rank=rank)).start

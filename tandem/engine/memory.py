@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from tandem.model.layer_groups import KVLayout
+
 
 class KVSizing(NamedTuple):
     num_blocks: int
@@ -59,7 +61,13 @@ def blocks_for_bytes(num_bytes: int, block_bytes: int, source: str, block_size: 
 
 
 def fit_context(
-    max_model_len: int, explicit: bool, num_blocks: int, block_size: int, block_bytes: int
+    max_model_len: int,
+    explicit: bool,
+    num_blocks: int,
+    block_size: int,
+    block_bytes: int,
+    layout: KVLayout | None = None,
+    chunk_tokens: int = 1,
 ) -> int:
     """The context length the engine can honour with `num_blocks` blocks.
 
@@ -71,13 +79,24 @@ def fit_context(
         ValueError: an explicit max_model_len the cache cannot hold, with the figures.
     """
     capacity = num_blocks * block_size
+    if layout is not None and layout.num_tables > 1:  # a sliding table holds its window only
+        capacity = layout.max_tokens(num_blocks, block_size, chunk_tokens)
     if max_model_len <= capacity:
         return max_model_len
     if explicit:
+        need = blocks_needed(max_model_len, block_size, layout, chunk_tokens)
         raise ValueError(
             f"max_model_len={max_model_len} does not fit the KV cache: {num_blocks} blocks x "
             f"{block_size} tokens = {capacity} tokens ({num_blocks * block_bytes} bytes); "
-            f"give the cache {-(-max_model_len // block_size) * block_bytes} bytes or more, "
-            f"or lower max_model_len"
+            f"give the cache {need * block_bytes} bytes or more, or lower max_model_len"
         )
     return capacity
+
+
+def blocks_needed(
+    num_tokens: int, block_size: int, layout: KVLayout | None, chunk_tokens: int
+) -> int:
+    """Blocks one request of `num_tokens` tokens holds at its peak."""
+    if layout is None or layout.num_tables <= 1:
+        return -(-num_tokens // block_size)
+    return layout.peak_blocks(num_tokens, block_size, chunk_tokens)

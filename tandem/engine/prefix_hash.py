@@ -109,3 +109,16 @@ def state_mark(block_hash: int) -> int:
     h = hashlib.blake2b(digest_size=8, person=b"tandem.state.v1")
     h.update(struct.pack("<Q", block_hash))
     return int.from_bytes(h.digest(), "little")
+
+
+def table_key(block_hash: int, table: int) -> int:
+    """The prefix-cache key of a block of KV table `table` (tandem.model.layer_groups.KVLayout)
+    holding the prompt block `block_hash`: the hash itself for table 0, else a digest in its
+    own domain, so each table's pages are cached, hit and evicted on their own. A worker
+    publishes table 0's keys and its first sliding table's to the prefix index, which counts
+    a sliding model's prefix only where that table holds the window's blocks."""
+    if table == 0:
+        return block_hash
+    h = hashlib.blake2b(digest_size=8, person=b"tandem.table.v1")
+    h.update(struct.pack("<QI", block_hash, table))
+    return int.from_bytes(h.digest(), "little")

@@ -100,7 +100,10 @@ def profile_steps(
     scratch = allocate_kv_cache(model.config, cdiv(n, block_size), block_size, dtype, device)
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     positions = torch.arange(n, device=device)
+    # every KV table over the same scratch blocks: sizes, not contents, matter here
+    others = max(model.config.kv_layout.num_tables - 1, 0)
     meta = prefill_metadata(n, block_size, paged, device)
+    meta.tables = (meta,) * others
     rows = min(sched.max_num_seqs, sched.max_num_batched_tokens)
     states = model.linear_states  # linear-attention layers: scratch states in slots 0..
     if states is not None:
@@ -109,6 +112,7 @@ def profile_steps(
         meta.state_rows = StateRows(none, (Chunk(0, n, 0),))
     model.compute_logits(model.forward(ids, positions, meta, scratch)[-1:])
     meta = decode_metadata(rows, max_model_len, block_size, paged, device)
+    meta.tables = (meta,) * others
     if states is not None:
         meta.state_rows = StateRows(torch.arange(rows, device=device), ())
     positions = torch.full((rows,), max_model_len - 1, device=device)

@@ -86,6 +86,10 @@ class StepInputs(NamedTuple):
     meta: AttentionMetadata
     last_idx: torch.Tensor  # [num_sampled] int64: each sampling row's last token
     num_decode: int
+    # [num_tables, num_tokens] int64: each new token's block in each KV table
+    slot_blocks: torch.Tensor | None = None
+    # [rows, max_blocks * num_tables] int32, the rows' interleaved tables (paged backends)
+    block_tables: torch.Tensor | None = None
 
 
 def replay_size(rows: list[StepRow], graphs: DecodeGraphs | None) -> int | None:
@@ -134,8 +138,13 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.staging = HostStaging(self.device)
+        # KV tables (tandem.model.layer_groups.KVLayout): a request's block ids interleave
+        # them, entry j * num_tables + t being table t's block j
+        layout = model.config.kv_layout
+        self.num_tables = max(1, layout.num_tables)
+        self.slots = layout.slots
         self.block_tables = (
-            BlockTables(-(-max_model_len // block_size), self.device)
+            BlockTables(-(-max_model_len // block_size) * self.num_tables, self.device)
             if model.attention.needs_paged_batch
             else None
         )
@@ -171,31 +180,39 @@ class ModelRunner:
         theirs (rank 0): what a linear-attention model's state checkpoints are keyed by."""
         num_decode = sum(1 for s in rows if s.is_decode)
         decodes, prefills = rows[:num_decode], rows[num_decode:]
-        bs = self.block_size
+        bs, k = self.block_size, self.num_tables
         ids: list[int] = []
         positions: list[int] = []
-        slot_blocks: list[int] = []
+        slot_blocks: list[list[int]] = [[] for _ in range(k)]  # per KV table
         last_idx: list[int] = []
         for s in rows:
             ids += s.token_ids
             for pos in range(s.start, s.start + s.num_new_tokens):
                 positions.append(pos)
-                slot_blocks.append(s.block_ids[pos // bs])
+                for t in range(k):
+                    slot_blocks[t].append(s.block_ids[pos // bs * k + t])
             if s.sample:  # logits only at each sampling row's last token
                 last_idx.append(len(ids) - 1)
-        arrays = [ids, positions, slot_blocks, last_idx]
+        arrays = [ids, positions, last_idx, [b for t in slot_blocks for b in t]]
         if self.block_tables is not None:
             arrays += self._paged_arrays(decodes, prefills)
         staged = self.staging.send(arrays)
-        ids_t, pos_t, slot_t, last_t = staged[:4]
-        meta = AttentionMetadata(slot_block_ids=slot_t, slot_offsets=pos_t % bs)
+        ids_t, pos_t, last_t = staged[:3]
+        slot_t, offsets = staged[3].view(k, -1), pos_t % bs
+        metas = [AttentionMetadata(slot_t[t], offsets, kv_offset=t * self.slots) for t in range(k)]
+        step_tables = None
         if self.block_tables is not None:
-            meta.paged = self._paged_batch(decodes, prefills, staged[4:])
-        else:
-            self._torch_groups(meta, decodes, prefills)
+            step_tables = self._step_tables(staged[4:])
+        for t, meta in enumerate(metas):
+            if step_tables is not None:
+                meta.paged = self._paged_batch(decodes, prefills, staged[4:], step_tables, t)
+            else:
+                self._torch_groups(meta, decodes, prefills, t)
+        meta = metas[0]
+        meta.tables = tuple(metas[1:])
         if self.model.linear_states is not None:
             meta.state_rows = self._state_rows(rows, num_decode, requests)
-        return StepInputs(rows, ids_t, pos_t, meta, last_t, num_decode)
+        return StepInputs(rows, ids_t, pos_t, meta, last_t, num_decode, slot_t, step_tables)
 
     def _state_rows(
         self, rows: list[StepRow], num_decode: int, requests: list[Request] | None
@@ -283,24 +300,32 @@ class ModelRunner:
             *tables.take_writes(),
         ]
 
+    def _step_tables(self, staged: list[torch.Tensor]) -> torch.Tensor:
+        """The step's rows of the persistent tables, the step's writes applied first."""
+        tables = self.block_tables
+        assert tables is not None
+        table_rows, _, _, _, *writes = staged
+        tables.apply(*writes)
+        return tables.table[table_rows]  # [rows, max_blocks * num_tables] int32
+
     def _paged_batch(
         self,
         decodes: list[StepRow],
         prefills: list[StepRow],
         staged: list[torch.Tensor],
+        step_tables: torch.Tensor,
+        table: int,
     ) -> PagedBatch:
-        """The step as paged-attention kernels take it, from the staged arrays."""
-        tables = self.block_tables
-        assert tables is not None
-        table_rows, decode_lens, prefill_lens, starts, *writes = staged
-        tables.apply(*writes)
-        step_tables = tables.table[table_rows]  # [rows, max_blocks] int32
+        """The step as paged-attention kernels take it for KV table `table`: its columns of
+        the interleaved rows (a view), the lengths from the staged arrays."""
+        _, decode_lens, prefill_lens, starts, *_ = staged
+        own = step_tables[:, table :: self.num_tables]  # [rows, max_blocks] int32
         nd, i32 = len(decodes), torch.int32
         return PagedBatch(
             num_decode=nd,
-            decode_block_tables=step_tables[:nd],
+            decode_block_tables=own[:nd],
             decode_context_lens=decode_lens.to(i32),
-            prefill_block_tables=step_tables[nd:],
+            prefill_block_tables=own[nd:],
             prefill_query_starts=starts.to(i32),
             prefill_context_lens=prefill_lens.to(i32),
             max_query_len=max((s.num_new_tokens for s in prefills), default=0),
@@ -312,27 +337,30 @@ class ModelRunner:
         meta: AttentionMetadata,
         decodes: list[StepRow],
         prefills: list[StepRow],
+        table: int = 0,
     ) -> None:
-        """TorchAttention's decode groups (padded, masked) and prefill spans."""
-        bs, dev = self.block_size, self.device
+        """TorchAttention's decode groups (padded, masked) and prefill spans, over KV table
+        `table`'s blocks."""
+        bs, dev, k = self.block_size, self.device, self.num_tables
         num_groups = max(1, min(MAX_DECODE_GROUPS, len(decodes) // MIN_DECODE_GROUP_ROWS))
         size = max(1, -(-len(decodes) // num_groups))
         for start in range(0, len(decodes), size):
             group = decodes[start : start + size]
-            meta.decode_groups.append(self._decode_group(start, group))
+            meta.decode_groups.append(self._decode_group(start, group, table))
         token_start = len(decodes)
         for s in prefills:
             ctx = s.start + s.num_new_tokens
-            blocks = torch.tensor(s.block_ids[: -(-ctx // bs)], dtype=torch.int64, device=dev)
+            own = s.block_ids[table::k][: -(-ctx // bs)]
+            blocks = torch.tensor(own, dtype=torch.int64, device=dev)
             meta.prefills.append(PrefillSpan(token_start, s.num_new_tokens, ctx, blocks))
             token_start += s.num_new_tokens
 
-    def _decode_group(self, start: int, rows: list[StepRow]) -> DecodeGroup:
-        bs, dev = self.block_size, self.device
+    def _decode_group(self, start: int, rows: list[StepRow], table_index: int) -> DecodeGroup:
+        bs, dev, k = self.block_size, self.device, self.num_tables
         ctx_lens = [s.start + 1 for s in rows]
         max_blocks = -(-max(ctx_lens) // bs)
         # Padding entries point at block 0; the key bias hides them.
-        table = [list(s.block_ids[:max_blocks]) for s in rows]
+        table = [list(s.block_ids[table_index::k][:max_blocks]) for s in rows]
         table = [t + [0] * (max_blocks - len(t)) for t in table]
         return DecodeGroup.build(
             start,
@@ -401,13 +429,14 @@ class ModelRunner:
                     f"told to replay the decode graph of {graph_size} rows for a step of "
                     f"{num_rows} rows ({step.num_decode} decoding); this rank's graphs: {sizes}"
                 )
+            assert step.slot_blocks is not None and step.block_tables is not None
             logits = graphs.replay(
                 num_rows,
                 step.input_ids,
                 step.positions,
-                meta.slot_block_ids,
+                step.slot_blocks,
                 meta.slot_offsets,
-                paged.decode_block_tables,
+                step.block_tables,
                 paged.decode_context_lens,
             )  # [rows, vocab], every row's last token
             if num_sampled < num_rows:
@@ -438,28 +467,36 @@ class ModelRunner:
             raise ValueError("CUDA graphs need the Triton attention backend")
         if self.followers is not None:
             self.followers.send(CaptureGraphs(plan))
-        buffers = DecodeBuffers(plan.sizes[-1], plan.max_blocks, plan.padding_block_id, self.device)
+        buffers = DecodeBuffers(
+            plan.sizes[-1], plan.max_blocks, plan.padding_block_id, self.device, self.num_tables
+        )
         graphs = DecodeGraphs(buffers, plan.sizes)
         graphs.capture(self._graph_forward)
         self.graphs = graphs
 
     def _graph_forward(self, inputs: DecodeInputs) -> torch.Tensor:
         """One decode-only step over static buffers: what a graph records."""
-        rows, dev = inputs.input_ids.shape[0], self.device
-        meta = AttentionMetadata(
-            slot_block_ids=inputs.slot_block_ids,
-            slot_offsets=inputs.slot_offsets,
-            paged=PagedBatch(
-                num_decode=rows,
-                decode_block_tables=inputs.block_tables,
-                decode_context_lens=inputs.context_lens,
-                prefill_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
-                prefill_query_starts=torch.zeros(1, dtype=torch.int32, device=dev),
-                prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-                max_query_len=0,
-                # A replay may hold any context: the split count for the longest.
-                max_decode_context_len=inputs.block_tables.shape[1] * self.block_size,
-            ),
-        )
+        rows, dev, k = inputs.input_ids.shape[0], self.device, self.num_tables
+        metas = [
+            AttentionMetadata(
+                slot_block_ids=inputs.slot_block_ids[t],
+                slot_offsets=inputs.slot_offsets,
+                paged=PagedBatch(
+                    num_decode=rows,
+                    decode_block_tables=inputs.block_tables[:, t::k],
+                    decode_context_lens=inputs.context_lens,
+                    prefill_block_tables=torch.zeros((0, 1), dtype=torch.int32, device=dev),
+                    prefill_query_starts=torch.zeros(1, dtype=torch.int32, device=dev),
+                    prefill_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+                    max_query_len=0,
+                    # A replay may hold any context: the split count for the longest.
+                    max_decode_context_len=inputs.block_tables.shape[1] // k * self.block_size,
+                ),
+                kv_offset=t * self.slots,
+            )
+            for t in range(k)
+        ]
+        meta = metas[0]
+        meta.tables = tuple(metas[1:])
         hidden = self.model.forward(inputs.input_ids, inputs.positions, meta, self.kv_cache)
         return self.model.compute_logits(hidden)

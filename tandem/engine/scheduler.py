@@ -121,13 +121,11 @@ class Scheduler:
         # are published to the prefix cache (commit_kv) under these hashes, never under
         # anything the KV's sender claims.
         self._update_hashes(request)
-        hits, num_cached = self.kv.get_computed_blocks(request)
         # The request's tokens include the prefill worker's output; only the prompt's KV is
         # supplied, so only prompt blocks may come from the local prefix cache.
-        hits = hits[: request.num_prompt_tokens // self.kv.block_size]
-        num_cached = len(hits) * self.kv.block_size
+        hits, num_cached = self.kv.get_computed_blocks(request, request.num_prompt_tokens)
         num_new = request.num_prompt_tokens - num_cached
-        if self.kv.allocate_slots(request, num_new, hits) is None:
+        if self.kv.allocate_slots(request, num_new, hits, live_only=True) is None:
             return None
         request.status = RequestStatus.WAITING_FOR_KV
         request.num_cached_tokens = num_cached

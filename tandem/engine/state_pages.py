@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tandem.model.layer_groups import KVLayout
 from tandem.model.linear_attention import LinearStates
 from tandem.transfer.sections import HandoffSection, SectionKind
 
@@ -115,14 +116,22 @@ class StateHandoff:
 
 
 def handoff_sections(
-    kv_format: str, num_blocks: int, state: StateHandoff | None, state_blocks: int
+    pages_format: str,
+    num_blocks: int,
+    state: StateHandoff | None,
+    state_blocks: int,
+    sectioned: bool = False,
 ) -> tuple[HandoffSection, ...]:
     """A hand-off's sections (tandem.transfer.sections) for `num_blocks` blocks whose last
-    `state_blocks` hold a packed state: none for a model without linear layers (its handle
-    signs as before sections existed), else the pages and, when packed, the state."""
-    if state is None:
+    `state_blocks` hold a packed state: none for a model with one plain KV table and no
+    linear layers (its handle signs as before sections existed), else the pages (in
+    `pages_format`: `LLMEngine.pages_format`) and, when packed, the state. `sectioned`: the
+    pages are several KV tables, which always travel in a typed section."""
+    if state is None and not sectioned:
         return ()
-    pages = HandoffSection(SectionKind.ATTENTION, kv_format, num_blocks - state_blocks)
+    pages = HandoffSection(SectionKind.ATTENTION, pages_format, num_blocks - state_blocks)
+    if state is None:
+        return (pages,)
     if not state_blocks:
         return (pages,)  # no room to pack: its reader refuses it and prefills again
     packed = HandoffSection(SectionKind.LINEAR_STATE, state.format, state_blocks, state.num_bytes)
@@ -137,3 +146,9 @@ def expected_sections(
     if state is not None:
         expected[SectionKind.LINEAR_STATE] = (state.format, state.num_bytes)
     return expected
+
+
+def pages_format(kv_format: str, layout: KVLayout) -> str:
+    """The format of a hand-off's attention pages (its section's `format`): the KV cache's
+    and, with several KV tables, their layout, which reader and owner must share."""
+    return f"{kv_format} {layout.describe()}" if layout.num_tables > 1 else kv_format

@@ -199,18 +199,23 @@ class EventBatch:
 
 
 def leading_counts_reference(
-    holdings: dict[str, set[int]], chain: Sequence[int], marks: Sequence[int] | None = None
+    holdings: dict[str, set[int]],
+    chain: Sequence[int],
+    marks: Sequence[int] | None = None,
+    marks_from: Sequence[int] | None = None,
 ) -> dict[str, int]:
     """The lookup contract in its plainest form: for each worker (id -> hashes it holds), the
-    number of leading hashes of `chain` it holds -- with `marks`, cut back to the last of them
-    whose mark it holds -- omitting workers with none. Used by tests as the oracle; too slow
+    number of leading hashes of `chain` it holds -- with `marks`, cut back to the largest n
+    for which it holds marks[i] for every i in range(marks_from[n - 1], n) (no marks_from:
+    mark n - 1 alone) -- omitting workers with none. Used by tests as the oracle; too slow
     for serving."""
+    first = range(len(chain)) if marks_from is None else marks_from
     counts: dict[str, int] = {}
     for worker_id, held in holdings.items():
         n = 0
         while n < len(chain) and chain[n] in held:
             n += 1
-        while marks is not None and n and marks[n - 1] not in held:
+        while marks is not None and n and not all(marks[i] in held for i in range(first[n - 1], n)):
             n -= 1
         if n:
             counts[worker_id] = n
@@ -218,28 +223,56 @@ def leading_counts_reference(
 
 
 def resumable_counts(
-    counts: Mapping[str, int], mark_holders: Sequence[Collection[str]]
+    counts: Mapping[str, int],
+    mark_holders: Sequence[Collection[str]],
+    marks_from: Sequence[int],
 ) -> dict[str, int]:
     """Leading counts cut back to where each worker can resume: the largest n <= its count
-    such that it holds mark n - 1 (`mark_holders[i]`: the workers holding marks[i]); workers
-    left with 0 omitted."""
+    such that it holds marks[i] for every i in range(marks_from[n - 1], n)
+    (`mark_holders[i]`: the workers holding marks[i]); workers left with 0 omitted.
+
+    Linear in each count however wide the ranges: walking n down, marks [low, n) are known
+    held and `low` only falls, so each n costs one test beyond those that move `low`."""
     out: dict[str, int] = {}
     for worker_id, n in counts.items():
-        while n and worker_id not in mark_holders[n - 1]:
-            n -= 1
+        low = n
+        while n:
+            need = marks_from[n - 1]
+            while low > need and worker_id in mark_holders[low - 1]:
+                low -= 1
+            if low <= need:
+                break  # marks [need, n) all held
+            n -= 1  # mark low - 1 (in [need, n)) is missing
+            low = min(low, n)
         if n:
             out[worker_id] = n
     return out
 
 
-def check_marks(chain: Sequence[int], marks: Sequence[int] | None) -> tuple[int, ...] | None:
+def check_marks(
+    chain: Sequence[int], marks: Sequence[int] | None, marks_from: Sequence[int] | None
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Validate `PrefixIndex.lookup`'s marks and marks_from (ValueError naming the bad one);
+    return them as tuples, marks_from filled in (mark n - 1 alone for a count n) when None,
+    or None without marks."""
     if marks is None:
+        if marks_from is not None:
+            raise ValueError("marks_from was given without marks")
         return None
     marks = check_hashes("marks", marks)
     if len(marks) != len(chain):
         raise ValueError(f"marks must have one hash per block of the chain ({len(chain)}), "
                          f"got {len(marks)}")  # fmt: skip
-    return marks
+    if marks_from is None:
+        return marks, tuple(range(len(chain)))
+    first = tuple(marks_from)
+    if len(first) != len(chain):
+        raise ValueError(f"marks_from must have one int per block of the chain ({len(chain)}), "
+                         f"got {len(first)}")  # fmt: skip
+    for i, f in enumerate(first):
+        if not isinstance(f, int) or isinstance(f, bool) or not 0 <= f <= i:
+            raise ValueError(f"marks_from[{i}] must be an int in [0, {i}], got {f!r}")
+    return marks, first
 
 
 class PrefixIndex(ABC):
@@ -271,7 +304,11 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     async def lookup(
-        self, model: str, chain: Sequence[int], marks: Sequence[int] | None = None
+        self,
+        model: str,
+        chain: Sequence[int],
+        marks: Sequence[int] | None = None,
+        marks_from: Sequence[int] | None = None,
     ) -> dict[str, int]:
         """For a request's chain of block hashes (block 0 first), map each worker holding
         chain[0] to the number of leading blocks of the chain it holds: counting stops at
@@ -282,7 +319,14 @@ class PrefixIndex(ABC):
         attention: `tandem.engine.prefix_hash.state_mark`), one hash per block of the chain
         that a worker publishes when it can resume right after that block: each count is
         then cut back to the last block whose mark the worker holds (a prefix held by one
-        group of layers but not another is a miss at that length)."""
+        group of layers but not another is a miss at that length).
+
+        marks_from: for a model whose next token reads a window of the prefix's last blocks
+        (sliding attention: marks are that table's keys, `tandem.engine.prefix_hash.table_key`,
+        and `tandem.model.layer_groups.window_marks_from` gives marks_from), one int per
+        block of the chain: a count n then needs every mark in range(marks_from[n - 1], n),
+        not mark n - 1 alone (None: marks_from[i] = i). Requires marks; each entry must lie
+        in [0, i]."""
 
     @abstractmethod
     async def remove_worker(self, worker_id: str) -> None:

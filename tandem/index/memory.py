@@ -99,16 +99,20 @@ class MemoryPrefixIndex(PrefixIndex):
         return ApplyResult.APPLIED
 
     async def lookup(
-        self, model: str, chain: Sequence[int], marks: Sequence[int] | None = None
+        self,
+        model: str,
+        chain: Sequence[int],
+        marks: Sequence[int] | None = None,
+        marks_from: Sequence[int] | None = None,
     ) -> dict[str, int]:
         check_name("model", model)
         chain = check_hashes("chain", chain)
-        marks = check_marks(chain, marks)
+        checked = check_marks(chain, marks, marks_from)
         counts = self._leading(model, chain)
-        if marks is None or not counts:
+        if checked is None or not counts:
             return counts
         holders = self._holders[model]
-        return resumable_counts(counts, [holders.get(m, set()) for m in marks])
+        return resumable_counts(counts, [holders.get(m, set()) for m in checked[0]], checked[1])
 
     def _leading(self, model: str, chain: tuple[int, ...]) -> dict[str, int]:
         holders = self._holders.get(model)

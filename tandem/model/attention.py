@@ -119,6 +119,9 @@ class AttentionMetadata:
         decode_groups: decode rows, which occupy the first flat indices, split into groups
             of similar context length so that padding wastes little work.
         prefills: the prefill chunks, after the decode rows.
+        kv_offset: table * slots of the KV table this metadata's blocks are (tandem.model.
+            layer_groups.KVLayout): added to a layer's slot it indexes per-layer data.
+        tables: with several KV tables, the metadata of tables 1, 2, ... (this is table 0's).
     """
 
     slot_block_ids: torch.Tensor
@@ -128,6 +131,12 @@ class AttentionMetadata:
     paged: PagedBatch | None = None  # set for backends with `needs_paged_batch`
     # each request's linear-attention state slot (Qwen3-Next; None for other models)
     state_rows: StateRows | None = None
+    kv_offset: int = 0
+    tables: tuple[AttentionMetadata, ...] = ()
+
+    def table(self, index: int) -> AttentionMetadata:
+        """The metadata of KV table `index` (the same step, that table's blocks)."""
+        return self if index == 0 else self.tables[index - 1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +187,7 @@ class AttentionBackend(Protocol):
             q: [num_tokens, num_q_heads, head_dim]
             k, v: [num_tokens, num_kv_heads, head_dim]
             kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim], this layer's cache.
-            meta: the step's metadata (shared by all layers).
+            meta: the step's metadata for the layer's KV table (shared by its layers).
             scale: softmax scale.
             window: a sliding layer's window: a query at position p attends to keys at
                 (p - window, p] only. None: all keys up to p.
@@ -263,7 +272,7 @@ class TorchAttention:
         v_cache = kv_layer[:, 1]
         kv_scales: tuple[float, float] | None = None
         if self.kv_scales is not None:
-            layer = layer_index(kv_layer)
+            layer = meta.kv_offset + layer_index(kv_layer)
             kv_scales = (self.kv_scales.k[layer], self.kv_scales.v[layer])
             k8, v8 = quantize_kv(k, kv_scales[0]), quantize_kv(v, kv_scales[1])
             k_cache[meta.slot_block_ids, meta.slot_offsets] = k8

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from tandem.model.layer_groups import (
+    KVLayout,
     LayerGroup,
     LayerKind,
     LinearAttention,
     group_layers,
+    kv_layout,
     layer_types,
 )
 from tandem.model.moe import MoeConfig, Routing
@@ -157,9 +159,16 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
+    def kv_layout(self) -> KVLayout:
+        """How the attention layers share the paged cache: tables of `slots` layers each, a
+        request holding one block table per table (tandem.model.layer_groups.KVLayout)."""
+        return kv_layout(self.layer_groups)
+
+    @property
     def kv_elements_per_token(self) -> int:
-        """Elements of K and V for one token across the layers that keep them."""
-        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim
+        """Elements of K and V of one token in one block (every slot of the layout; a dense
+        model's every layer)."""
+        return 2 * self.kv_layout.slots * self.num_kv_heads * self.head_dim
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:

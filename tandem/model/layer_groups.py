@@ -14,6 +14,10 @@ A config.json names each layer's kind in `layer_types` (transformers' field; abs
 layer full). `layer_groups` reads it into `LayerGroup`s with their bytes, so memory sizing,
 hand-off sizes and prefix-hit rules can be stated per group. Pure: no torch, no engine state.
 
+How attention layers share the paged cache (`KVLayout`, `kv_layout`): sliding layers keep
+their pages in KV tables apart from the full ones, so the pages a window has passed are freed
+while the request runs and a hand-off moves a sliding table's window only.
+
 Prefix hits across groups (`resumable_prefix`): a cached prefix of t tokens is usable only
 where every group can resume at t: full layers need the pages of [0, t); sliding layers only
 those the next token can read ([t - window + 1, t) rounded out to pages); linear layers a
@@ -184,7 +188,7 @@ def linear_state_bytes(raw: Mapping[str, Any], dtype_bytes: int) -> int:
 
 
 def resumable_prefix(
-    groups: Sequence[LayerGroup],
+    groups: Sequence[LayerGroup | KVTable],
     cached_blocks: Mapping[int, Collection[int]],
     checkpoints: Mapping[int, Collection[int]],
     max_tokens: int,
@@ -194,9 +198,9 @@ def resumable_prefix(
     resume: 0 when none can.
 
     Args:
-        groups: the model's groups.
+        groups: the model's groups (or, for the pages, its `KVTable`s).
         cached_blocks: group index -> the prefix's block indices that group holds (full and
-            sliding groups).
+            sliding groups; a range: a leading run).
         checkpoints: group index -> token counts at which that (linear) group holds a state.
         max_tokens: the longest prefix to consider (a request recomputes at least its last
             token: callers pass prompt length - 1 or less).
@@ -211,7 +215,7 @@ def resumable_prefix(
 
 
 def _resumes(
-    group: LayerGroup,
+    group: LayerGroup | KVTable,
     index: int,
     tokens: int,
     cached_blocks: Mapping[int, Collection[int]],
@@ -222,4 +226,165 @@ def _resumes(
         return tokens in checkpoints.get(index, ())
     held = cached_blocks.get(index, ())
     # the blocks the first token after the prefix reads (full layers: all of [0, tokens))
-    return all(b in held for b in group.live_blocks(tokens, block_size))
+    live = group.live_blocks(tokens, block_size)
+    if isinstance(held, range) and held.step == 1:  # a leading run: no per-block test
+        return not live or (held.start <= live.start and live.stop <= held.stop)
+    return all(b in held for b in live)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTable:
+    """Attention layers of one kind that share a block table: block b of the table holds
+    K and V of each of `layers` (at slots 0, 1, ... of the block) for the table's tokens of
+    logical block b.
+
+    Attributes:
+        kind: full or sliding.
+        layers: at most `KVLayout.slots` of them, ascending.
+        window: sliding: tokens a query attends to, itself included.
+    """
+
+    kind: LayerKind
+    layers: tuple[int, ...]
+    window: int | None = None
+
+    def live_blocks(self, num_tokens: int, block_size: int) -> range:
+        """The logical blocks of a `num_tokens`-token sequence the next token reads."""
+        return LayerGroup(self.kind, self.layers, self.window).live_blocks(num_tokens, block_size)
+
+
+def window_marks_from(num_blocks: int, window: int, block_size: int) -> tuple[int, ...]:
+    """`PrefixIndex.lookup`'s marks_from for a sliding table of `window` tokens: entry n - 1
+    is the first block the next token after an n-block prefix reads (`KVTable.live_blocks`'
+    start), since that token attends to itself and the window - 1 tokens before it. A worker
+    resumes n blocks only where it holds the table's keys of blocks [entry, n): blocks
+    before fell out of the window, so it may have freed them.
+
+    Raises:
+        ValueError: a window below 2 (whose next token reads no cached block, which marks
+            cannot say), a block size below 1 or a negative num_blocks.
+    """
+    if window < 2 or block_size < 1 or num_blocks < 0:
+        raise ValueError(f"need window >= 2, block_size >= 1 and num_blocks >= 0, got "
+                         f"{window}, {block_size} and {num_blocks}")  # fmt: skip
+    return tuple(max(0, n * block_size + 1 - window) // block_size
+                 for n in range(1, num_blocks + 1))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How attention layers share the paged cache (issue 42).
+
+    Every block of the pool holds `slots` layers' K and V. Each group of attention layers
+    (full, sliding) is cut into tables of `slots` layers; a request keeps one block table per
+    table, so a sliding table frees the pages that fell out of its window while the full
+    tables keep theirs. One pool serves every table, so memory moves freely between them:
+
+        gpt-oss (12 sliding, 12 full):  slots 12, tables [full 12][sliding 12]
+        Gemma 3 1B (4 full, 22 sliding): slots 2, tables [full 2] x 2, [sliding 2] x 11
+        a dense model (n full):          slots n, one table (the cache as it always was)
+
+    Full tables come first, so table 0 is a full one wherever the model has full layers.
+    A group whose size is not a multiple of `slots` leaves its last table's extra slots
+    unused (`kv_layout` keeps that waste small).
+    """
+
+    slots: int
+    tables: tuple[KVTable, ...]
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(table, slot) of an attention layer's pages."""
+        for t, table in enumerate(self.tables):
+            if layer in table.layers:
+                return t, table.layers.index(layer)
+        raise KeyError(f"layer {layer} keeps no K/V pages")
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.tables)
+
+    @property
+    def sliding(self) -> int | None:
+        """The first sliding table (what the prefix index is told about), None if none."""
+        return next((t for t, tab in enumerate(self.tables) if tab.kind is LayerKind.SLIDING),
+                    None)  # fmt: skip
+
+    def describe(self) -> str:
+        """The layout in a format string: two workers exchange pages only when it is equal."""
+        kinds = ",".join(
+            f"{tab.kind.value[0]}{tab.window or ''}:{'.'.join(map(str, tab.layers))}"
+            for tab in self.tables
+        )
+        return f"slots{self.slots}[{kinds}]"
+
+    def cache_layers(self) -> tuple[int | None, ...]:
+        """The layer at each (table, slot) of the cache, table by table: what the cache's
+        per-layer data (FP8 scales) is indexed by, at table * slots + slot; None for an
+        unused slot."""
+        return tuple(
+            tab.layers[s] if s < len(tab.layers) else None
+            for tab in self.tables
+            for s in range(self.slots)
+        )
+
+    def peak_blocks(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, computed in chunks
+        of at most `chunk_tokens`: every logical block in a full table; in a sliding one the
+        blocks a chunk [s, e) holds when it runs (from the block of key s + 1 - window to
+        e's), at most cdiv(window - 1 + chunk, block) + 1."""
+        logical = -(-num_tokens // block_size)
+        peak = 0
+        for tab in self.tables:
+            if tab.kind is LayerKind.SLIDING and tab.window is not None:
+                peak += min(logical, -(-(tab.window - 1 + chunk_tokens) // block_size) + 1)
+            else:
+                peak += logical
+        return peak
+
+    def max_tokens(self, num_blocks: int, block_size: int, chunk_tokens: int) -> int:
+        """The longest request (a multiple of `block_size` tokens) `num_blocks` blocks hold
+        (`peak_blocks`); one table: num_blocks x block_size."""
+        lo, hi = 0, num_blocks  # logical blocks: peak_blocks grows with them, >= 1 each
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.peak_blocks(mid * block_size, block_size, chunk_tokens) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * block_size
+
+    def live_blocks(self, num_tokens: int, block_size: int) -> list[range]:
+        """Each table's logical blocks the next token of a `num_tokens`-token sequence reads:
+        what a request holds, and what a hand-off of it moves."""
+        return [tab.live_blocks(num_tokens, block_size) for tab in self.tables]
+
+
+# A layout may leave at most this share of its slots unused to get fewer, wider tables.
+MAX_SLOT_WASTE = 1 / 16
+
+
+def kv_layout(groups: Sequence[LayerGroup]) -> KVLayout:
+    """The tables of a model's attention groups (linear groups keep no pages).
+
+    One attention group: one table of all its layers. Several: the widest `slots` (at most
+    the smallest group's size) that leaves at most `MAX_SLOT_WASTE` of the slots unused --
+    wider tables mean fewer tables to allocate and index per request -- which exists, as
+    their sizes' gcd wastes none.
+    """
+    attention = [g for g in groups if g.kind is not LayerKind.LINEAR]
+    attention.sort(key=lambda g: g.kind is not LayerKind.FULL)  # full tables first
+    if not attention:
+        return KVLayout(0, ())
+    sizes = [len(g.layers) for g in attention]
+    slots = 1
+    for s in range(min(sizes), 0, -1):
+        used = sum(-(-n // s) * s for n in sizes)
+        if used - sum(sizes) <= MAX_SLOT_WASTE * used:
+            slots = s
+            break
+    tables = tuple(
+        KVTable(g.kind, g.layers[i : i + slots], g.window)
+        for g in attention
+        for i in range(0, len(g.layers), slots)
+    )
+    return KVLayout(slots, tables)

@@ -167,7 +167,8 @@ class LlamaModel:
         self.linear_states: LinearStates | None = None
         self.linear_checkpoints: LinearStates | None = None
         self._linear_index = {layer: i for i, layer in enumerate(feat.linear_layers)}
-        self._kv_index = {layer: i for i, layer in enumerate(config.kv_layers)}  # cache layer
+        # each attention layer's (KV table, slot in the cache's blocks)
+        self._kv_place = {layer: config.kv_layout.place(layer) for layer in config.kv_layers}
         if feat.linear is not None:
             n, device = len(feat.linear_layers), weights.embed.device
             self.linear_states = LinearStates(feat.linear, n, dtype, device)
@@ -251,7 +252,7 @@ class LlamaModel:
             input_ids: [num_tokens] int64
             positions: [num_tokens] int64
             meta: where each token's KV goes and what it attends to.
-            kv_cache: [num_blocks, num_kv_layers, 2, block_size, num_kv_heads, head_dim]
+            kv_cache: [num_blocks, slots, 2, block_size, num_kv_heads, head_dim]
 
         Returns:
             Final hidden states after the last norm, [num_tokens, hidden].
@@ -279,8 +280,9 @@ class LlamaModel:
                 )  # fmt: skip
             else:
                 tables = local if feat.window(layer_idx) is not None else (cos, sin)
-                kv = kv_cache[:, self._kv_index[layer_idx]]
-                o = self._attention(x, lw, layer_idx, tables, meta, kv)
+                table, slot = self._kv_place[layer_idx]
+                kv = kv_cache[:, slot]
+                o = self._attention(x, lw, layer_idx, tables, meta.table(table), kv)
             if lw.attn_out_norm is not None:
                 o = self.norm(o, lw.attn_out_norm, eps)
             h, x = self._add_norm(h, o, lw.post_norm, eps)

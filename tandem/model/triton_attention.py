@@ -42,10 +42,10 @@ class TritonAttention:
         """The cache is float8_e4m3fn with `scales`; the model computes in `dtype`."""
         self.kv_scales, self._q_dtype = scales, dtype
 
-    def _scales(self, kv_layer: torch.Tensor) -> tuple[float, float]:
+    def _scales(self, kv_layer: torch.Tensor, kv_offset: int) -> tuple[float, float]:
         if self.kv_scales is None:
             return 1.0, 1.0
-        layer = layer_index(kv_layer)
+        layer = kv_offset + layer_index(kv_layer)
         return self.kv_scales.k[layer], self.kv_scales.v[layer]
 
     def num_splits(self, kv_layer: torch.Tensor, num_rows: int, max_context_len: int) -> int:
@@ -84,7 +84,7 @@ class TritonAttention:
         # q: [num_tokens, num_q_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         paged = meta.paged
         assert paged is not None, "the runner builds AttentionMetadata.paged for this backend"
-        k_scale, v_scale = self._scales(kv_layer)
+        k_scale, v_scale = self._scales(kv_layer, meta.kv_offset)
         self._write_kv(k, v, kv_layer, meta.slot_block_ids, meta.slot_offsets, k_scale, v_scale)
         out = torch.empty_like(q)
         nd = paged.num_decode

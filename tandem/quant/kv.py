@@ -67,6 +67,15 @@ class KVScales:
     def num_layers(self) -> int:
         return len(self.k)
 
+    def arranged(self, layers: Sequence[int], order: Sequence[int | None]) -> KVScales:
+        """The scales of `layers` (one pair each, in that order) re-ordered as the cache
+        indexes them (`KVLayout.cache_layers`: a layer per slot, None for an unused one,
+        which gets the default scale)."""
+        pairs = dict(zip(layers, zip(self.k, self.v, strict=True), strict=True))
+        picked = [pairs.get(i, (DEFAULT_SCALE, DEFAULT_SCALE)) if i is not None
+                  else (DEFAULT_SCALE, DEFAULT_SCALE) for i in order]  # fmt: skip
+        return KVScales(tuple(p[0] for p in picked), tuple(p[1] for p in picked), self.source)
+
     @classmethod
     def default(cls, num_layers: int) -> KVScales:
         return cls((DEFAULT_SCALE,) * num_layers, (DEFAULT_SCALE,) * num_layers, "default")
@@ -124,12 +133,13 @@ def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Te
 
 
 def layer_index(kv_layer: torch.Tensor) -> int:
-    """Which layer a view `kv_cache[:, layer]` of the block-major cache is (the attention
-    backends receive the view, not the index):
+    """Which slot a view `kv_cache[:, slot]` of the block-major cache is (the attention
+    backends receive the view, not the index; they add their table's `kv_offset` to find the
+    layer's scales):
 
-        kv_cache  [num_blocks, num_kv_layers, 2, block_size, heads, dim]   contiguous
-        kv_layer = kv_cache[:, layer]: storage offset = layer * (2 * block_size * heads * dim)
-                                                      = layer * 2 * kv_layer.stride(1)
+        kv_cache  [num_blocks, slots, 2, block_size, heads, dim]   contiguous
+        kv_layer = kv_cache[:, slot]: storage offset = slot * (2 * block_size * heads * dim)
+                                                     = slot * 2 * kv_layer.stride(1)
     """
     per_layer = kv_layer.shape[1] * kv_layer.stride(1)
     assert kv_layer.storage_offset() % per_layer == 0, (kv_layer.storage_offset(), per_layer)

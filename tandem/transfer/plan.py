@@ -27,6 +27,7 @@ def plan_read(
     num_cached_tokens: int,
     num_prompt_tokens: int,
     block_size: int,
+    live: Sequence[range] | None = None,
 ) -> ReadPlan:
     """The blocks a decode worker must pull for a prompt, given what it already caches.
 
@@ -36,10 +37,18 @@ def plan_read(
         prompt blocks   [0 ........ first) [first ............ num_blocks)
                          cached locally      remote[i] -> local[i]
 
+    With several KV tables (`live`: per table, the logical blocks a hand-off of the prompt
+    moves, tandem.model.layer_groups.KVLayout.live_blocks) the handle names them table by
+    table and the reader's table interleaves them (entry j * tables + t); each table's blocks
+    from `first` on are read.
+
     Raises:
         TransferError: the handle does not cover the prompt with blocks of `block_size`
             tokens (the two workers disagree about the prompt or the cache layout).
     """
+    if live is not None:
+        return _plan_tables(handle_block_ids, handle_block_size, local_block_table,
+                            num_cached_tokens, block_size, live)  # fmt: skip
     num_blocks = -(-num_prompt_tokens // block_size)
     if len(handle_block_ids) < num_blocks or handle_block_size != block_size:
         raise TransferError(
@@ -52,3 +61,32 @@ def plan_read(
     return ReadPlan(
         tuple(handle_block_ids[first:num_blocks]), tuple(local_block_table[first:num_blocks])
     )
+
+
+def _plan_tables(
+    handle_block_ids: Sequence[int],
+    handle_block_size: int,
+    local_block_table: Sequence[int],
+    num_cached_tokens: int,
+    block_size: int,
+    live: Sequence[range],
+) -> ReadPlan:
+    need, k = sum(len(r) for r in live), len(live)
+    if len(handle_block_ids) != need or handle_block_size != block_size:
+        raise TransferError(
+            f"KV handle has {len(handle_block_ids)} blocks of {handle_block_size} tokens; "
+            f"need {need} of {block_size} ({k} tables)"
+        )
+    first = num_cached_tokens // block_size
+    remote: list[int] = []
+    local: list[int] = []
+    i = 0
+    for t, blocks in enumerate(live):
+        for j in blocks:
+            if j >= first:
+                if j * k + t >= len(local_block_table) or local_block_table[j * k + t] < 0:
+                    raise ValueError(f"local table holds no block {j} of table {t}")
+                remote.append(handle_block_ids[i])
+                local.append(local_block_table[j * k + t])
+            i += 1
+    return ReadPlan(tuple(remote), tuple(local))

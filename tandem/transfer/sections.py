@@ -3,7 +3,10 @@
 A hybrid model's request state is not only per-token KV. The blocks a hand-off names are
 split into typed sections, in this order, each signed with the rest of the handle:
 
-    attention      the prompt's KV pages (every attention layer; cdiv(prompt, block) blocks)
+    attention      the prompt's KV pages: one table's cdiv(prompt, block) blocks, or with
+                   several KV tables (tandem.model.layer_groups.KVLayout: sliding layers
+                   apart from full ones) each table's blocks the next token reads, table by
+                   table -- a sliding table only its window's; the format names the layout
     linear_state   a linear-attention model's (Qwen3-Next) per-request state after the
                    prompt: every linear layer's convolution inputs and recurrent matrices,
                    `num_bytes` of them packed into the section's blocks
@@ -60,9 +63,9 @@ def check_sections(
     sections: Sequence[HandoffSection],
     expected: Mapping[SectionKind, tuple[str, int]],
     num_block_ids: int,
-    num_prompt_tokens: int,
-    block_size: int,
+    attention_blocks: int,
     block_bytes: int,
+    needs_sections: bool = False,
 ) -> dict[SectionKind, range]:
     """Each section's blocks (indices into the handle's block ids), when the hand-off holds
     exactly the sections the reader needs, complete and of its format.
@@ -73,8 +76,11 @@ def check_sections(
         expected: kind -> (format, payload bytes; 0 for attention) for every section the
             reader's model needs; attention always.
         num_block_ids: blocks the handle names.
-        num_prompt_tokens, block_size: the prompt the attention section must cover.
+        attention_blocks: the pages the attention section must hold (the reader's layout
+            for the prompt: `KVLayout.live_blocks`).
         block_bytes: bytes per block (both sides': their layouts were checked equal).
+        needs_sections: the reader's pages are not one plain table (several KV tables), so
+            a handle without sections is refused even when no state is expected.
 
     Raises:
         SectionRefused: a section missing, unknown, repeated, out of order, of another
@@ -82,7 +88,7 @@ def check_sections(
             sections that do not account for the handle's blocks exactly.
     """
     if not sections:  # an owner before sections: its blocks are the prompt's KV pages
-        missing = [k.value for k in expected if k is not SectionKind.ATTENTION]
+        missing = [k.value for k in expected if k is not SectionKind.ATTENTION or needs_sections]
         if missing:
             raise SectionRefused(f"the {', '.join(missing)} section is missing")
         return {SectionKind.ATTENTION: range(num_block_ids)}
@@ -106,7 +112,7 @@ def check_sections(
         if s.format != fmt:
             raise SectionRefused(f"the {kind} section is {s.format!r}, this worker's is {fmt!r}")
         if kind is SectionKind.ATTENTION:
-            need = -(-num_prompt_tokens // block_size)
+            need = attention_blocks
         else:
             need = -(-num_bytes // block_bytes)
             if s.num_bytes != num_bytes:

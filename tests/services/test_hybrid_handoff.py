@@ -13,28 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import grpc
 import pytest
 
-from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.prefix_hash import hash_keys
 from tandem.services.common.redis.server import RedisServer
 from tandem.services.common.rpc import convert
-from tandem.services.common.security import AuthConfig, derive_key, internal_metadata, load_secret
 from tandem.transfer import KVHandoff, prompt_hashes, sign_handoff
 from tandem.transfer.sections import HandoffSection
 from tandem.v1 import worker_pb2 as wpb
-from tandem.v1 import worker_pb2_grpc as wgrpc
-from tests.services.conftest import KV_BYTES
 from tests.services.test_forged_handoff import SAMPLING, decode, greedy, prefill, stats
-from tests.services.test_moe_up import moe_model
-from tests.services.workers import signed_worker_args
+from tests.services.test_moe_up import moe_model, reference_engine
+from tests.services.workers import signed_pair
 
 
 @pytest.fixture(scope="module")
@@ -49,35 +43,13 @@ def cluster(
     procs: SimpleNamespace,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[SimpleNamespace]:
-    secret_file, common = signed_worker_args(redis_server.url, tmp_path_factory.mktemp("secret"))
-    started: list[subprocess.Popen[str]] = []
-    try:
-        prefill, prefill_address = procs.worker(
-            "prefill", model_dir, redis_server.url, "prefill-0", *common
-        )
-        started.append(prefill)
-        decode, decode_address = procs.worker(
-            "decode", model_dir, redis_server.url, "decode-0", *common
-        )
-        started.append(decode)
-        channels = [grpc.insecure_channel(a) for a in (prefill_address, decode_address)]
-        yield SimpleNamespace(
-            key=derive_key(load_secret(secret_file), "kv-handoff"),
-            metadata=internal_metadata(AuthConfig(cluster_secret_file=str(secret_file))),
-            prefill=wgrpc.PrefillWorkerStub(channels[0]),
-            decode=wgrpc.DecodeWorkerStub(channels[1]),
-        )
-        for channel in channels:
-            channel.close()
-    finally:
-        procs.stop(*started)
+    with signed_pair(model_dir, redis_server.url, procs, tmp_path_factory.mktemp("secret")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(str(model_dir), dtype="float32", cache=CacheConfig(kv_cache_bytes=KV_BYTES))
-    )
+    return reference_engine(model_dir)
 
 
 def resigned(c: SimpleNamespace, rid: str, prompt: list[int], handoff: KVHandoff) -> wpb.KvHandle:

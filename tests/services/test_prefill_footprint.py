@@ -36,7 +36,8 @@ NUM_REQUESTS = 48
 # endings: finished, aborted, lease confirmed, lease lapsed, constrained).
 PER_REQUEST = {
     "engine_requests", "engine_text_streams", "scheduler_requests", "kv_block_tables",
-    "kv_published_requests", "output_streams", "queue_positions", "orphan_candidates",
+    "kv_published_requests", "kv_first_live", "output_streams", "queue_positions",
+    "orphan_candidates",
     "leases", "lease_spans",
 }  # fmt: skip
 BOUNDED = {"aborted_ids", "grammar_cache"}

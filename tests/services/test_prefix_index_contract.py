@@ -121,6 +121,42 @@ def test_lookup_with_marks_stops_where_a_worker_can_resume(check: Check) -> None
     check(body)
 
 
+def test_lookup_with_marks_from_needs_every_mark_the_window_reads(check: Check) -> None:
+    """A sliding-window model: marks are a sliding table's keys, and a count n needs those of
+    blocks [marks_from[n - 1], n), the blocks the next token's window reads (here window 8,
+    blocks of 4: the last two blocks). A key missing inside that range cuts the count back;
+    one missing before it (fallen out of the window, freed) does not."""
+
+    async def body(index: PrefixIndex) -> None:
+        chain, keys = [10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]
+        window = [0, 0, 1, 2, 3, 4]
+        await _join(index, "all", chain + keys)
+        await _join(index, "gap", chain + [20, 21, 22, 23, 25])  # lacks block 4's key
+        await _join(index, "slid", chain + [24, 25])  # blocks 0-3 fell out of the window
+        await _join(index, "short", chain[:3] + [21, 22])  # block 0 out of the window at 3
+        await _join(index, "last", chain + [25])  # only the last block's key
+        assert await index.lookup("m", chain, keys, window) == {
+            "all": 6, "gap": 4, "slid": 6, "short": 3
+        }  # fmt: skip
+        # mark n - 1 alone (no marks_from, or its default spelled out): no gap matters
+        default = {"all": 6, "gap": 6, "slid": 6, "short": 3, "last": 6}
+        assert await index.lookup("m", chain, keys) == default
+        assert await index.lookup("m", chain, keys, range(6)) == default
+        # every key from block 0: a worker that freed out-of-window pages is cut back
+        assert await index.lookup("m", chain, keys, [0] * 6) == {"all": 6, "gap": 4}
+        # a shorter prompt's window: blocks [1, 3) for 3 blocks
+        assert await index.lookup("m", chain[:3], keys[:3], window[:3]) == {
+            "all": 3, "gap": 3, "short": 3
+        }  # fmt: skip
+        # a batch that frees an in-window key moves the count back; storing it restores it
+        assert await index.apply(EventBatch("all", "m", 1, 2, removed=(25,))) is APPLIED
+        assert (await index.lookup("m", chain, keys, window))["all"] == 5
+        assert await index.apply(EventBatch("all", "m", 1, 3, stored=(25,))) is APPLIED
+        assert (await index.lookup("m", chain, keys, window))["all"] == 6
+
+    check(body)
+
+
 def test_models_are_isolated(check: Check) -> None:
     async def body(index: PrefixIndex) -> None:
         await _join(index, "a", [1, 2], model="llama")
@@ -383,6 +419,14 @@ def test_misuse_raises_value_error_naming_the_argument(check: Check) -> None:
             await index.remove_worker("a\tb")
         with pytest.raises(ValueError, match="EventBatch"):
             await index.apply(None)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="marks_from was given without marks"):
+            await index.lookup("m", [1, 2], None, [0, 0])
+        with pytest.raises(ValueError, match=r"marks_from must have one int per block"):
+            await index.lookup("m", [1, 2], [3, 4], [0])
+        with pytest.raises(ValueError, match=r"marks_from\[1\] must be an int in \[0, 1\]"):
+            await index.lookup("m", [1, 2], [3, 4], [0, 2])
+        with pytest.raises(ValueError, match=r"marks must have one hash per block"):
+            await index.lookup("m", [], [3])  # an empty chain is checked too
         assert await index.workers() == {}
 
     check(body)
@@ -430,10 +474,14 @@ class _Oracle:
         return True
 
     def lookup(
-        self, model: str, chain: list[int], marks: list[int] | None = None
+        self,
+        model: str,
+        chain: list[int],
+        marks: list[int] | None = None,
+        marks_from: list[int] | None = None,
     ) -> dict[str, int]:
         holdings = {w: k.blocks for w, k in self.known.items() if k.model == model}
-        return leading_counts_reference(holdings, chain, marks)
+        return leading_counts_reference(holdings, chain, marks, marks_from)
 
 
 @dataclass
@@ -516,6 +564,11 @@ def test_random_operations_match_a_plain_model(check: Check, seed: int) -> None:
                 assert await index.lookup(model, chain, marks) == oracle.lookup(
                     model, chain, marks
                 ), f"step {step}: lookup {model} {chain} marks {marks}"
+                # any valid marks_from: windows, and ranges that need not grow with n
+                first = [rng.randint(0, i) for i in range(len(chain))]
+                assert await index.lookup(model, chain, marks, first) == oracle.lookup(
+                    model, chain, marks, first
+                ), f"step {step}: lookup {model} {chain} marks {marks} from {first}"
         expected = {w: (k.epoch, k.seq) for w, k in oracle.known.items()}
         assert await index.workers() == expected
 

@@ -5,11 +5,13 @@ check that it answers greedy prompts as the single engine does."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import secrets
 import time
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -34,6 +36,37 @@ def signed_worker_args(redis_url: str, secret_dir: Path) -> tuple[Path, tuple[st
     secret_file = secret_dir / "cluster.secret"
     secret_file.write_text(secrets.token_hex(32))
     return secret_file, ("--cluster-secret-file", str(secret_file), "--lease-ttl-s", "120")
+
+
+@contextlib.contextmanager
+def signed_pair(
+    model_dir: Path, redis_url: str, procs: Any, secret_dir: Path
+) -> Iterator[SimpleNamespace]:
+    """A prefill and a decode worker over `model_dir` sharing a fresh cluster secret (real
+    processes on `redis_url`): their stubs, the call metadata, and the hand-off key, with
+    which a test signs a handle as an owner holding the secret would."""
+    from tandem.services.common.security import derive_key, load_secret
+
+    secret_file, common = signed_worker_args(redis_url, secret_dir)
+    started: list[Any] = []
+    try:
+        prefill, prefill_address = procs.worker(
+            "prefill", model_dir, redis_url, "prefill-0", *common
+        )
+        started.append(prefill)
+        decode, decode_address = procs.worker("decode", model_dir, redis_url, "decode-0", *common)
+        started.append(decode)
+        channels = [grpc.insecure_channel(a) for a in (prefill_address, decode_address)]
+        yield SimpleNamespace(
+            key=derive_key(load_secret(secret_file), "kv-handoff"),
+            metadata=internal_metadata(AuthConfig(cluster_secret_file=str(secret_file))),
+            prefill=wgrpc.PrefillWorkerStub(channels[0]),
+            decode=wgrpc.DecodeWorkerStub(channels[1]),
+        )
+        for channel in channels:
+            channel.close()
+    finally:
+        procs.stop(*started)
 
 
 def prefill_result(events: Iterable[wpb.PrefillEvent]) -> wpb.PrefillResponse:

@@ -33,7 +33,7 @@ def fill_rows(buffers: DecodeBuffers, size: int, tables: list[list[int]]) -> Non
         size,
         input_ids=i64([100 + i for i in range(n)]),
         positions=i64([10 + i for i in range(n)]),
-        slot_block_ids=i64([50 + i for i in range(n)]),
+        slot_block_ids=i64([50 + i for i in range(n)]).view(1, n),
         slot_offsets=i64(list(range(n))),
         block_tables=torch.tensor(tables, dtype=torch.int64, device=CPU).view(n, -1),
         context_lens=i64([11 + i for i in range(n)]),
@@ -82,7 +82,7 @@ def test_new_buffers_are_all_padding() -> None:
     b = make_buffers()
     assert b.input_ids.tolist() == [0, 0, 0, 0]
     assert b.positions.tolist() == [0, 0, 0, 0]
-    assert b.slot_block_ids.tolist() == [PAD] * 4
+    assert b.slot_block_ids.tolist() == [[PAD] * 4]
     assert b.slot_offsets.tolist() == [0, 0, 0, 0]
     assert b.block_tables.tolist() == [[PAD] * 3] * 4
     assert b.context_lens.tolist() == [1, 1, 1, 1]
@@ -90,8 +90,9 @@ def test_new_buffers_are_all_padding() -> None:
 
 def test_buffer_dtypes_and_shapes() -> None:
     b = make_buffers(num_rows=5, max_blocks=7)
-    for t in (b.input_ids, b.positions, b.slot_block_ids, b.slot_offsets):
+    for t in (b.input_ids, b.positions, b.slot_offsets):
         assert t.dtype == torch.int64 and t.shape == (5,)
+    assert b.slot_block_ids.dtype == torch.int64 and b.slot_block_ids.shape == (1, 5)
     assert b.block_tables.dtype == torch.int32 and b.block_tables.shape == (5, 7)
     assert b.context_lens.dtype == torch.int32 and b.context_lens.shape == (5,)
     assert b.input_ids.device == CPU
@@ -102,7 +103,7 @@ def test_fill_copies_real_rows_and_pads_the_rest() -> None:
     fill_rows(b, 4, [[3, 4], [5, 6]])
     assert b.input_ids.tolist() == [100, 101, 0, 0]
     assert b.positions.tolist() == [10, 11, 0, 0]
-    assert b.slot_block_ids.tolist() == [50, 51, PAD, PAD]
+    assert b.slot_block_ids.tolist() == [[50, 51, PAD, PAD]]
     assert b.slot_offsets.tolist() == [0, 1, 0, 0]
     # Real rows: their tables, then the padding block; padding rows: all padding block.
     assert b.block_tables.tolist() == [[3, 4, PAD], [5, 6, PAD], [PAD] * 3, [PAD] * 3]
@@ -122,7 +123,7 @@ def test_fill_overwrites_the_previous_batch() -> None:
     fill_rows(b, 4, [[3, 4, 7], [5, 6, 8], [1, 2, 0]])
     fill_rows(b, 4, [[2]])
     assert b.input_ids.tolist() == [100, 0, 0, 0]
-    assert b.slot_block_ids.tolist() == [50, PAD, PAD, PAD]
+    assert b.slot_block_ids.tolist() == [[50, PAD, PAD, PAD]]
     assert b.block_tables.tolist() == [[2, PAD, PAD], [PAD] * 3, [PAD] * 3, [PAD] * 3]
     assert b.context_lens.tolist() == [11, 1, 1, 1]
 
@@ -140,8 +141,10 @@ def test_fill_leaves_rows_beyond_size_untouched() -> None:
 def test_fill_with_no_rows_pads_everything_up_to_size() -> None:
     b = make_buffers()
     fill_rows(b, 4, [[3], [4], [5], [6]])
-    empty = i64([])
-    b.fill(3, empty, empty, empty, empty, torch.zeros(0, 0, dtype=torch.int64, device=CPU), empty)
+    empty, no_slots = i64([]), torch.zeros(1, 0, dtype=torch.int64, device=CPU)
+    b.fill(
+        3, empty, empty, no_slots, empty, torch.zeros(0, 0, dtype=torch.int64, device=CPU), empty
+    )
     assert b.input_ids.tolist() == [0, 0, 0, 103]
     assert b.context_lens.tolist() == [1, 1, 1, 14]
 
@@ -152,7 +155,7 @@ def test_reset_pads_every_row() -> None:
     b.reset()
     assert b.input_ids.tolist() == [0] * 4
     assert b.positions.tolist() == [0] * 4
-    assert b.slot_block_ids.tolist() == [PAD] * 4
+    assert b.slot_block_ids.tolist() == [[PAD] * 4]
     assert b.slot_offsets.tolist() == [0] * 4
     assert b.block_tables.tolist() == [[PAD] * 3] * 4
     assert b.context_lens.tolist() == [1] * 4
@@ -177,7 +180,7 @@ def test_views_share_storage_with_the_buffers() -> None:
     fill_rows(b, 2, [[3, 4]])
     assert v.input_ids.tolist() == [100, 0]
     assert v.positions.tolist() == [10, 0]
-    assert v.slot_block_ids.tolist() == [50, PAD]
+    assert v.slot_block_ids.tolist() == [[50, PAD]]
     assert v.slot_offsets.tolist() == [0, 0]
     assert v.block_tables.tolist() == [[3, 4, PAD], [PAD] * 3]
     assert v.context_lens.tolist() == [11, 1]
@@ -209,15 +212,32 @@ def test_fill_refuses_tables_wider_than_max_blocks() -> None:
 
 def test_fill_refuses_rows_of_differing_lengths() -> None:
     b = make_buffers()
-    two, three = i64([1, 2]), i64([1, 2, 3])
+    two, three, slots = i64([1, 2]), i64([1, 2, 3]), i64([1, 2]).view(1, 2)
     table = torch.zeros(2, 1, dtype=torch.int64, device=CPU)
     with pytest.raises(ValueError, match=r"positions has shape \(3,\), expected \(2,\)"):
-        b.fill(4, two, three, two, two, table, two)
+        b.fill(4, two, three, slots, two, table, two)
     with pytest.raises(ValueError, match=r"context_lens has shape \(3,\), expected \(2,\)"):
-        b.fill(4, two, two, two, two, table, three)
+        b.fill(4, two, two, slots, two, table, three)
+    with pytest.raises(ValueError, match=r"slot_block_ids has shape \(2,\), expected \(1, 2\)"):
+        b.fill(4, two, two, two, two, table, two)
     bad_table = torch.zeros(3, 1, dtype=torch.int64, device=CPU)
     with pytest.raises(ValueError, match=r"block_tables has shape \(3, 1\), expected \(2, width\)"):
-        b.fill(4, two, two, two, two, bad_table, two)
+        b.fill(4, two, two, slots, two, bad_table, two)
+
+
+def test_several_kv_tables_interleave_in_each_row() -> None:
+    """A layout of two KV tables (full, sliding): rows twice as wide, a slot block per
+    table per row, every table's padding the padding block."""
+    b = DecodeBuffers(3, 2, padding_block_id=PAD, device=CPU, num_tables=2)
+    assert b.block_tables.shape == (3, 4) and b.slot_block_ids.shape == (2, 3)
+    slots = torch.tensor([[50, 51], [60, 61]], dtype=torch.int64)
+    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]], dtype=torch.int64)
+    b.fill(3, i64([7, 8]), i64([1, 2]), slots, i64([0, 1]), tables, i64([2, 3]))
+    assert b.slot_block_ids.tolist() == [[50, 51, PAD], [60, 61, PAD]]
+    assert b.block_tables.tolist() == [[1, 2, 3, 4], [5, 6, 0, 0], [PAD] * 4]
+    assert b.views(2).slot_block_ids.tolist() == [[50, 51], [60, 61]]
+    with pytest.raises(ValueError, match=r"expected \(2, 2\)"):
+        b.fill(3, i64([7, 8]), i64([1, 2]), slots[:1], i64([0, 1]), tables, i64([2, 3]))
 
 
 def test_a_refused_fill_changes_nothing() -> None:

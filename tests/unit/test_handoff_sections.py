@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from tandem.engine.state_pages import pack_state, unpack_state
-from tandem.model.layer_groups import LinearAttention
+from tandem.engine.state_pages import pack_state, pages_format, unpack_state
+from tandem.model.layer_groups import LayerKind, LinearAttention, group_layers, kv_layout
 from tandem.model.linear_attention import LinearStates
 from tandem.services.common.rpc import convert
 from tandem.transfer.sections import HandoffSection, SectionRefused, check_sections
@@ -26,7 +26,7 @@ PACKED = HandoffSection("linear_state", STATE[0], 3, 250)
 
 
 def check(sections, expected=EXPECTED, num_ids=6):  # type: ignore[no-untyped-def]
-    return check_sections(sections, expected, num_ids, 10, BS, BLOCK_BYTES)
+    return check_sections(sections, expected, num_ids, -(-10 // BS), BLOCK_BYTES)
 
 
 def test_complete_sections_give_each_its_blocks() -> None:
@@ -64,6 +64,31 @@ def test_a_section_missing_truncated_or_of_another_format_is_refused(
 ) -> None:
     with pytest.raises(SectionRefused, match=reason.replace("[", r"\[")):
         check(sections, num_ids=num_ids)
+
+
+def test_several_kv_tables_need_their_pages_section_of_their_layout() -> None:
+    """A sliding model's pages: each table's live blocks (here 7: a full table's 3 and
+    two sliding tables' 2 each), in a section naming the layout. A handle without sections
+    (an owner whose pages are one table), one of another layout, or one that sends every
+    block of its sliding tables instead of their windows is refused."""
+    fmt = pages_format(
+        "bfloat16", kv_layout(group_layers([LayerKind.SLIDING] * 2 + [LayerKind.FULL], 5))
+    )
+    assert fmt == "bfloat16 slots1[f:2,s5:0,s5:1]"
+    pages = HandoffSection("attention", fmt, 7)
+    expected = {K.ATTENTION: (fmt, 0)}
+
+    def check_tables(sections, num_ids=7):  # type: ignore[no-untyped-def]
+        return check_sections(sections, expected, num_ids, 7, BLOCK_BYTES, needs_sections=True)
+
+    assert check_tables([pages]) == {K.ATTENTION: range(7)}
+    with pytest.raises(SectionRefused, match="the attention section is missing"):
+        check_tables([])
+    other = dataclasses.replace(pages, format="bfloat16 slots3[f:0.1.2]")
+    with pytest.raises(SectionRefused, match="slots3"):
+        check_tables([other])
+    with pytest.raises(SectionRefused, match="has 9 blocks, need 7"):
+        check_tables([dataclasses.replace(pages, num_blocks=9)], 9)
 
 
 def test_a_state_section_for_a_model_without_linear_layers_is_refused() -> None:

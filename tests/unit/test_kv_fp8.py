@@ -389,9 +389,13 @@ def test_the_router_looks_each_kv_format_up_under_its_own_hashes() -> None:
             self.asked: list[list[int]] = []
 
         async def lookup(
-            self, model: str, hashes: list[int], marks: list[int] | None = None
+            self,
+            model: str,
+            hashes: list[int],
+            marks: list[int] | None = None,
+            marks_from: tuple[int, ...] | None = None,
         ) -> dict[str, int]:
-            assert marks is None  # a model without linear-attention layers
+            assert marks is None and marks_from is None  # full attention only
             self.asked.append(hashes)
             # Each worker holds the prompt in its own format; d-bf16 also (wrongly) under the
             # fp8 hashes, which must not count for it.

@@ -9,11 +9,13 @@ from typing import Any
 import pytest
 
 from tandem.model.layer_groups import (
+    KVTable,
     LayerGroup,
     LayerKind,
     layer_groups,
     linear_state_bytes,
     resumable_prefix,
+    window_marks_from,
 )
 
 FULL, SLIDING, LINEAR = LayerKind.FULL, LayerKind.SLIDING, LayerKind.LINEAR
@@ -71,6 +73,30 @@ def test_sliding_layers_keep_only_the_pages_the_next_token_reads() -> None:
     assert full.live_blocks(7, 2) == range(4)
     assert sliding.request_bytes(100, 2) == 2 * 2 * 10  # positions 97-99: blocks 48, 49
     assert full.request_bytes(100, 2) == 50 * 2 * 10 * 2
+
+
+def test_window_marks_from_starts_where_the_next_tokens_window_does() -> None:
+    """Window 8, blocks of 4: after n blocks the next token (position 4n) reads positions
+    4n - 7 .. 4n, so from block (4n - 7) // 4 = n - 2 on, and block 0 while n <= 2."""
+    assert window_marks_from(6, 8, 4) == (0, 0, 1, 2, 3, 4)
+    # a window just past a block: positions 4n - 4 .. 4n, the last block alone
+    assert window_marks_from(4, 5, 4) == (0, 1, 2, 3)
+    # a window of 10 blocks and a bit: block 0 until the window leaves it
+    assert window_marks_from(13, 42, 4) == (0,) * 10 + (0, 1, 2)
+    assert window_marks_from(0, 8, 4) == ()
+    for bad in ((3, 1, 4), (3, 8, 0), (-1, 8, 4)):
+        with pytest.raises(ValueError, match="need window >= 2"):
+            window_marks_from(*bad)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+@pytest.mark.parametrize("window", [2, 3, 4, 5, 8, 17, 128])
+def test_window_marks_from_agrees_with_the_tables_live_blocks(window: int, block_size: int) -> None:
+    table = KVTable(SLIDING, (0, 1), window)
+    marks_from = window_marks_from(40, window, block_size)
+    for n in range(1, 41):
+        live = table.live_blocks(n * block_size, block_size)
+        assert live == range(marks_from[n - 1], n), (n, live)
 
 
 def test_a_prefix_is_a_hit_only_where_every_group_resumes() -> None:

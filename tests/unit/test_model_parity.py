@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
+from tandem.model.config import ModelConfig
 
 ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral",
          "gpt-oss", "gemma3", "qwen3-next"]  # fmt: skip
@@ -103,8 +104,10 @@ def test_concurrent_greedy_token_identical(hf_model, engine_factory, arch, mode)
         # A 16-token budget splits most prompts across steps, mixed with decodes.
         engine = engine_factory(model_dir, block_size=4, max_num_batched_tokens=16)
     else:
-        # 20 blocks of 4 tokens cannot hold 16 requests of up to 60 tokens at once.
-        engine = engine_factory(model_dir, block_size=4, num_blocks=20)
+        # 20 blocks of 4 tokens cannot hold 16 requests of up to 60 tokens at once (a
+        # hybrid model's blocks hold one KV table's layers each: as many bytes in all).
+        tables = ModelConfig.from_dir(model_dir).kv_layout.num_tables
+        engine = engine_factory(model_dir, block_size=4, num_blocks=20 * tables)
     cases = _mixed_prompts(16, seed=sum(map(ord, arch)))
     assert_batch_matches_hf(engine, hf, cases, preempts=mode == "preemption")
 

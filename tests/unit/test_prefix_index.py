@@ -8,6 +8,7 @@ and the in-memory index on its own. Async methods run under `asyncio.run` (no py
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -21,7 +22,7 @@ from tandem.index import (
     IndexFull,
     MemoryPrefixIndex,
 )
-from tandem.index.base import leading_counts_reference
+from tandem.index.base import check_marks, leading_counts_reference, resumable_counts
 
 T = TypeVar("T")
 
@@ -96,6 +97,61 @@ def test_leading_counts_reference_stops_at_first_miss() -> None:
     # with marks: cut back to the last block whose mark each worker holds
     assert leading_counts_reference(holdings, [1, 2, 3, 4], [9, 1, 4, 9]) == {"a": 2, "c": 2}
     assert leading_counts_reference(holdings, [1, 2, 3, 4], [1, 9, 9, 9]) == {"c": 1, "a": 1}
+    # with marks_from: every mark in range(marks_from[n - 1], n), not mark n - 1 alone
+    marks = [1, 2, 3, 4]
+    assert leading_counts_reference(holdings, [1, 2, 3], marks, [0, 1, 1]) == {"a": 2, "c": 3}
+    assert leading_counts_reference(holdings, [1, 2, 3], marks, [0, 0, 0]) == {"a": 2, "c": 3}
+    assert leading_counts_reference(holdings, [1, 2, 3], [9, 2, 3], [0, 0, 1]) == {"c": 3}
+    assert leading_counts_reference(holdings, [1, 2, 3], [9, 2, 3], [0, 0, 0]) == {}
+
+
+def test_resumable_counts_cut_each_count_back_to_a_fully_held_range() -> None:
+    # marks 0..5: "a" lacks mark 4, "b" lacks marks 0 and 1, "c" holds only mark 5
+    holders = [{"a", "c0"}, {"a", "c0"}, {"a", "b"}, {"a", "b"}, {"b"}, {"a", "b", "c"}]
+    counts = {"a": 6, "b": 6, "c": 6, "c0": 2}
+    window = [0, 0, 1, 2, 3, 4]  # the last two blocks, as a window of 2 blocks needs
+    assert resumable_counts(counts, holders, window) == {"a": 4, "b": 6, "c0": 2}
+    # mark n - 1 alone (the default): a gap below it does not matter
+    assert resumable_counts(counts, holders, range(6)) == {"a": 6, "b": 6, "c": 6, "c0": 2}
+    # every mark from 0: one gap anywhere below n cuts it back below the gap
+    assert resumable_counts(counts, holders, [0] * 6) == {"a": 4, "c0": 2}
+    assert resumable_counts({"a": 3}, holders, [0, 1, 2]) == {"a": 3}
+
+
+def test_resumable_counts_match_the_reference_for_any_marks_from() -> None:
+    """Random holdings and marks_from (windows and ranges that need not grow with n) against
+    the plain rule: catches a walk that skips or re-reads a range wrongly."""
+    rng = random.Random(7)
+    for _ in range(500):
+        size = rng.randint(1, 12)
+        chain, marks = list(range(size)), list(range(100, 100 + size))
+        holdings = {f"w{i}": set(rng.sample(chain + marks, rng.randint(0, 2 * size)))
+                    for i in range(4)}  # fmt: skip
+        for w in ("w0", "w1"):  # most hold the chain, so the marks decide
+            holdings[w] |= set(chain)
+        marks_from = [rng.randint(0, i) for i in range(size)]
+        counts = leading_counts_reference(holdings, chain)
+        holders = [{w for w, held in holdings.items() if m in held} for m in marks]
+        expected = leading_counts_reference(holdings, chain, marks, marks_from)
+        assert resumable_counts(counts, holders, marks_from) == expected, (holdings, marks_from)
+
+
+def test_check_marks_fills_in_marks_from_and_rejects_misuse() -> None:
+    assert check_marks([1, 2], None, None) is None
+    assert check_marks([1, 2], [5, 6], None) == ((5, 6), (0, 1))
+    assert check_marks([1, 2, 3], [5, 6, 7], [0, 0, 1]) == ((5, 6, 7), (0, 0, 1))
+    assert check_marks([], [], []) == ((), ())
+    for marks, marks_from, needle in [
+        (None, [0, 0], "marks_from was given without marks"),
+        ([5, 6], [0], r"marks_from must have one int per block of the chain \(2\), got 1"),
+        ([5, 6], [0, 2], r"marks_from\[1\] must be an int in \[0, 1\], got 2"),
+        ([5, 6], [-1, 0], r"marks_from\[0\] must be an int in \[0, 0\], got -1"),
+        ([5, 6], [0, True], r"marks_from\[1\] .* got True"),
+        ([5, 6], [0, 1.0], r"marks_from\[1\] .* got 1.0"),
+        ([5], [0, 0], "marks must have one hash per block of the chain"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            check_marks([1, 2], marks, marks_from)
 
 
 # -- MemoryPrefixIndex --------------------------------------------------------------------

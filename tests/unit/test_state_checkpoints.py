@@ -119,20 +119,22 @@ def test_the_router_looks_up_a_linear_models_prefixes_with_state_marks() -> None
     from tandem.engine.prefix_hash import hash_blocks, hash_keys
     from tandem.engine.request import RequestSpec
     from tandem.services.router.config import RouterConfig
-    from tandem.services.router.placer import Placer
+    from tandem.services.router.placer import Placer, ResumeMarks
 
-    asked: list[tuple[list[int], list[int] | None]] = []
+    asked: list[tuple[list[int], list[int] | None, object]] = []
 
     class Index:
-        async def lookup(self, model, hashes, marks=None):  # type: ignore[no-untyped-def]
-            asked.append((hashes, marks))
+        async def lookup(  # type: ignore[no-untyped-def]
+            self, model, hashes, marks=None, marks_from=None
+        ):
+            asked.append((hashes, marks, marks_from))
             return {"d0": 2}
 
     tokens = tuple(range(5, 69))  # 4 blocks of 16
     config = RouterConfig(model_dir="m", block_size=16, decode_addresses=("d:1",))
-    for marks_on in (False, True):
-        placer = Placer(config, "m", state_marks=marks_on)
+    for marks in (ResumeMarks(), ResumeMarks("state")):
+        placer = Placer(config, "m", marks=marks)
         placer._index = Index()  # type: ignore[assignment]
         asyncio.run(placer._prefix_overlap(RequestSpec("r", tokens), []))
     hashes = hash_blocks(list(tokens), 16, hash_keys("m"))
-    assert asked == [(hashes, None), (hashes, [state_mark(h) for h in hashes])]
+    assert asked == [(hashes, None, None), (hashes, [state_mark(h) for h in hashes], None)]

@@ -9,9 +9,11 @@ Operations:
 - `lookup`: ONE `MGET slotmap, key(chain[0]), ..., key(chain[-1])`. MGET is atomic, so the slot
   table always matches the bitmaps even while slots are being reused. The client then walks
   the bitmasks with a running AND of "workers still holding every block so far"; a worker's
-  count is the index of the first block whose bit is clear. The parsed slot table is cached
-  by its raw bytes. The MGET goes through `resp.LookupClient` (plain asyncio streams and a
-  RESP reader specialised for this reply), ~4x cheaper than redis-py's pure-Python parser.
+  count is the index of the first block whose bit is clear. With marks, their keys follow
+  the chain's in the same MGET, and `resumable_counts` cuts the counts back by their holders.
+  The parsed slot table is cached by its raw bytes. The MGET goes through
+  `resp.LookupClient` (plain asyncio streams and a RESP reader specialised for this reply),
+  ~4x cheaper than redis-py's pure-Python parser.
 - `apply`, `snapshot`, `remove_worker`: ONE `EVALSHA` each, of `APPLY_LUA`, `SNAPSHOT_LUA`
   and `REMOVE_LUA` (see `scripts.py`), so every update is atomic: a lookup sees a batch
   entirely or not at all. The scripts need a standalone Redis or Valkey (not a cluster) with
@@ -236,16 +238,20 @@ class RedisPrefixIndex(PrefixIndex):
         return RESULT_OF_CODE[code]
 
     async def lookup(
-        self, model: str, chain: Sequence[int], marks: Sequence[int] | None = None
+        self,
+        model: str,
+        chain: Sequence[int],
+        marks: Sequence[int] | None = None,
+        marks_from: Sequence[int] | None = None,
     ) -> dict[str, int]:
         check_name("model", model)
+        checked = check_marks(chain, marks, marks_from)
         if not chain:
             return {}
-        marks = check_marks(chain, marks)
         # struct checks the range itself, at a fraction of check_hashes' cost on this hot path;
         # check_hashes then only words the error (it also rejects bools, which struct takes).
         # The marks' keys are read in the same MGET, after the chain's.
-        keyed = [*chain, *marks] if marks is not None else chain
+        keyed = [*chain, *checked[0]] if checked is not None else chain
         try:
             packed = struct.pack(f">{len(keyed)}Q", *keyed)
         except struct.error:
@@ -277,9 +283,10 @@ class RedisPrefixIndex(PrefixIndex):
             self._slotmaps[model] = cached
         names, n = cached[1], len(chain)
         counts = _leading_counts(values[1 : 1 + n], names)
-        if marks is None or not counts:
+        if checked is None or not counts:
             return counts
-        return resumable_counts(counts, [_holders(v, names) for v in values[1 + n :]])
+        holders = [_holders(v, names) for v in values[1 + n :]]
+        return resumable_counts(counts, holders, checked[1])
 
     async def remove_worker(self, worker_id: str) -> None:
         check_name("worker_id", worker_id)

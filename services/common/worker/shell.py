@@ -351,7 +351,7 @@ class Worker:
             r.request_id for r in engine.scheduler.requests() if r.request_id != WARMUP_REQUEST_ID
         ]
         for rid in self._orphans.sweep(live, self.owns, now):
-            num_blocks = len(engine.kv.get_block_ids(rid))
+            num_blocks = len(engine.kv.held_blocks(rid))
             engine.abort(rid)
             self.num_reaped_blocks += num_blocks
             self.metrics.kv_blocks_reaped.inc(num_blocks)
