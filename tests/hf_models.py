@@ -98,6 +98,62 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1,
         mlp_only_layers=[2],
     ),  # fmt: skip
+    # DeepSeek-V3 (issue 43): multi-head latent attention (q low-rank, the latent cache, the
+    # decoupled rope key, interleaved rope), YaRN with mscale / mscale_all_dim (the softmax
+    # scale's too), one dense layer then MoE with sigmoid routing, the correction bias and
+    # group-limited top k (2 groups of 4, the best one's experts only), a shared expert.
+    "deepseek-v3": dict(
+        cls="DeepseekV3Config",
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rope_interleave=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+    ),  # fmt: skip
+    # One q_proj (no q_lora_rank), one group, top 2 not renormalised, two shared experts'
+    # width, rotate-half rope without scaling.
+    "deepseek-v3-noqlora": dict(
+        cls="DeepseekV3Config",
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        n_shared_experts=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.5,
+        rope_interleave=False,
+    ),  # fmt: skip
 }
 
 BASE_SHAPE = dict(
@@ -149,7 +205,17 @@ def build_hf_model(arch: str, out_dir: Path, seed: int = 0, **shape: Any) -> Any
                     p.normal_(0.0, 0.2)
                 if name.endswith("sinks"):
                     p.normal_(0.0, 1.0)
-    if arch in ("qwen3-moe", "mixtral", "qwen3-next"):
+    if arch.startswith("deepseek-v3"):
+        # transformers sets the latent norms to ones and the correction bias to zeros
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("layernorm.weight") and "self_attn" in name:
+                    p.normal_(1.0, 0.2)
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                    gate.e_score_correction_bias.normal_(0.0, 0.1)
+    if arch in ("qwen3-moe", "mixtral", "qwen3-next", "deepseek-v3", "deepseek-v3-noqlora"):
         # transformers initializes routers to zero (every expert tied): spread them so each
         # token's top k is decided and the experts differ in use.
         with torch.no_grad():

@@ -108,11 +108,17 @@ def load_model_and_cache(
     """
     model_dir = Path(config.model_dir)
     sched_cfg = config.scheduler
+    mla = ModelConfig.from_dir(model_dir).features.mla is not None
+    if mla and config.kv_cache_dtype == "fp8":
+        raise ValueError(
+            "kv_cache_dtype fp8: multi-head latent attention (DeepSeek-V3) keeps its latent "
+            "cache in the model's dtype for now"
+        )
     model = load_model(
         model_dir,
         config.resolved_dtype,
         config.device,
-        attention=make_attention(config.attention_backend, config.device),
+        attention=make_attention(config.attention_backend, config.device, mla),
         progress=progress,
         quantization=config.quantization,
         quantization_group_size=config.quantization_group_size,

@@ -17,10 +17,12 @@ from tandem.model.layer_groups import (
     kv_layout,
     layer_types,
 )
+from tandem.model.mla import DEEPSEEK_V3, Mla
 from tandem.model.moe import MoeConfig, Routing
 
 # HF architecture name -> (qkv bias default, q/k norm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    DEEPSEEK_V3: (False, False),
     "Gemma3ForCausalLM": (False, True),
     "GptOssForCausalLM": (True, False),
     "LlamaForCausalLM": (False, False),
@@ -74,7 +76,12 @@ class Features:
             projected with the query (Qwen3-Next).
         rotary_dim: RoPE rotates only the first rotary_dim dims of each head (None: all).
         shared_expert_size: a sparse layer's shared expert's width, gated per token
-            (Qwen3-Next); 0: none.
+            (Qwen3-Next) or not (DeepSeek-V3: n_shared_experts x moe_intermediate_size);
+            0: none.
+        mla: multi-head latent attention (DeepSeek-V3, tandem.model.mla) in every layer;
+            the cache then holds one KV head of `Mla.cache_head_dim`.
+        mtp_layers: multi-token-prediction layers stored after the decoder's (DeepSeek-V3's
+            num_nextn_predict_layers): never loaded.
     """
 
     layer_windows: tuple[int | None, ...] = ()
@@ -92,6 +99,8 @@ class Features:
     attn_gate: bool = False
     rotary_dim: int | None = None
     shared_expert_size: int = 0
+    mla: Mla | None = None
+    mtp_layers: int = 0
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
@@ -109,7 +118,14 @@ class Features:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The decoder's shape and numerics. Built by `ModelConfig.from_hf`."""
+    """The decoder's shape and numerics. Built by `ModelConfig.from_hf`.
+
+    num_kv_heads and head_dim are the paged cache's: an MLA model (DeepSeek-V3) keeps one
+    latent and one rope key per token and layer, so its cache has one KV head of
+    (kv_lora_rank + qk_rope_head_dim) / 2 whose K and V halves hold them together
+    (tandem.model.mla; DeepSeek-V3: 61 layers x 576 elements, 70,272 bytes a token in
+    bfloat16), whatever config.json's num_key_value_heads says.
+    """
 
     architecture: str
     vocab_size: int
@@ -186,11 +202,13 @@ class ModelConfig:
             num_q_heads = int(raw["num_attention_heads"])
             num_kv_heads = int(raw.get("num_key_value_heads") or num_q_heads)
             head_dim = int(raw.get("head_dim") or hidden // num_q_heads)
+            features = _parse_features(arch, raw)
+            if features.mla is not None:  # the cache's one head: module doc
+                num_kv_heads, head_dim = 1, features.mla.cache_head_dim
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             # transformers >= 5 writes rope settings under "rope_parameters"
             rope_params = raw.get("rope_parameters") or {}
-            features = _parse_features(arch, raw)
             if arch == "Gemma3ForCausalLM":  # per layer kind: rope_parameters.full_attention
                 rope_params = rope_params.get("full_attention") or {}
             act = raw.get("hidden_act", "silu")
@@ -268,6 +286,8 @@ def _parse_moe(arch: str, raw: dict[str, Any]) -> MoeConfig | None:
             swiglu_limit=float(raw.get("swiglu_limit", 7.0)) if oss else None,
             swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         )
+    if arch == DEEPSEEK_V3:
+        return _deepseek_moe(raw)
     if arch not in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM") or num_experts == 0:
         return None
     dense = set(raw.get("mlp_only_layers") or ())
@@ -287,6 +307,8 @@ def _parse_features(arch: str, raw: dict[str, Any]) -> Features:
     other family."""
     if arch == "Qwen3NextForCausalLM":
         return _qwen3_next_features(raw)
+    if arch == DEEPSEEK_V3:
+        return _deepseek_features(raw)
     if arch not in ("Gemma3ForCausalLM", "GptOssForCausalLM"):
         return Features()
     window = raw.get("sliding_window")
@@ -344,6 +366,54 @@ def _qwen3_next_features(raw: dict[str, Any]) -> Features:
         attn_gate=True,
         rotary_dim=int(head_dim * factor) if factor < 1.0 else None,
         shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _deepseek_moe(raw: dict[str, Any]) -> MoeConfig | None:
+    """DeepSeek-V3's sparse layers: every layer from first_k_dense_replace on, routed by
+    sigmoid scores with the correction bias, the top k within the best topk_group groups."""
+    for field, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(field, value) != value:
+            raise ValueError(f"unsupported {field} {raw[field]!r}; DeepSeek-V3's is {value}")
+    if int(raw.get("moe_layer_freq") or 1) != 1:
+        raise ValueError("moe_layer_freq other than 1 is not supported")
+    num_experts = int(raw.get("n_routed_experts") or 0)
+    if num_experts == 0:
+        return None
+    first = int(raw.get("first_k_dense_replace") or 0)
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=int(raw["num_experts_per_tok"]),
+        expert_intermediate_size=int(raw["moe_intermediate_size"]),
+        routing=Routing.SIGMOID_GROUPS,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        sparse_layers=tuple(range(first, int(raw["num_hidden_layers"]))),
+        num_groups=int(raw.get("n_group") or 1),
+        topk_groups=int(raw.get("topk_group") or 1),
+        routed_scaling=float(raw.get("routed_scaling_factor") or 1.0),
+    )
+
+
+def _deepseek_features(raw: dict[str, Any]) -> Features:
+    """DeepSeek-V3: MLA in every layer, its softmax scale qk_head_dim ** -0.5 times YaRN's
+    mscale(factor, mscale_all_dim) squared where the rope scaling names one (transformers'
+    yarn_apply_mscale), ungated shared experts, multi-token-prediction layers skipped."""
+    if raw.get("attention_bias"):
+        raise ValueError("attention_bias is not supported (DeepSeek-V3's checkpoints have none)")
+    mla = Mla.from_raw(raw)
+    scale = mla.qk_head_dim**-0.5
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    scaled = rope.get("rope_type", rope.get("type", "default")) != "default"
+    if scaled and rope.get("mscale_all_dim"):
+        original = int(rope["original_max_position_embeddings"])
+        factor = rope.get("factor") or int(raw["max_position_embeddings"]) / original
+        scale *= _yarn_mscale(float(factor), float(rope["mscale_all_dim"])) ** 2
+    shared = int(raw.get("n_shared_experts") or 0) * int(raw.get("moe_intermediate_size") or 0)
+    return Features(
+        attn_scale=scale,
+        shared_expert_size=shared,
+        mla=mla,
+        mtp_layers=int(raw.get("num_nextn_predict_layers") or 0),
     )
 
 

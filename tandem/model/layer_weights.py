@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.model.linear_attention import LinearWeights
+from tandem.model.mla import MlaWeights
 from tandem.model.moe import MoeWeights
 from tandem.quant.linear import QuantLinear
 from tandem.quant.weight import QuantizedWeight
@@ -22,12 +23,12 @@ Weight = torch.Tensor | QuantizedWeight | QuantLinear
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     # [hidden, (q_heads + 2 * kv_heads) * head_dim] (Qwen3-Next: each query head followed
-    # by its output gate, 2 * q_heads); None in a linear-attention layer
+    # by its output gate, 2 * q_heads); None in a linear-attention or MLA layer
     qkv: Weight | None
     qkv_bias: torch.Tensor | None  # [(q_heads + 2 * kv_heads) * head_dim]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    o: Weight | None  # [q_heads * head_dim, hidden]; None in a linear-attention layer
+    o: Weight | None  # [q_heads * head_dim, hidden]; None in a linear-attention or MLA layer
     post_norm: torch.Tensor  # [hidden]
     gate_up: Weight | None  # [hidden, 2 * intermediate]; None in a sparse layer
     down: Weight | None  # [intermediate, hidden]; None in a sparse layer
@@ -39,6 +40,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [hidden]
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
     linear: LinearWeights | None = None  # a Gated DeltaNet layer's (Qwen3-Next)
+    mla: MlaWeights | None = None  # a multi-head latent attention layer's (DeepSeek-V3)
 
     def matrices(self) -> tuple[Weight, ...]:
         """The layer's dense matrices (a sparse layer's experts are not among them)."""
@@ -67,6 +69,7 @@ class ModelWeights:
                 la = lw.linear
                 tensors += [la.qkvz, la.ba, la.conv, la.dt_bias, la.a_log, la.norm, la.out]
             tensors += list(lw.moe.tensors()) if lw.moe is not None else []
+            tensors += list(lw.mla.tensors()) if lw.mla is not None else []
         for t in tensors:
             if t is None:
                 continue

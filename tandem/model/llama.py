@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3; Qwen3-MoE and Mixtral, whose
-sparse layers' MLP is `tandem.model.moe`) over a paged KV cache.
+sparse layers' MLP is `tandem.model.moe`; DeepSeek-V3, whose attention is
+`tandem.model.mla`) over a paged KV cache.
 
 Tokens of all requests in a step are packed into one flat batch ([num_tokens, ...]); the
 attention backend knows which request each token belongs to. q/k/v and gate/up projections
@@ -26,6 +27,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.layer_weights import LayerWeights, ModelWeights, Weight
 from tandem.model.linear import MatmulKind, matmul, onednn_row_counts, onednn_rows, pack
 from tandem.model.linear_attention import LinearStates, gdn_forward
+from tandem.model.mla import mla_forward
 from tandem.model.moe import moe_forward
 from tandem.model.rope import RotaryEmbedding, apply_rotary
 from tandem.parallel.sharding import hidden_columns
@@ -118,6 +120,8 @@ class LlamaModel:
             if lw.linear is not None:
                 lw.linear.qkvz = self._pack(lw.linear.qkvz, dtype)
                 lw.linear.out = self._pack(lw.linear.out, dtype)
+            if lw.mla is not None:
+                lw.mla.pack(lambda w: pack(w, matmul))
             if lw.moe is not None and self.reduce_f32:
                 lw.moe.down = lw.moe.down.float()
             if lw.gate_up is not None and lw.down is not None:
@@ -139,7 +143,8 @@ class LlamaModel:
             weights.lm_head = pack(weights.lm_head, matmul)
         # Whether the layers' products run through oneDNN (quantized matrices do not: their
         # row counts compile no oneDNN kernel, so they are not recorded).
-        first = next((lw.qkv for lw in weights.layers if lw.qkv is not None), None)
+        mats = [lw.qkv if lw.mla is None else lw.mla.qkv_a for lw in weights.layers]
+        first = next((m for m in mats if m is not None), None)
         self._onednn_layers = isinstance(first, torch.Tensor) and first.is_mkldnn
         self.weights = weights
         self.attention = attention
@@ -282,7 +287,14 @@ class LlamaModel:
                 tables = local if feat.window(layer_idx) is not None else (cos, sin)
                 table, slot = self._kv_place[layer_idx]
                 kv = kv_cache[:, slot]
-                o = self._attention(x, lw, layer_idx, tables, meta.table(table), kv)
+                if lw.mla is not None:
+                    assert feat.mla is not None
+                    o = mla_forward(
+                        x, lw.mla, feat.mla, cfg.num_q_heads, tables, meta.table(table), kv,
+                        self.scale, self._project, self.norm, eps,
+                    )  # fmt: skip
+                else:
+                    o = self._attention(x, lw, layer_idx, tables, meta.table(table), kv)
             if lw.attn_out_norm is not None:
                 o = self.norm(o, lw.attn_out_norm, eps)
             h, x = self._add_norm(h, o, lw.post_norm, eps)
@@ -444,6 +456,8 @@ class LlamaModel:
             ]  # fmt: skip
             if lw.linear is not None:
                 pairs += [(lw.linear.qkvz, None), (lw.linear.out, None)]
+            if lw.mla is not None:
+                pairs += [(m, None) for m in lw.mla.packed()]
             for m, bias in pairs:
                 if isinstance(m, torch.Tensor) and m.is_mkldnn:  # packed by `pack`
                     key = (tuple(m.shape), m.dtype, bias is not None)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Mixtral): routing and the grouped expert computation.
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, gpt-oss, Qwen3-Next, DeepSeek-V3): routing
+and the grouped expert computation.
 
 A sparse layer's MLP is a router ([hidden, num_experts]) and `num_experts` SwiGLU experts.
 Each token goes to `top_k` experts with a weight each; the layer's output is the weighted
@@ -12,6 +13,11 @@ sum of those experts' outputs. Routing is each model's own:
   gpt-oss    as Mixtral, the router with a bias; its experts have biases too, and a clamped
              SwiGLU: gate clamped above and up on both sides at `swiglu_limit`,
              act = (up + 1) * gate * sigmoid(alpha * gate)
+  DeepSeek-V3  sigmoid of the float32 router logits; the choice adds a correction bias:
+             the groups (num_groups of experts) ranked by their two best biased scores,
+             the top k over the best topk_groups groups only; the weights are the chosen
+             experts' unbiased scores, renormalised when `norm_topk_prob`, times
+             `routed_scaling` (transformers' DeepseekV3TopkRouter)
 
 The experts run as one grouped operation, never a Python loop over experts: the
 (token, slot) pairs are sorted by expert, the tokens gathered in that order, and each
@@ -40,6 +46,7 @@ import torch.nn.functional as F
 class Routing(StrEnum):
     SOFTMAX_TOPK = "softmax_topk"  # Qwen3-MoE: softmax over all, then top k (renormalised?)
     TOPK_SOFTMAX = "topk_softmax"  # Mixtral: top k logits, then softmax over those
+    SIGMOID_GROUPS = "sigmoid_groups"  # DeepSeek-V3: sigmoid, biased group-limited top k
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +62,9 @@ class MoeConfig:
     biases: bool = False  # gpt-oss: the router, gate_up and down have biases
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU (None: plain SiLU * up)
     swiglu_alpha: float = 1.702
+    num_groups: int = 1  # SIGMOID_GROUPS: the experts in this many groups (n_group)
+    topk_groups: int = 1  # SIGMOID_GROUPS: the top k from this many best groups (topk_group)
+    routed_scaling: float = 1.0  # SIGMOID_GROUPS: the weights times it (routed_scaling_factor)
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.expert_intermediate_size <= 0:
@@ -66,6 +76,18 @@ class MoeConfig:
             raise ValueError(
                 f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]"
             )
+        if self.routing is Routing.SIGMOID_GROUPS:
+            g, e = self.num_groups, self.num_experts
+            if g <= 0 or e % g or e // g < 2 or not 0 < self.topk_groups <= g:
+                raise ValueError(
+                    f"n_group ({g}) must divide n_routed_experts ({e}) into groups of at "
+                    f"least 2, and topk_group ({self.topk_groups}) be in [1, {g}]"
+                )
+            if self.top_k > self.topk_groups * (e // g):
+                raise ValueError(
+                    f"num_experts_per_tok ({self.top_k}) exceeds the experts of topk_group "
+                    f"({self.topk_groups}) groups of {e // g}"
+                )
 
 
 @dataclass(slots=True)
@@ -74,16 +96,19 @@ class MoeWeights:
     other matrix ([in, out]) and stacked along dim 0. With expert parallelism a rank holds
     experts [first_expert, first_expert + gate_up.shape[0]) only."""
 
-    router: torch.Tensor  # [hidden, num_experts]
+    router: torch.Tensor  # [hidden, num_experts] (DeepSeek-V3: float32)
     gate_up: torch.Tensor  # [num_local_experts, hidden, 2 * expert_intermediate]
     down: torch.Tensor  # [num_local_experts, expert_intermediate, hidden]
     first_expert: int = 0
     router_bias: torch.Tensor | None = None  # [num_experts] (gpt-oss)
     gate_up_bias: torch.Tensor | None = None  # [num_local_experts, 2 * expert_intermediate]
     down_bias: torch.Tensor | None = None  # [num_local_experts, hidden]
-    # Qwen3-Next's shared expert: (gate | up [hidden, 2S], down [S, hidden], its per-token
-    # gate [hidden, 1]): every token also gets sigmoid(x @ gate) * down(silu(gate) * up)
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The shared expert: (gate | up [hidden, 2S], down [S, hidden], its per-token gate
+    # [hidden, 1] or None): every token also gets down(silu(gate) * up), times
+    # sigmoid(x @ gate) where gated (Qwen3-Next; DeepSeek-V3's is not)
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+    # DeepSeek-V3's e_score_correction_bias [num_experts] float32: biases the choice only
+    correction_bias: torch.Tensor | None = None
     # MXFP4 experts kept in 4 bits (gpt-oss on CUDA, tandem.kernels.fused_moe): gate_up and
     # down are then uint8 [E, in / 2, out] and these their scales [E, in / 32, out]
     gate_up_scales: torch.Tensor | None = None
@@ -91,10 +116,8 @@ class MoeWeights:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         extra = (self.router_bias, self.gate_up_bias, self.down_bias, self.gate_up_scales,
-                 self.down_scales)  # fmt: skip
-        shared = self.shared or ()
-        return (self.router, self.gate_up, self.down, *(b for b in extra if b is not None),
-                *shared)  # fmt: skip
+                 self.down_scales, self.correction_bias, *(self.shared or ()))  # fmt: skip
+        return (self.router, self.gate_up, self.down, *(b for b in extra if b is not None))
 
 
 def router_name(architecture: str, layer: int) -> str:
@@ -123,7 +146,11 @@ class Routed(NamedTuple):
 def route(
     x: torch.Tensor, router: torch.Tensor, cfg: MoeConfig, bias: torch.Tensor | None = None
 ) -> Routed:
-    """x: [num_tokens, hidden] -> each token's top-k experts and their weights."""
+    """x: [num_tokens, hidden] -> each token's top-k experts and their weights. `bias`:
+    gpt-oss's router bias, added to the logits; DeepSeek-V3's correction bias (its own
+    rule: `group_limited_topk`)."""
+    if cfg.routing is Routing.SIGMOID_GROUPS:
+        return group_limited_topk(x, router, cfg, bias)
     logits = x @ router  # [num_tokens, num_experts]
     if bias is not None:
         logits = logits + bias
@@ -135,6 +162,31 @@ def route(
     if cfg.norm_topk_prob:
         top = top / top.sum(dim=-1, keepdim=True)
     return Routed(ids, top.to(x.dtype))
+
+
+def group_limited_topk(
+    x: torch.Tensor, router: torch.Tensor, cfg: MoeConfig, correction: torch.Tensor | None
+) -> Routed:
+    """DeepSeek-V3's routing (module doc): x [num_tokens, hidden], router [hidden, E]
+    (float32), correction [E] -> experts and float32 weights.
+
+        scores  = sigmoid(x @ router)                  [tokens, E]
+        choice  = scores + correction                  grouped: [tokens, G, E / G]
+        groups  = top topk_groups of (sum of each group's two best choices)
+        experts = top k of choice within those groups; weights = scores there
+    """
+    num, g = cfg.num_experts, cfg.num_groups
+    scores = torch.sigmoid(x.float() @ router.float())  # [tokens, E]
+    choice = scores if correction is None else scores + correction
+    group_scores = choice.view(-1, g, num // g).topk(2, dim=-1)[0].sum(dim=-1)  # [tokens, G]
+    best = group_scores.topk(cfg.topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(num // g, dim=1), float("-inf"))
+    ids = choice.topk(cfg.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routed(ids, weights * cfg.routed_scaling)
 
 
 class SortedPairs(NamedTuple):
@@ -249,14 +301,16 @@ def moe_forward(
     if weights.shared is not None:
         gate_up, down, gate = weights.shared
         g, u = (x @ gate_up).chunk(2, dim=-1)
-        out = out + torch.sigmoid(x @ gate) * ((F.silu(g) * u) @ down)
+        y = (F.silu(g) * u) @ down
+        out = out + (y if gate is None else torch.sigmoid(x @ gate) * y)
     return out
 
 
 def _routed(
     x: torch.Tensor, weights: MoeWeights, cfg: MoeConfig, counts: torch.Tensor | None
 ) -> torch.Tensor:
-    routed = route(x, weights.router, cfg, weights.router_bias)
+    bias = weights.router_bias if weights.correction_bias is None else weights.correction_bias
+    routed = route(x, weights.router, cfg, bias)
     if counts is not None:
         flat = routed.expert_ids.flatten()
         counts.scatter_add_(0, flat, torch.ones_like(flat))

@@ -68,8 +68,11 @@ class RotaryEmbedding:
         theta, scaling = config.rope_theta, config.rope_scaling
         if local and config.features.local_rope is not None:
             theta, scaling = config.features.local_rope
-        # partial RoPE (Qwen3-Next) rotates the first rotary_dim dims of each head
-        freq = inv_freq(config.features.rotary_dim or config.head_dim, theta, scaling, device)
+        # partial RoPE (Qwen3-Next) rotates the first rotary_dim dims of each head; MLA
+        # (DeepSeek-V3) its qk_rope_head_dim dims (config.head_dim is then the cache's)
+        mla = config.features.mla
+        dim = mla.qk_rope_head_dim if mla else config.features.rotary_dim or config.head_dim
+        freq = inv_freq(dim, theta, scaling, device)
         positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
         freqs = positions[:, None] * freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]

@@ -120,23 +120,33 @@ class TritonAttention:
         return out
 
 
-def make_attention(name: str, device: str) -> Any:
+def make_attention(name: str, device: str, mla: bool = False) -> Any:
     """The attention backend `name` for `device`:
       triton  the paged Triton kernels (CUDA; the CPU only under TRITON_INTERPRET=1);
       torch   TorchAttention with torch ops only;
       native  TorchAttention with its decode rows through the native paged CPU kernel
               (tandem.kernels.cpu_ops, built with the system's C compiler);
       auto    Triton on CUDA; on a CPU native when the kernel builds, else torch.
-    Every backend takes sliding-window layers and sinks (Gemma 3, gpt-oss).
+    Every backend takes sliding-window layers and sinks (Gemma 3, gpt-oss). An `mla` model
+    (DeepSeek-V3, tandem.model.mla) runs its attention in torch from the torch backend's
+    metadata: no Triton MLA kernel yet, so `auto` is torch for it on CUDA too.
 
     Raises:
-        ValueError: an unknown name, or native where the kernel cannot be built.
+        ValueError: an unknown name, native where the kernel cannot be built, triton for
+            an MLA model.
     """
     from tandem.kernels import cpu_ops
     from tandem.model.attention import TorchAttention
 
     is_cuda = torch.device(device).type == "cuda"
+    if mla and name == "triton":
+        raise ValueError(
+            "attention_backend triton: multi-head latent attention (DeepSeek-V3) has no "
+            "Triton kernel yet; use attention_backend torch (or auto)"
+        )
     if name == "auto":
+        if is_cuda and mla:
+            return TorchAttention()
         if is_cuda:
             return TritonAttention()
         return TorchAttention(cpu_ops.load())

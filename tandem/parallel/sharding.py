@@ -77,6 +77,12 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     head, or whole replicas of every KV head with its query heads split evenly among them."""
     if size <= 0:
         raise ValueError(f"tensor_parallel_size must be positive, got {size}")
+    if size > 1 and config.features.mla is not None:
+        raise ValueError(
+            f"tensor_parallel_size {size}: {config.architecture} (multi-head latent attention) "
+            "is served on one rank only for now (its latent cache, shared by every head, and "
+            "its experts are not split); use tensor_parallel_size 1"
+        )
     if size > 1 and config.features != Features():
         raise ValueError(
             f"tensor_parallel_size {size}: {config.architecture} is served on one rank only "

@@ -1,5 +1,5 @@
-"""What Gemma 3, gpt-oss and Qwen3-Next checkpoints store beyond the Llama layout, and how
-it loads.
+"""What Gemma 3, gpt-oss, Qwen3-Next and DeepSeek-V3 checkpoints store beyond the Llama
+layout, and how it loads.
 
 Gemma 3   per layer four norms: input_layernorm, post_attention_layernorm (on the
           attention's output), pre_feedforward_layernorm, post_feedforward_layernorm (on
@@ -16,11 +16,23 @@ gpt-oss   o_proj's bias, self_attn.sinks [q_heads], the router (mlp.router, with
           (`pack_mxfp4`: the fused MoE kernel decodes them tile by tile); elsewhere they
           are dequantized as they load (`dequantize_mxfp4`): exactly, every e2m1 value
           times a power of two being a bfloat16.
+DeepSeek-V3  MLA's self_attn: q_a_proj, q_a_layernorm, q_b_proj (or q_proj without
+          q_lora_rank), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj (`mla_layer`);
+          a sparse layer's router mlp.gate.weight with its e_score_correction_bias (both
+          read in float32, as transformers keeps them), the shared experts
+          mlp.shared_experts.{gate,up,down}_proj (ungated), and the routed experts either
+          per expert as DeepSeek ships them and transformers saves them
+          (mlp.experts.{e}.{gate,up,down}_proj.weight) or stacked as transformers holds
+          them in memory (mlp.experts.gate_up_proj [E, 2I, hidden], mlp.experts.down_proj
+          [E, hidden, I]; `fused_experts`). The multi-token-prediction layers after the
+          decoder's (model.layers.{num_hidden_layers}.., DeepSeek's MTP) are never read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
 
@@ -28,7 +40,11 @@ import torch
 
 from tandem.model.config import ModelConfig
 from tandem.model.linear_attention import LinearWeights
-from tandem.model.moe import MoeWeights
+from tandem.model.mla import DEEPSEEK_V3, MlaWeights
+from tandem.model.moe import MoeWeights, expert_names
+from tandem.quant.weight import WeightScheme
+
+log = logging.getLogger(__name__)
 
 GPT_OSS = "GptOssForCausalLM"
 
@@ -49,9 +65,12 @@ def is_mxfp4(model_dir: Path) -> bool:
     return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
-def layer_shapes(config: ModelConfig, layer: int, mxfp4: bool) -> dict[str, tuple[int, ...]]:
-    """The tensors of layer `layer` that Gemma 3 or gpt-oss adds to the Llama ones (a
-    gpt-oss layer's experts: in place of Llama's MLP)."""
+def layer_shapes(
+    config: ModelConfig, layer: int, mxfp4: bool, fused_experts: bool = False
+) -> dict[str, tuple[int, ...]]:
+    """The tensors of layer `layer` that Gemma 3, gpt-oss, Qwen3-Next or DeepSeek-V3 adds to
+    the Llama ones (a gpt-oss or DeepSeek-V3 sparse layer's experts: in place of Llama's
+    MLP; DeepSeek-V3's MLA in place of q/k/v/o)."""
     feat, hid = config.features, config.hidden_size
     p = f"model.layers.{layer}."
     shapes: dict[str, tuple[int, ...]] = {}
@@ -74,7 +93,12 @@ def layer_shapes(config: ModelConfig, layer: int, mxfp4: bool) -> dict[str, tupl
         shapes[la + "A_log"] = (c.num_v_heads,)
         shapes[la + "norm.weight"] = (c.v_dim,)
         shapes[la + "out_proj.weight"] = (hid, v_all)
-    if feat.shared_expert_size and config.moe is not None and layer in config.moe.sparse_layers:
+    sparse = config.moe is not None and layer in config.moe.sparse_layers
+    if feat.mla is not None:
+        shapes.update(mla_shapes(config, layer))
+    if config.architecture == DEEPSEEK_V3 and sparse:
+        shapes.update(deepseek_expert_shapes(config, layer, fused_experts))
+    elif feat.shared_expert_size and sparse:
         s = feat.shared_expert_size
         shapes[p + "mlp.shared_expert.gate_proj.weight"] = (s, hid)
         shapes[p + "mlp.shared_expert.up_proj.weight"] = (s, hid)
@@ -165,6 +189,150 @@ def gpt_oss_experts(
         gate_up_scales=None if gate_up_scales is None else deinterleave(gate_up_scales),
         down_scales=down_scales,
     )
+
+
+def mla_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's self_attn tensors (DeepSeek-V3)."""
+    m, hid, heads = config.features.mla, config.hidden_size, config.num_q_heads
+    assert m is not None
+    a = f"model.layers.{layer}.self_attn."
+    shapes: dict[str, tuple[int, ...]] = {}
+    if m.q_lora_rank is not None:
+        shapes[a + "q_a_proj.weight"] = (m.q_lora_rank, hid)
+        shapes[a + "q_a_layernorm.weight"] = (m.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (heads * m.qk_head_dim, m.q_lora_rank)
+    else:
+        shapes[a + "q_proj.weight"] = (heads * m.qk_head_dim, hid)
+    shapes[a + "kv_a_proj_with_mqa.weight"] = (m.entry_dim, hid)
+    shapes[a + "kv_a_layernorm.weight"] = (m.kv_lora_rank,)
+    shapes[a + "kv_b_proj.weight"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    shapes[a + "o_proj.weight"] = (hid, heads * m.v_head_dim)
+    return shapes
+
+
+def fused_experts(config: ModelConfig, names: Collection[str]) -> bool:
+    """Whether a DeepSeek-V3 checkpoint stores its experts stacked (transformers' in-memory
+    layout, module doc) rather than one tensor per expert."""
+    if config.architecture != DEEPSEEK_V3 or config.moe is None or not config.moe.sparse_layers:
+        return False
+    return f"model.layers.{config.moe.sparse_layers[0]}.mlp.experts.gate_up_proj" in names
+
+
+def deepseek_expert_shapes(
+    config: ModelConfig, layer: int, fused: bool
+) -> dict[str, tuple[int, ...]]:
+    """A DeepSeek-V3 sparse layer's router, correction bias, experts and shared experts."""
+    assert config.moe is not None
+    num, inter = config.moe.num_experts, config.moe.expert_intermediate_size
+    hid = config.hidden_size
+    p = f"model.layers.{layer}.mlp."
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "gate.weight": (num, hid),
+        p + "gate.e_score_correction_bias": (num,),
+    }
+    if fused:
+        shapes[p + "experts.gate_up_proj"] = (num, 2 * inter, hid)
+        shapes[p + "experts.down_proj"] = (num, hid, inter)
+    else:
+        for e in range(num):
+            gate, up, down = expert_names(DEEPSEEK_V3, layer, e)
+            shapes.update({gate: (inter, hid), up: (inter, hid), down: (hid, inter)})
+    if config.features.shared_expert_size:
+        s = config.features.shared_expert_size
+        shapes[p + "shared_experts.gate_proj.weight"] = (s, hid)
+        shapes[p + "shared_experts.up_proj.weight"] = (s, hid)
+        shapes[p + "shared_experts.down_proj.weight"] = (hid, s)
+    return shapes
+
+
+def mla_layer(
+    reader: Reader, config: ModelConfig, layer: int, dtype: torch.dtype, device: torch.device
+) -> MlaWeights:
+    """Layer `layer`'s MLA weights (DeepSeek-V3), W_UK and W_UV split out of kv_b_proj."""
+    m = config.features.mla
+    assert m is not None
+    a = f"model.layers.{layer}.self_attn."
+
+    def matrix(*names: str) -> torch.Tensor:
+        """The named [out, in] tensors' rows, concatenated and transposed: [in, out]."""
+        rows = [reader.read(a + n + ".weight").to(device=device, dtype=dtype, copy=True)
+                for n in names]  # fmt: skip
+        return torch.cat(rows).t().contiguous()
+
+    lora = m.q_lora_rank is not None
+    return MlaWeights.build(
+        m,
+        qkv_a=matrix("q_a_proj" if lora else "q_proj", "kv_a_proj_with_mqa"),
+        q_a_norm=norm(reader, a + "q_a_layernorm.weight", False, dtype, device) if lora else None,
+        q_b=matrix("q_b_proj") if lora else None,
+        kv_a_norm=norm(reader, a + "kv_a_layernorm.weight", False, dtype, device),
+        kv_b=matrix("kv_b_proj"),
+        o=matrix("o_proj"),
+    )
+
+
+def deepseek_experts(
+    reader: Reader,
+    config: ModelConfig,
+    layer: int,
+    fused: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> MoeWeights:
+    """A DeepSeek-V3 sparse layer in our layout: the router [hidden, E] and correction
+    bias in float32, experts [E, hidden, 2I] (gate | up) and [E, I, hidden], the shared
+    experts ungated; from per-expert tensors or stacked ones (`fused`)."""
+    assert config.moe is not None
+    num, inter = config.moe.num_experts, config.moe.expert_intermediate_size
+    hid = config.hidden_size
+    p = f"model.layers.{layer}.mlp."
+
+    def load(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
+        return reader.read(p + name).to(device=device, dtype=dt, copy=True)
+
+    if fused:  # [E, 2I, hidden] and [E, hidden, I] as F.linear takes them
+        gate_up = load("experts.gate_up_proj").transpose(1, 2).contiguous()
+        down = load("experts.down_proj").transpose(1, 2).contiguous()
+    else:
+        gate_up = torch.empty(num, hid, 2 * inter, dtype=dtype, device=device)
+        down = torch.empty(num, inter, hid, dtype=dtype, device=device)
+        for e in range(num):
+            gate, up, down_name = expert_names(DEEPSEEK_V3, layer, e)
+            gate_up[e, :, :inter].copy_(reader.read(gate).t())
+            gate_up[e, :, inter:].copy_(reader.read(up).t())
+            down[e].copy_(reader.read(down_name).t())
+    shared = None
+    if config.features.shared_expert_size:
+        s = "shared_experts."
+        both = torch.cat((load(s + "gate_proj.weight"), load(s + "up_proj.weight")))
+        shared = (both.t().contiguous(), load(s + "down_proj.weight").t().contiguous(), None)
+    return MoeWeights(
+        router=load("gate.weight", torch.float32).t().contiguous(),
+        gate_up=gate_up,
+        down=down,
+        shared=shared,
+        correction_bias=load("gate.e_score_correction_bias", torch.float32),
+    )
+
+
+def check_mla(
+    config: ModelConfig, quantized: bool, quantization: WeightScheme, names: Collection[str]
+) -> None:
+    """An MLA model (DeepSeek-V3) loads dense weights only for now; its multi-token-
+    prediction layers, stored after the decoder's, are never read (logged)."""
+    if quantized or quantization is not WeightScheme.NONE:
+        raise ValueError(
+            f"{config.architecture} serves unquantized (bf16/fp32) weights only for now: no "
+            "quantized checkpoint (DeepSeek's FP8 block scales) and no --quantization"
+        )
+    if config.features.mtp_layers:
+        layers = (n.split(".")[2] for n in names if n.startswith("model.layers."))
+        skipped = sum(1 for i in layers if i.isdigit() and int(i) >= config.num_layers)
+        log.info(
+            "skipping %d multi-token-prediction layer(s) (model.layers.%d..): %d tensors "
+            "not read",
+            config.features.mtp_layers, config.num_layers, skipped,
+        )  # fmt: skip
 
 
 def norm(

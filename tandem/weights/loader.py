@@ -78,13 +78,16 @@ class WeightBuilder:
         row_parallel: frozenset[str] = frozenset(),
         reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
         mxfp4: bool = False,
+        fused_experts: bool = False,
     ) -> None:
         """`row_parallel`: the tensors this tensor-parallel rank holds some columns of;
         `reduce_max`: the elementwise maximum over the ranks (a collective), which gives
         their quantized rows the whole row's scales (`quantized_matrix`); `mxfp4`: a
-        gpt-oss checkpoint's MXFP4 experts (tandem.weights.families)."""
+        gpt-oss checkpoint's MXFP4 experts; `fused_experts`: a DeepSeek-V3 checkpoint's
+        stacked experts (tandem.weights.families)."""
         self.reader = reader
         self.mxfp4 = mxfp4
+        self.fused_experts = fused_experts
         self.row_parallel = row_parallel
         self.reduce_max = reduce_max
         self.shapes = shapes
@@ -193,8 +196,13 @@ class WeightBuilder:
         if self.quantization is not WeightScheme.NONE:
             raise ValueError("mixture-of-experts models serve unquantized weights only for now")
         mine = experts if experts is not None else range(config.moe.num_experts)
+        reader = self.reader
+        if config.architecture == families.DEEPSEEK_V3:  # every expert: no TP (sharding)
+            assert isinstance(reader, TensorReader)
+            return families.deepseek_experts(
+                reader, config, i, self.fused_experts, self.dtype, self.device
+            )
         if config.architecture == families.GPT_OSS:
-            reader = self.reader
             assert isinstance(reader, TensorReader)
             # MXFP4 experts stay in 4 bits where the fused MoE kernel decodes them (CUDA)
             return families.gpt_oss_experts(
@@ -243,9 +251,10 @@ class WeightBuilder:
         # has its own pre- and post-norms; Llama's post_attention_layernorm is the pre-MLP one
         post = p + ("pre_feedforward" if sandwich else "post_attention") + "_layernorm.weight"
         linear = i in feat.linear_layers
-        attention = not linear  # a Gated DeltaNet layer (Qwen3-Next) has no self_attn
+        # a Gated DeltaNet layer (Qwen3-Next) has no q/k/v/o, nor an MLA one (DeepSeek-V3)
+        attention = not linear and feat.mla is None
         reader = self.reader
-        if linear and not isinstance(reader, TensorReader):
+        if (linear or feat.mla) and not isinstance(reader, TensorReader):
             raise ValueError(
                 "linear-attention layers (Qwen3-Next) load from dense safetensors checkpoints "
                 "only for now (not a quantized checkpoint or a kept GGUF)"
@@ -266,6 +275,9 @@ class WeightBuilder:
             o=self.matrix([attn + "o_proj.weight"]) if attention else None,  # [q_out, hid]
             linear=families.linear_layer(reader, config, i, self.dtype, self.device)
             if linear
+            else None,
+            mla=families.mla_layer(reader, config, i, self.dtype, self.device)
+            if feat.mla
             else None,
             o_bias=self.fused([attn + "o_proj.bias"]) if feat.o_bias else None,
             sinks=self.fused([attn + "sinks"]).float() if feat.sinks else None,
@@ -338,13 +350,16 @@ def load_weights(
     for f in files:
         entries.update(read_header(f))
     mxfp4 = config.architecture == families.GPT_OSS and families.is_mxfp4(model_dir)
-    shapes = expected_shapes(config, mxfp4)
+    fused = families.fused_experts(config, entries)
+    shapes = expected_shapes(config, mxfp4, fused)
     if shard is not None and shard.size > 1 and shard.expert_parallel:
         foreign = foreign_experts(config, shard)  # other ranks' experts: never read here
         shapes = {n: s for n, s in shapes.items() if n not in foreign}
     # A quantized checkpoint (config.json's quantization_config) stores its linear layers
     # in its own tensors: read those, converted by tandem.quant.checkpoint.
     quant = None if mxfp4 else read_checkpoint_quant(model_dir)
+    if config.features.mla is not None:
+        families.check_mla(config, quant is not None, quantization, entries)
     stored, quantized = stored_shapes(quant, shapes, entries) if quant else (shapes, {})
     # A converted GGUF kept beside its safetensors serves its matrices in their own scheme.
     kept = None if quant else gguf_matrices(model_dir, None, quantization, config)
@@ -384,7 +399,7 @@ def load_weights(
         row_parallel = frozenset(n for n, s in slices.items() if s.dim == 1)
         builder = WeightBuilder(
             source, sliced_shapes(shapes, slices), dtype, device, quantization, group_size,
-            row_parallel, reduce_max, mxfp4,
+            row_parallel, reduce_max, mxfp4, fused,
         )  # fmt: skip
         experts = local_experts(config, shard) if config.moe and shard else None
         weights = builder.model(config, vocab_rows, experts)
@@ -430,6 +445,10 @@ def load_model(
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_dir(path)
+    if config.features.mla is not None and attention is not None and attention.needs_paged_batch:
+        raise ValueError(
+            "multi-head latent attention (DeepSeek-V3) has no paged-kernel (Triton) backend yet"
+        )
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     dev = torch.device(device)

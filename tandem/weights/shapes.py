@@ -9,9 +9,12 @@ from tandem.weights import families
 from tandem.weights.safetensors_io import TensorEntry
 
 
-def expected_shapes(config: ModelConfig, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
+def expected_shapes(
+    config: ModelConfig, mxfp4: bool = False, fused_experts: bool = False
+) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor the model reads, in the order they are loaded
-    (`mxfp4`: a gpt-oss checkpoint's experts as OpenAI ships them, tandem.weights.families)."""
+    (`mxfp4`: a gpt-oss checkpoint's experts as OpenAI ships them; `fused_experts`: a
+    DeepSeek-V3 checkpoint's experts stacked; tandem.weights.families)."""
     hid, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_q_heads * d, config.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {}
@@ -19,7 +22,8 @@ def expected_shapes(config: ModelConfig, mxfp4: bool = False) -> dict[str, tuple
     q_rows = 2 * q_out if config.features.attn_gate else q_out
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        attention = i not in config.features.linear_layers  # else linear_attn's own
+        # else linear_attn's own (Qwen3-Next) or MLA's (DeepSeek-V3, families.mla_shapes)
+        attention = i not in config.features.linear_layers and config.features.mla is None
         if attention:  # in the order the builder reads them
             shapes[p + "self_attn.q_proj.weight"] = (q_rows, hid)
             shapes[p + "self_attn.k_proj.weight"] = (kv_out, hid)
@@ -35,11 +39,14 @@ def expected_shapes(config: ModelConfig, mxfp4: bool = False) -> dict[str, tuple
                 shapes[p + "self_attn.k_norm.weight"] = (d,)
             shapes[p + "self_attn.o_proj.weight"] = (hid, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (hid,)
-        # Gemma 3's, gpt-oss's and Qwen3-Next's own tensors
-        shapes.update(families.layer_shapes(config, i, mxfp4))
-        if config.architecture == families.GPT_OSS:
-            continue
-        if config.moe is not None and i in config.moe.sparse_layers:
+        # Gemma 3's, gpt-oss's, Qwen3-Next's and DeepSeek-V3's own tensors
+        shapes.update(families.layer_shapes(config, i, mxfp4, fused_experts))
+        sparse = config.moe is not None and i in config.moe.sparse_layers
+        if config.architecture == families.GPT_OSS or (
+            sparse and config.architecture == families.DEEPSEEK_V3
+        ):
+            continue  # the experts are in families.layer_shapes
+        if config.moe is not None and sparse:
             e_inter = config.moe.expert_intermediate_size
             shapes[router_name(config.architecture, i)] = (config.moe.num_experts, hid)
             for e in range(config.moe.num_experts):
