@@ -13,12 +13,14 @@ from tandem.model.layer_groups import (
     LayerGroup,
     LayerKind,
     LinearAttention,
+    Mla,
     group_layers,
     kv_layout,
     layer_types,
 )
-from tandem.model.mla import DEEPSEEK_V3, Mla
 from tandem.model.moe import MoeConfig, Routing
+
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 # HF architecture name -> (qkv bias default, q/k norm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {

@@ -1,7 +1,8 @@
 """Which state each layer keeps for a request, in groups of layers that keep the same kind
 (issue 42's ground: hybrid models mix them).
 
-  full_attention     K and V of every token: pages for the whole sequence (today's cache)
+  full_attention     K and V of every token: pages for the whole sequence (today's cache;
+                     an MLA layer's per-token latent and rope key, `Mla`, fill the same pages)
   sliding_attention  K and V of the last `window` tokens only: a token attends to itself and
                      the window - 1 before it (transformers' mask for gpt-oss and Gemma 3), so
                      a page whose tokens all lie before the next token's window is never read
@@ -111,6 +112,70 @@ class LinearAttention:
         return conv + self.num_v_heads * self.k_dim * self.v_dim * 4
 
 
+@dataclass(frozen=True, slots=True)
+class Mla:
+    """An MLA layer's shape (config.json's names).
+
+    Attributes:
+        q_lora_rank: the query's low-rank width (q_a_proj, q_a_layernorm, q_b_proj); None:
+            one q_proj.
+        kv_lora_rank: the latent's width, cached per token.
+        qk_nope_head_dim: each head's query/key dims without rope.
+        qk_rope_head_dim: the rope dims: each head's q_rot, the one shared k_rot (cached).
+        v_head_dim: each head's value width.
+        rope_interleave: rope over interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
+            checkpoints), its output de-interleaved; False: rotate-half like Llama.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
+        if self.entry_dim % 2:
+            raise ValueError(
+                f"kv_lora_rank + qk_rope_head_dim ({self.kv_lora_rank} + "
+                f"{self.qk_rope_head_dim}) must be even: the cache's K and V halves hold a "
+                "token's latent and rope key together"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def entry_dim(self) -> int:
+        """Elements a token keeps per layer: its latent and its rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The cache's head_dim (one KV head): half an entry in K, half in V."""
+        return self.entry_dim // 2
+
+    @classmethod
+    def from_raw(cls, raw: Mapping[str, Any]) -> Mla:
+        q_lora = raw.get("q_lora_rank")
+        return cls(
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(raw["kv_lora_rank"]),
+            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+            v_head_dim=int(raw.get("v_head_dim") or raw["qk_nope_head_dim"]),
+            rope_interleave=bool(raw.get("rope_interleave", True)),
+        )
+
+
 def layer_types(raw: Mapping[str, Any], other: LayerKind, period: int) -> tuple[str, ...]:
     """A config.json's `layer_types` for a model that mixes full layers with `other`
     ones; absent, transformers' default pattern: every `period`-th layer full.
@@ -159,8 +224,11 @@ def layer_groups(raw: Mapping[str, Any], dtype_bytes: int) -> tuple[LayerGroup, 
         raise ValueError("sliding_attention layers need a sliding_window")
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     kv_heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    token_bytes = 2 * kv_heads * head_dim * dtype_bytes
+    if raw.get("kv_lora_rank"):  # MLA: a latent and a rope key per token (`Mla`)
+        token_bytes = Mla.from_raw(raw).entry_dim * dtype_bytes
     state = linear_state_bytes(raw, dtype_bytes) if LayerKind.LINEAR in kinds else 0
-    return group_layers(kinds, window, 2 * kv_heads * head_dim * dtype_bytes, state)
+    return group_layers(kinds, window, token_bytes, state)
 
 
 def group_layers(

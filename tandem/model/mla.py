@@ -10,7 +10,8 @@ per-head keys and values:
     score[h] = (q_nope[h] . k_nope[h] + RoPE(q_rot[h]) . k_rot) * scale
 
 The cache is the one paged tensor every model uses, with one KV head whose K and V halves
-together hold a token's entry [latent | k_rot] (`Mla.cache_head_dim`, D = entry / 2):
+together hold a token's entry [latent | k_rot] (`layer_groups.Mla.cache_head_dim`, D = entry
+/ 2):
 
     kv_layer[block, 0, offset, 0, :] = entry[:D]
     kv_layer[block, 1, offset, 0, :] = entry[D:]
@@ -32,83 +33,17 @@ the context. Both forms give the same numbers (tests/unit/test_mla.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
-
-DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
+from tandem.model.layer_groups import Mla
 
 Project = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [n, in] @ a matrix
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # RMSNorm(x, w, eps)
-
-
-@dataclass(frozen=True, slots=True)
-class Mla:
-    """An MLA layer's shape (config.json's names).
-
-    Attributes:
-        q_lora_rank: the query's low-rank width (q_a_proj, q_a_layernorm, q_b_proj); None:
-            one q_proj.
-        kv_lora_rank: the latent's width, cached per token.
-        qk_nope_head_dim: each head's query/key dims without rope.
-        qk_rope_head_dim: the rope dims: each head's q_rot, the one shared k_rot (cached).
-        v_head_dim: each head's value width.
-        rope_interleave: rope over interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's
-            checkpoints), its output de-interleaved; False: rotate-half like Llama.
-    """
-
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
-            raise ValueError(f"q_lora_rank must be positive or null, got {self.q_lora_rank}")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
-        if self.entry_dim % 2:
-            raise ValueError(
-                f"kv_lora_rank + qk_rope_head_dim ({self.kv_lora_rank} + "
-                f"{self.qk_rope_head_dim}) must be even: the cache's K and V halves hold a "
-                "token's latent and rope key together"
-            )
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def entry_dim(self) -> int:
-        """Elements a token keeps per layer: its latent and its rope key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def cache_head_dim(self) -> int:
-        """The cache's head_dim (one KV head): half an entry in K, half in V."""
-        return self.entry_dim // 2
-
-    @classmethod
-    def from_raw(cls, raw: Mapping[str, Any]) -> Mla:
-        q_lora = raw.get("q_lora_rank")
-        return cls(
-            q_lora_rank=int(q_lora) if q_lora else None,
-            kv_lora_rank=int(raw["kv_lora_rank"]),
-            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
-            v_head_dim=int(raw.get("v_head_dim") or raw["qk_nope_head_dim"]),
-            rope_interleave=bool(raw.get("rope_interleave", True)),
-        )
 
 
 @dataclass(slots=True)

@@ -38,9 +38,9 @@ from typing import Protocol
 
 import torch
 
-from tandem.model.config import ModelConfig
+from tandem.model.config import DEEPSEEK_V3, ModelConfig
 from tandem.model.linear_attention import LinearWeights
-from tandem.model.mla import DEEPSEEK_V3, MlaWeights
+from tandem.model.mla import MlaWeights
 from tandem.model.moe import MoeWeights, expert_names
 from tandem.quant.weight import WeightScheme
 

@@ -12,7 +12,9 @@ from tandem.engine.sampling import SampleResult, SampleRow, SamplingParams
 from tandem.model.config import ModelConfig
 
 ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral",
-         "gpt-oss", "gemma3", "qwen3-next"]  # fmt: skip
+         "gpt-oss", "gemma3", "qwen3-next", "deepseek-v3", "deepseek-v3-noqlora"]  # fmt: skip
+# DeepSeek-V3's multi-head latent attention: prefill chunks expanded, decode rows absorbed
+MLA = ["deepseek-v3", "deepseek-v3-noqlora"]
 ATOL = 1e-4
 
 
@@ -66,7 +68,7 @@ def test_prefill_and_decode_logits_match_hf(hf_model, engine_factory, arch, chun
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "qwen3-next"]
+    "arch", ["llama", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "qwen3-next", *MLA]
 )
 def test_prefix_cache_hit_logits_match_hf(hf_model, engine_factory, arch) -> None:
     """A second request that starts after cached blocks still computes the same logits."""
@@ -92,7 +94,7 @@ def _mixed_prompts(n: int, seed: int) -> list[tuple[list[int], int]]:
 
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "qwen3-next"],
+    ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gpt-oss", "gemma3", "qwen3-next", *MLA],
 )
 @pytest.mark.parametrize(
     "mode",
