@@ -18,7 +18,7 @@ from tandem.engine.kv_cache import block_bytes
 from tandem.engine.sampling import SamplingParams
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from tandem.model.config import ModelConfig
-from tandem.model.layer_groups import Mla
+from tandem.model.layer_groups import Mla, layer_groups
 from tandem.model.llama import rms_norm
 from tandem.model.mla import MlaWeights, mla_forward
 from tandem.model.moe import MoeConfig, Routing, route
@@ -172,6 +172,8 @@ def test_latent_cache_bytes_per_token() -> None:
     assert cfg.moe is not None and cfg.moe.sparse_layers == tuple(range(3, 61))
     assert (cfg.moe.num_groups, cfg.moe.topk_groups, cfg.moe.top_k) == (8, 4, 8)
     assert cfg.features.shared_expert_size == 2048 and cfg.features.mtp_layers == 1
+    [group] = layer_groups(_default_raw(), 2)  # read from config.json alone (the router's)
+    assert group.kv_token_bytes == 576 * 2 and len(group.layers) == 61
     odd = _default_raw() | {"kv_lora_rank": 511}
     with pytest.raises(ValueError, match="must be even"):
         ModelConfig.from_hf(odd)
@@ -275,6 +277,23 @@ def test_refusals(hf_model, engine_factory) -> None:
         engine_factory(model_dir, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="unquantized"):
         engine_factory(model_dir, quantization="int8")
+
+
+def test_byte_budget_and_profile_steps_size_the_latent_cache(hf_model, engine_factory) -> None:
+    """A CPU byte budget buys blocks of the latent's bytes (4 tokens x 3 layers x 40
+    float32s = 1,920 bytes a block); the GPU sizing's profile steps run the MLA layers."""
+    from tandem.config import SchedulerConfig
+    from tandem.engine.profile import profile_steps
+    from tests.unit.test_model_parity import hf_greedy
+
+    model_dir, hf = hf_model("deepseek-v3-noqlora")
+    engine = engine_factory(model_dir, block_size=4, num_blocks=None, kv_cache_bytes=1920 * 50)
+    assert engine.num_blocks == 50
+    sched = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32)
+    assert profile_steps(engine.model, sched, 4, torch.float32, 64, torch.device("cpu")) > 0
+    prompt = random.Random(8).choices(range(256), k=9)
+    [done] = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))
+    assert done.token_ids == hf_greedy(hf, prompt, 3)
 
 
 def test_latent_cache_travels_in_an_in_process_hand_off(hf_model, engine_factory) -> None:
