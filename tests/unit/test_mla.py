@@ -179,6 +179,47 @@ def test_latent_cache_bytes_per_token() -> None:
         ModelConfig.from_hf(odd)
 
 
+# DeepSeek-V3's config.json as DeepSeek ships it (the fields this reader uses)
+SHIPPED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_group": 4,
+    "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_deepseek_v3_config_as_shipped() -> None:
+    """DeepSeek's own config.json (rope_scaling with "type", scoring_func, topk_method): the
+    softmax scale is transformers' (192 ** -0.5 times mscale(40, 1) squared), YaRN's table
+    factor mscale(40, 1) / mscale(40, 1) = 1; other scoring or top-k methods are refused."""
+    import transformers
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    cfg = ModelConfig.from_hf(SHIPPED)
+    hf = transformers.DeepseekV3Config(**SHIPPED)
+    assert cfg.features.attn_scale == pytest.approx(
+        yarn_apply_mscale(hf.rope_parameters, 192**-0.5), rel=1e-12
+    )
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.attention_factor == 1.0
+    assert (cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position_embeddings) == (
+        40.0,
+        4096,
+    )
+    assert cfg.kv_elements_per_token * 2 == 70_272 and cfg.max_position_embeddings == 163840
+    for field, value in (("scoring_func", "softmax"), ("topk_method", "greedy")):
+        with pytest.raises(ValueError, match=f"unsupported {field}"):
+            ModelConfig.from_hf(SHIPPED | {field: value})
+
+
 @pytest.mark.parametrize("arch", ["deepseek-v3", "deepseek-v3-noqlora"])
 def test_softmax_scale_and_rope_match_transformers(hf_model, arch) -> None:
     """The softmax scale (with YaRN's mscale_all_dim squared) is transformers' `scaling`, the
