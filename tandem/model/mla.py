@@ -103,12 +103,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
     """RoPE of x [n, heads, rope_dim]; cos, sin [n, 1, rope_dim] (cat(freqs, freqs)).
     Interleaved: pair (x[2i], x[2i+1]) turned by freq i, written out de-interleaved (the
     first halves, then the second), as transformers' DeepSeek-V3 does."""
+    half = x.shape[-1] // 2
     if interleave:
-        half = x.shape[-1] // 2
         c, s = cos[..., :half], sin[..., :half]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
