@@ -322,3 +322,33 @@ def test_a_sliding_model_profiles_and_sizes_its_cache(hf_model, engine_factory, 
     prompt = list(range(3, 23))
     [out] = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0.0))
     assert out.token_ids == hf_greedy(hf, prompt, 5)
+
+
+def test_decode_graphs_replay_every_kv_table(hf_model, engine_factory, monkeypatch) -> None:
+    """The decode graphs' step over several KV tables (gpt-oss: a full and two sliding,
+    the Triton kernels under the interpreter): captured over buffers whose rows interleave
+    the tables, with a slot block per table, and replayed -- here eagerly, a CPU stand-in
+    for CUDA's capture (tests/unit/test_tensor_parallel_graphs.py's `EagerGraphs`) --
+    decode past the windows as transformers does."""
+    from tandem.engine import runner as runner_module
+    from tests.unit.test_model_parity import hf_greedy
+    from tests.unit.test_tensor_parallel_graphs import EagerGraphs
+
+    replayed: list[int] = []
+
+    class Counted(EagerGraphs):
+        def _launch(self, size: int):  # type: ignore[no-untyped-def]
+            replayed.append(size)
+            return super()._launch(size)
+
+    monkeypatch.setattr(EagerGraphs, "log_dir", "")
+    monkeypatch.setattr(runner_module, "DecodeGraphs", Counted)
+    model_dir, hf = hf_model("gpt-oss")
+    engine = engine_factory(model_dir, block_size=BS, num_blocks=96, attention_backend="triton")
+    # the padding rows' block: the last, which these prompts never reach
+    engine.runner.capture_decode_graphs(4, engine.max_model_len, padding_block_id=95)
+    assert engine.runner.graphs.buffers.slot_block_ids.shape == (3, 4)
+    prompts = [random.Random(i).choices(range(256), k=9 + 4 * i) for i in range(3)]
+    done = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert replayed  # the decode steps replayed
+    assert [d.token_ids for d in done] == [hf_greedy(hf, p, 8) for p in prompts]
