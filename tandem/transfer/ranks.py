@@ -77,7 +77,7 @@ def staging_buffer(
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReadPlan:
+class HeadReads:
     """Which reads a head-split hand-off makes (`plan_reads`).
 
     direct: (source, target) pairs: the target holds exactly the source's heads, read
@@ -94,7 +94,7 @@ class ReadPlan:
     fan_out: tuple[tuple[int, int], ...]
 
 
-def plan_reads(sources: Sequence[range], targets: Sequence[range]) -> ReadPlan:
+def plan_reads(sources: Sequence[range], targets: Sequence[range]) -> HeadReads:
     """The reads giving each target (a reader rank cache's model KV heads) its heads from the
     first source (an owner rank cache's) holding each; every head crosses the wire once per
     distinct target head range, whatever the number of owner replicas or reader replicas:
@@ -127,7 +127,7 @@ def plan_reads(sources: Sequence[range], targets: Sequence[range]) -> ReadPlan:
                 end += 1
             staged.setdefault(i, []).append((t, h - heads.start, h - sources[i].start, end - h))
             h = end
-    return ReadPlan(tuple(direct), {i: tuple(c) for i, c in staged.items()}, tuple(fan_out))
+    return HeadReads(tuple(direct), {i: tuple(c) for i, c in staged.items()}, tuple(fan_out))
 
 
 def read_heads(

@@ -139,26 +139,28 @@ def _fields(remote: RemoteKV) -> dict[str, object]:
 def test_plan_reads_replicated_heads_cross_once() -> None:
     """Owner replicas are read from the first owner rank holding them; reader replicas get
     them by a local copy from the first reader rank holding them, not a second read."""
-    from tandem.transfer.ranks import ReadPlan, plan_reads
+    from tandem.transfer.ranks import HeadReads, plan_reads
 
     h0, h01, h23 = range(0, 1), range(0, 2), range(2, 4)
-    assert plan_reads([h0, h0], [h0]) == ReadPlan(((0, 0),), {}, ())
-    assert plan_reads([h0], [h0, h0]) == ReadPlan(((0, 0),), {}, ((0, 1),))
-    assert plan_reads([h0, h0], [h0, h0]) == ReadPlan(((0, 0),), {}, ((0, 1),))
-    assert plan_reads([h0, h0], [h0, h0, h0, h0]) == ReadPlan(
+    assert plan_reads([h0, h0], [h0]) == HeadReads(((0, 0),), {}, ())
+    assert plan_reads([h0], [h0, h0]) == HeadReads(((0, 0),), {}, ((0, 1),))
+    assert plan_reads([h0, h0], [h0, h0]) == HeadReads(((0, 0),), {}, ((0, 1),))
+    assert plan_reads([h0, h0], [h0, h0, h0, h0]) == HeadReads(
         ((0, 0),), {}, ((0, 1), (0, 2), (0, 3))
     )
     # dense splits as before: a read per distinct range, staged where the split differs
-    assert plan_reads([h01, h23], [h01, h23]) == ReadPlan(((0, 0), (1, 1)), {}, ())
-    assert plan_reads([h01, h23], [range(4)]) == ReadPlan(
+    assert plan_reads([h01, h23], [h01, h23]) == HeadReads(((0, 0), (1, 1)), {}, ())
+    assert plan_reads([h01, h23], [range(4)]) == HeadReads(
         (), {0: ((0, 0, 0, 2),), 1: ((0, 2, 0, 2),)}, ()
     )
-    assert plan_reads([range(4)], [h01, h23]) == ReadPlan((), {0: ((0, 0, 0, 2), (1, 0, 2, 2))}, ())
+    assert plan_reads([range(4)], [h01, h23]) == HeadReads(
+        (), {0: ((0, 0, 0, 2), (1, 0, 2, 2))}, ()
+    )
     # KV heads replicated past the ranks' count (2 heads, 4 ranks): each read once
-    assert plan_reads([h0, h0, range(1, 2), range(1, 2)], [h01]) == ReadPlan(
+    assert plan_reads([h0, h0, range(1, 2), range(1, 2)], [h01]) == HeadReads(
         (), {0: ((0, 0, 0, 1),), 2: ((0, 1, 0, 1),)}, ()
     )
-    assert plan_reads([h01], [h0, h0, range(1, 2), range(1, 2)]) == ReadPlan(
+    assert plan_reads([h01], [h0, h0, range(1, 2), range(1, 2)]) == HeadReads(
         (), {0: ((0, 0, 0, 1), (2, 0, 1, 1))}, ((0, 1), (2, 3))
     )
 
