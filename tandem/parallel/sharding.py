@@ -8,6 +8,9 @@ holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
             KV head r*K//T, shared with its neighbours, and its share of that head's
             query heads
     o       row-parallel: the input rows of rank r's q heads; one all-reduce after it
+    MLA     (DeepSeek-V3, `mla_slices`) q_b / q_proj and kv_b by heads, o as above; the
+            latent's projections and norms whole: every rank caches the latent (one KV
+            head, replicated); the shared experts split like each expert
     gate/up column-parallel: intermediate columns [r*I//T, (r+1)*I//T)
     down    row-parallel: the same intermediate rows; one all-reduce after it
             (`Shard.exact_sums`: o and down split by their outputs instead, hidden columns
