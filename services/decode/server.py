@@ -279,6 +279,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             )
         table, num_cached = reserved
         done = ReadDone(0, 0.0)
+        num_tokens = 0
         ids = handoff.remote.block_ids
         state = sections.get(SectionKind.LINEAR_STATE)
         state_ids = None
@@ -298,6 +299,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 kv.block_size,
                 kv.handoff_live(len(prompt)) if kv.num_tables > 1 else None,
             )
+            num_tokens = len(plan.remote_block_ids) * handoff.block_size
             if state is not None and state_ids is not None:  # read with the pages
                 plan = ReadPlan(
                     plan.remote_block_ids + tuple(ids[i] for i in state),
@@ -336,7 +338,9 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             await self.loop.call(lambda e: e.abort(rid))  # drop the reserved blocks unread
         else:
             await self.loop.call(lambda e: e.commit_kv(rid))
-        return Pulled(valid, num_cached, done.num_bytes, done.seconds * 1e3, failure, outcome)
+        return Pulled(
+            valid, num_cached, done.num_bytes, done.seconds * 1e3, failure, outcome, num_tokens
+        )
 
     def _read_sections(
         self, spec: RequestSpec, handoff: KVHandoff

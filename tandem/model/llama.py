@@ -16,7 +16,8 @@ the model's dtype.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,8 @@ class LlamaModel:
                 lw.linear.qkvz = self._pack(lw.linear.qkvz, dtype)
                 lw.linear.out = self._pack(lw.linear.out, dtype)
             if lw.mla is not None:
-                lw.mla.pack(lambda w: pack(w, matmul))
+                mla_o = lambda w: cast(torch.Tensor, split(w, dtype))  # noqa: E731
+                lw.mla.pack(lambda w: pack(w, matmul), mla_o if self._reduce_o else None)
             if lw.moe is not None and self.reduce_f32:
                 lw.moe.down = lw.moe.down.float()
             if lw.gate_up is not None and lw.down is not None:
@@ -132,7 +134,9 @@ class LlamaModel:
         if self.tp is not None and self._exact:
             shard = self.tp.shard
             ranks = [dataclasses.replace(shard, rank=r) for r in range(shard.size)]
-            local = [config.num_q_heads * config.head_dim, config.intermediate_size]
+            mla = config.features.mla  # its heads' outputs are v_head_dim wide
+            width = mla.v_head_dim if mla is not None else config.head_dim
+            local = [config.num_q_heads * width, config.intermediate_size]
             gathered = self.tp.gather_ints(local, str(weights.embed.device))
             self._widths = (
                 tuple(g[0] for g in gathered),
@@ -292,6 +296,7 @@ class LlamaModel:
                     o = mla_forward(
                         x, lw.mla, feat.mla, cfg.num_q_heads, tables, meta.table(table), kv,
                         self.scale, self._project, self.norm, eps,
+                        partial(self._o_proj, o=lw.mla.o, bias=None) if self._reduce_o else None,
                     )  # fmt: skip
                 else:
                     o = self._attention(x, lw, layer_idx, tables, meta.table(table), kv)
@@ -379,11 +384,15 @@ class LlamaModel:
         ).reshape(n, self._q_size)
         if gate is not None:
             attn = attn * torch.sigmoid(gate)
+        return self._o_proj(attn, lw.o, lw.o_bias)
+
+    def _o_proj(self, attn: torch.Tensor, o: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """o over the heads' outputs attn [n, heads * head width]: [n, hidden]."""
         if self._exact and self._reduce_o:  # every head's output, this rank's columns
-            return self._output_split(attn, lw.o, self._widths[0])
+            return self._output_split(attn, o, self._widths[0])
         if self._reduce_o:  # row-parallel: each rank's heads' share of the sum
-            return self._row_parallel(attn, lw.o)
-        return matmul(attn, lw.o, self.matmul, lw.o_bias)
+            return self._row_parallel(attn, o)
+        return matmul(attn, o, self.matmul, bias)
 
     def _project(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         return matmul(x, w, self.matmul)

@@ -82,11 +82,16 @@ class MlaWeights:
         w_uv = per_head[:, :, nope:].permute(1, 0, 2).contiguous()  # [heads, latent, v]
         return cls(qkv_a, q_a_norm, q_b, kv_a_norm, kv_b, o, w_uk, w_uv)
 
-    def pack(self, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Pack the matrices applied to a step's rows for the device's matmul. kv_b stays as
-        loaded: the expanded prefill applies it to whole contexts, whose row counts are not
-        bounded by the step's (oneDNN would compile a kernel per context length)."""
-        self.qkv_a, self.o = pack(self.qkv_a), pack(self.o)
+    def pack(
+        self,
+        pack: Callable[[torch.Tensor], torch.Tensor],
+        pack_o: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Pack the matrices applied to a step's rows for the device's matmul (o by `pack_o`
+        where given: a tensor-parallel rank's row-parallel o). kv_b stays as loaded: the
+        expanded prefill applies it to whole contexts, whose row counts are not bounded by
+        the step's (oneDNN would compile a kernel per context length)."""
+        self.qkv_a, self.o = pack(self.qkv_a), (pack_o or pack)(self.o)
         if self.q_b is not None:
             self.q_b = pack(self.q_b)
 
@@ -138,9 +143,12 @@ def mla_forward(
     project: Project,
     norm: Norm,
     eps: float,
+    out_proj: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """An MLA layer over x [n, hidden] (normed): its o_proj's output [n, hidden]. Writes
     the new tokens' entries, then attends: decode rows absorbed, prefill chunks expanded.
+    `out_proj` applies o to the heads' outputs [n, heads * v_head_dim] where given (a
+    tensor-parallel rank's split o, summed or gathered over the ranks).
 
     Args:
         rope: cos, sin [n, 1, qk_rope_head_dim] at the tokens' positions.
@@ -170,7 +178,8 @@ def mla_forward(
         out[s:e] = expanded_prefill(
             q_nope[s:e], q_rot[s:e], entries[s:e], kv_layer, span, w, cfg, scale
         )
-    return project(out.view(n, h * cfg.v_head_dim), w.o)
+    heads_out = out.view(n, h * cfg.v_head_dim)
+    return project(heads_out, w.o) if out_proj is None else out_proj(heads_out)
 
 
 def absorbed_decode(

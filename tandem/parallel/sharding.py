@@ -8,6 +8,9 @@ holds, and the shape of the model a rank runs. Pure arithmetic, no collectives
             KV head r*K//T, shared with its neighbours, and its share of that head's
             query heads
     o       row-parallel: the input rows of rank r's q heads; one all-reduce after it
+    MLA     (DeepSeek-V3, `mla_slices`) q_b / q_proj and kv_b by heads, o as above; the
+            latent's projections and norms whole: every rank caches the latent (one KV
+            head, replicated); the shared experts split like each expert
     gate/up column-parallel: intermediate columns [r*I//T, (r+1)*I//T)
     down    row-parallel: the same intermediate rows; one all-reduce after it
             (`Shard.exact_sums`: o and down split by their outputs instead, hidden columns
@@ -36,6 +39,8 @@ from typing import NamedTuple
 
 from tandem.model.config import Features, ModelConfig
 from tandem.model.moe import expert_names
+
+GUD = ("gate", "up", "down")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,12 +83,26 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     if size <= 0:
         raise ValueError(f"tensor_parallel_size must be positive, got {size}")
     if size > 1 and config.features.mla is not None:
-        raise ValueError(
-            f"tensor_parallel_size {size}: {config.architecture} (multi-head latent attention) "
-            "is served on one rank only for now (its latent cache, shared by every head, and "
-            "its experts are not split); use tensor_parallel_size 1"
+        mla_only = dataclasses.replace(
+            config.features, mla=None, attn_scale=None, shared_expert_size=0, mtp_layers=0
         )
-    if size > 1 and config.features != Features():
+        if mla_only != Features():
+            raise ValueError(
+                f"tensor_parallel_size {size}: {config.architecture} is served on one rank "
+                "only for now (multi-head latent attention with other features not sharded)"
+            )
+        heads = config.num_q_heads
+        if heads % size:
+            raise ValueError(
+                f"tensor_parallel_size {size}: multi-head latent attention splits its "
+                f"{heads} heads evenly over the ranks (the latent, every head's, replicated)"
+            )
+        if 0 < config.features.shared_expert_size < size:
+            raise ValueError(
+                f"tensor_parallel_size {size} exceeds the shared experts' intermediate size "
+                f"({config.features.shared_expert_size})"
+            )
+    elif size > 1 and config.features != Features():
         raise ValueError(
             f"tensor_parallel_size {size}: {config.architecture} is served on one rank only "
             f"for now (its sinks, biases and norms are not sharded)"
@@ -231,7 +250,9 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
     slices: dict[str, TensorSlice] = {}
     for i in range(config.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        if not shard.replicate_attention:
+        if config.features.mla is not None:
+            slices.update(mla_slices(config, shard, i))
+        elif not shard.replicate_attention:
             slices[attn + "q_proj.weight"] = TensorSlice(0, *qs)
             slices[attn + "k_proj.weight"] = TensorSlice(0, *kvs)
             slices[attn + "v_proj.weight"] = TensorSlice(0, *kvs)
@@ -242,6 +263,11 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
             slices[attn + "o_proj.weight"] = TensorSlice(0, *out) if exact else TensorSlice(1, *qs)
         if config.moe is not None and i in config.moe.sparse_layers:
             part = expert_intermediate(config, shard)
+            if config.features.shared_expert_size and config.features.mla is not None:
+                shared = _part(config.features.shared_expert_size, shard)  # DeepSeek-V3's
+                gate, up, down = (mlp + f"shared_experts.{x}_proj.weight" for x in GUD)
+                slices[gate] = slices[up] = TensorSlice(0, shared.start, shared.stop)
+                slices[down] = TensorSlice(1, shared.start, shared.stop)
             if shard.expert_parallel:  # its own experts whole
                 continue
             for e in range(config.moe.num_experts):
@@ -257,6 +283,30 @@ def tensor_slices(config: ModelConfig, shard: Shard) -> dict[str, TensorSlice]:
     if not config.tie_word_embeddings:
         slices["lm_head.weight"] = TensorSlice(0, vocab.start, vocab.stop)
     return slices
+
+
+def mla_slices(config: ModelConfig, shard: Shard, layer: int) -> dict[str, TensorSlice]:
+    """Layer `layer`'s MLA tensors rank `shard.rank` reads (DeepSeek-V3): its heads' rows
+    of q_b_proj (or q_proj) and kv_b_proj (each head's [k_nope | v], so W_UK and W_UV split
+    with them), o_proj's by `Shard.exact_sums` or its heads' columns. q_a_proj,
+    kv_a_proj_with_mqa and the norms are read whole: every rank computes every token's
+    latent and caches it (the cache's one KV head, replicated)."""
+    m = config.features.mla
+    assert m is not None
+    if shard.replicate_attention:
+        return {}
+    heads = q_heads(config, shard)
+    a = f"model.layers.{layer}.self_attn."
+    q = "q_b_proj" if m.q_lora_rank is not None else "q_proj"
+    kv_b = m.qk_nope_head_dim + m.v_head_dim
+    hidden = hidden_columns(config, shard)
+    return {
+        a + q + ".weight": TensorSlice(0, heads.start * m.qk_head_dim, heads.stop * m.qk_head_dim),
+        a + "kv_b_proj.weight": TensorSlice(0, heads.start * kv_b, heads.stop * kv_b),
+        a + "o_proj.weight": TensorSlice(0, hidden.start, hidden.stop)
+        if shard.exact_sums
+        else TensorSlice(1, heads.start * m.v_head_dim, heads.stop * m.v_head_dim),
+    }
 
 
 def sliced_shapes(

@@ -12,6 +12,13 @@ reader's rank caches its heads from the first owner rank holding them:
 A staged read pulls one owner rank's whole blocks into a staging buffer (few, large reads: one
 descriptor per run of blocks) and copies each head range out into the reader cache holding it.
 
+Replicated heads cross the wire once (`plan_reads`): owner replicas are read from the first
+owner rank holding them, and reader rank caches that replicate an earlier one's heads (MLA's
+latent, the one KV head every rank caches; dense KV heads past the ranks' count) get them by
+a local copy from it after the reads, a fan-out on the reader's machine:
+
+    owner [h0 | h0]  -> reader [h0 | h0]   one read into reader rank 0, one local copy to 1
+
 Everything here works on plain data (head ranges, tensors, block ids) and the transport's
 reads passed in; `KVTransport` (tandem.transfer.base) checks a read's arguments first.
 """
@@ -69,6 +76,60 @@ def staging_buffer(
     return staging
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeadReads:
+    """Which reads a head-split hand-off makes (`plan_reads`).
+
+    direct: (source, target) pairs: the target holds exactly the source's heads, read
+        straight into it.
+    staged: source -> (target, its first head to write, the source's first head to copy,
+        heads) copies out of the source's whole blocks read into the staging buffer.
+    fan_out: (from target, to target): a target holding the same heads as an earlier one
+        gets them by a local copy from it, not a second read over the wire (replicated
+        heads: MLA's latent on every rank, or dense KV heads past the ranks' count).
+    """
+
+    direct: tuple[tuple[int, int], ...]
+    staged: dict[int, tuple[tuple[int, int, int, int], ...]]
+    fan_out: tuple[tuple[int, int], ...]
+
+
+def plan_reads(sources: Sequence[range], targets: Sequence[range]) -> HeadReads:
+    """The reads giving each target (a reader rank cache's model KV heads) its heads from the
+    first source (an owner rank cache's) holding each; every head crosses the wire once per
+    distinct target head range, whatever the number of owner replicas or reader replicas:
+
+        owner [h0 | h0]  -> reader [h0]       one read (from owner rank 0)
+        owner [h0]       -> reader [h0 | h0]  one read, one local copy (reader rank 0 -> 1)
+        owner [h0 | h0]  -> reader [h0 | h0]  one read, one local copy
+    """
+    owner: dict[int, int] = {}  # model KV head -> first source holding it
+    for i, heads in enumerate(sources):
+        for h in heads:
+            owner.setdefault(h, i)
+    direct: list[tuple[int, int]] = []
+    staged: dict[int, list[tuple[int, int, int, int]]] = {}
+    fan_out: list[tuple[int, int]] = []
+    first: dict[range, int] = {}  # a head range -> the first target holding it
+    for t, heads in enumerate(targets):
+        if heads in first:
+            fan_out.append((first[heads], t))
+            continue
+        first[heads] = t
+        same = [i for i, src in enumerate(sources) if src == heads]
+        if same:
+            direct.append((same[0], t))
+            continue
+        h = heads.start
+        while h < heads.stop:  # split the target's heads into runs of heads of one source
+            i, end = owner[h], h + 1
+            while end < heads.stop and owner[end] == i:
+                end += 1
+            staged.setdefault(i, []).append((t, h - heads.start, h - sources[i].start, end - h))
+            h = end
+    return HeadReads(tuple(direct), {i: tuple(c) for i, c in staged.items()}, tuple(fan_out))
+
+
 def read_heads(
     sources: Sequence[range],
     targets: Sequence[tuple[torch.Tensor, int]],
@@ -80,9 +141,10 @@ def read_heads(
 ) -> tuple[int, int]:
     """Read owner blocks `remote_ids[i]` into local blocks `local_ids[i]` of every target cache.
 
-    A target holding exactly one source's heads is read straight into (one descriptor per
-    run); otherwise each source needed is read whole blocks at a time into the staging buffer
-    (up to `STAGING_BYTES` a read) and its head ranges copied out.
+    As `plan_reads` plans: a target holding exactly one source's heads is read straight into
+    (one descriptor per run); otherwise each source needed is read whole blocks at a time
+    into the staging buffer (up to `STAGING_BYTES` a read) and its head ranges copied out; a
+    target replicating an earlier one's heads is copied from it locally, after the reads.
 
     Args:
         sources: the model KV heads each of the owner's rank caches holds, rank 0 first
@@ -98,36 +160,19 @@ def read_heads(
             block of `block_bytes`).
 
     Returns:
-        (bytes moved over the transport, descriptors used).
+        (bytes moved over the transport, descriptors used); local fan-out copies are not
+        counted.
     """
-    owner: dict[int, int] = {}  # model KV head -> first source holding it
-    for i, heads in enumerate(sources):
-        for h in heads:
-            owner.setdefault(h, i)
+    heads = [range(start, start + int(cache.shape[4])) for cache, start in targets]
+    plan = plan_reads(sources, heads)
     per_head = layout.block_bytes // layout.num_kv_heads
-    direct: list[tuple[int, torch.Tensor]] = []
-    # source -> (target cache, its first head to write, the source's first head to copy, heads)
-    staged: dict[int, list[tuple[torch.Tensor, int, int, int]]] = {}
-    for cache, start in targets:
-        stop = start + int(cache.shape[4])
-        same = [i for i, heads in enumerate(sources) if heads == range(start, stop)]
-        if same:
-            direct.append((same[0], cache))
-            continue
-        h = start
-        while h < stop:  # split [start, stop) into runs of heads of one source
-            i, end = owner[h], h + 1
-            while end < stop and owner[end] == i:
-                end += 1
-            staged.setdefault(i, []).append((cache, h - start, h - sources[i].start, end - h))
-            h = end
     moved, descriptors = 0, 0
-    for i, cache in direct:
+    for i, t in plan.direct:
         runs = coalesce(remote_ids, local_ids)
         descriptors += len(runs)
-        read_into(i, runs, cache)
+        read_into(i, runs, targets[t][0])
         moved += len(local_ids) * per_head * len(sources[i])
-    for i, copies in sorted(staged.items()):
+    for i, copies in sorted(plan.staged.items()):
         num_heads = len(sources[i])
         src_bytes = per_head * num_heads
         buffer = staging(src_bytes)
@@ -143,10 +188,14 @@ def read_heads(
             rows = buffer[: len(chunk_ids) * src_bytes].view(len(chunk_ids), *shape)
             # Runs of consecutive local blocks: one strided slice copy each.
             local_runs = coalesce(range(len(chunk_ids)), local_ids[c : c + chunk])
-            for cache, dst_head, src_head, n in copies:
-                dst = cache.view(torch.uint8)  # heads as bytes: dtype-agnostic
+            for t, dst_head, src_head, n in copies:
+                dst = targets[t][0].view(torch.uint8)  # heads as bytes: dtype-agnostic
                 for s0, d0, k in local_runs:
                     dst[d0 : d0 + k, :, :, :, dst_head : dst_head + n].copy_(
                         rows[s0 : s0 + k, :, :, :, src_head : src_head + n]
                     )
+    for a, b in plan.fan_out:  # replicas: a local copy on this machine, not a wire read
+        src, dst = targets[a][0], targets[b][0]
+        for _, d0, k in coalesce(local_ids, local_ids):
+            dst[d0 : d0 + k].copy_(src[d0 : d0 + k])
     return moved, descriptors

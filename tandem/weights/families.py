@@ -278,12 +278,21 @@ def deepseek_experts(
     fused: bool,
     dtype: torch.dtype,
     device: torch.device,
+    mine: range | None = None,
+    columns: range | None = None,
 ) -> MoeWeights:
     """A DeepSeek-V3 sparse layer in our layout: the router [hidden, E] and correction
     bias in float32, experts [E, hidden, 2I] (gate | up) and [E, I, hidden], the shared
-    experts ungated; from per-expert tensors or stacked ones (`fused`)."""
+    experts ungated; from per-expert tensors or stacked ones (`fused`).
+
+    A tensor-parallel rank's part (tandem.parallel.sharding): experts `mine` (expert
+    parallelism; default all) and of each its intermediate `columns` (default all); the
+    per-expert and shared tensors come sliced from the reader, stacked ones are cut here."""
     assert config.moe is not None
-    num, inter = config.moe.num_experts, config.moe.expert_intermediate_size
+    num, full = config.moe.num_experts, config.moe.expert_intermediate_size
+    mine = mine if mine is not None else range(num)
+    cols = columns if columns is not None else range(full)
+    inter = len(cols)
     hid = config.hidden_size
     p = f"model.layers.{layer}.mlp."
 
@@ -291,13 +300,18 @@ def deepseek_experts(
         return reader.read(p + name).to(device=device, dtype=dt, copy=True)
 
     if fused:  # [E, 2I, hidden] and [E, hidden, I] as F.linear takes them
-        gate_up = load("experts.gate_up_proj").transpose(1, 2).contiguous()
-        down = load("experts.down_proj").transpose(1, 2).contiguous()
+        gu = reader.read(p + "experts.gate_up_proj")[mine.start : mine.stop]
+        gu = torch.cat(
+            (gu[:, cols.start : cols.stop], gu[:, full + cols.start : full + cols.stop]), 1
+        )
+        gate_up = gu.to(device=device, dtype=dtype).transpose(1, 2).contiguous()
+        dn = reader.read(p + "experts.down_proj")[mine.start : mine.stop, :, cols.start : cols.stop]
+        down = dn.to(device=device, dtype=dtype).transpose(1, 2).contiguous()
     else:
-        gate_up = torch.empty(num, hid, 2 * inter, dtype=dtype, device=device)
-        down = torch.empty(num, inter, hid, dtype=dtype, device=device)
-        for e in range(num):
-            gate, up, down_name = expert_names(DEEPSEEK_V3, layer, e)
+        gate_up = torch.empty(len(mine), hid, 2 * inter, dtype=dtype, device=device)
+        down = torch.empty(len(mine), inter, hid, dtype=dtype, device=device)
+        for e in range(len(mine)):
+            gate, up, down_name = expert_names(DEEPSEEK_V3, layer, mine.start + e)
             gate_up[e, :, :inter].copy_(reader.read(gate).t())
             gate_up[e, :, inter:].copy_(reader.read(up).t())
             down[e].copy_(reader.read(down_name).t())
@@ -310,6 +324,7 @@ def deepseek_experts(
         router=load("gate.weight", torch.float32).t().contiguous(),
         gate_up=gate_up,
         down=down,
+        first_expert=mine.start,
         shared=shared,
         correction_bias=load("gate.e_score_correction_bias", torch.float32),
     )

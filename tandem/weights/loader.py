@@ -30,6 +30,7 @@ from tandem.parallel.sharding import (
     Shard,
     TensorSlice,
     check_shardable,
+    expert_intermediate,
     foreign_experts,
     local_config,
     local_experts,
@@ -88,6 +89,7 @@ class WeightBuilder:
         self.reader = reader
         self.mxfp4 = mxfp4
         self.fused_experts = fused_experts
+        self.expert_columns: range | None = None  # a TP rank's of each expert (DeepSeek-V3)
         self.row_parallel = row_parallel
         self.reduce_max = reduce_max
         self.shapes = shapes
@@ -197,11 +199,12 @@ class WeightBuilder:
             raise ValueError("mixture-of-experts models serve unquantized weights only for now")
         mine = experts if experts is not None else range(config.moe.num_experts)
         reader = self.reader
-        if config.architecture == families.DEEPSEEK_V3:  # every expert: no TP (sharding)
+        if config.architecture == families.DEEPSEEK_V3:
             assert isinstance(reader, TensorReader)
             return families.deepseek_experts(
-                reader, config, i, self.fused_experts, self.dtype, self.device
-            )
+                reader, config, i, self.fused_experts, self.dtype, self.device, mine,
+                self.expert_columns,
+            )  # fmt: skip
         if config.architecture == families.GPT_OSS:
             assert isinstance(reader, TensorReader)
             # MXFP4 experts stay in 4 bits where the fused MoE kernel decodes them (CUDA)
@@ -371,6 +374,8 @@ def load_weights(
     if shard is not None and shard.size > 1:
         check_shardable(config, shard.size)
         slices = tensor_slices(config, shard)
+        if fused:  # stacked experts: cut as loaded (families.deepseek_experts), not read so
+            slices = {n: s for n, s in slices.items() if n in shapes}
         vocab_rows = vocab_per_rank(config, shard.size)
     # A tensor-parallel rank reads its part of a quantized layer as parts of the stored
     # tensors (checkpoint.stored_slices), or of a kept GGUF's blocks.
@@ -402,6 +407,8 @@ def load_weights(
             row_parallel, reduce_max, mxfp4, fused,
         )  # fmt: skip
         experts = local_experts(config, shard) if config.moe and shard else None
+        if config.moe and shard and shard.size > 1:  # each expert's columns (DeepSeek-V3)
+            builder.expert_columns = expert_intermediate(config, shard)
         weights = builder.model(config, vocab_rows, experts)
     assert reader.num_read == len(stored), f"read {reader.num_read} of {len(stored)} tensors"
     logger.info(

@@ -248,6 +248,7 @@ def test_metric_names_are_the_spec() -> None:
     assert metric_names("decode") == (
         worker
         | names("tandem_worker_kv_transfer_seconds", suffixes=HISTOGRAM)
+        | names("tandem_worker_kv_wire_bytes_per_token", suffixes=HISTOGRAM)
         | {
             "tandem_worker_kv_transfer_bytes_total",
             "tandem_worker_kv_transfers_total",
@@ -318,6 +319,19 @@ def test_kv_transfer_outcomes() -> None:
     assert sample(r, "tandem_worker_kv_transfer_seconds_count") == 2
     for outcome, n in [("committed", 1), ("lapsed", 1), ("failed", 0), ("refused", 1)]:
         assert sample(r, "tandem_worker_kv_transfers_total", outcome=outcome) == n
+
+
+def test_wire_bytes_per_token_of_a_hand_off() -> None:
+    """Bytes over the transport per token slot of the blocks read: DeepSeek-V3's latent, one
+    copy (576 bf16 numbers x 61 layers = 70,272 bytes), whatever the TP sizes."""
+    from services.common.worker.kv_pull import Pulled
+
+    m = WorkerMetrics("decode")
+    r = m.registry
+    m.kv_pulled(Pulled(True, 0, 5 * 16 * 70_272, 1.0, num_tokens=5 * 16), 70)
+    m.kv_pulled(Pulled(False, 0, 0, 0.0, "refused", num_tokens=0), 70)  # nothing read
+    assert sample(r, "tandem_worker_kv_wire_bytes_per_token_count") == 1
+    assert sample(r, "tandem_worker_kv_wire_bytes_per_token_sum") == 70_272
 
 
 def test_metrics_server_binds_the_host_and_a_free_port() -> None:

@@ -302,15 +302,16 @@ def test_stacked_experts_checkpoint_serves_as_per_expert(hf_model, engine_factor
 
 
 def test_refusals(hf_model, engine_factory) -> None:
-    """What MLA does not serve yet says so: tensor parallelism, the Triton backend, an FP8
-    latent cache, quantized weights."""
+    """What MLA does not serve yet says so: heads that do not split evenly over the
+    tensor-parallel ranks, the Triton backend, an FP8 latent cache, quantized weights."""
     from tandem.model.triton_attention import make_attention
     from tandem.parallel.sharding import check_shardable
 
     model_dir, _ = hf_model("deepseek-v3")
     cfg = ModelConfig.from_dir(model_dir)
-    with pytest.raises(ValueError, match="multi-head latent attention.*one rank only"):
-        check_shardable(cfg, 2)
+    check_shardable(cfg, 2)  # tests/unit/test_tensor_parallel_mla.py
+    with pytest.raises(ValueError, match="multi-head latent attention splits its 4 heads"):
+        check_shardable(cfg, 3)
     with pytest.raises(ValueError, match="no Triton kernel yet"):
         make_attention("triton", "cpu", mla=True)
     assert not make_attention("auto", "cuda", mla=True).needs_paged_batch

@@ -131,3 +131,61 @@ def test_ranks_must_cover_every_head_and_are_signed() -> None:
 
 def _fields(remote: RemoteKV) -> dict[str, object]:
     return {f.name: getattr(remote, f.name) for f in dataclasses.fields(remote)}
+
+
+# -- one copy of replicated heads (issue 43: MLA's latent, every rank's) ----------------------
+
+
+def test_plan_reads_replicated_heads_cross_once() -> None:
+    """Owner replicas are read from the first owner rank holding them; reader replicas get
+    them by a local copy from the first reader rank holding them, not a second read."""
+    from tandem.transfer.ranks import HeadReads, plan_reads
+
+    h0, h01, h23 = range(0, 1), range(0, 2), range(2, 4)
+    assert plan_reads([h0, h0], [h0]) == HeadReads(((0, 0),), {}, ())
+    assert plan_reads([h0], [h0, h0]) == HeadReads(((0, 0),), {}, ((0, 1),))
+    assert plan_reads([h0, h0], [h0, h0]) == HeadReads(((0, 0),), {}, ((0, 1),))
+    assert plan_reads([h0, h0], [h0, h0, h0, h0]) == HeadReads(
+        ((0, 0),), {}, ((0, 1), (0, 2), (0, 3))
+    )
+    # dense splits as before: a read per distinct range, staged where the split differs
+    assert plan_reads([h01, h23], [h01, h23]) == HeadReads(((0, 0), (1, 1)), {}, ())
+    assert plan_reads([h01, h23], [range(4)]) == HeadReads(
+        (), {0: ((0, 0, 0, 2),), 1: ((0, 2, 0, 2),)}, ()
+    )
+    assert plan_reads([range(4)], [h01, h23]) == HeadReads(
+        (), {0: ((0, 0, 0, 2), (1, 0, 2, 2))}, ()
+    )
+    # KV heads replicated past the ranks' count (2 heads, 4 ranks): each read once
+    assert plan_reads([h0, h0, range(1, 2), range(1, 2)], [h01]) == HeadReads(
+        (), {0: ((0, 0, 0, 1),), 2: ((0, 1, 0, 1),)}, ()
+    )
+    assert plan_reads([h01], [h0, h0, range(1, 2), range(1, 2)]) == HeadReads(
+        (), {0: ((0, 0, 0, 1), (2, 0, 1, 1))}, ((0, 1), (2, 3))
+    )
+
+
+@pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2), (2, 2), (1, 4)])
+def test_one_replicated_head_moves_one_copy(p: int, d: int) -> None:
+    """One KV head (MLA's latent) replicated on every rank: a hand-off moves the blocks' bytes
+    once over the transport (one rank's), whatever the TP sizes; every reader rank gets it."""
+    owner_caches = rank_caches(1, p, torch.float32)
+    model = torch.randn(BLOCKS, LAYERS, 2, BLOCK_SIZE, 1, HEAD_DIM)
+    for cache, _ in owner_caches:
+        cache.copy_(model)
+    reader_caches = rank_caches(1, d, torch.float32)
+    owner, reader = (
+        register(f"own1-{p}-{d}", owner_caches),
+        register(f"read1-{p}-{d}", reader_caches),
+    )
+    try:
+        remote_ids, local_ids = [3, 4, 5, 9, 0], [7, 8, 9, 1, 2]
+        moved = reader.read(owner.export(remote_ids), local_ids)
+        assert moved == len(remote_ids) * LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 4  # one copy
+        assert reader.last_num_descriptors == 3  # runs 3-5 -> 7-9, 9 -> 1, 0 -> 2
+        for cache, _ in reader_caches:
+            assert torch.equal(cache[local_ids], model[remote_ids])
+            assert not cache[[b for b in range(BLOCKS) if b not in local_ids]].any()
+    finally:
+        owner.close()
+        reader.close()

@@ -53,6 +53,8 @@ STEP_BUCKETS = (
     0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
 )  # fmt: skip
 # One KV hand-off read: 0.1 ms .. 10 s.
+# A token's KV over every layer: a few KiB (small models, MLA's latent) to MiBs (large dense).
+WIRE_BYTES_BUCKETS = tuple(float(1 << n) for n in range(8, 25))
 TRANSFER_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0,
@@ -323,6 +325,12 @@ class WorkerMetrics:
                 "tandem_worker_kv_transfer_seconds", "Duration of one KV hand-off read.",
                 buckets=TRANSFER_BUCKETS, registry=r,
             )  # fmt: skip
+            self.wire_bytes_per_token = Histogram(
+                "tandem_worker_kv_wire_bytes_per_token",
+                "Bytes one hand-off read over the transport per token of the blocks it read "
+                "(every layer; replicated heads such as MLA's latent count once).",
+                buckets=WIRE_BYTES_BUCKETS, registry=r,
+            )  # fmt: skip
             transfers = Counter(
                 "tandem_worker_kv_transfers", "KV hand-offs by outcome.", ["outcome"],
                 registry=r,
@@ -418,6 +426,8 @@ class WorkerMetrics:
         """Decode: a hand-off read and confirmed (or not). A committed one joined the batch
         with its first `num_cached_tokens` prompt tokens from this worker's prefix cache."""
         self.kv_transfer(pulled.outcome, pulled.num_bytes, pulled.transfer_ms / 1e3)
+        if pulled.num_bytes and pulled.num_tokens:
+            self.wire_bytes_per_token.observe(pulled.num_bytes / pulled.num_tokens)
         if pulled.committed:
             self.prefix_cache(num_prompt_tokens, pulled.num_cached_tokens)
 

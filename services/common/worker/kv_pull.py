@@ -16,3 +16,4 @@ class Pulled(NamedTuple):
     transfer_ms: float
     failure: str = ""  # why not committed
     outcome: KVOutcome = KVOutcome.COMMITTED  # or LAPSED, FAILED
+    num_tokens: int = 0  # token slots of the attention blocks read (whole blocks)
