@@ -15,9 +15,10 @@ absorbed query [q_lat (LAT) | q_rot (ROPE)]:
 
 W_UV and o_proj stay torch matmuls outside the kernel. Two kernels, as in
 kernels/decode_attention.py: the first splits each row's context into `num_splits` runs of
-tiles of TILE tokens; a program handles one (row, tile of BLOCK_H heads, split), so each entry is loaded
-once per tile of heads, and writes the split's normalized partial context and log-sum-exp.
-The second combines the splits. The grid, (rows, head tiles, num_splits), depends on
+TILE-token tiles (a token's block from the table, so tiles ignore block boundaries); a
+program handles one (row, tile of BLOCK_H heads, split), so each entry is loaded once per
+tile of heads, and writes the split's normalized partial context and log-sum-exp. The
+second combines the splits. The grid, (rows, head tiles, num_splits), depends on
 shapes only; the split count on the longest context (`choose_num_splits`).
 
 The latent is read as NUM_CHUNKS chunks of CHUNK columns, each inside one half (CHUNK
