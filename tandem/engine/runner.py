@@ -206,6 +206,8 @@ class ModelRunner:
         for t, meta in enumerate(metas):
             if step_tables is not None:
                 meta.paged = self._paged_batch(decodes, prefills, staged[4:], step_tables, t)
+                if self.model.config.features.mla is not None:  # its prefill is torch's
+                    self._prefill_spans(meta, prefills, len(decodes), t)
             else:
                 self._torch_groups(meta, decodes, prefills, t)
         meta = metas[0]
@@ -341,13 +343,19 @@ class ModelRunner:
     ) -> None:
         """TorchAttention's decode groups (padded, masked) and prefill spans, over KV table
         `table`'s blocks."""
-        bs, dev, k = self.block_size, self.device, self.num_tables
         num_groups = max(1, min(MAX_DECODE_GROUPS, len(decodes) // MIN_DECODE_GROUP_ROWS))
         size = max(1, -(-len(decodes) // num_groups))
         for start in range(0, len(decodes), size):
             group = decodes[start : start + size]
             meta.decode_groups.append(self._decode_group(start, group, table))
-        token_start = len(decodes)
+        self._prefill_spans(meta, prefills, len(decodes), table)
+
+    def _prefill_spans(
+        self, meta: AttentionMetadata, prefills: list[StepRow], token_start: int, table: int
+    ) -> None:
+        """The step's prefill chunks as spans over KV table `table`'s blocks, the first at
+        flat index `token_start` (after the decode rows)."""
+        bs, dev, k = self.block_size, self.device, self.num_tables
         for s in prefills:
             ctx = s.start + s.num_new_tokens
             own = s.block_ids[table::k][: -(-ctx // bs)]
