@@ -350,18 +350,10 @@ class ModelRunner:
             meta.decode_groups.append(self._decode_group(start, group, table))
         self._prefill_spans(meta, prefills, len(decodes), table)
 
-    def _prefill_spans(
-        self, meta: AttentionMetadata, prefills: list[StepRow], token_start: int, table: int
-    ) -> None:
-        """The step's prefill chunks as spans over KV table `table`'s blocks, the first at
-        flat index `token_start` (after the decode rows)."""
-        bs, dev, k = self.block_size, self.device, self.num_tables
-        for s in prefills:
-            ctx = s.start + s.num_new_tokens
-            own = s.block_ids[table::k][: -(-ctx // bs)]
-            blocks = torch.tensor(own, dtype=torch.int64, device=dev)
-            meta.prefills.append(PrefillSpan(token_start, s.num_new_tokens, ctx, blocks))
-            token_start += s.num_new_tokens
+    def _prefill_spans(self, meta: AttentionMetadata, rows: list[StepRow], at: int, t: int) -> None:
+        """The prefill rows' spans over KV table `t`'s blocks, the first at flat index `at`."""
+        own = [(s.start, s.num_new_tokens, s.block_ids[t :: self.num_tables]) for s in rows]
+        meta.prefills += PrefillSpan.build(own, at, self.block_size, self.device)
 
     def _decode_group(self, start: int, rows: list[StepRow], table_index: int) -> DecodeGroup:
         bs, dev, k = self.block_size, self.device, self.num_tables
