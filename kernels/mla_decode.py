@@ -58,7 +58,7 @@ class MlaTiles(NamedTuple):
 def mla_tiles(kv_lora_rank: int) -> MlaTiles:
     """16 tokens of entries per iteration (a [16, 576] bf16 tile is 18 KiB of shared memory
     per stage), two stages; 8 warps for DeepSeek-V3's 512-wide latent, whose [16, 512] fp32
-    accumulator and tile share the registers (178 per thread for sm_90a, no spills). Not
+    accumulator and tile share the registers (sm_90a: 127 a thread in bf16, no spills). Not
     yet tuned on a GPU."""
     return MlaTiles(tile=16, num_stages=2, num_warps=8 if kv_lora_rank >= 256 else 4)
 
