@@ -93,9 +93,7 @@ def quantize_kv_reference(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
-def dequantize_kv_reference(
-    kv_layer: torch.Tensor, k_scale: float, v_scale: float
-) -> torch.Tensor:
+def dequantize_kv_reference(kv_layer: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
     """An fp8 layer [num_blocks, 2, block_size, heads, dim] as float32 values: stored * scale
     (K in [:, 0], V in [:, 1])."""
     out = kv_layer.float()
@@ -173,3 +171,28 @@ def fused_moe(
             y = (torch.nn.functional.silu(gate) * up) @ down[e]
             out[t] += (y * weights[t, j]).to(x.dtype)
     return out
+
+
+def mla_decode_context(
+    q_lat: torch.Tensor,
+    q_rot: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: list[int],
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One row's MLA decode context (kernels/mla_decode.py), in float64, cast back.
+
+    Args:
+        q_lat: [heads, kv_lora_rank]; q_rot: [heads, rope].
+        kv_layer: [num_blocks, 2, block_size, 1, D]: a token's entry [latent | k_rot] is its
+            K half then its V half.
+    Returns:
+        softmax((q_lat . latent + q_rot . k_rot) * scale) @ latent: [heads, kv_lora_rank].
+    """
+    keys, values = gather_context(kv_layer, block_table, context_len)
+    entries = torch.cat((keys, values), dim=-1)[:, 0].double()  # [context_len, entry_dim]
+    lat = q_lat.shape[-1]
+    query = torch.cat((q_lat, q_rot), dim=-1).double()  # [heads, entry_dim]
+    probs = torch.softmax(query @ entries.T * scale, dim=-1)
+    return (probs @ entries[:, :lat]).to(q_lat.dtype)

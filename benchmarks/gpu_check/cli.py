@@ -39,6 +39,7 @@ from .common import (
 from .e2e_bench import check_e2e
 from .hybrid_bench import check_hybrid
 from .kernels_bench import check_kernels, use_interpreter
+from .mla_bench import check_mla
 from .moe_bench import check_moe
 from .nixl_pull import check_nixl
 from .parity import check_parity
@@ -64,11 +65,12 @@ PARTS = (
     "serve",
     "tiles",
     "hybrid",
+    "mla",
 )
 # One command of <= 8 minutes on an H200 (`timeout 470`; budgets in sizes.CUDA_SIZES): what
 # issue 40 measures. parity and tiles (done: the engine matches transformers, the tiles are
 # chosen), nixl and serve (they need the site archive carried), hybrid (issue 42's kernels)
-# run when named.
+# and mla (issue 43's kernel) run when named.
 DEFAULT_PARTS = ("preflight", "startup", "throughput", "kernels", "e2e", "quant", "moe")
 JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
 PART_FNS: dict[str, Callable[[Context], Figures]] = {
@@ -84,6 +86,7 @@ PART_FNS: dict[str, Callable[[Context], Figures]] = {
     "serve": check_serve,
     "tiles": check_tiles,
     "hybrid": check_hybrid,
+    "mla": check_mla,
 }
 
 

@@ -190,6 +190,7 @@ CUDA_SIZES = Sizes(
         serve=60,
         tiles=75,
         hybrid=120,  # its engine check builds four tiny models and runs transformers on them
+        mla=60,  # 9 decode cases (the largest cache 1.2 GB) and a reference check
     ),
 )
 
@@ -282,5 +283,6 @@ CPU_SIZES = Sizes(
         serve=120,
         tiles=60,
         hybrid=90,
+        mla=60,
     ),
 )

@@ -308,12 +308,9 @@ class LLMEngine:
 
     # -- disaggregation hooks --------------------------------------------------------------
 
-    def block_table(self, request_id: str, num_tokens: int | None = None) -> list[int]:
-        """Blocks holding a request's KV, in token order; given `num_tokens`, what a hand-off
-        after them moves (`KVCacheManager.handoff_blocks`)."""
-        if num_tokens is None:
-            return list(self.kv.get_block_ids(request_id))
-        return self.kv.handoff_blocks(request_id, num_tokens)
+    def block_table(self, request_id: str) -> list[int]:
+        """Blocks holding a request's KV, in token order (its tables interleaved)."""
+        return list(self.kv.get_block_ids(request_id))
 
     def release(self, request_id: str) -> bool:
         """Prefill role: the decode side has the KV; free the pinned blocks."""
@@ -383,7 +380,8 @@ class LLMEngine:
                         handed_off=True,
                         num_cached_tokens=request.num_cached_tokens or 0,
                         state_blocks=packed,
-                        block_ids=self.block_table(rid, request.num_prompt_tokens),
+                        # each KV table's blocks the next token reads
+                        block_ids=self.kv.handoff_blocks(rid, request.num_prompt_tokens),
                         logprobs=lps,
                     )
                 )

@@ -108,8 +108,8 @@ def load_model_and_cache(
     """
     model_dir = Path(config.model_dir)
     sched_cfg = config.scheduler
-    mla = ModelConfig.from_dir(model_dir).features.mla is not None
-    if mla and config.kv_cache_dtype == "fp8":
+    mla = ModelConfig.from_dir(model_dir).features.mla
+    if mla is not None and config.kv_cache_dtype == "fp8":
         raise ValueError(
             "kv_cache_dtype fp8: multi-head latent attention (DeepSeek-V3) keeps its latent "
             "cache in the model's dtype for now"
@@ -173,8 +173,9 @@ def load_model_and_cache(
             max_model_len, context, need,
         )  # fmt: skip
     # A CUDA graph's padding rows write one scratch block outside the pool's range.
-    # linear-attention layers (Qwen3-Next) step their states by host-side slot lists
-    linear = model.linear_states is not None
+    # linear-attention layers (Qwen3-Next) step their states by host-side slot lists; MLA
+    # layers (DeepSeek-V3) are not captured yet (their prefill spans are host-side too)
+    linear = model.linear_states is not None or mla is not None
     graphs = wants_decode_graphs(config, model.attention.needs_paged_batch) and not linear
     if kv_share and tp is not None and tp.size > 1 and device.type == "cpu":
         full = ModelConfig.from_dir(model_dir)

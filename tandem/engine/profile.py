@@ -31,9 +31,10 @@ def prefill_metadata(
     meta = AttentionMetadata(
         slot_block_ids=positions // block_size, slot_offsets=positions % block_size
     )
+    # An MLA model reads the span with the paged batch too (tandem.model.mla's prefill)
+    blocks = torch.arange(num_blocks, device=device)
+    meta.prefills.append(PrefillSpan(0, num_tokens, num_tokens, blocks))
     if not paged:
-        blocks = torch.arange(num_blocks, device=device)
-        meta.prefills.append(PrefillSpan(0, num_tokens, num_tokens, blocks))
         return meta
     i32 = torch.int32
     meta.paged = PagedBatch(

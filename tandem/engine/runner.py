@@ -138,8 +138,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.staging = HostStaging(self.device)
-        # KV tables (tandem.model.layer_groups.KVLayout): a request's block ids interleave
-        # them, entry j * num_tables + t being table t's block j
+        # KV tables (layer_groups.KVLayout): a request's entry j * num_tables + t is table t's j
         layout = model.config.kv_layout
         self.num_tables = max(1, layout.num_tables)
         self.slots = layout.slots
@@ -200,12 +199,12 @@ class ModelRunner:
         ids_t, pos_t, last_t = staged[:3]
         slot_t, offsets = staged[3].view(k, -1), pos_t % bs
         metas = [AttentionMetadata(slot_t[t], offsets, kv_offset=t * self.slots) for t in range(k)]
-        step_tables = None
-        if self.block_tables is not None:
-            step_tables = self._step_tables(staged[4:])
+        step_tables = self._step_tables(staged[4:]) if self.block_tables is not None else None
         for t, meta in enumerate(metas):
             if step_tables is not None:
                 meta.paged = self._paged_batch(decodes, prefills, staged[4:], step_tables, t)
+                if self.model.config.features.mla is not None:  # its prefill is torch's
+                    self._prefill_spans(meta, prefills, len(decodes), t)
             else:
                 self._torch_groups(meta, decodes, prefills, t)
         meta = metas[0]
@@ -341,19 +340,17 @@ class ModelRunner:
     ) -> None:
         """TorchAttention's decode groups (padded, masked) and prefill spans, over KV table
         `table`'s blocks."""
-        bs, dev, k = self.block_size, self.device, self.num_tables
         num_groups = max(1, min(MAX_DECODE_GROUPS, len(decodes) // MIN_DECODE_GROUP_ROWS))
         size = max(1, -(-len(decodes) // num_groups))
         for start in range(0, len(decodes), size):
             group = decodes[start : start + size]
             meta.decode_groups.append(self._decode_group(start, group, table))
-        token_start = len(decodes)
-        for s in prefills:
-            ctx = s.start + s.num_new_tokens
-            own = s.block_ids[table::k][: -(-ctx // bs)]
-            blocks = torch.tensor(own, dtype=torch.int64, device=dev)
-            meta.prefills.append(PrefillSpan(token_start, s.num_new_tokens, ctx, blocks))
-            token_start += s.num_new_tokens
+        self._prefill_spans(meta, prefills, len(decodes), table)
+
+    def _prefill_spans(self, meta: AttentionMetadata, rows: list[StepRow], at: int, t: int) -> None:
+        """The prefill rows' spans over KV table `t`'s blocks, the first at flat index `at`."""
+        own = [(s.start, s.num_new_tokens, s.block_ids[t :: self.num_tables]) for s in rows]
+        meta.prefills += PrefillSpan.build(own, at, self.block_size, self.device)
 
     def _decode_group(self, start: int, rows: list[StepRow], table_index: int) -> DecodeGroup:
         bs, dev, k = self.block_size, self.device, self.num_tables

@@ -14,6 +14,7 @@ Token layout of one step (built by the runner): decode rows first, then prefill 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +48,23 @@ class PrefillSpan:
     num_new_tokens: int
     context_len: int
     block_ids: torch.Tensor
+
+    @staticmethod
+    def build(
+        rows: Sequence[tuple[int, int, Sequence[int]]],
+        token_start: int,
+        block_size: int,
+        device: torch.device,
+    ) -> list[PrefillSpan]:
+        """Spans of prefill rows (first new position, new tokens, the row's blocks), laid
+        out from flat index `token_start` in order."""
+        spans = []
+        for start, num_new, blocks in rows:
+            ctx = start + num_new
+            ids = torch.tensor(blocks[: -(-ctx // block_size)], dtype=torch.int64, device=device)
+            spans.append(PrefillSpan(token_start, num_new, ctx, ids))
+            token_start += num_new
+        return spans
 
 
 @dataclass(frozen=True, slots=True)

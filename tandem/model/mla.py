@@ -28,7 +28,11 @@ head h, [nope, latent]; W_UV[h]: its v rows, transposed, [latent, v]):
     out[h]   = (softmax(score * scale) @ latent) @ W_UV[h]
 
 which reads kv_lora_rank + qk_rope_head_dim numbers per cached token and never expands
-the context. Both forms give the same numbers (tests/unit/test_mla.py).
+the context. Both forms give the same numbers (tests/unit/test_mla.py). With the Triton
+backend (`AttentionMetadata.paged`) the decode rows' softmax(score) @ latent is one launch
+of `tandem.kernels.mla_decode` over the paged batch's decode tables (`paged_decode`); the
+W_UK and W_UV products stay torch matmuls, and prefill chunks stay expanded, from the spans
+the runner builds for an MLA model alongside the paged batch.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.model.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
 from tandem.model.layer_groups import Mla
 
 Project = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # x [n, in] @ a matrix
@@ -152,7 +156,8 @@ def mla_forward(
 
     Args:
         rope: cos, sin [n, 1, qk_rope_head_dim] at the tokens' positions.
-        meta: the step's decode groups and prefill spans (TorchAttention's metadata).
+        meta: the step's decode groups and prefill spans (TorchAttention's metadata), or
+            its paged batch (decode rows) and prefill spans (the Triton backend's).
         kv_layer: [num_blocks, 2, block_size, 1, cache_head_dim], this layer's cache.
     """
     n, h = x.shape[0], num_heads
@@ -170,6 +175,9 @@ def mla_forward(
     entries = torch.cat((norm(latent, w.kv_a_norm, eps), k_rot), dim=-1)  # [n, entry_dim]
     write_entries(kv_layer, meta, entries)
     out = x.new_empty(n, h, cfg.v_head_dim)
+    if meta.paged is not None and meta.paged.num_decode:
+        nd = meta.paged.num_decode
+        out[:nd] = paged_decode(q_nope[:nd], q_rot[:nd], kv_layer, meta.paged, w, scale)
     for group in meta.decode_groups:
         s, e = group.start, group.end
         out[s:e] = absorbed_decode(q_nope[s:e], q_rot[s:e], kv_layer, group, w, lat, scale)
@@ -202,6 +210,31 @@ def absorbed_decode(
     scores = torch.bmm(query, entries.transpose(1, 2)).float()  # [rows, heads, keys]
     probs = torch.softmax(scores.mul_(scale).add_(group.key_bias), dim=-1).to(entries.dtype)
     context = torch.bmm(probs, entries[..., :kv_lora_rank])  # [rows, heads, latent]
+    return torch.bmm(context.transpose(0, 1), w.w_uv).transpose(0, 1)  # [rows, heads, v]
+
+
+def paged_decode(
+    q_nope: torch.Tensor,
+    q_rot: torch.Tensor,
+    kv_layer: torch.Tensor,
+    paged: PagedBatch,
+    w: MlaWeights,
+    scale: float,
+) -> torch.Tensor:
+    """The decode rows' attention in the absorbed form through the Triton kernel
+    (`tandem.kernels.mla_decode`): q_nope [rows, heads, nope], q_rot [rows, heads, rope]
+    -> [rows, heads, v]. Splits chosen for the step's longest context."""
+    from tandem.kernels.decode_attention import device_num_sms
+    from tandem.kernels.mla_decode import mla_decode_attention, mla_num_splits
+
+    rows, heads = q_nope.shape[:2]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [rows, heads, latent]
+    max_blocks = -(-paged.max_decode_context_len // kv_layer.shape[2])
+    splits = mla_num_splits(rows, heads, max_blocks, device_num_sms(kv_layer.device))
+    context = mla_decode_attention(
+        q_lat, q_rot, kv_layer, paged.decode_block_tables, paged.decode_context_lens, scale,
+        num_splits=splits,
+    )  # fmt: skip
     return torch.bmm(context.transpose(0, 1), w.w_uv).transpose(0, 1)  # [rows, heads, v]
 
 

@@ -6,6 +6,8 @@ splits as the step's longest context and the device's SMs call for) and one for 
 chunks (`tandem.kernels.prefill_attention`, causal over each chunk's cached prefix and
 itself). Nothing is gathered into a workspace and no score matrix is materialised; the
 launch grids depend only on tensor shapes, so decode steps can be captured in CUDA graphs.
+An MLA model (DeepSeek-V3) attends in tandem.model.mla instead: its decode rows through
+`tandem.kernels.mla_decode` over the same paged batch, its prefill chunks in torch.
 Triton is imported on first construction: the CPU path never loads it.
 """
 
@@ -16,13 +18,14 @@ from typing import Any
 import torch
 
 from tandem.model.attention import AttentionMetadata
+from tandem.model.layer_groups import Mla
 from tandem.quant.kv import KVScales, layer_index
 
 
 class TritonAttention:
     needs_paged_batch = True
 
-    def __init__(self) -> None:
+    def __init__(self, mla: Mla | None = None) -> None:
         from tandem.kernels import decode_attention
         from tandem.kernels.kv_write import write_kv
         from tandem.kernels.prefill_attention import paged_prefill_attention
@@ -37,6 +40,7 @@ class TritonAttention:
         # on write and dequantize on read with the layer's scales.
         self.kv_scales: KVScales | None = None
         self._q_dtype: torch.dtype | None = None  # the model's dtype, with an fp8 cache
+        self.mla = mla  # an MLA model's shape: warm_up compiles the MLA decode kernel
 
     def use_fp8_kv(self, scales: KVScales, dtype: torch.dtype) -> None:
         """The cache is float8_e4m3fn with `scales`; the model computes in `dtype`."""
@@ -62,6 +66,9 @@ class TritonAttention:
         reduction has a variant per power of two), so none compiles mid-serving: one
         single-row launch per padding, up to the most splits (one row at the longest
         context). Reads block 0 of `kv_layer`; writes nothing to it."""
+        if self.mla is not None:
+            self._warm_up_mla(self.mla, kv_layer, num_q_heads, max_context_len)
+            return
         most = self.num_splits(kv_layer, 1, max_context_len)
         dtype = self._q_dtype or kv_layer.dtype
         q = torch.zeros((1, num_q_heads, kv_layer.shape[4]), dtype=dtype, device=kv_layer.device)
@@ -69,6 +76,26 @@ class TritonAttention:
         lens = torch.ones(1, dtype=torch.int32, device=kv_layer.device)
         for i in range((most - 1).bit_length() + 1):
             self._decode(q, kv_layer, table, lens, 1.0, num_splits=min(1 << i, most))
+
+    def _warm_up_mla(
+        self, mla: Mla, kv_layer: torch.Tensor, num_q_heads: int, max_context_len: int
+    ) -> None:
+        """`warm_up` for an MLA model: its decode kernel at every split padding."""
+        from tandem.kernels.mla_decode import mla_decode_attention, mla_num_splits
+
+        if self._num_sms is None:
+            self._num_sms = self._device_num_sms(kv_layer.device)
+        max_blocks = -(-max_context_len // kv_layer.shape[2])
+        most = mla_num_splits(1, num_q_heads, max_blocks, self._num_sms)
+        dev, dtype = kv_layer.device, kv_layer.dtype
+        q_lat = torch.zeros((1, num_q_heads, mla.kv_lora_rank), dtype=dtype, device=dev)
+        q_rot = torch.zeros((1, num_q_heads, mla.qk_rope_head_dim), dtype=dtype, device=dev)
+        table = torch.zeros((1, 1), dtype=torch.int32, device=dev)
+        lens = torch.ones(1, dtype=torch.int32, device=dev)
+        for i in range((most - 1).bit_length() + 1):
+            mla_decode_attention(
+                q_lat, q_rot, kv_layer, table, lens, 1.0, num_splits=min(1 << i, most)
+            )
 
     def forward(
         self,
@@ -120,7 +147,7 @@ class TritonAttention:
         return out
 
 
-def make_attention(name: str, device: str, mla: bool = False) -> Any:
+def make_attention(name: str, device: str, mla: Mla | None = None) -> Any:
     """The attention backend `name` for `device`:
       triton  the paged Triton kernels (CUDA; the CPU only under TRITON_INTERPRET=1);
       torch   TorchAttention with torch ops only;
@@ -128,24 +155,20 @@ def make_attention(name: str, device: str, mla: bool = False) -> Any:
               (tandem.kernels.cpu_ops, built with the system's C compiler);
       auto    Triton on CUDA; on a CPU native when the kernel builds, else torch.
     Every backend takes sliding-window layers and sinks (Gemma 3, gpt-oss). An `mla` model
-    (DeepSeek-V3, tandem.model.mla) runs its attention in torch from the torch backend's
-    metadata: no Triton MLA kernel yet, so `auto` is torch for it on CUDA too.
+    (DeepSeek-V3, tandem.model.mla, its shape given) attends in tandem.model.mla from either
+    backend's metadata; with triton its decode rows run `tandem.kernels.mla_decode`. Its
+    `auto` stays torch on CUDA until that kernel is measured on a GPU (the GPU check's `mla`
+    part).
 
     Raises:
-        ValueError: an unknown name, native where the kernel cannot be built, triton for
-            an MLA model.
+        ValueError: an unknown name, native where the kernel cannot be built.
     """
     from tandem.kernels import cpu_ops
     from tandem.model.attention import TorchAttention
 
     is_cuda = torch.device(device).type == "cuda"
-    if mla and name == "triton":
-        raise ValueError(
-            "attention_backend triton: multi-head latent attention (DeepSeek-V3) has no "
-            "Triton kernel yet; use attention_backend torch (or auto)"
-        )
     if name == "auto":
-        if is_cuda and mla:
+        if is_cuda and mla is not None:
             return TorchAttention()
         if is_cuda:
             return TritonAttention()
@@ -161,5 +184,5 @@ def make_attention(name: str, device: str, mla: bool = False) -> Any:
             )
         return TorchAttention(lib)
     if name == "triton":
-        return TritonAttention()
+        return TritonAttention(mla)
     raise ValueError(f"attention_backend must be auto, torch, native or triton, got {name!r}")

@@ -25,6 +25,7 @@ from tandem.model.config import ModelConfig
 from tandem.model.linear import choose_matmul, onednn_bf16_available
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights, Weight
 from tandem.model.moe import MoeWeights, expert_names, router_name
+from tandem.model.triton_attention import TritonAttention
 from tandem.parallel.group import TPGroup
 from tandem.parallel.sharding import (
     Shard,
@@ -452,10 +453,8 @@ def load_model(
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_dir(path)
-    if config.features.mla is not None and attention is not None and attention.needs_paged_batch:
-        raise ValueError(
-            "multi-head latent attention (DeepSeek-V3) has no paged-kernel (Triton) backend yet"
-        )
+    if config.features.mla is not None and isinstance(attention, TritonAttention):
+        attention.mla = config.features.mla  # its warm-up compiles the MLA decode kernel
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     dev = torch.device(device)

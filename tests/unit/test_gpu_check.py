@@ -40,7 +40,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     parts = report["parts"]
     assert list(parts) == [
         "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "moe", "nixl",
-        "serve", "tiles", "hybrid",
+        "serve", "tiles", "hybrid", "mla",
     ]  # fmt: skip
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
     expected = {
@@ -56,6 +56,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         "serve": "ok",
         "tiles": "ok",
         "hybrid": "ok",
+        "mla": "ok",
     }
     assert {name: p["status"] for name, p in parts.items()} == expected, output
     for part in parts.values():
@@ -196,6 +197,10 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     engines = hybrid["engines"]
     assert set(engines) == {"gpt-oss", "gpt-oss-mxfp4", "gemma3", "qwen3-next"}
     assert all(e["identical"] and e["prefix_hit_tokens"] == 24 for e in engines.values())
+    # mla: the MLA decode kernel judged against its reference, timed per case and vs torch
+    mla = parts["mla"]["figures"]
+    assert mla["correct"]["passed"] and len(mla["decode"]) == 2
+    assert all(c["time_us"] > 0 for c in mla["decode"]) and mla["vs_torch"]["torch_us"] > 0
 
 
 def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:

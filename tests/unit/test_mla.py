@@ -303,7 +303,8 @@ def test_stacked_experts_checkpoint_serves_as_per_expert(hf_model, engine_factor
 
 def test_refusals(hf_model, engine_factory) -> None:
     """What MLA does not serve yet says so: heads that do not split evenly over the
-    tensor-parallel ranks, the Triton backend, an FP8 latent cache, quantized weights."""
+    tensor-parallel ranks, an FP8 latent cache, quantized weights. `auto` on CUDA stays torch
+    for it (its Triton decode is unmeasured)."""
     from tandem.model.triton_attention import make_attention
     from tandem.parallel.sharding import check_shardable
 
@@ -312,9 +313,9 @@ def test_refusals(hf_model, engine_factory) -> None:
     check_shardable(cfg, 2)  # tests/unit/test_tensor_parallel_mla.py
     with pytest.raises(ValueError, match="multi-head latent attention splits its 4 heads"):
         check_shardable(cfg, 3)
-    with pytest.raises(ValueError, match="no Triton kernel yet"):
-        make_attention("triton", "cpu", mla=True)
-    assert not make_attention("auto", "cuda", mla=True).needs_paged_batch
+    assert cfg.features.mla is not None
+    assert make_attention("triton", "cpu", mla=cfg.features.mla).mla is cfg.features.mla
+    assert not make_attention("auto", "cuda", mla=cfg.features.mla).needs_paged_batch
     with pytest.raises(ValueError, match="kv_cache_dtype fp8"):
         engine_factory(model_dir, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="unquantized"):
@@ -366,3 +367,42 @@ def test_latent_cache_travels_in_an_in_process_hand_off(hf_model, engine_factory
     for e in (full, prefill, decode):
         e.check_integrity()
         assert e.num_free_blocks() == e.num_blocks
+
+
+@pytest.mark.parametrize("arch", ["deepseek-v3", "deepseek-v3-noqlora"])
+def test_triton_backend_serves_as_transformers(hf_model, engine_factory, arch, monkeypatch):
+    """attention_backend triton (the kernels under the interpreter here): decode rows through
+    the MLA decode kernel over the paged batch, prefill chunks expanded from the spans the
+    runner builds alongside it; chunked prefills over prefix hits and decodes give
+    transformers' greedy answers, and the decode logits its logits."""
+    from tandem.kernels import mla_decode
+    from tests.unit.test_model_parity import hf_greedy
+
+    launches: list[int] = []
+    kernel = mla_decode.mla_decode_attention
+
+    def counted(q_lat: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        launches.append(q_lat.shape[0])
+        return kernel(q_lat, *args, **kwargs)
+
+    monkeypatch.setattr(mla_decode, "mla_decode_attention", counted)
+    model_dir, hf = hf_model(arch)
+    engine = engine_factory(
+        model_dir, block_size=4, attention_backend="triton", max_num_batched_tokens=8
+    )
+    assert engine.model.attention.needs_paged_batch and engine.runner.graphs is None
+    shared = random.Random(arch).choices(range(256), k=9)
+    prompts = [shared + random.Random(i).choices(range(256), k=3 + 5 * i) for i in range(3)]
+    engine.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0))  # cache it
+    rec = RecordingSampler(engine.runner.sampler)
+    engine.runner.sampler = rec
+    done = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
+    assert done[1].num_cached_tokens == 8
+    assert [d.token_ids for d in done] == [hf_greedy(hf, p, 5) for p in prompts]
+    assert max(launches) == 3  # the three rows' decodes in one launch per layer
+    ref = hf_logits(hf, prompts[2] + done[2].token_ids)
+    rows = [(n, row) for n, row in rec.logits if n > len(prompts[2])]
+    assert rows
+    for n, row in rows[-3:]:
+        if n <= len(ref):
+            torch.testing.assert_close(row, ref[n - 1], atol=1e-4, rtol=0)
