@@ -294,8 +294,37 @@ def device_num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def _is_pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def check_tables(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_splits: int | None,
+    batch: int,
+    device: torch.device,
+    query: str,
+) -> None:
+    """A paged decode's block tables ([batch, max_blocks >= 1] int32), context lengths
+    ([batch] int32), both on the query's `device` (named `query` in the messages), and split
+    count (None or >= 1): what every paged decode kernel here takes."""
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(
+            f"block_tables must be [batch={batch}, max_blocks >= 1], "
+            f"got shape {tuple(block_tables.shape)}"
+        )
+    if context_lens.shape != (batch,):
+        raise ValueError(
+            f"context_lens must be [batch={batch}], got shape {tuple(context_lens.shape)}"
+        )
+    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} dtype {t.dtype} must be torch.int32")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, {query} on {device}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits {num_splits} must be >= 1")
 
 
 def _check_inputs(
@@ -321,9 +350,9 @@ def _check_inputs(
         raise ValueError(f"kv_layer dtype {kv_layer.dtype} is neither q's {q.dtype} nor fp8")
     if kv_head_dim != head_dim:
         raise ValueError(f"kv_layer head_dim {kv_head_dim} != q head_dim {head_dim}")
-    if not _is_pow2(head_dim) or not 16 <= head_dim <= 256:
+    if not is_pow2(head_dim) or not 16 <= head_dim <= 256:
         raise ValueError(f"head_dim {head_dim} must be a power of two in [16, 256]")
-    if not _is_pow2(block_size) or block_size > 256:
+    if not is_pow2(block_size) or block_size > 256:
         raise ValueError(f"block_size {block_size} must be a power of two <= 256")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise ValueError(
@@ -336,22 +365,7 @@ def _check_inputs(
         )
     if kv_layer.device != q.device:
         raise ValueError(f"kv_layer is on {kv_layer.device}, q on {q.device}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
-        raise ValueError(
-            f"block_tables must be [batch={batch}, max_blocks >= 1], "
-            f"got shape {tuple(block_tables.shape)}"
-        )
-    if context_lens.shape != (batch,):
-        raise ValueError(
-            f"context_lens must be [batch={batch}], got shape {tuple(context_lens.shape)}"
-        )
-    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} dtype {t.dtype} must be torch.int32")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits {num_splits} must be >= 1")
+    check_tables(block_tables, context_lens, num_splits, batch, q.device, "q")
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(

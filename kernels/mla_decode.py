@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.decode_attention import choose_num_splits
+from tandem.kernels.decode_attention import check_tables, choose_num_splits, is_pow2
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tensor-core dots need every dimension >= 16 on NVIDIA GPUs: heads, tokens, latent and rope
@@ -243,10 +243,6 @@ def _mla_reduce_kernel(  # type: ignore[no-untyped-def]
     )
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _check_inputs(
     q_lat: torch.Tensor,
     q_rot: torch.Tensor,
@@ -276,27 +272,14 @@ def _check_inputs(
             f"an entry of kv_lora_rank {lat} + rope {rope} must fill the cache's two halves "
             f"of {half} with the latent covering the K half"
         )
-    if not _is_pow2(block_size) or block_size > 256:
+    if not is_pow2(block_size) or block_size > 256:
         raise ValueError(f"block_size {block_size} must be a power of two <= 256")
     if q_lat.stride(-1) != 1 or q_rot.stride(-1) != 1 or kv_layer.stride(-1) != 1:
         raise ValueError("the last dim of q_lat, q_rot and kv_layer must be contiguous")
     for name, t in (("q_rot", q_rot), ("kv_layer", kv_layer)):
         if t.device != q_lat.device:
             raise ValueError(f"{name} is on {t.device}, q_lat on {q_lat.device}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != rows or block_tables.shape[1] < 1:
-        raise ValueError(
-            f"block_tables must be [rows={rows}, max_blocks >= 1], "
-            f"got shape {tuple(block_tables.shape)}"
-        )
-    if context_lens.shape != (rows,):
-        raise ValueError(f"context_lens must be [rows={rows}], got {tuple(context_lens.shape)}")
-    for name, t in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} dtype {t.dtype} must be torch.int32")
-        if t.device != q_lat.device:
-            raise ValueError(f"{name} is on {t.device}, q_lat on {q_lat.device}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits {num_splits} must be >= 1")
+    check_tables(block_tables, context_lens, num_splits, rows, q_lat.device, "q_lat")
 
 
 def head_tile(num_heads: int) -> int:
