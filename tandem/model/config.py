@@ -246,6 +246,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        if not Path(model_dir).is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")

@@ -324,7 +324,7 @@ def test_kv_transfer_outcomes() -> None:
 def test_wire_bytes_per_token_of_a_hand_off() -> None:
     """Bytes over the transport per token slot of the blocks read: DeepSeek-V3's latent, one
     copy (576 bf16 numbers x 61 layers = 70,272 bytes), whatever the TP sizes."""
-    from services.common.worker.kv_pull import Pulled
+    from tandem.services.common.worker.kv_pull import Pulled
 
     m = WorkerMetrics("decode")
     r = m.registry
