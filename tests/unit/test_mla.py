@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,12 +280,11 @@ def test_multi_token_prediction_layers_are_skipped(hf_model, engine_factory, tmp
     assert len(lines) == 1 and "model.layers.3.." in lines[0], lines
 
 
-def test_stacked_experts_checkpoint_serves_as_per_expert(hf_model, engine_factory, tmp_path):
-    """Experts stacked as transformers holds them in memory (mlp.experts.gate_up_proj [E, 2I,
-    hidden], down_proj [E, hidden, I]) load into the same layout as DeepSeek's per-expert
-    tensors: the same logits as transformers."""
-    src, hf = hf_model("deepseek-v3")
-    moe = ModelConfig.from_dir(src).moe
+def stack_experts(model_dir: Path) -> Callable[[dict[str, torch.Tensor]], None]:
+    """A `_rewrite` edit stacking each sparse layer's per-expert tensors of `model_dir`'s
+    checkpoint as transformers holds them in memory (gate_up_proj [E, 2I, hidden],
+    down_proj [E, hidden, I])."""
+    moe = ModelConfig.from_dir(model_dir).moe
     assert moe is not None
 
     def stack(t: dict[str, torch.Tensor]) -> None:
@@ -298,7 +298,16 @@ def test_stacked_experts_checkpoint_serves_as_per_expert(hf_model, engine_factor
             )
             t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in experts])
 
-    _assert_serves_as_transformers(engine_factory, _rewrite(src, tmp_path / "stacked", stack), hf)
+    return stack
+
+
+def test_stacked_experts_checkpoint_serves_as_per_expert(hf_model, engine_factory, tmp_path):
+    """Experts stacked as transformers holds them in memory (mlp.experts.gate_up_proj [E, 2I,
+    hidden], down_proj [E, hidden, I]) load into the same layout as DeepSeek's per-expert
+    tensors: the same logits as transformers."""
+    src, hf = hf_model("deepseek-v3")
+    stacked = _rewrite(src, tmp_path / "stacked", stack_experts(src))
+    _assert_serves_as_transformers(engine_factory, stacked, hf)
 
 
 def test_refusals(hf_model, engine_factory) -> None:

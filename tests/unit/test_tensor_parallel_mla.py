@@ -93,24 +93,10 @@ def test_mla_tp2_matches_one_rank_and_hf(hf_model, engine_factory, arch, exact):
 def test_mla_expert_parallel_and_stacked_experts(hf_model, engine_factory, tmp_path, stacked):
     """Expert parallelism (each rank 4 of the 8 experts whole, the shared experts' columns
     split) and a checkpoint of stacked experts (cut per rank as loaded): TP=2 as one rank."""
-    from tests.unit.test_mla import _rewrite
+    from tests.unit.test_mla import _rewrite, stack_experts
 
     src, _ = hf_model("deepseek-v3")
-    moe = ModelConfig.from_dir(src).moe
-    assert moe is not None
-
-    def stack(t: dict[str, torch.Tensor]) -> None:
-        for i in moe.sparse_layers:
-            p = f"model.layers.{i}.mlp.experts."
-            experts = range(moe.num_experts)
-            gate = [t.pop(f"{p}{e}.gate_proj.weight") for e in experts]
-            up = [t.pop(f"{p}{e}.up_proj.weight") for e in experts]
-            t[p + "gate_up_proj"] = torch.stack(
-                [torch.cat(gu) for gu in zip(gate, up, strict=True)]
-            )
-            t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in experts])
-
-    model_dir = _rewrite(src, tmp_path / "stacked", stack) if stacked else src
+    model_dir = _rewrite(src, tmp_path / "stacked", stack_experts(src)) if stacked else src
     prompt = random.Random(5).choices(range(256), k=11)
     one = run_recorded(engine_factory(src, block_size=4), [prompt], 5)
     for ep in (False, True):
