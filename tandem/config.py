@@ -39,6 +39,12 @@ class CacheConfig:
             profile step at full batch leave (kv_cache_bytes is not used there).
         num_blocks: explicit number of blocks; overrides both budgets when set.
         enable_prefix_caching: reuse full blocks whose prefix hash matches.
+        kv_host_bytes: bytes of host memory behind the prefix cache (tandem.tiers): cached
+            blocks the device cache evicts are kept there, verified, until this budget
+            evicts them in turn; 0: no host tier.
+        kv_disk_dir: directory of the disk tier (a fast local volume; it survives a
+            restart, and the restarted worker serves what it verifies there); "": none.
+        kv_disk_bytes: bytes the disk tier may hold in kv_disk_dir; 0: no disk tier.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -46,6 +52,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_host_bytes: int = 0
+    kv_disk_dir: str = ""
+    kv_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -58,6 +67,16 @@ class CacheConfig:
             )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        for name in ("kv_host_bytes", "kv_disk_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no such tier), got {getattr(self, name)}")
+        if bool(self.kv_disk_dir) != (self.kv_disk_bytes > 0):
+            raise ValueError(
+                "a disk tier needs both kv_disk_dir and kv_disk_bytes "
+                f"(got kv_disk_dir={self.kv_disk_dir!r}, kv_disk_bytes={self.kv_disk_bytes})"
+            )
+        if (self.kv_host_bytes or self.kv_disk_bytes) and not self.enable_prefix_caching:
+            raise ValueError("KV tiers keep cached prefixes: they need enable_prefix_caching")
 
 
 @dataclass(frozen=True, slots=True)

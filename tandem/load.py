@@ -30,7 +30,14 @@ COUNT_FIELDS = (
     "num_handed_off",
     "num_preemptions",
 )
-RATE_FIELDS = ("busy_frac", "tokens_per_s", "step_ms", "prefill_tokens_per_s")
+RATE_FIELDS = (
+    "busy_frac",
+    "tokens_per_s",
+    "step_ms",
+    "prefill_tokens_per_s",
+    "host_onload_tokens_per_s",
+    "disk_onload_tokens_per_s",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +54,12 @@ class Load:
     fraction of time in steps (`busy_frac`), tokens computed per second (`tokens_per_s`),
     mean step time (`step_ms`), and the prompt tokens per second of step time it last
     measured, kept while idle (`prefill_tokens_per_s`: the router's admission estimate
-    divides queued tokens by it, tandem.routing.admission)."""
+    divides queued tokens by it, tandem.routing.admission).
+
+    KV tiers (tandem.tiers), 0 where the worker has no such tier: the prompt tokens per
+    second its host and disk tiers bring back into the device cache, read and verified
+    (`host_onload_tokens_per_s`, `disk_onload_tokens_per_s`), measured at start and kept
+    current: placement weighs a tier hit against recomputing it (tandem.routing.tiers)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -60,6 +72,8 @@ class Load:
     tokens_per_s: float = 0.0
     step_ms: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    host_onload_tokens_per_s: float = 0.0
+    disk_onload_tokens_per_s: float = 0.0
 
 
 LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(Load))

@@ -122,3 +122,23 @@ def table_key(block_hash: int, table: int) -> int:
     h = hashlib.blake2b(digest_size=8, person=b"tandem.table.v1")
     h.update(struct.pack("<QI", block_hash, table))
     return int.from_bytes(h.digest(), "little")
+
+
+# KV tiers a worker may hold a block in below its device cache (tandem.tiers), by speed.
+HOST_TIER = 1
+DISK_TIER = 2
+
+
+def tier_mark(block_hash: int, tier: int) -> int:
+    """What a worker with KV tiers publishes to the prefix index for a block it holds in
+    `tier` (HOST_TIER, DISK_TIER) *or a faster one* (its device cache included), next to the
+    block's hash, which it publishes while the device holds the block: a lookup of the chain
+    of a tier's marks counts the leading blocks the worker can serve from that tier or
+    above, so the router learns, per worker, how much of a prompt each tier would bring
+    back (tandem.routing.tiers). Its own digest domain, so a mark never equals a block's
+    hash or another tier's mark."""
+    if tier not in (HOST_TIER, DISK_TIER):
+        raise ValueError(f"tier must be {HOST_TIER} (host) or {DISK_TIER} (disk), got {tier!r}")
+    h = hashlib.blake2b(digest_size=8, person=b"tandem.tier.v1")
+    h.update(struct.pack("<QI", block_hash, tier))
+    return int.from_bytes(h.digest(), "little")

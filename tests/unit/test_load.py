@@ -18,6 +18,7 @@ FULL = Load(
     num_running=3, num_waiting=5, queued_prefill_tokens=700, num_blocks=512,
     num_free_blocks=100, num_handed_off=2, num_preemptions=9, busy_frac=0.25,
     tokens_per_s=1500.5, step_ms=12.5, prefill_tokens_per_s=4000.0,
+    host_onload_tokens_per_s=90000.0, disk_onload_tokens_per_s=20000.0,
 )  # fmt: skip
 
 
