@@ -68,8 +68,8 @@ class CacheConfig:
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         for name in ("kv_host_bytes", "kv_disk_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0: no such tier), got {getattr(self, name)}")
+            if (value := getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no such tier), got {value}")
         if bool(self.kv_disk_dir) != (self.kv_disk_bytes > 0):
             raise ValueError(
                 "a disk tier needs both kv_disk_dir and kv_disk_bytes "

@@ -18,7 +18,7 @@ its earlier ones (an earlier block is useful to more requests).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
@@ -61,6 +61,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, after those
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._events: list[KVEvent] = []
+        # Called with each cached block `allocate` is about to reuse, while it still holds
+        # its prefix's KV (the KV tiers copy it out: tandem.engine.tiering).
+        self.on_evict: Callable[[Block], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,6 +108,8 @@ class BlockPool:
                 block_id, _ = self._free.popitem(last=False)
                 block = self.blocks[block_id]
                 if block.block_hash is not None:
+                    if self.on_evict is not None:
+                        self.on_evict(block)
                     self._evict(block)
             block.ref_cnt = 1
             ids.append(block.block_id)

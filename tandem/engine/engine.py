@@ -29,15 +29,14 @@ from tandem.engine.kv_cache import shared_kv_dir
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.loading import (
     check_tensor_parallel,
-    compile_matmuls,
     load_model_and_cache,
     shard_for,
     wants_decode_graphs,
 )
 from tandem.engine.outputs import Completion, RequestOutput
+from tandem.engine.prefix_hash import DISK_TIER, HOST_TIER
 from tandem.engine.ranks import (
     Followers,
-    decode_capture_plan,
     exit_on_rank_death,
     free_address,
     threads_per_rank,
@@ -48,20 +47,22 @@ from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.state_checkpoints import StateCheckpoints
 from tandem.engine.state_pages import StateHandoff, pages_format
+from tandem.engine.tiering import make_tiers
+from tandem.engine.warmup import WARMUP_REQUEST_ID, warm_up
 from tandem.load import Load
 from tandem.model.config import ModelConfig
 from tandem.parallel.group import TPGroup
 from tandem.quant.kv import KVScales
+from tandem.tiers.stats import TierStats
 from tandem.tokenizer.detokenize import TextStream
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.weights.loader import ProgressFn
 
 # RequestOutput and Completion live in tandem.engine.outputs and are named here too (what a
 # step and generate() return); wants_decode_graphs for tests (tandem.engine.loading)
-__all__ = ["Completion", "LLMEngine", "RequestOutput", "wants_decode_graphs"]
+__all__ = ["WARMUP_REQUEST_ID", "Completion", "LLMEngine", "RequestOutput", "wants_decode_graphs"]
 
 log = logging.getLogger(__name__)
-WARMUP_REQUEST_ID = "__tandem_warmup__"
 
 
 class LLMEngine:
@@ -151,6 +152,9 @@ class LLMEngine:
         # a linear-attention model's state travels in a hand-off's blocks (state_pages)
         states = self.model.linear_states
         self.state_handoff = StateHandoff(self.kv, self.runner, states) if states else None
+        # KV tiers behind the prefix cache (tandem.tiers), when the cache config asks
+        self.tiers = make_tiers(config, self.kv, self.rank_kv or [(self.kv_cache, 0)],
+                                self.model_id, self.kv_format, model_dir)  # fmt: skip
         self._requests: dict[str, Request] = {}
         self._text: dict[str, TextStream] = {}
         self.num_steps = 0
@@ -159,51 +163,10 @@ class LLMEngine:
         self.warmup_prefill_tokens_per_s = 0.0  # measured by warm_up()
 
     def warm_up(self) -> None:
-        """Run one prefill step at the full token budget and a few decode steps before
-        traffic, so the first requests do not pay for allocator growth and kernel set-up,
-        compile every oneDNN matmul kernel the engine can need (`compile_matmuls`) and the
-        attention kernel variants those steps did not hit, then (on CUDA with
-        the Triton backend) capture the decode steps' CUDA graphs (with tensor parallelism
-        every rank captures the same ones, the collectives inside: `decode_capture_plan`).
-        Leaves no trace: no cached prefix, no KV events, no counters.
-
-        Makes the engine's device current in the calling thread, which should be the one
-        that steps the engine (see `tandem.engine.device`)."""
-        use_device(self.config.device)
-        if self.grammars is not None:
-            try:  # the vocabulary's token trie, before the first constrained request
-                self.grammars.load()
-            except ValueError as exc:
-                log.warning("%s; constrained requests will be refused", exc)
-        n = max(1, min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 5))
-        vocab = self.model.config.vocab_size
-        prompt = [(7 + i) % vocab for i in range(n)]
-        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
-        self.add_request(RequestSpec(WARMUP_REQUEST_ID, tuple(prompt), params))
-        t0, first = time.perf_counter(), True
-        while self.has_unfinished():
-            outputs = self.step()
-            if first:  # the whole prompt in one step: a first (pessimistic) prefill rate
-                self.warmup_prefill_tokens_per_s = n / max(time.perf_counter() - t0, 1e-6)
-                first = False
-            for out in outputs:
-                if out.handed_off:  # the prefill role pins the blocks; nobody will read them
-                    self.release(out.request_id)
-        self.kv.reset_prefix_cache()
-        self.take_kv_events()
-        self.num_steps = self.num_tokens_computed = 0
-        compile_matmuls(self.model, self.config)
-        self.model.attention.warm_up(
-            self.kv_cache[:, 0], self.model.config.num_q_heads, self.max_model_len
-        )
-        if self._graphs_wanted and self.runner.graphs is None:
-            t0 = time.perf_counter()
-            plan = decode_capture_plan(self.config, self.max_model_len, self.num_blocks)
-            self.runner.capture_graphs(plan)
-            log.info(
-                "captured CUDA graphs of decode steps for %d batch sizes (1..%d) in %.1fs",
-                len(plan.sizes), plan.sizes[-1], time.perf_counter() - t0,
-            )  # fmt: skip
+        """Run the steps, compilations and captures the first requests would otherwise pay
+        for (tandem.engine.warmup); leaves no trace. Makes the engine's device current in
+        the calling thread, which should be the one that steps the engine."""
+        warm_up(self)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -279,6 +242,10 @@ class LLMEngine:
         """
         request = self.make_request(spec, resume)
         self._track(request, resume)
+        if self.tiers is not None:  # a prefix a lower tier holds is brought back first
+            self.scheduler.hash_request(request)
+            if self.tiers.park(request):
+                return request
         self.scheduler.add_request(request)
         return request
 
@@ -296,6 +263,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
         request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED, self.clock())
+        if request is None and self.tiers is not None:
+            request = self.tiers.abort(request_id)  # waiting for its blocks from a tier
         self._forget(request_id)
         return request is not None
 
@@ -346,10 +315,15 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.tiers and self.tiers.num_parked)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report each request's progress."""
+        if self.tiers is not None:
+            if self.tiers.num_parked and not self.scheduler.has_work():
+                self.tiers.wait(0.005)  # nothing else to run: the tier's read is next
+            for request in self.tiers.ready():
+                self.scheduler.add_request(request)
         out = self.scheduler.schedule()
         self.last_step_prefill_tokens = sum(
             s.num_new_tokens for s in out.scheduled if not s.is_decode
@@ -449,6 +423,9 @@ class LLMEngine:
         if self.followers is not None:
             self.followers.close()
             self.followers = None
+        tiers, self.tiers = getattr(self, "tiers", None), None
+        if tiers is not None:
+            tiers.close()
         if self.tp is not None:
             self.tp.close()
             self.tp = None
@@ -468,26 +445,38 @@ class LLMEngine:
         return self.kv.num_free_blocks
 
     def enable_kv_events(self) -> None:
-        """Record prefix-cache stored/removed events for `take_kv_events` (cluster index)."""
+        """Record prefix-cache stored/removed events for `take_kv_events` (cluster index):
+        with KV tiers, their marks too (`tandem.tiers.marks`)."""
         self.kv.enable_events()
+        if self.tiers is not None:
+            self.tiers.enable_events(self.kv.cached_hashes())
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.kv.take_events()
+        events = self.kv.take_events()
+        return events if self.tiers is None else self.tiers.events(events)
 
     def cached_block_hashes(self) -> list[int]:
-        return self.kv.cached_hashes()
+        hashes = self.kv.cached_hashes()
+        return hashes if self.tiers is None else hashes + self.tiers.mark_hashes(hashes)
+
+    def tier_stats(self) -> list[TierStats]:
+        """Each KV tier's figures (tandem.tiers.stats); empty without tiers."""
+        return [] if self.tiers is None else self.tiers.stats()
 
     def stats(self) -> Load:
         """The counts of this engine's load (its rates are the worker's to add)."""
-        sched = self.scheduler
+        sched, tiers = self.scheduler, self.tiers
+        parked = tiers.num_parked if tiers else 0
         return Load(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + len(sched.waiting_for_kv),
+            num_waiting=len(sched.waiting) + len(sched.waiting_for_kv) + parked,
             num_handed_off=len(sched.handed_off),
             queued_prefill_tokens=sched.queued_prefill_tokens(),
             num_blocks=self.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
             num_preemptions=sched.num_preemptions,
+            host_onload_tokens_per_s=tiers.onload_tokens_per_s(HOST_TIER) if tiers else 0.0,
+            disk_onload_tokens_per_s=tiers.onload_tokens_per_s(DISK_TIER) if tiers else 0.0,
         )
 
     def get_request(self, request_id: str) -> Request | None:

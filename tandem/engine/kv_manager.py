@@ -21,7 +21,7 @@ next token's window reads them (`NULL_BLOCK` before).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tandem.engine.block_pool import BlockPool, KVEvent
 from tandem.engine.prefix_hash import table_key
@@ -35,6 +35,8 @@ from tandem.model.layer_groups import (
     resumable_prefix,
 )
 
+# What `_Hits` says of a block only a lower KV tier holds (tandem.engine.tiering).
+TIERED = -2
 # A table entry no block backs: a sliding table's block outside the window of a prefix hit
 # or of a hand-off. Never read (kernels start at the window) and never freed.
 NULL_BLOCK = -1
@@ -157,11 +159,30 @@ class KVCacheManager:
         flat = [found[t][j] if j in live[t] else NULL_BLOCK for j in range(n) for t in range(k)]
         return flat, tokens
 
-    def _table_hits(self, hashes: Sequence[int]) -> tuple[list[_Hits], int]:
+    def tier_plan(
+        self, request: Request, tier_of: Callable[[int], int | None]
+    ) -> tuple[list[tuple[int, int, int]], int]:
+        """What lower KV tiers (`tier_of(key)`: the tier holding a block, or None) would add
+        to the request's cached prefix: ((key, tier, table) of each block to bring back, in
+        prefix order; the prefix's tokens then). Empty when they add nothing."""
+        if not self.enable_caching:
+            return [], 0
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        found, num_full = self._table_hits(hashes, tier_of)
+        tokens = self._resumable(request, found, num_full)
+        n, k = tokens // self.block_size, self.num_tables
+        live = self.layout.live_blocks(tokens, self.block_size) if k > 1 else [range(n)]
+        plan = [(*found[t].tiers[j], t) for j in range(n) for t in range(k)
+                if j in live[t] and j in found[t].tiers]  # fmt: skip
+        return plan, tokens
+
+    def _table_hits(
+        self, hashes: Sequence[int], tier_of: Callable[[int], int | None] | None = None
+    ) -> tuple[list[_Hits], int]:
         """Per table, its cached blocks of the prompt, and how many leading blocks every
         full table holds: full tables are looked up up to their first miss (the shortest
         bounds every other), sliding tables as the hit rule asks (the windows it tries)."""
-        found = [_Hits(self.pool, hashes, t) for t in range(self.num_tables)]
+        found = [_Hits(self.pool, hashes, t, tier_of) for t in range(self.num_tables)]
         limit = len(hashes)
         for t, hits in enumerate(found):
             if t not in self._sliding:
@@ -362,14 +383,27 @@ class _Hits:
     """A KV table's cached blocks of a prompt (logical block -> block id), each looked up
     in the pool on first use: `j in hits` is whether block j of the table is cached."""
 
-    def __init__(self, pool: BlockPool, hashes: Sequence[int], table: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        hashes: Sequence[int],
+        table: int,
+        tier_of: Callable[[int], int | None] | None = None,
+    ) -> None:
         self._pool, self._hashes, self._table = pool, hashes, table
         self._ids: dict[int, int | None] = {}
+        self._tier_of = tier_of  # with it, a block a lower tier holds is a hit (TIERED)
+        self.tiers: dict[int, tuple[int, int]] = {}  # j -> (key, tier) of TIERED hits
 
     def get(self, j: int) -> int | None:
         if j not in self._ids:
             key = table_key(self._hashes[j], self._table) if j < len(self._hashes) else None
-            self._ids[j] = None if key is None else self._pool.get_cached_block(key)
+            block_id = None if key is None else self._pool.get_cached_block(key)
+            if block_id is None and key is not None and self._tier_of is not None:
+                tier = self._tier_of(key)
+                if tier is not None:
+                    block_id, self.tiers[j] = TIERED, (key, tier)
+            self._ids[j] = block_id
         return self._ids[j]
 
     def __getitem__(self, j: int) -> int:

@@ -101,12 +101,13 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------
 
-    def _update_hashes(self, request: Request) -> None:
+    def hash_request(self, request: Request) -> None:
+        """Its prompt's block hashes (what `add_request` does first)."""
         keys = hash_keys(self.model_id, request.cache_salt, self.kv_format)
         request.update_block_hashes(self.kv.block_size, keys)
 
     def add_request(self, request: Request) -> None:
-        self._update_hashes(request)
+        self.hash_request(request)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
@@ -120,7 +121,7 @@ class Scheduler:
         # Hashed here from the request's own tokens and salt: the blocks filled from outside
         # are published to the prefix cache (commit_kv) under these hashes, never under
         # anything the KV's sender claims.
-        self._update_hashes(request)
+        self.hash_request(request)
         # The request's tokens include the prefill worker's output; only the prompt's KV is
         # supplied, so only prompt blocks may come from the local prefix cache.
         hits, num_cached = self.kv.get_computed_blocks(request, request.num_prompt_tokens)
@@ -248,7 +249,7 @@ class Scheduler:
                 request.logprobs.append((result.logprob, result.top_logprobs))
             if request.first_token_time is None:
                 request.first_token_time = now
-            self._update_hashes(request)
+            self.hash_request(request)
             status = self._check_stop(request)
             if status is not None:
                 self.finish(request.request_id, status, now)

@@ -1,0 +1,288 @@
+"""The engine's side of the KV tiers (tandem.tiers): blocks out on eviction, back on arrival.
+
+    device block evicted (BlockPool.on_evict)  ->  its bytes copied out -> TierCache.offer
+    request arrives (`park`)                   ->  tier_plan: the lower tiers' part of its
+                                                   prefix, if bringing it back beats
+                                                   recomputing it -> TierCache.onload
+    each step (`ready`)                        <-  verified bytes into fresh device blocks,
+                                                   cached under their keys; the request
+                                                   joins the scheduler, which finds them
+
+A request waits outside the scheduler only while its blocks are read (other requests step
+meanwhile), at most `max_wait_s`: then it goes on without them. Only verified bytes enter
+the device cache, so a record that fails its check costs a recompute, never wrong KV.
+
+A block's record holds every head once: a tensor-parallel worker on a CPU reads its ranks'
+caches (mapped here) and writes each rank its heads back; ranks that replicate heads (MLA's
+latent) share one copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.config import CacheConfig, EngineConfig
+from tandem.engine.block_pool import Block, KVEvent, KVEventKind
+from tandem.engine.kv_manager import KVCacheManager
+from tandem.engine.prefix_hash import DISK_TIER, HOST_TIER
+from tandem.engine.request import Request
+from tandem.tiers import record
+from tandem.tiers.cache import Onload, TierCache
+from tandem.tiers.marks import DEVICE, TierMarks
+from tandem.tiers.stats import TierStats
+
+
+class BlockIO:
+    """One block's bytes out of and into the KV cache of every rank, each head once.
+
+    `caches`: (cache, its first KV head) per rank, rank 0's first; a single-rank engine
+    passes its one cache."""
+
+    def __init__(self, caches: Sequence[tuple[torch.Tensor, int]]) -> None:
+        self.caches = list(caches)
+        distinct: dict[int, torch.Tensor] = {}
+        for cache, first in self.caches:
+            distinct.setdefault(first, cache)
+        self.parts = sorted(distinct.items())  # (first head, cache), heads ascending
+        one = self.caches[0][0]
+        self.block_shape = list(one.shape[1:])
+        self.block_shape[3] = sum(c.shape[4] for _, c in self.parts)
+        self.dtype, self.device = one.dtype, one.device
+        self.nbytes = self.dtype.itemsize * int(torch.Size(self.block_shape).numel())
+
+    def read(self, block_id: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """A copy of the block as uint8 on the CPU, and what waits for it to land."""
+        blocks = [cache[block_id] for _, cache in self.parts]
+        if self.device.type == "cpu":
+            whole = blocks[0].clone() if len(blocks) == 1 else torch.cat(blocks, dim=3)
+            return whole.view(torch.uint8).reshape(-1), None
+        host = torch.empty(self.block_shape, dtype=self.dtype, pin_memory=True)
+        host.copy_(blocks[0], non_blocking=True)  # one rank on a GPU (others are refused)
+        done = torch.cuda.Event()
+        done.record()
+        return host.view(torch.uint8).reshape(-1), done.synchronize
+
+    def write(self, block_id: int, payload: torch.Tensor) -> None:
+        """Put a record's bytes into the block, each rank its heads."""
+        whole = payload.view(self.dtype).view(self.block_shape)
+        for cache, first in self.caches:
+            heads = cache.shape[4]
+            cache[block_id].copy_(whole[:, :, :, first : first + heads], non_blocking=True)
+
+
+def tier_identity(engine_fields: Mapping[str, object], model_dir: Path) -> bytes:
+    """The identity of an engine's records: its fields plus digests of the model's config
+    and tokenizer files (tandem.tiers.record.identity)."""
+    files = {}
+    for name in ("config.json", "tokenizer.json"):
+        path = model_dir / name
+        data = path.read_bytes() if path.is_file() else b""
+        files[name] = hashlib.blake2b(data, digest_size=16).hexdigest()
+    return record.identity({**engine_fields, **files})
+
+
+@dataclass(slots=True)
+class _Parked:
+    request: Request
+    job: Onload
+    plan: list[tuple[int, int, int]]  # (key, tier, table)
+    since: float
+
+
+class EngineTiers:
+    """The tiers of one engine's KV manager; every method runs on the engine thread."""
+
+    def __init__(
+        self,
+        cache: CacheConfig,
+        kv: KVCacheManager,
+        io: BlockIO,
+        ident: bytes,
+        max_wait_s: float = 2.0,
+    ) -> None:
+        self.kv, self.io = kv, io
+        self.tiers = TierCache(
+            ident, io.nbytes, cache.kv_host_bytes, cache.kv_disk_dir, cache.kv_disk_bytes
+        )
+        self.max_wait_s = max_wait_s
+        self.paused = False  # warm-up: nothing goes down
+        self.prefill_tokens_per_s = 0.0  # the engine's, for `pays`
+        # bytes of one logical block across its tables: a prefix token's share of the tiers
+        self.bytes_per_token = io.nbytes * kv.num_tables / kv.block_size
+        self._parked: dict[str, _Parked] = {}
+        self._marks: TierMarks | None = None  # while the index hears of changes
+        kv.pool.on_evict = self._evicted
+
+    # -- down --------------------------------------------------------------------------------
+
+    def _evicted(self, block: Block) -> None:
+        assert block.block_hash is not None
+        if self.paused or not self.tiers.wants(block.block_hash):
+            return
+        payload, ready = self.io.read(block.block_id)
+        flags = record.FLAG_PUBLISHED if block.published else 0
+        self.tiers.offer(block.block_hash, flags, payload, ready)
+
+    # -- back up -----------------------------------------------------------------------------
+
+    def onload_tokens_per_s(self, tier: int) -> float:
+        return self.tiers.onload_rate(tier) / self.bytes_per_token
+
+    def pays(self, tier: int) -> bool:
+        """Does bringing a block back from `tier` beat recomputing it? (Yes while the
+        engine's prefill rate is unknown.)"""
+        rate = self.onload_tokens_per_s(tier)
+        return rate > 0 and rate > self.prefill_tokens_per_s
+
+    def park(self, request: Request) -> bool:
+        """Start bringing back the blocks lower tiers add to the request's cached prefix,
+        when they do and it pays; True: the request waits here (`ready`) meanwhile."""
+        paying = {t for t in (HOST_TIER, DISK_TIER) if self.pays(t)}
+        if not paying:
+            return False
+
+        def tier_of(key: int) -> int | None:
+            tier = self.tiers.tier_of(key)
+            return tier if tier in paying else None
+
+        plan, _ = self.kv.tier_plan(request, tier_of)
+        if not plan:
+            return False
+        job = self.tiers.onload([key for key, _, _ in plan])
+        self._parked[request.request_id] = _Parked(request, job, plan, time.monotonic())
+        return True
+
+    @property
+    def num_parked(self) -> int:
+        return len(self._parked)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a parked request's blocks are read, or `timeout` seconds."""
+        for parked in list(self._parked.values())[:1]:
+            parked.job.done.wait(timeout)
+
+    def ready(self) -> list[Request]:
+        """Parked requests whose blocks are read (installed now) or that waited too long."""
+        now, out = time.monotonic(), []
+        for rid, parked in list(self._parked.items()):
+            if parked.job.done.is_set():
+                self._install(parked)
+            elif now - parked.since < self.max_wait_s:
+                continue
+            parked.job.cancelled = True
+            del self._parked[rid]
+            out.append(parked.request)
+        return out
+
+    def abort(self, request_id: str) -> Request | None:
+        parked = self._parked.pop(request_id, None)
+        if parked is None:
+            return None
+        parked.job.cancelled = True
+        return parked.request
+
+    def _install(self, parked: _Parked) -> None:
+        """Verified records into free device blocks, cached under their keys (and free:
+        the request takes them as prefix hits when it is scheduled)."""
+        pool, tokens = self.kv.pool, {HOST_TIER: 0, DISK_TIER: 0}
+        # The device's part of the prefix is held meanwhile: the blocks taken here must not
+        # evict it (it was used longest ago, so it would go first).
+        held = [b for b in self.kv.get_computed_blocks(parked.request)[0] if b >= 0]
+        pool.touch(held)
+        try:
+            self._fill(parked, tokens)
+        finally:
+            pool.free(reversed(held))
+        for tier, n in tokens.items():
+            if n:
+                self.tiers.count_hits(tier, n)
+
+    def _fill(self, parked: _Parked, tokens: dict[int, int]) -> None:
+        pool = self.kv.pool
+        for key, tier, table in parked.plan:
+            payload = parked.job.payloads.get(key)
+            if payload is None:
+                break  # not read or not verified: the prefix stops here
+            if pool.get_cached_block(key) is not None:
+                continue
+            ids = pool.allocate(1)
+            if ids is None:
+                break
+            self.io.write(ids[0], payload)
+            published = bool(parked.job.flags[key] & record.FLAG_PUBLISHED)
+            pool.cache_block(ids[0], key, published)
+            pool.free(ids)
+            if table == 0:
+                tokens[tier] += self.kv.block_size
+
+    # -- what the index hears ------------------------------------------------------------
+
+    def enable_events(self, device_hashes: list[int]) -> None:
+        self._marks = TierMarks()
+        held = [(h, DEVICE) for h in device_hashes]
+        held += [
+            (key, tier) for key, tier, flags in self.tiers.held() if flags & record.FLAG_PUBLISHED
+        ]
+        self._marks.reset(held)
+        self.tiers.take_changes()
+
+    def events(self, device: list[KVEvent]) -> list[KVEvent]:
+        """The device's events followed by the tier marks they and the tiers changed."""
+        if self._marks is None:
+            return device
+        out = list(device)
+        for ev in device:
+            out += self._marks.change(ev.block_hash, DEVICE, ev.kind is KVEventKind.STORED)
+        for key, tier, held, flags in self.tiers.take_changes():
+            if held and not flags & record.FLAG_PUBLISHED:
+                continue
+            out += self._marks.change(key, tier, held)
+        return out
+
+    def mark_hashes(self, device_hashes: list[int]) -> list[int]:
+        """The tier marks a snapshot names, given what the device holds."""
+        marks = TierMarks()
+        held = [(h, DEVICE) for h in device_hashes]
+        held += [
+            (key, tier) for key, tier, flags in self.tiers.held() if flags & record.FLAG_PUBLISHED
+        ]
+        marks.reset(held)
+        return marks.hashes()
+
+    def stats(self) -> list[TierStats]:
+        return self.tiers.stats()
+
+    def close(self) -> None:
+        for rid in list(self._parked):
+            self.abort(rid)
+        self.tiers.close()
+
+
+def make_tiers(
+    config: EngineConfig,
+    kv: KVCacheManager,
+    caches: Sequence[tuple[torch.Tensor, int]],
+    model_id: str,
+    kv_format: str,
+    model_dir: Path,
+) -> EngineTiers | None:
+    """The KV tiers `config.cache` asks for over `kv` and its `caches` (every rank's, with
+    its first head); None without any."""
+    cache = config.cache
+    if not (cache.kv_host_bytes or cache.kv_disk_bytes):
+        return None
+    if config.tensor_parallel_size > 1 and len(caches) < config.tensor_parallel_size:
+        raise ValueError(
+            "KV tiers with tensor parallelism need the ranks' caches mapped here (a CPU "
+            "worker); on GPUs run them at tensor_parallel_size 1"
+        )
+    io = BlockIO(caches)
+    fields = {"model": model_id, "dtype": str(io.dtype), "kv_format": kv_format,
+              "layout": kv.layout.describe(), "block": io.block_shape}  # fmt: skip
+    return EngineTiers(cache, kv, io, tier_identity(fields, model_dir))
