@@ -74,7 +74,11 @@ def make_engine(model_dir: Path, **overrides: Any) -> Any:
         block_size=overrides.pop("block_size", 4),
         num_blocks=overrides.pop("num_blocks", 256),
         enable_prefix_caching=overrides.pop("enable_prefix_caching", True),
-        **{k: overrides.pop(k) for k in ("kv_cache_bytes",) if k in overrides},
+        **{
+            k: overrides.pop(k)
+            for k in ("kv_cache_bytes", "kv_host_bytes", "kv_disk_dir", "kv_disk_bytes")
+            if k in overrides
+        },
     )
     sched_keys = (
         "max_num_seqs",

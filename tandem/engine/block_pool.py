@@ -61,8 +61,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, after those
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._events: list[KVEvent] = []
-        # Called with each cached block `allocate` is about to reuse, while it still holds
-        # its prefix's KV (the KV tiers copy it out: tandem.engine.tiering).
+        # Called with each cached block as its last holder frees it, and as `allocate` is
+        # about to reuse it, while it holds its prefix's KV (the KV tiers copy it out:
+        # tandem.engine.tiering).
         self.on_evict: Callable[[Block], None] | None = None
 
     @property
@@ -132,6 +133,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block_id] = None
+                if block.block_hash is not None and self.on_evict is not None:
+                    self.on_evict(block)
 
     def cache_block(self, block_id: int, block_hash: int, publish: bool = True) -> bool:
         """Cache a full, computed block under its prefix hash; `publish`: its events go to

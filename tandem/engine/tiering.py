@@ -1,12 +1,17 @@
 """The engine's side of the KV tiers (tandem.tiers): blocks out on eviction, back on arrival.
 
-    device block evicted (BlockPool.on_evict)  ->  its bytes copied out -> TierCache.offer
+    cached block freed or evicted              ->  its bytes copied out -> TierCache.offer
+      (BlockPool.on_evict)                         (unless every tier has it already)
     request arrives (`park`)                   ->  tier_plan: the lower tiers' part of its
                                                    prefix, if bringing it back beats
                                                    recomputing it -> TierCache.onload
     each step (`ready`)                        <-  verified bytes into fresh device blocks,
                                                    cached under their keys; the request
                                                    joins the scheduler, which finds them
+
+A cached block goes down as soon as no request holds it (write-through: the tiers hold
+what a killed worker's device cache held, and an eviction later finds it there already),
+and again when evicted if a tier still lacks it (it was pushed back before).
 
 A request waits outside the scheduler only while its blocks are read (other requests step
 meanwhile), at most `max_wait_s`: then it goes on without them. Only verified bytes enter
@@ -205,7 +210,7 @@ class EngineTiers:
 
     def _fill(self, parked: _Parked, tokens: dict[int, int]) -> None:
         pool = self.kv.pool
-        for key, tier, table in parked.plan:
+        for key, _, table in parked.plan:
             payload = parked.job.payloads.get(key)
             if payload is None:
                 break  # not read or not verified: the prefix stops here
@@ -219,7 +224,7 @@ class EngineTiers:
             pool.cache_block(ids[0], key, published)
             pool.free(ids)
             if table == 0:
-                tokens[tier] += self.kv.block_size
+                tokens[parked.job.tiers[key]] += self.kv.block_size
 
     # -- what the index hears ------------------------------------------------------------
 

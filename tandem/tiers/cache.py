@@ -51,6 +51,7 @@ class Onload:
     keys: list[int]
     payloads: dict[int, torch.Tensor] = field(default_factory=dict)
     flags: dict[int, int] = field(default_factory=dict)  # key -> its record's flags
+    tiers: dict[int, int] = field(default_factory=dict)  # key -> the tier that served it
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
 
@@ -335,39 +336,49 @@ class TierCache:
                 self._done()
 
     def _read(self, job: Onload) -> None:
+        """Each key from the fastest tier whose record checks out (a bad host record falls
+        back to the disk's); the job stops at the first key no tier can serve."""
         for key in job.keys:
-            t0 = time.perf_counter()
-            tier = self.tier_of(key)
-            payload, flags, why = None, 0, "evicted before it was read"
-            if tier == HOST_TIER:
-                assert self.host is not None
-                entry = self.host.get(key)
-                if entry is not None:
-                    view = view_bytes(entry.payload)
-                    if record.digest(self.ident, key, entry.flags, view) == entry.digest:
-                        payload, flags, why = entry.payload, entry.flags, ""
-                    else:
-                        why = "its bytes do not match their digest"
-                        self.host.drop(key)
-                        self._visible(HOST_TIER, key, entry.flags, [], gone=True)
-            elif tier == DISK_TIER:
-                assert self.disk is not None
-                raw, flags, why = self.disk.read(key)
-                if not why:
-                    payload = torch.frombuffer(raw, dtype=torch.uint8)
-                elif why != "not held":
-                    self._visible(DISK_TIER, key, 0, [], gone=True)
-            if payload is None or tier is None:
-                if tier is not None and why != "not held":
-                    self._count(tier, digest_mismatches=1)
-                    log.warning("KV tier %s: block %016x not served: %s",
-                                self._stats[tier].tier, key, why)  # fmt: skip
+            for tier in (HOST_TIER, DISK_TIER):
+                t0 = time.perf_counter()
+                got = self._read_one(tier, key)
+                if got is not None:
+                    payload, flags = got
+                    seconds = time.perf_counter() - t0
+                    self._count(tier, onload_bytes=payload.numel(), onload_seconds=seconds)
+                    self._observe_rate(tier, payload.numel(), seconds)
+                    job.payloads[key], job.flags[key], job.tiers[key] = payload, flags, tier
+                    break
+            else:
                 return
-            seconds = time.perf_counter() - t0
-            self._count(tier, onload_bytes=payload.numel(), onload_seconds=seconds)
-            self._observe_rate(tier, payload.numel(), seconds)
-            job.payloads[key] = payload
-            job.flags[key] = flags
+
+    def _read_one(self, tier: int, key: int) -> tuple[torch.Tensor, int] | None:
+        """`key`'s verified bytes and flags from `tier`; None when it holds no good record
+        (a bad one is dropped, counted and logged)."""
+        why = ""
+        if tier == HOST_TIER and self.host is not None and key in self.host:
+            entry = self.host.get(key)
+            if entry is None:
+                return None
+            if (
+                record.digest(self.ident, key, entry.flags, view_bytes(entry.payload))
+                == entry.digest
+            ):
+                return entry.payload, entry.flags
+            why = "its bytes do not match their digest"
+            self.host.drop(key)
+        elif tier == DISK_TIER and self.disk is not None and key in self.disk:
+            raw, flags, why = self.disk.read(key)
+            if not why:
+                return torch.frombuffer(raw, dtype=torch.uint8), flags
+            if why == "not held":
+                return None
+        else:
+            return None
+        self._visible(tier, key, 0, [], gone=True)
+        self._count(tier, digest_mismatches=1)
+        log.warning("KV tier %s: block %016x not served: %s", self._stats[tier].tier, key, why)
+        return None
 
     # -- bookkeeping -----------------------------------------------------------------------
 
