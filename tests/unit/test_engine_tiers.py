@@ -170,8 +170,8 @@ def test_a_restarted_worker_serves_its_disk_tier(tiny_model_dir, engine_factory,
     assert all(c.num_cached_tokens > 0 for c in got) and tier(again, "disk").hit_tokens > 0
     again.close()
     # another layout (a block of 8 tokens) finds the directory's records not its own
-    other = engine_factory(tiny_model_dir, block_size=8, num_blocks=24,
-                           kv_disk_dir=str(tmp_path / "kv-disk"), kv_disk_bytes=64 << 20)  # fmt: skip
+    disk = dict(kv_disk_dir=str(tmp_path / "kv-disk"), kv_disk_bytes=64 << 20)
+    other = engine_factory(tiny_model_dir, block_size=8, num_blocks=24, **disk)
     assert other.tiers.tiers.drain() and tier(other, "disk").blocks == 0
     other.close()
 

@@ -1,0 +1,304 @@
+"""KV tiers (issue 44): what host memory and disk behind the device prefix cache buy, and
+what they cost -- one engine in this process, every configuration in the same run.
+
+    .venv/bin/python benchmarks/bench_kv_tiers.py workloads [--model-dir DIR]
+    .venv/bin/python benchmarks/bench_kv_tiers.py bandwidth
+    .venv/bin/python benchmarks/bench_kv_tiers.py slow-disk [--model-dir DIR]
+
+workloads: a multi-turn chat (conversations x turns, each turn its whole history plus a new
+  user message) and an agent loop (agents with a long fixed prefix each, many short turns),
+  each with a working set about 4x the device KV cache, served one request at a time:
+  TTFT p50/p90 (add_request to first token: tier reads included), prompt tokens computed,
+  hits per tier; tiers off, host, host + disk; and a workload with no reuse (throughput).
+bandwidth: bringing a block back per tier (read + verify) against the floor -- a plain
+  copy of the same bytes from memory, a plain read of the same file -- and verification
+  (BLAKE2b keyed digest) per block against a copy.
+slow-disk: a disk that takes 50 ms per write: decode ITL of requests that never use the
+  tier, against no tiers, and the offloads the disk pushed back.
+
+Default model: SmolLM2-135M-Instruct (the CLI's default; bfloat16 where the CPU runs it
+natively, else float32). Writes benchmarks/results/kv_tiers.json and
+benchmarks/plots/kv-tiers-ttft.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config import CacheConfig, EngineConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.sampling import SamplingParams
+from tandem.tiers import record
+from tandem.tiers.cache import TierCache
+from tandem.tiers.stores import DiskStore
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "kv_tiers.json"
+PLOT = ROOT / "plots" / "kv-tiers-ttft.png"
+DEFAULT_MODEL = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
+BLOCK = 16
+ANSWER = 8  # tokens generated per turn
+
+
+def engine(model_dir: Path, device_tokens: int, tiers: str, disk_dir: str) -> LLMEngine:
+    cache: dict[str, Any] = {"num_blocks": device_tokens // BLOCK + 8, "block_size": BLOCK}
+    if "host" in tiers:
+        cache["kv_host_bytes"] = 4 << 30
+    if "disk" in tiers:
+        cache["kv_disk_dir"], cache["kv_disk_bytes"] = disk_dir, 4 << 30
+    cfg = EngineConfig(
+        model_dir=str(model_dir),
+        dtype="auto",
+        cache=CacheConfig(**cache),
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8),
+    )
+    e = LLMEngine(cfg)
+    e.warm_up()
+    return e
+
+
+def serve(e: LLMEngine, prompt: list[int], rid: str) -> tuple[float, list[int], int]:
+    """One request alone: (TTFT s, its tokens, cached prompt tokens)."""
+    params = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    request = e.add_request(e.spec(rid, prompt, params))
+    ttft = None
+    while e.has_unfinished():
+        for out in e.step():
+            if out.request_id == rid and out.new_token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+    assert ttft is not None
+    return ttft, list(request.output_token_ids), request.num_cached_tokens or 0
+
+
+def chat(vocab: int, conversations: int, turns: int, rng: random.Random) -> list[list[int]]:
+    """Turn t of every conversation, then turn t + 1 of every one: each prompt is its
+    conversation's history (earlier prompts and their answers, stood in for by fixed
+    tokens here) plus a new message."""
+    system = rng.choices(range(100, vocab), k=64)
+    history = [list(system) for _ in range(conversations)]
+    out = []
+    for _ in range(turns):
+        for c in range(conversations):
+            history[c] += rng.choices(range(100, vocab), k=64)
+            out.append(list(history[c]))
+            history[c] += rng.choices(range(100, vocab), k=ANSWER)
+    return out
+
+
+def agents(vocab: int, num: int, turns: int, rng: random.Random) -> list[list[int]]:
+    """`num` agents, each a 768-token fixed prefix (instructions, tool schemas) and a
+    short turn (a tool result) per request, round robin."""
+    prefixes = [rng.choices(range(100, vocab), k=768) for _ in range(num)]
+    return [p + rng.choices(range(100, vocab), k=32) for _ in range(turns) for p in prefixes]
+
+
+def no_reuse(vocab: int, n: int, rng: random.Random) -> list[list[int]]:
+    return [rng.choices(range(100, vocab), k=256) for _ in range(n)]
+
+
+def run_workload(model_dir: Path, name: str, prompts: list[list[int]], device: int) -> list[dict]:
+    rows, reference = [], None
+    for tiers in ("none", "host", "host+disk"):
+        with tempfile.TemporaryDirectory() as disk:
+            e = engine(model_dir, device, tiers, disk)
+            ttfts, outputs, computed = [], [], 0
+            t0 = time.perf_counter()
+            for i, p in enumerate(prompts):
+                ttft, toks, cached = serve(e, p, f"{name}-{i}")
+                ttfts.append(ttft)
+                outputs.append(toks)
+                computed += len(p) - cached
+            wall = time.perf_counter() - t0
+            stats = {s.tier: s for s in e.tier_stats()}
+            e.close()
+        if reference is None:
+            reference = outputs
+        q = statistics.quantiles(ttfts, n=10)
+        total = sum(map(len, prompts))
+        tier_hits = sum(s.hit_tokens for s in stats.values())
+        row = {
+            "workload": name, "tiers": tiers, "requests": len(prompts),
+            "prompt_tokens": total, "device_tokens": device,
+            "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1),
+            "ttft_p90_ms": round(q[8] * 1e3, 1),
+            "prefill_tokens_computed": computed,
+            "hit_rate_device": round((total - computed - tier_hits) / total, 3),
+            "hit_rate_host": round(stats["host"].hit_tokens / total, 3) if "host" in stats else 0.0,
+            "hit_rate_disk": round(stats["disk"].hit_tokens / total, 3) if "disk" in stats else 0.0,
+            "output_tokens_per_s": round(len(prompts) * ANSWER / wall, 1),
+            "identical_to_no_tiers": outputs == reference,
+            "skipped_offloads": sum(s.skipped_offloads for s in stats.values()),
+            "digest_mismatches": sum(s.digest_mismatches for s in stats.values()),
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def cmd_workloads(args: argparse.Namespace) -> dict:
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    device = args.device_tokens
+    work = {
+        "chat": chat(vocab, 16, 6, rng),  # ~9k tokens of histories
+        "agent": agents(vocab, 12, 4, rng),  # 12 x 800 tokens
+        "no-reuse": no_reuse(vocab, 24, rng),
+    }
+    rows = []
+    for name, prompts in work.items():
+        rows += run_workload(args.model_dir, name, prompts, device)
+    plot(rows)
+    return {
+        "workloads": rows,
+        "model": args.model_dir.name,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [w for w in ("chat", "agent") if any(r["workload"] == w for r in rows)]
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.5), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        sel = [r for r in rows if r["workload"] == name]
+        x = range(len(sel))
+        ax.bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in sel], 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [r["ttft_p90_ms"] for r in sel], 0.4, label="p90")
+        ax.set_xticks(list(x), [r["tiers"] for r in sel])
+        ax.set_title(f"{name}: TTFT (ms), working set ~4x device KV")
+        ax.legend()
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+
+
+def timed(fn: Any, reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def cmd_bandwidth(args: argparse.Namespace) -> dict:
+    """Per block size: host onload (verify; the copy into the device cache) and disk onload
+    (read + verify) against a plain copy and a plain file read of the same bytes."""
+    out = []
+    ident = record.identity({"bench": 1})
+    for block_bytes in (96 << 10, 1 << 20, 2 << 20):  # SmolLM2 bf16 / 1B / Llama-3-8B-shape
+        src = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        n = 64
+        with tempfile.TemporaryDirectory() as d:
+            tiers = TierCache(ident, block_bytes, host_bytes=(n + 4) * block_bytes,
+                              disk_dir=d, disk_bytes=(n + 4) * (block_bytes + 4096))  # fmt: skip
+            for k in range(1, n + 1):
+                tiers.offer(k, 0, src.clone())
+            assert tiers.drain(60)
+            keys = list(range(1, n + 1))
+
+            def onload(tiers: TierCache = tiers, keys: list[int] = keys) -> None:
+                job = tiers.onload(keys)
+                job.done.wait()
+                assert len(job.payloads) == len(keys)
+
+            host_s = timed(onload, 3) / n
+            assert tiers.host is not None and tiers.disk is not None
+            for k in keys:  # the disk's records alone now
+                tiers.host.drop(k)
+            disk_s = timed(onload, 3) / n
+            path = tiers.disk.path(1)
+            read_s = timed(lambda p=path: p.read_bytes(), 20)
+            tiers.close()
+        copy_s = timed(lambda d=dst, s=src: d.copy_(s), 50)
+        view = memoryview(src.numpy())  # type: ignore[arg-type]
+        verify_s = timed(lambda v=view: record.digest(ident, 1, 0, v), 20)
+        row = {
+            "block_bytes": block_bytes,
+            "copy_gb_s": round(block_bytes / copy_s / 1e9, 2),
+            "file_read_gb_s": round(block_bytes / read_s / 1e9, 2),
+            "host_onload_gb_s": round(block_bytes / host_s / 1e9, 2),
+            "disk_onload_gb_s": round(block_bytes / disk_s / 1e9, 2),
+            "verify_gb_s": round(block_bytes / verify_s / 1e9, 2),
+            "verify_vs_copy": round(verify_s / copy_s, 1),
+        }
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return {"bandwidth": out}
+
+
+def cmd_slow_disk(args: argparse.Namespace) -> dict:
+    """Requests that never hit the tier (distinct prompts) decode while a 50 ms-per-write
+    disk takes every freed block: ITL against no tiers, same run."""
+    original = DiskStore._write
+
+    def slow(path: Path, header: bytes, payload: memoryview) -> None:
+        time.sleep(0.05)
+        original(path, header, payload)
+
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(1)
+    prompts = no_reuse(vocab, 24, rng)
+    rows = []
+    for tiers in ("none", "slow disk", "none again"):
+        DiskStore._write = staticmethod(slow) if tiers == "slow disk" else staticmethod(original)  # type: ignore[method-assign]
+        with tempfile.TemporaryDirectory() as disk:
+            e = engine(args.model_dir, 1024, "disk" if tiers == "slow disk" else "none", disk)
+            params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+            gaps: list[float] = []
+            for i in range(0, len(prompts), 4):  # four at a time
+                last: dict[str, float] = {}
+                for j, p in enumerate(prompts[i : i + 4]):
+                    e.add_request(e.spec(f"s{i}-{j}", p, params))
+                while e.has_unfinished():
+                    for out in e.step():
+                        now = time.perf_counter()
+                        if out.request_id in last and out.new_token_ids:
+                            gaps.append(now - last[out.request_id])
+                        last[out.request_id] = now
+            stats = e.tier_stats()
+            e.close()
+        row = {
+            "tiers": tiers,
+            "itl_p50_ms": round(statistics.median(gaps) * 1e3, 2),
+            "itl_p90_ms": round(statistics.quantiles(gaps, n=10)[8] * 1e3, 2),
+            "skipped_offloads": sum(s.skipped_offloads for s in stats),
+            "disk_blocks_written": sum(s.blocks for s in stats),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    DiskStore._write = staticmethod(original)  # type: ignore[method-assign]
+    return {"slow_disk": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("cmd", choices=("workloads", "bandwidth", "slow-disk"))
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--device-tokens", type=int, default=2048,
+                        help="device KV cache, in tokens (the working sets are ~4x)")  # fmt: skip
+    args = parser.parse_args()
+    fn = {"workloads": cmd_workloads, "bandwidth": cmd_bandwidth, "slow-disk": cmd_slow_disk}
+    result = fn[args.cmd](args)
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results.update(result)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
