@@ -13,11 +13,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tandem.engine.prefix_hash import (
+    DISK_TIER,
+    HOST_TIER,
     hash_blocks,
     hash_keys,
     kv_hash_format,
     state_mark,
     table_key,
+    tier_mark,
 )
 from tandem.engine.request import RequestSpec
 from tandem.index import IndexUnavailable
@@ -27,6 +30,7 @@ from tandem.routing import (
     InflightLoad,
     Placement,
     RouteRequest,
+    TierOverlap,
     WorkerLoad,
     choose,
     prefix_key,
@@ -55,6 +59,10 @@ class ResumeMarks:
                    block (`state_mark` of its hash)
         "sliding"  sliding-window layers: KV table `table`'s key (`table_key`) of every block
                    the next token's `window` tokens read (`window_marks_from`)
+
+    KV tiers (tandem.routing.tiers) are looked up for "none" alone: a tier's marks say a
+    worker holds a block's KV, not the state checkpoint or window pages that resuming a
+    "state" or "sliding" model also needs, so those count their device blocks only.
     """
 
     kind: Literal["none", "state", "sliding"] = "none"
@@ -142,7 +150,7 @@ class Placer:
         """Raises ServiceError(UNAVAILABLE) when no decode worker is available. `span`
         (tandem.route) gets the decision, its reason and the candidates' scores."""
         workers = self.workers()
-        hashes, overlap = await self._prefix_overlap(spec, workers)
+        hashes, overlap, tiers = await self._prefix_lookups(spec, workers)
         self._sequence += 1
         route = RouteRequest(
             spec.num_prompt_tokens,
@@ -150,6 +158,7 @@ class Placer:
             overlap,
             self._sequence,
             prefix_key(hashes, self.config.routing.affinity_blocks),
+            tiers,
         )
         placement = choose(route, workers, self.config.routing)
         candidates = (
@@ -164,11 +173,12 @@ class Placer:
         if placement.prefill is not None:
             self.claim(placement.prefill.worker_id)
         log.info(
-            "route %s: %d tokens, %d blocks, overlap %s -> prefill %s, decode %s (%s)",
+            "route %s: %d tokens, %d blocks, overlap %s%s -> prefill %s, decode %s (%s)",
             spec.request_id,
             spec.num_prompt_tokens,
             len(hashes),
             overlap if overlap is not None else "n/a",
+            f", tiers {_tier_counts(tiers)}" if tiers else "",
             placement.prefill.worker_id if placement.prefill else "-",
             placement.decode.worker_id,
             placement.reason,
@@ -248,42 +258,75 @@ class Placer:
     async def _prefix_overlap(
         self, spec: RequestSpec, workers: list[WorkerLoad]
     ) -> tuple[list[int], dict[str, int] | None]:
-        """The prompt's block hashes and each worker's cached leading blocks. The same
-        chained hashes the workers publish (tandem.engine.prefix_hash): an fp8 cache hashes
-        its KV format too, so each format's workers are looked up under their own hashes
-        (one lookup per format in the fleet, usually one). The hashes returned (the prefix
-        key's) are those of the format most workers have."""
-        by_format: dict[str, list[str]] = {}
+        """`_prefix_lookups` without the tiers: the hashes and the device overlap."""
+        hashes, overlap, _ = await self._prefix_lookups(spec, workers)
+        return hashes, overlap
+
+    async def _prefix_lookups(
+        self, spec: RequestSpec, workers: list[WorkerLoad]
+    ) -> tuple[list[int], dict[str, int] | None, dict[str, TierOverlap] | None]:
+        """The prompt's block hashes, each worker's cached leading blocks and, for workers
+        with KV tiers, their leading blocks per tier. The same chained hashes the workers
+        publish (tandem.engine.prefix_hash): an fp8 cache hashes its KV format too, so each
+        format's workers are looked up under their own hashes (one lookup per format in the
+        fleet, usually one). The hashes returned (the prefix key's) are those of the format
+        most workers have.
+
+        Where a format's workers include one advertising a tier (an onload rate > 0) and the
+        model's marks are "none" (`ResumeMarks`), the chains of the hashes' host and disk
+        tier marks are looked up with it, concurrently: a `TierOverlap` per worker found in
+        any of them. Otherwise one lookup, and tiers None."""
+        by_format: dict[str, list[WorkerLoad]] = {}
         for w in workers:
-            by_format.setdefault(kv_hash_format(w.kv_format), []).append(w.worker_id)
+            by_format.setdefault(kv_hash_format(w.kv_format), []).append(w)
         formats = sorted(by_format, key=lambda f: (-len(by_format[f]), f)) or [""]
         tokens = list(spec.prompt_token_ids)
         first: list[int] = []
         merged: dict[str, int] | None = None
+        tiers: dict[str, TierOverlap] | None = None
         for i, fmt in enumerate(formats):
             keys = hash_keys(self.model_id, spec.cache_salt, fmt)
             hashes = hash_blocks(tokens, self.config.block_size, keys)
             if i == 0:
                 first = hashes
-            overlap = await self._lookup(hashes)
-            if overlap is None:
-                return first, None
-            members = set(by_format.get(fmt, ()))
-            found = {w: n for w, n in overlap.items() if w in members or len(formats) == 1}
-            merged = {**(merged or {}), **found}
-        return first, merged
+            members = by_format.get(fmt, [])
+            tiered = self.marks.kind == "none" and any(
+                w.host_onload_tokens_per_s > 0 or w.disk_onload_tokens_per_s > 0 for w in members
+            )
+            chains = [hashes]
+            if tiered:
+                chains += [[tier_mark(h, t) for h in hashes] for t in (HOST_TIER, DISK_TIER)]
+            found = await self._lookup(chains)
+            if found is None:
+                return first, None, None
+            ids = {w.worker_id for w in members}
+            mine = [
+                {w: n for w, n in counts.items() if w in ids or len(formats) == 1}
+                for counts in found
+            ]
+            merged = {**(merged or {}), **mine[0]}
+            if tiered:
+                dev, host, disk = mine
+                fmt_tiers = {
+                    w: TierOverlap.of(dev.get(w, 0), host.get(w, 0), disk.get(w, 0))
+                    for w in sorted(dev.keys() | host.keys() | disk.keys())
+                }
+                tiers = {**(tiers or {}), **fmt_tiers}
+        return first, merged, tiers
 
-    async def _lookup(self, hashes: list[int]) -> dict[str, int] | None:
-        """Leading cached blocks per worker, or None when the index cannot answer in time
-        (then placement uses load alone: no request fails because the index is down)."""
+    async def _lookup(self, chains: list[list[int]]) -> list[dict[str, int]] | None:
+        """Leading blocks per worker for each chain (the prompt's hashes first, with the
+        model's resume marks; then any tier marks' chains, plain), looked up concurrently
+        under one deadline; or None when the index cannot answer in time (then placement
+        uses load alone: no request fails because the index is down)."""
+        hashes = chains[0]
         if self._index is None or not hashes:
             return None
         marks, marks_from = self.marks.lookup_args(hashes, self.config.block_size)
+        lookups = [self._index.lookup(self.model_id, hashes, marks, marks_from)]
+        lookups += [self._index.lookup(self.model_id, chain) for chain in chains[1:]]
         try:
-            overlap = await asyncio.wait_for(
-                self._index.lookup(self.model_id, hashes, marks, marks_from),
-                self.config.index_timeout_s,
-            )
+            found = await asyncio.wait_for(asyncio.gather(*lookups), self.config.index_timeout_s)
         except (IndexUnavailable, TimeoutError) as exc:
             if not self.index_degraded:
                 log.warning("prefix index unavailable (%r): routing on load alone", exc)
@@ -292,7 +335,7 @@ class Placer:
         if self.index_degraded:
             log.info("prefix index reachable again: cache-aware routing resumed")
             self.index_degraded = False
-        return overlap
+        return list(found)
 
     def _on_workers_change(self, joined: list[WorkerInfo], left: list[str]) -> None:
         for w in joined:
@@ -311,3 +354,8 @@ class Placer:
             await self._index.remove_worker(worker_id)
         except IndexUnavailable:
             pass  # a restarted index does not know the worker either
+
+
+def _tier_counts(tiers: dict[str, TierOverlap]) -> dict[str, tuple[int, int, int]]:
+    """Leading (device, host, disk) blocks per worker, for the log."""
+    return {w: (t.device_blocks, t.host_blocks, t.disk_blocks) for w, t in tiers.items()}

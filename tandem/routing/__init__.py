@@ -13,6 +13,7 @@ from tandem.routing.policy import (
     prefix_key,
     weigh,
 )
+from tandem.routing.tiers import TierCost, TierOverlap, tier_cost
 
 __all__ = [
     "POLICIES",
@@ -23,8 +24,11 @@ __all__ = [
     "RouteKind",
     "RouteRequest",
     "RoutingConfig",
+    "TierCost",
+    "TierOverlap",
     "WorkerLoad",
     "choose",
     "prefix_key",
+    "tier_cost",
     "weigh",
 ]

@@ -37,6 +37,12 @@ workers (`overlap`, from the prefix index):
      cache (`WorkerLoad.kv_handoff`: on a CPU); one that cannot is never paired (as a
      decode worker it prefills its requests itself). With no compatible prefill worker,
      the decode worker prefills and the reason says why.
+  6. KV tiers: for a worker whose host and disk tiers the prefix index shows
+     (`request.tiers`, tandem.routing.tiers), the uncached tokens of step 3 are its
+     tier-aware equivalent: each tier segment that onloads faster than the worker
+     recomputes costs t x prefill rate / tier rate instead of t. A worker without tier
+     entries scores exactly as without tiers. The decode side (headroom, step 2) counts
+     device blocks alone: onloaded blocks need device blocks as much as computed ones.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from tandem.load import Load
+from tandem.routing.tiers import TierCost, TierOverlap, tier_cost
 from tandem.types import Role
 
 POLICIES = ("kv", "load", "round_robin")
@@ -151,6 +158,9 @@ class RouteRequest:
         prefix_key: identifies the prompt's leading blocks (the router passes the chained
             hash of block `affinity_blocks`, or of the last full block of a shorter
             prompt); None for prompts shorter than one block.
+        tiers: worker id -> leading blocks of the prompt it holds per KV tier (device, host,
+            disk; three prefix index lookups), for workers with tiers; its device count is
+            `overlap`'s. None or a worker absent: device blocks alone (`overlap`).
     """
 
     num_prompt_tokens: int
@@ -158,11 +168,29 @@ class RouteRequest:
     overlap: Mapping[str, int] | None = None
     sequence: int = 0
     prefix_key: int | None = None
+    tiers: Mapping[str, TierOverlap] | None = None
 
     def cached_tokens(self, worker_id: str) -> int:
         blocks = (self.overlap or {}).get(worker_id, 0)
         # The last prompt token is always computed, whatever the cache holds.
         return min(blocks * self.block_size, max(self.num_prompt_tokens - 1, 0))
+
+    def prefill_cost(self, worker: WorkerLoad) -> TierCost:
+        """What prefilling the prompt on `worker` takes: the tokens its device cache and its
+        tiers serve and the rest's cost in prefill-token equivalents (tandem.routing.tiers);
+        without tier entries, its cached tokens and the uncached ones."""
+        tiers = (self.tiers or {}).get(worker.worker_id)
+        if tiers is None:
+            cached = self.cached_tokens(worker.worker_id)
+            return TierCost(cached, 0, 0, self.num_prompt_tokens - cached)
+        return tier_cost(
+            tiers,
+            self.block_size,
+            self.num_prompt_tokens,
+            worker.prefill_tokens_per_s,
+            worker.host_onload_tokens_per_s,
+            worker.disk_onload_tokens_per_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,12 +198,15 @@ class Candidate:
     """One worker as `choose` weighed it, with the figures its rule compares.
 
     Attributes:
-        cached_tokens: prompt tokens it holds (0 unless the policy is kv).
+        cached_tokens: prompt tokens it holds in its device cache (0 unless the policy is kv).
         load: a decode worker's load (`WorkerLoad.decode_load`); None for a prefill worker.
         free_blocks: a decode worker's free KV blocks; None for a prefill worker.
         queue: a prefill worker's queued prefill tokens; None for a decode worker.
         cost: a prefill worker's cost, cache_weight x uncached tokens + queued tokens (the
-            kv policy takes the lowest within the imbalance band); None for a decode worker.
+            kv policy takes the lowest within the imbalance band; uncached tokens in
+            prefill-token equivalents where tiers serve some); None for a decode worker.
+        tier_tokens: prompt tokens a prefill worker would onload from its host and disk
+            tiers (where that beats recomputing them; 0 unless the policy is kv).
     """
 
     worker_id: str
@@ -186,6 +217,7 @@ class Candidate:
     free_blocks: int | None = None
     queue: int | None = None
     cost: float | None = None
+    tier_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +299,9 @@ def choose(
     cached = request.cached_tokens(prefill.worker_id)
     skipped = len(prefills) - len(band)
     reason = f"kv: {cached} cached tokens, queue {prefill.prefill_queue}"
+    tiered = request.prefill_cost(prefill)
+    if tiered.tier_tokens:
+        reason += f", {tiered.host_tokens} from host + {tiered.disk_tokens} from disk tiers"
     if len(tied) > 1 and request.prefix_key is not None:
         reason += f", prefix home among {len(tied)} tied"
     if skipped:
@@ -296,9 +331,18 @@ def weigh(
                 )  # fmt: skip
             )
         else:
-            cost = config.cache_weight * (request.num_prompt_tokens - cached) + w.prefill_queue
+            split = request.prefill_cost(w) if kv else TierCost(0, 0, 0, request.num_prompt_tokens)
+            cost = config.cache_weight * split.uncached_cost + w.prefill_queue
             out.append(
-                Candidate(w.worker_id, w.role, cached, w.draining, queue=w.prefill_queue, cost=cost)
+                Candidate(
+                    w.worker_id,
+                    w.role,
+                    split.device_tokens,
+                    w.draining,
+                    queue=w.prefill_queue,
+                    cost=cost,
+                    tier_tokens=split.tier_tokens,
+                )  # fmt: skip
             )
     return tuple(out)
 
