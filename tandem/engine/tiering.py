@@ -32,14 +32,16 @@ from pathlib import Path
 
 import torch
 
+# modules, not their names: tandem.tiers imports tandem.engine's modules, so either may
+# load first
+import tandem.tiers.cache as tier_cache
+import tandem.tiers.marks as tier_marks
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.block_pool import Block, KVEvent, KVEventKind
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.prefix_hash import DISK_TIER, HOST_TIER
 from tandem.engine.request import Request
 from tandem.tiers import record
-from tandem.tiers.cache import Onload, TierCache
-from tandem.tiers.marks import DEVICE, TierMarks
 from tandem.tiers.stats import TierStats
 
 
@@ -95,7 +97,7 @@ def tier_identity(engine_fields: Mapping[str, object], model_dir: Path) -> bytes
 @dataclass(slots=True)
 class _Parked:
     request: Request
-    job: Onload
+    job: tier_cache.Onload
     plan: list[tuple[int, int, int]]  # (key, tier, table)
     since: float
 
@@ -112,7 +114,7 @@ class EngineTiers:
         max_wait_s: float = 2.0,
     ) -> None:
         self.kv, self.io = kv, io
-        self.tiers = TierCache(
+        self.tiers = tier_cache.TierCache(
             ident, io.nbytes, cache.kv_host_bytes, cache.kv_disk_dir, cache.kv_disk_bytes
         )
         self.max_wait_s = max_wait_s
@@ -121,7 +123,7 @@ class EngineTiers:
         # bytes of one logical block across its tables: a prefix token's share of the tiers
         self.bytes_per_token = io.nbytes * kv.num_tables / kv.block_size
         self._parked: dict[str, _Parked] = {}
-        self._marks: TierMarks | None = None  # while the index hears of changes
+        self._marks: tier_marks.TierMarks | None = None  # while the index hears of changes
         kv.pool.on_evict = self._evicted
 
     # -- down --------------------------------------------------------------------------------
@@ -229,8 +231,8 @@ class EngineTiers:
     # -- what the index hears ------------------------------------------------------------
 
     def enable_events(self, device_hashes: list[int]) -> None:
-        self._marks = TierMarks()
-        held = [(h, DEVICE) for h in device_hashes]
+        self._marks = tier_marks.TierMarks()
+        held = [(h, tier_marks.DEVICE) for h in device_hashes]
         held += [
             (key, tier) for key, tier, flags in self.tiers.held() if flags & record.FLAG_PUBLISHED
         ]
@@ -243,7 +245,9 @@ class EngineTiers:
             return device
         out = list(device)
         for ev in device:
-            out += self._marks.change(ev.block_hash, DEVICE, ev.kind is KVEventKind.STORED)
+            out += self._marks.change(
+                ev.block_hash, tier_marks.DEVICE, ev.kind is KVEventKind.STORED
+            )
         for key, tier, held, flags in self.tiers.take_changes():
             if held and not flags & record.FLAG_PUBLISHED:
                 continue
@@ -252,8 +256,8 @@ class EngineTiers:
 
     def mark_hashes(self, device_hashes: list[int]) -> list[int]:
         """The tier marks a snapshot names, given what the device holds."""
-        marks = TierMarks()
-        held = [(h, DEVICE) for h in device_hashes]
+        marks = tier_marks.TierMarks()
+        held = [(h, tier_marks.DEVICE) for h in device_hashes]
         held += [
             (key, tier) for key, tier, flags in self.tiers.held() if flags & record.FLAG_PUBLISHED
         ]

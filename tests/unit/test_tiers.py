@@ -73,7 +73,7 @@ def entry(seed: int) -> HostEntry:
 
 
 def test_host_store_evicts_least_recently_used_within_its_budget() -> None:
-    size = BLOCK + 32
+    size = BLOCK + 16  # payload + digest
     store = HostStore(3 * size)
     for key in (1, 2, 3):
         assert store.put(key, entry(key)) == []
