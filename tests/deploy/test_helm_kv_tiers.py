@@ -118,6 +118,13 @@ def test_a_disk_dir_of_ones_own_without_the_volume(helm: Helm) -> None:
              "prefill.config.kv_disk_dir=/x"],
             "prefill.config.kv_disk_dir does not match",
         ),
+        # Without the volume, the disk tier's two halves both or neither (as the workers).
+        (["prefill.config.kv_disk_bytes=5"], "prefill.config: kv_disk_dir is required"),
+        (["decode.config.kv_disk_dir=/x"], "decode.config: kv_disk_bytes is required"),
+        (
+            ["decode.config.kv_disk_dir=/x", "decode.config.kv_disk_bytes=0"],
+            "decode.config.kv_disk_bytes: Must be greater than or equal to 1",
+        ),
         (["decode.kvDisk.mountPath=relative"], "decode.kvDisk.mountPath: Does not match pattern"),
         (["decode.kvDisk.sizeLimit=lots"], "decode.kvDisk.sizeLimit: Does not match pattern"),
         (["prefill.kvDisk.medium=Disk"], "prefill.kvDisk.medium must be one of"),
