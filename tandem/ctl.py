@@ -122,6 +122,17 @@ def short_kv_format(kv_format: str) -> str:
     return f"{dtype}/{digest[:8]}" if digest else dtype or "-"
 
 
+def _tokens_per_s(v: float) -> str:
+    return f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
+def tier_onload(w: Any) -> str:
+    """A worker's KV tiers as `ctl top` shows them: the prompt tokens per second each tier
+    brings back ("host 120.5k disk 900"), "-" for a worker without tiers."""
+    rates = (("host", w.host_onload_tokens_per_s), ("disk", w.disk_onload_tokens_per_s))
+    return " ".join(f"{tier} {_tokens_per_s(v)}" for tier, v in rates if v > 0) or "-"
+
+
 def render_top(s: Any, address: str, now: float) -> list[str]:
     """The `tandem ctl top` screen for one StatusResponse `s` of the controller at `address`,
     at wall-clock time `now` (lines without escape codes or trailing newlines)."""
@@ -148,17 +159,23 @@ def render_top(s: Any, address: str, now: float) -> list[str]:
     ]
     names = [w.worker_id + (" [draining]" if w.draining else "") for w in s.workers]
     width = max([24, *map(len, names)])
+    # KV tiers' onload rates (tok/s), a column only when some worker has a tier.
+    tiers = [tier_onload(w) for w in s.workers]
+    kv_width = max([2, *(len(short_kv_format(w.kv_format)) for w in s.workers)])
+    tier_head = f"{'KV':<{kv_width}}  TIER ONLOAD TOK/S" if set(tiers) - {"-"} else "KV"
     lines.append(
         f"{'ROLE':<8} {'WORKER':<{width}} {'WAITING':>7} {'RUNNING':>7} {'KV USED/TOTAL':>18} "
-        f"{'STEP':>9} {'TOK/S':>8}  KV"
+        f"{'STEP':>9} {'TOK/S':>8}  {tier_head}"
     )
-    for w, name in zip(s.workers, names, strict=True):
+    for w, name, tier in zip(s.workers, names, tiers, strict=True):
         used = w.num_blocks - w.num_free_blocks
         share = f"({100 * used / w.num_blocks:.0f}%)" if w.num_blocks else "(-)"
+        kv = short_kv_format(w.kv_format)
+        kv = f"{kv:<{kv_width}}  {tier}" if tier_head != "KV" else kv
         lines.append(
             f"{w.role:<8} {name:<{width}} {w.num_waiting:>7} {w.num_running:>7} "
             f"{f'{used}/{w.num_blocks} {share}':>18} {f'{w.step_ms:.1f} ms':>9} "
-            f"{w.tokens_per_s:>8.0f}  {short_kv_format(w.kv_format)}"
+            f"{w.tokens_per_s:>8.0f}  {kv}"
         )
     if not s.workers:
         lines.append("(no workers heartbeating)")

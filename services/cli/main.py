@@ -161,6 +161,9 @@ ENGINE_FLAGS = (
     "quantization_group_size",
     "kv_cache_dtype",
     "kv_cache_bytes",
+    "kv_host_bytes",
+    "kv_disk_dir",
+    "kv_disk_bytes",
     "gpu_memory_utilization",
     "tensor_parallel_size",
     "expert_parallel",
@@ -217,6 +220,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             cache=CacheConfig(
                 kv_cache_bytes=kv_cache_bytes(args),
                 gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_host_bytes=args.kv_host_bytes,
+                kv_disk_dir=args.kv_disk_dir,
+                kv_disk_bytes=args.kv_disk_bytes,
             ),
         )
     except ValueError as exc:

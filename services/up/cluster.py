@@ -125,36 +125,8 @@ class Cluster:
             key_args = ["--api-keys-file", str(keys)]
         ucx = {k: v for k, v in LOOPBACK_UCX_ENV.items() if k not in os.environ}
         self._service_env = {"TANDEM_REDIS_URL": self.redis_url, **ucx}
-        self._worker_args = [
-            "--model-dir",
-            cfg.model_dir,
-            "--host",
-            cfg.host,
-            "--cluster-secret-file",
-            str(self.cluster_secret_file),
-            "--transport",
-            cfg.transport,
-            "--kv-cache-bytes",
-            str(cfg.kv_cache_bytes),
-            "--dtype",
-            cfg.dtype,
-            "--kv-cache-dtype",
-            cfg.kv_cache_dtype,
-            "--quantization",
-            cfg.quantization,
-            "--quantization-group-size",
-            str(cfg.quantization_group_size),
-            "--tensor-parallel-size",
-            str(cfg.tensor_parallel_size),
-            "--expert-parallel",
-            str(cfg.expert_parallel).lower(),
-            "--replicate-attention",
-            str(cfg.replicate_attention).lower(),
-            "--tp-exact-sums",
-            "none" if cfg.tp_exact_sums is None else str(cfg.tp_exact_sums).lower(),
-            "--cpu-matmul",
-            cfg.cpu_matmul,
-        ]
+        # The rest of a worker's flags come from the config (UpConfig.worker_args, per name).
+        self._worker_args = ["--cluster-secret-file", str(self.cluster_secret_file)]
         started = [
             self._spawn_worker(role)
             for role, n in ((Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode))
@@ -215,7 +187,10 @@ class Cluster:
             i = self._next_index.get(role, 0)
             self._next_index[role] = i + 1
             name = f"{role}-{i}"
-            args = [f"tandem.services.{role}", *self._worker_args, "--worker-id", name]
+            if self.config.kv_disk_dir:  # its own directory (a restart reuses it)
+                Path(self.config.worker_disk_dir(name)).mkdir(parents=True, exist_ok=True)
+            args = [f"tandem.services.{role}", *self.config.worker_args(name)]
+            args += [*self._worker_args, "--worker-id", name]
             args += self._device_args()
             args += self._metrics_args()
             return self._spawn(name, args, "READY", wait=False, env=self._service_env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from tandem.config import CacheConfig, EngineConfig
 from tandem.services.common.runtime.supervision import RestartConfig
@@ -44,6 +45,14 @@ class UpConfig:
         kv_cache_bytes: KV cache per worker on a CPU (`tandem up`: enough for one full context
             of the model, at least 256 MiB; `tandem generate`: 256 MiB); the old spelling
             --kv-cache-mb takes MiB.
+        kv_host_bytes: KV tier in host memory behind each worker's prefix cache
+            (tandem.tiers): cached blocks the device evicts are kept there and brought back
+            on a later hit instead of recomputed; 0: no host tier.
+        kv_disk_dir: KV tier on disk below the host tier: its directory (a fast local
+            volume); `tandem up` gives each worker its own subdirectory, DIR/<worker name>
+            (two workers never share one); "": no disk tier.
+        kv_disk_bytes: bytes each worker's disk tier may hold; 0: no disk tier (set with
+            kv_disk_dir).
         device: torch device of the engine (`tandem up`: of every worker's): cpu, cuda,
             cuda:1. `tandem up` with "cuda": the workers go round-robin over the visible GPUs,
             in start order (prefill first); "cuda:N": all on that GPU.
@@ -110,6 +119,9 @@ class UpConfig:
     num_decode: int = 1
     transport: str = "nixl"
     kv_cache_bytes: int = 256 << 20
+    kv_host_bytes: int = 0
+    kv_disk_dir: str = ""
+    kv_disk_bytes: int = 0
     device: str = "cpu"
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
@@ -181,8 +193,41 @@ class UpConfig:
             cache=CacheConfig(
                 kv_cache_bytes=self.kv_cache_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_host_bytes=self.kv_host_bytes,
+                kv_disk_dir=self.kv_disk_dir,
+                kv_disk_bytes=self.kv_disk_bytes,
             ),
         )
+
+    def worker_disk_dir(self, worker_name: str) -> str:
+        """The disk tier's directory of worker `worker_name` ("prefill-0", "decode-1"):
+        its own under kv_disk_dir, since two workers must never share one (a restarted
+        worker keeps its name, and so its directory); "" without a disk tier."""
+        return str(Path(self.kv_disk_dir) / worker_name) if self.kv_disk_dir else ""
+
+    def worker_args(self, worker_name: str) -> list[str]:
+        """The flags of worker `worker_name` that come from this config: the same for every
+        worker but the disk tier's directory (worker_disk_dir)."""
+        disk = ["--kv-disk-dir", self.worker_disk_dir(worker_name)] if self.kv_disk_dir else []
+        tp_exact_sums = "none" if self.tp_exact_sums is None else str(self.tp_exact_sums)
+        return [
+            "--model-dir", self.model_dir,
+            "--host", self.host,
+            "--transport", self.transport,
+            "--kv-cache-bytes", str(self.kv_cache_bytes),
+            "--kv-host-bytes", str(self.kv_host_bytes),
+            *disk,
+            "--kv-disk-bytes", str(self.kv_disk_bytes),
+            "--dtype", self.dtype,
+            "--kv-cache-dtype", self.kv_cache_dtype,
+            "--quantization", self.quantization,
+            "--quantization-group-size", str(self.quantization_group_size),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--expert-parallel", str(self.expert_parallel).lower(),
+            "--replicate-attention", str(self.replicate_attention).lower(),
+            "--tp-exact-sums", tp_exact_sums.lower(),
+            "--cpu-matmul", self.cpu_matmul,
+        ]  # fmt: skip
 
     def restart_config(self) -> RestartConfig:
         return RestartConfig(

@@ -122,6 +122,9 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "kv_cache_dtype": "fp8",
         "quantization": "int4",
         "quantization_group_size": 32,
+        "kv_host_bytes": 34359738368,
+        "kv_disk_dir": "/var/cache/kv",
+        "kv_disk_bytes": 1099511627776,
     },
     "decode": {
         "kv_cache_bytes": 12884901888,

@@ -125,6 +125,9 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "num_decode": ("3", 3),
     "transport": ("local", "local"),
     "kv_cache_bytes": ("1048576", 1 << 20),
+    "kv_host_bytes": ("4096", 4096),
+    "kv_disk_dir": ("/cache/kv", "/cache/kv"),
+    "kv_disk_bytes": ("8192", 8192),
     "device": ("cuda:1", "cuda:1"),
     "gpu_memory_utilization": ("0.5", 0.5),
     "dtype": ("bfloat16", "bfloat16"),
@@ -152,6 +155,11 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "restart_max_backoff_s": ("2", 2.0),
     "max_restarts": ("0", 0),
     "restart_window_s": ("5", 5.0),
+}
+# Fields valid only with another: the disk tier's directory and its budget.
+UP_COMPANIONS: dict[str, dict[str, tuple[str, Any]]] = {
+    "kv_disk_dir": {"kv_disk_bytes": ("1", 1)},
+    "kv_disk_bytes": {"kv_disk_dir": ("/d", "/d")},
 }
 
 
@@ -203,11 +211,14 @@ def test_every_up_config_field_is_a_flag_with_help(up_env: pytest.MonkeyPatch) -
 def test_a_flag_or_its_variable_sets_the_field(up_env: pytest.MonkeyPatch, name: str) -> None:
     raw, value = UP_VALUES[name]
     flag, env = "--" + name.replace("_", "-"), "TANDEM_" + name.upper()
-    default = UpConfig(model_dir="")
-    assert getattr(default, name) != value
-    assert up(flag, raw) == dataclasses.replace(default, **{name: value})
+    companions = UP_COMPANIONS.get(name, {})
+    for other, (other_raw, _) in companions.items():
+        up_env.setenv("TANDEM_" + other.upper(), other_raw)
+    assert getattr(UpConfig(model_dir=""), name) != value
+    want = UpConfig(model_dir="", **{n: v for n, (_, v) in companions.items()}, **{name: value})
+    assert up(flag, raw) == want
     up_env.setenv(env, raw)
-    assert up() == dataclasses.replace(default, **{name: value})
+    assert up() == want
 
 
 def test_a_flag_beats_its_variable(up_env: pytest.MonkeyPatch) -> None:
@@ -374,15 +385,16 @@ def test_generate_shares_the_engine_flags_of_up(
     shared = option_help("generate")
     assert sorted(shared) == [
         "--cpu-matmul", "--device", "--dtype", "--expert-parallel", "--gpu-memory-utilization",
-        "--kv-cache-bytes", "--kv-cache-dtype", "--kv-cache-mb", "--quantization",
-        "--quantization-group-size", "--replicate-attention", "--tensor-parallel-size",
-        "--tp-exact-sums",
+        "--kv-cache-bytes", "--kv-cache-dtype", "--kv-cache-mb", "--kv-disk-bytes",
+        "--kv-disk-dir", "--kv-host-bytes", "--quantization", "--quantization-group-size",
+        "--replicate-attention", "--tensor-parallel-size", "--tp-exact-sums",
     ]  # fmt: skip
     assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
     argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",
             "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8",
             "--expert-parallel", "true", "--tp-exact-sums", "false",
-            "--cpu-matmul", "plain"]  # fmt: skip
+            "--cpu-matmul", "plain", "--kv-host-bytes", "4096", "--kv-disk-dir", "/kv",
+            "--kv-disk-bytes", "8192"]  # fmt: skip
     up_env.setenv("TANDEM_DTYPE", "bfloat16")  # both read the variables
     engine = _engine_config(build_parser().parse_args(["generate", *argv, "--model", "m", "hi"]))
     assert engine == up_config(up_args(*argv, "--model", "m")).engine_config()
@@ -397,6 +409,9 @@ def test_generate_shares_the_engine_flags_of_up(
         False,
     )
     assert engine.cpu_matmul == "plain"
+    # `tandem generate`'s one engine takes the disk tier's directory as given.
+    tiers = (engine.cache.kv_host_bytes, engine.cache.kv_disk_dir, engine.cache.kv_disk_bytes)
+    assert tiers == (4096, "/kv", 8192)
     assert _engine_config(build_parser().parse_args(["generate", "hi"])).dtype == "bfloat16"
     with pytest.raises(SystemExit) as exc:
         _engine_config(build_parser().parse_args(["generate", "--gpu-memory-utilization", "2"]))
@@ -405,3 +420,52 @@ def test_generate_shares_the_engine_flags_of_up(
         "tandem generate: error: argument --gpu-memory-utilization: gpu_memory_utilization must "
         "be in (0, 1], got 2.0"
     )
+
+
+def test_generate_refuses_half_a_disk_tier_naming_its_flags(
+    up_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.services.cli.main import _engine_config, build_parser
+
+    with pytest.raises(SystemExit):
+        _engine_config(build_parser().parse_args(["generate", "--kv-disk-dir", "/kv", "hi"]))
+    assert "a disk tier needs both kv_disk_dir and kv_disk_bytes" in capsys.readouterr().err
+
+
+def test_up_gives_each_worker_its_own_disk_tier_directory(up_env: pytest.MonkeyPatch) -> None:
+    """The workers' command lines (UpConfig.worker_args): the tiers' flags as given, but the
+    disk tier's directory one per worker under --kv-disk-dir."""
+    config = up("--model", "/m", "--kv-host-bytes", "4096", "--kv-disk-dir", "/kv",
+                "--kv-disk-bytes", "8192")  # fmt: skip
+
+    def flags(args: list[str]) -> dict[str, str]:
+        return dict(zip(args[::2], args[1::2], strict=True))
+
+    prefill, decode = flags(config.worker_args("prefill-0")), flags(config.worker_args("decode-1"))
+    assert {k: v for k, v in prefill.items() if k.startswith("--kv-")} == {
+        "--kv-cache-bytes": str(config.kv_cache_bytes),
+        "--kv-host-bytes": "4096",
+        "--kv-disk-dir": "/kv/prefill-0",
+        "--kv-disk-bytes": "8192",
+        "--kv-cache-dtype": "auto",
+    }
+    assert decode["--kv-disk-dir"] == "/kv/decode-1"
+    assert {k: v for k, v in prefill.items() if k != "--kv-disk-dir"} == {
+        k: v for k, v in decode.items() if k != "--kv-disk-dir"
+    }
+    # What a worker main makes of them: the config's engine, but its own directory.
+    from tandem.services.common.runtime.flags import parse_config
+    from tandem.services.common.worker.config import WorkerConfig
+
+    argv = [*config.worker_args("prefill-0"), "--worker-id", "prefill-0"]
+    worker = parse_config(WorkerConfig, argv, fixed={"role": "prefill"}, environ={})
+    want = config.engine_config()
+    want = dataclasses.replace(
+        want, cache=dataclasses.replace(want.cache, kv_disk_dir="/kv/prefill-0")
+    )
+    assert dataclasses.replace(worker.engine, role=want.role) == want
+    # Without tiers: no directory, and 0 for both budgets (the workers' "no such tier").
+    plain = flags(up("--model", "/m").worker_args("decode-0"))
+    assert "--kv-disk-dir" not in plain
+    assert (plain["--kv-host-bytes"], plain["--kv-disk-bytes"]) == ("0", "0")
+    assert (plain["--model-dir"], plain["--tp-exact-sums"]) == ("/m", "none")

@@ -83,6 +83,26 @@ def test_render_top() -> None:
     ]
 
 
+def test_render_top_with_kv_tiers() -> None:
+    """A worker with KV tiers: a column of each tier's onload rate (prompt tokens per second
+    brought back into the device cache), "-" for a worker without tiers."""
+    s = status()
+    s.workers[0].host_onload_tokens_per_s = 120_540.0
+    s.workers[0].disk_onload_tokens_per_s = 900.4
+    s.workers[1].kv_format = "bfloat16"
+    s.workers.add(worker_id="decode-1", role="decode", disk_onload_tokens_per_s=2_000.0)
+    assert render_top(s, "10.0.0.7:50061", NOW)[6:] == [
+        "ROLE     WORKER                   WAITING RUNNING      KV USED/TOTAL      STEP    TOK/S"
+        "  KV            TIER ONLOAD TOK/S",
+        "prefill  prefill-0                      5       2      192/256 (75%)   12.3 ms     4096  "
+        "fp8/00112233  host 120.5k disk 900",
+        "decode   decode-0 [draining]            0      17        0/1024 (0%)    8.1 ms      250"
+        "  bfloat16      -",
+        "decode   decode-1                       0       0            0/0 (-)    0.0 ms        0"
+        "  -             disk 2.0k",
+    ]
+
+
 def test_render_top_before_any_observation() -> None:
     empty = apb.StatusResponse(
         mode="auto",

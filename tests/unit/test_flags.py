@@ -87,6 +87,34 @@ def test_every_engine_setting_reaches_a_worker_config() -> None:
     assert cfg.transport == "local"
 
 
+def test_kv_tier_settings_reach_a_worker_config_by_flag_and_env() -> None:
+    """The KV tiers' CacheConfig fields (issue 44) are flags and TANDEM_* variables of every
+    worker main, like any other leaf; the disk tier's two halves come from either source."""
+    cfg = parse_config(
+        WorkerConfig,
+        ["--model-dir", "/m", "--kv-host-bytes", "4096", "--kv-disk-dir", "/cache/w0"],
+        fixed={"role": "prefill"},
+        environ={"TANDEM_KV_DISK_BYTES": "8192", "TANDEM_KV_HOST_BYTES": "1"},
+    )  # fmt: skip
+    cache = cfg.engine.cache
+    assert (cache.kv_host_bytes, cache.kv_disk_dir, cache.kv_disk_bytes) == (
+        4096,
+        "/cache/w0",
+        8192,
+    )
+    env = {"TANDEM_KV_HOST_BYTES": "2048"}
+    cache = parse_config(WorkerConfig, ["--model-dir", "/m"], environ=env).engine.cache
+    assert (cache.kv_host_bytes, cache.kv_disk_dir, cache.kv_disk_bytes) == (2048, "", 0)
+
+
+def test_a_disk_tier_without_its_budget_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--model-dir", "/m", "--kv-disk-dir", "/d"], environ={})
+    assert "a disk tier needs both kv_disk_dir and kv_disk_bytes" in capsys.readouterr().err
+
+
 def test_routing_settings_reach_a_router_config() -> None:
     cfg = parse_config(
         RouterConfig,

@@ -1,7 +1,8 @@
 """Worker metrics read when scraped, not maintained: Prometheus collectors over engine state.
 
 `EngineGauges` reads the engine's load (running and waiting requests, KV blocks) and its
-preemptions; `ExpertRouting` reads a mixture-of-experts model's tokens per (layer, expert).
+preemptions; `ExpertRouting` reads a mixture-of-experts model's tokens per (layer, expert);
+`KVTiers` reads the KV tiers' figures (tandem.tiers, `tier_families`).
 `WorkerMetrics` (tandem.services.common.observe.metrics) registers them on its registry; nothing is
 computed on the engine's hot path for them.
 """
@@ -16,6 +17,28 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from tandem.load import Load
+    from tandem.tiers.stats import TierStats
+
+# The KV tiers' metrics: tandem_worker_kv_tier_<TierStats field>{role, tier}, one series per
+# tier ("host", "disk"). Gauges of what the tier holds now, then counters since start (the
+# tiers keep the cumulative totals; a scrape reports them as they are).
+TIER_PREFIX = "tandem_worker_kv_tier_"
+TIER_GAUGES = {
+    "capacity_bytes": "The tier's budget in bytes (--kv-host-bytes, --kv-disk-bytes).",
+    "used_bytes": "Bytes the tier's verified blocks take now (records with their headers).",
+    "blocks": "Verified KV blocks the tier holds now.",
+}
+TIER_COUNTERS = {
+    "hit_tokens": "Prompt tokens served from the tier (brought back and used).",
+    "offload_bytes": "KV block bytes written to the tier.",
+    "offload_seconds": "Time the tier spent writing blocks (sealing, digests, I/O).",
+    "onload_bytes": "KV block bytes read back from the tier and verified.",
+    "onload_seconds": "Time the tier spent reading blocks back and verifying them.",
+    "skipped_offloads": "Evicted blocks the tier did not take because it was behind.",
+    "digest_mismatches": "Blocks that failed their digest on read-back (dropped, recomputed).",
+    "failed_writes": "Block writes that failed (an I/O error, a full disk): never visible.",
+    "evictions": "Blocks the tier evicted to stay within its budget.",
+}
 
 
 class EngineGauges(Collector):
@@ -77,3 +100,28 @@ class ExpertRouting(Collector):
             for expert, n in enumerate(row):
                 family.add_metric([self.role, str(layer), str(expert)], n)
         yield family
+
+
+def tier_families(role: str, stats: Iterable[TierStats]) -> list[Metric]:
+    """The KV tiers' metric families for `stats` (LLMEngine.tier_stats: one record per tier),
+    labelled role and tier; each family holds one sample per tier (none without tiers)."""
+    stats = list(stats)
+    families: list[Metric] = []
+    for kind, docs in ((GaugeMetricFamily, TIER_GAUGES), (CounterMetricFamily, TIER_COUNTERS)):
+        for field, doc in docs.items():
+            family = kind(TIER_PREFIX + field, doc, labels=["role", "tier"])
+            for s in stats:
+                family.add_metric([role, s.tier], getattr(s, field))
+            families.append(family)
+    return families
+
+
+class KVTiers(Collector):
+    """The KV tiers' figures (`tier_families`), read when scraped: `read` is
+    LLMEngine.tier_stats, which copies them under the tiers' own lock (any thread)."""
+
+    def __init__(self, role: str, read: Callable[[], list[TierStats]]) -> None:
+        self.role, self.read = role, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield from tier_families(self.role, self.read())

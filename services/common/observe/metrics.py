@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import Metric
 
 from tandem.routing import Placement, RouteKind
-from tandem.services.common.observe.collectors import EngineGauges, ExpertRouting
+from tandem.services.common.observe.collectors import EngineGauges, ExpertRouting, KVTiers
 from tandem.services.common.rpc.errors import ServiceError
 from tandem.services.common.worker.kv_pull import Pulled
 from tandem.types import KVOutcome, Role
@@ -35,6 +35,7 @@ from tandem.types import KVOutcome, Role
 if TYPE_CHECKING:
     from tandem.engine.engine import LLMEngine
     from tandem.load import Load
+    from tandem.tiers.stats import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -379,6 +380,11 @@ class WorkerMetrics:
         model at scrape time (`counts()`: one row per layer). The labels are bounded by the
         model's shape: sparse layers x experts series (48 x 128 for Qwen3-30B-A3B)."""
         self.registry.register(ExpertRouting(self.role, layers, counts))
+
+    def kv_tiers(self, read: Callable[[], list[TierStats]]) -> None:
+        """tandem_worker_kv_tier_*{role, tier}: a worker with KV tiers registers them (read
+        when scraped: tandem.services.common.observe.collectors.tier_families names them)."""
+        self.registry.register(KVTiers(self.role, read))
 
     def admitted(self, request_id: str) -> None:
         """`request_id` is about to be added to the engine (any thread)."""
