@@ -106,8 +106,7 @@ class Worker:
         self.metrics = WorkerMetrics(self.role.value, self._published_stats)
         self.metrics.weights(self.engine.weight_bytes, config.engine.quantization)
         if config.engine.cache.kv_host_bytes or config.engine.cache.kv_disk_bytes:
-            # LLMEngine.tier_stats arrives with the engine's tiers (issue 44).
-            self.metrics.kv_tiers(self.engine.tier_stats)  # type: ignore[attr-defined,unused-ignore]
+            self.metrics.kv_tiers(self.engine.tier_stats)  # read under the tiers' lock
         self.metrics.registry.register(MemoryCollector(self.role.value, self.footprint))
         self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
         self._metrics_server: HTTPServer | None = None
