@@ -4,6 +4,7 @@ what they cost -- one engine in this process, every configuration in the same ru
     .venv/bin/python benchmarks/bench_kv_tiers.py workloads [--model-dir DIR]
     .venv/bin/python benchmarks/bench_kv_tiers.py bandwidth
     .venv/bin/python benchmarks/bench_kv_tiers.py slow-disk [--model-dir DIR]
+    .venv/bin/python benchmarks/bench_kv_tiers.py up [--model-dir DIR]
 
 workloads: a multi-turn chat (conversations x turns, each turn its whole history plus a new
   user message) and an agent loop (agents with a long fixed prefix each, many short turns),
@@ -15,6 +16,9 @@ bandwidth: bringing a block back per tier (read + verify) against the floor -- a
   (BLAKE2b keyed digest) per block against a copy.
 slow-disk: a disk that takes 50 ms per write: decode ITL of requests that never use the
   tier, against no tiers, and the offloads the disk pushed back.
+up: `tandem up` (Redis, a prefill and a decode worker, the router; --kv-cache-bytes 50000000
+  per worker) with and without --kv-host-bytes 1000000000, a multi-turn chat through the
+  Python client: TTFT as the client sees it, and the prompt tokens the workers had cached.
 
 Default model: SmolLM2-135M-Instruct (the CLI's default; bfloat16 where the CPU runs it
 natively, else float32). Writes benchmarks/results/kv_tiers.json and
@@ -24,6 +28,7 @@ benchmarks/plots/kv-tiers-ttft.png.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
@@ -285,14 +290,62 @@ def cmd_slow_disk(args: argparse.Namespace) -> dict:
     return {"slow_disk": rows}
 
 
+async def chat_through(address: str, prompts: list[list[int]]) -> tuple[list[float], list[int]]:
+    """Each prompt in turn through the router: (TTFT s, cached prompt tokens) per request."""
+    from tandem.client import AsyncTandemClient, Result
+
+    ttfts, cached = [], []
+    client = AsyncTandemClient(address)
+    try:
+        for p in prompts:
+            result, t0, first = Result(), time.perf_counter(), 0.0
+            async for _ in client.stream(
+                p, max_tokens=ANSWER, temperature=0.0, ignore_eos=True, result=result
+            ):
+                first = first or time.perf_counter() - t0
+            ttfts.append(first)
+            cached.append(result.cached_prompt_tokens)
+    finally:
+        await client.close()
+    return ttfts, cached
+
+
+def cmd_up(args: argparse.Namespace) -> dict:
+    from tandem.services.up import Cluster, UpConfig, wait_for_router
+
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+    prompts = chat(vocab, 8, 5, random.Random(2))
+    rows = []
+    for host in (0, 1_000_000_000):
+        config = UpConfig(model_dir=str(args.model_dir), port=0, http_port=0,
+                          kv_cache_bytes=50_000_000, kv_host_bytes=host)  # fmt: skip
+        cluster = Cluster(config)
+        cluster.start()
+        try:
+            wait_for_router(cluster.router_address)
+            ttfts, cached = asyncio.run(chat_through(cluster.router_address, prompts))
+        finally:
+            cluster.stop()
+        row = {
+            "kv_host_bytes": host, "requests": len(prompts),
+            "prompt_tokens": sum(map(len, prompts)), "cached_prompt_tokens": sum(cached),
+            "ttft_p50_ms": round(statistics.median(ttfts) * 1e3, 1),
+            "ttft_p90_ms": round(statistics.quantiles(ttfts, n=10)[8] * 1e3, 1),
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return {"up": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cmd", choices=("workloads", "bandwidth", "slow-disk"))
+    parser.add_argument("cmd", choices=("workloads", "bandwidth", "slow-disk", "up"))
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--device-tokens", type=int, default=2048,
                         help="device KV cache, in tokens (the working sets are ~4x)")  # fmt: skip
     args = parser.parse_args()
-    fn = {"workloads": cmd_workloads, "bandwidth": cmd_bandwidth, "slow-disk": cmd_slow_disk}
+    fn = {"workloads": cmd_workloads, "bandwidth": cmd_bandwidth, "slow-disk": cmd_slow_disk,
+          "up": cmd_up}  # fmt: skip
     result = fn[args.cmd](args)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results.update(result)
