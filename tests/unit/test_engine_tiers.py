@@ -237,3 +237,38 @@ def test_every_kind_of_kv_state_comes_back_whole(
     if arch != "qwen3-next":  # its checkpoints stay on the device: pages alone resume nothing
         assert tier(engine, "host").hit_tokens > 0
     engine.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek-v3"])
+def test_tensor_parallel_records_hold_each_head_once_and_serve_any_tp_size(
+    hf_model, engine_factory, tmp_path, arch
+) -> None:
+    """TP=2 on a CPU: a record holds every KV head once (Llama's heads split between the
+    ranks: both halves; DeepSeek-V3's latent, which every rank replicates: one copy), so it
+    is the single-rank engine's block exactly: a TP=1 worker restarted on the same disk
+    directory serves the TP=2 worker's records, and both answer as recomputation does."""
+    model_dir, _ = hf_model(arch)
+    ref = engine_factory(model_dir, block_size=BS, enable_prefix_caching=False)
+    batch = prompts(3, 30, seed=12)
+    want = [c.token_ids for c in ref.generate(batch, GREEDY)]
+    two = tiered(engine_factory, model_dir, tmp_path, "both", num_blocks=12,
+                 tensor_parallel_size=2)  # fmt: skip
+    try:
+        io, (one_rank, _) = two.tiers.io, two.rank_kv[0]
+        heads = one_rank.shape[4] * (1 if arch == "deepseek-v3" else 2)
+        assert io.block_shape[3] == heads and len(io.parts) == (1 if arch == "deepseek-v3" else 2)
+        assert (
+            io.nbytes == one_rank[0].numel() * one_rank.element_size() * heads // one_rank.shape[4]
+        )
+        for _ in range(2):
+            assert [run(two, [p])[0].token_ids for p in batch] == want
+        assert tier(two, "host").hit_tokens > 0
+    finally:
+        two.close()
+    one = tiered(engine_factory, model_dir, tmp_path, "disk", num_blocks=12)
+    try:
+        assert one.tiers.tiers.drain() and tier(one, "disk").blocks > 0
+        got = [run(one, [p])[0] for p in batch]
+        assert [c.token_ids for c in got] == want and tier(one, "disk").hit_tokens > 0
+    finally:
+        one.close()
