@@ -139,11 +139,12 @@ class DiskStore:
         return self.dir / f"{key:016x}{SUFFIX}"
 
     def scan(self) -> Iterator[tuple[int, int, str]]:
-        """Verify the directory's records, oldest first, admitting this identity's good
-        ones (within the budget): yields (key, flags, "") per admitted record and
-        (key, 0, why) per dropped one (corrupt, truncated: deleted). Files of another
-        identity are skipped, counted in one log line."""
-        files = sorted(self.dir.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime)
+        """Verify the directory's records, newest first, admitting this identity's good
+        ones while the budget allows (the oldest go first when it does not, and stay the
+        first evicted): yields (key, flags, "") per admitted record and (key, 0, why) per
+        dropped one (corrupt, truncated: deleted). Files of another identity are skipped,
+        counted in one log line."""
+        files = sorted(self.dir.glob("*" + SUFFIX), key=lambda p: -p.stat().st_mtime)
         foreign = 0
         for path in files:
             try:
@@ -166,6 +167,7 @@ class DiskStore:
             assert header is not None
             with self._lock:
                 self._files[key] = (len(raw), header.flags)
+                self._files.move_to_end(key, last=False)  # older than those admitted so far
                 self.used += len(raw)
             yield key, header.flags, ""
         if foreign:

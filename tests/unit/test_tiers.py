@@ -309,3 +309,18 @@ def test_tier_marks_follow_the_fastest_tier_holding_each_key() -> None:
     assert sorted(marks.hashes()) == sorted(
         [tier_mark(7, DISK_TIER), tier_mark(8, HOST_TIER), tier_mark(8, DISK_TIER)]
     )
+
+
+def test_a_restart_over_budget_keeps_the_newest_records(tmp_path: Path) -> None:
+    size = record.HEADER_BYTES + BLOCK
+    store = DiskStore(str(tmp_path), 10 * size, IDENT)
+    for key in range(1, 6):
+        store.put(key, seal(key, payload(key)), view(payload(key)))
+        os.utime(store.path(key), (1000 + key, 1000 + key))  # written in key order
+    store.close()
+    again = DiskStore(str(tmp_path), 3 * size, IDENT)
+    assert [k for k, _, why in again.scan() if not why] == [5, 4, 3]
+    assert not again.path(1).exists() and not again.path(2).exists()
+    # the oldest admitted is the first evicted
+    assert again.put(6, seal(6, payload(6)), view(payload(6))) == [3]
+    again.close()
