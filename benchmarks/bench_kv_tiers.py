@@ -1,7 +1,7 @@
 """KV tiers (issue 44): what host memory and disk behind the device prefix cache buy, and
 what they cost -- one engine in this process, every configuration in the same run.
 
-    .venv/bin/python benchmarks/bench_kv_tiers.py workloads [--model-dir DIR]
+    .venv/bin/python benchmarks/bench_kv_tiers.py workloads [--model-dir DIR] [--tiers LIST]
     .venv/bin/python benchmarks/bench_kv_tiers.py bandwidth
     .venv/bin/python benchmarks/bench_kv_tiers.py slow-disk [--model-dir DIR]
     .venv/bin/python benchmarks/bench_kv_tiers.py up [--model-dir DIR]
@@ -111,9 +111,11 @@ def no_reuse(vocab: int, n: int, rng: random.Random) -> list[list[int]]:
     return [rng.choices(range(100, vocab), k=256) for _ in range(n)]
 
 
-def run_workload(model_dir: Path, name: str, prompts: list[list[int]], device: int) -> list[dict]:
+def run_workload(
+    model_dir: Path, name: str, prompts: list[list[int]], device: int, configs: list[str]
+) -> list[dict]:
     rows, reference = [], None
-    for tiers in ("none", "host", "host+disk"):
+    for tiers in configs:
         with tempfile.TemporaryDirectory() as disk:
             e = engine(model_dir, device, tiers, disk)
             ttfts, outputs, computed = [], [], 0
@@ -161,7 +163,8 @@ def cmd_workloads(args: argparse.Namespace) -> dict:
     }
     rows = []
     for name, prompts in work.items():
-        rows += run_workload(args.model_dir, name, prompts, device)
+        if name in args.workloads.split(","):
+            rows += run_workload(args.model_dir, name, prompts, device, args.tiers.split(","))
     plot(rows)
     return {
         "workloads": rows,
@@ -341,6 +344,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cmd", choices=("workloads", "bandwidth", "slow-disk", "up"))
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--tiers", default="none,host,host+disk",
+                        help="workloads: the configurations, in order (none first: the "
+                        "reference outputs)")  # fmt: skip
+    parser.add_argument("--workloads", default="chat,agent,no-reuse")
     parser.add_argument("--device-tokens", type=int, default=2048,
                         help="device KV cache, in tokens (the working sets are ~4x)")  # fmt: skip
     args = parser.parse_args()

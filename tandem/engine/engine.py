@@ -153,8 +153,9 @@ class LLMEngine:
         states = self.model.linear_states
         self.state_handoff = StateHandoff(self.kv, self.runner, states) if states else None
         # KV tiers behind the prefix cache (tandem.tiers), when the cache config asks
-        self.tiers = make_tiers(config, self.kv, self.rank_kv or [(self.kv_cache, 0)],
-                                self.model_id, self.kv_format, model_dir)  # fmt: skip
+        caches = self.rank_kv or ((self.kv_cache, 0),)
+        self.tiers = make_tiers(config, self.kv, self.scheduler, caches, self.model_id,
+                                self.kv_format, model_dir)  # fmt: skip
         self._requests: dict[str, Request] = {}
         self._text: dict[str, TextStream] = {}
         self.num_steps = 0

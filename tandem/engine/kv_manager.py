@@ -161,10 +161,12 @@ class KVCacheManager:
 
     def tier_plan(
         self, request: Request, tier_of: Callable[[int], int | None]
-    ) -> tuple[list[tuple[int, int, int]], int]:
+    ) -> tuple[list[tuple[int, int, int, bool]], int]:
         """What lower KV tiers (`tier_of(key)`: the tier holding a block, or None) would add
-        to the request's cached prefix: ((key, tier, table) of each block to bring back, in
-        prefix order; the prefix's tokens then). Empty when they add nothing."""
+        to the request's cached prefix: ((key, tier, table, needed) of each block of that
+        prefix a tier holds, in prefix order -- needed: the device lacks it; the others are
+        there to replace the device's should it evict them before the request runs; the
+        prefix's tokens). Empty when the tiers add nothing."""
         if not self.enable_caching:
             return [], 0
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
@@ -172,8 +174,17 @@ class KVCacheManager:
         tokens = self._resumable(request, found, num_full)
         n, k = tokens // self.block_size, self.num_tables
         live = self.layout.live_blocks(tokens, self.block_size) if k > 1 else [range(n)]
-        plan = [(*found[t].tiers[j], t) for j in range(n) for t in range(k)
-                if j in live[t] and j in found[t].tiers]  # fmt: skip
+        if not any(j in found[t].tiers for t in range(k) for j in live[t]):
+            return [], tokens
+        plan = []
+        for j in range(n):
+            for t in range(k):
+                if j not in live[t]:
+                    continue
+                if j in found[t].tiers:
+                    plan.append((*found[t].tiers[j], t, True))
+                elif (tier := tier_of(key := table_key(hashes[j], t))) is not None:
+                    plan.append((key, tier, t, False))
         return plan, tokens
 
     def _table_hits(

@@ -15,7 +15,7 @@ Each step spends a token budget (`max_num_batched_tokens`):
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tandem.config import SchedulerConfig
@@ -98,6 +98,9 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.handed_off: dict[str, Request] = {}
         self.num_preemptions = 0  # since start: requests whose blocks were freed to recompute
+        # Called with a request about to be admitted, before its prefix-cache lookup (the KV
+        # tiers put the blocks they brought back for it into the cache there).
+        self.before_admit: Callable[[Request], None] | None = None
 
     # -- admission -------------------------------------------------------------------------
 
@@ -208,6 +211,8 @@ class Scheduler:
             request = self.waiting[0]
             hits: list[int] = []
             if request.num_computed_tokens == 0:
+                if self.before_admit is not None:
+                    self.before_admit(request)
                 hits, num_cached = self.kv.get_computed_blocks(request)
             else:
                 num_cached = request.num_computed_tokens  # decode role: KV already in place

@@ -5,9 +5,11 @@
     request arrives (`park`)                   ->  tier_plan: the lower tiers' part of its
                                                    prefix, if bringing it back beats
                                                    recomputing it -> TierCache.onload
-    each step (`ready`)                        <-  verified bytes into fresh device blocks,
-                                                   cached under their keys; the request
-                                                   joins the scheduler, which finds them
+    each step (`ready`)                        <-  read and verified: the request joins the
+                                                   scheduler; as it is admitted (`admit`),
+                                                   the bytes go into fresh device blocks,
+                                                   cached under their keys, and its lookup
+                                                   finds them
 
 A cached block goes down as soon as no request holds it (write-through: the tiers hold
 what a killed worker's device cache held, and an eviction later finds it there already),
@@ -40,7 +42,8 @@ from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.block_pool import Block, KVEvent, KVEventKind
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.prefix_hash import DISK_TIER, HOST_TIER
-from tandem.engine.request import Request
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Scheduler
 from tandem.tiers import record
 from tandem.tiers.stats import TierStats
 
@@ -98,7 +101,7 @@ def tier_identity(engine_fields: Mapping[str, object], model_dir: Path) -> bytes
 class _Parked:
     request: Request
     job: tier_cache.Onload
-    plan: list[tuple[int, int, int]]  # (key, tier, table)
+    plan: list[tuple[int, int, int, bool]]  # (key, tier, table, the device lacks it)
     since: float
 
 
@@ -109,6 +112,7 @@ class EngineTiers:
         self,
         cache: CacheConfig,
         kv: KVCacheManager,
+        scheduler: Scheduler,
         io: BlockIO,
         ident: bytes,
         max_wait_s: float = 2.0,
@@ -122,9 +126,11 @@ class EngineTiers:
         self.prefill_tokens_per_s = 0.0  # the engine's, for `pays`
         # bytes of one logical block across its tables: a prefix token's share of the tiers
         self.bytes_per_token = io.nbytes * kv.num_tables / kv.block_size
-        self._parked: dict[str, _Parked] = {}
+        self._parked: dict[str, _Parked] = {}  # blocks being read
+        self._staged: dict[str, _Parked] = {}  # read, waiting to be admitted
         self._marks: tier_marks.TierMarks | None = None  # while the index hears of changes
         kv.pool.on_evict = self._evicted
+        scheduler.before_admit = self.admit
 
     # -- down --------------------------------------------------------------------------------
 
@@ -161,7 +167,8 @@ class EngineTiers:
         plan, _ = self.kv.tier_plan(request, tier_of)
         if not plan:
             return False
-        job = self.tiers.onload([key for key, _, _ in plan])
+        spare = {key for key, _, _, needed in plan if not needed}
+        job = self.tiers.onload([key for key, _, _, _ in plan], spare)
         self._parked[request.request_id] = _Parked(request, job, plan, time.monotonic())
         return True
 
@@ -175,11 +182,15 @@ class EngineTiers:
             parked.job.done.wait(timeout)
 
     def ready(self) -> list[Request]:
-        """Parked requests whose blocks are read (installed now) or that waited too long."""
+        """Parked requests whose blocks are read (staged: `admit` puts them into the cache
+        as the scheduler admits the request) or that waited too long (they go without)."""
+        for rid, staged in list(self._staged.items()):
+            if staged.request.status is not RequestStatus.WAITING:  # admitted, or gone
+                del self._staged[rid]
         now, out = time.monotonic(), []
         for rid, parked in list(self._parked.items()):
             if parked.job.done.is_set():
-                self._install(parked)
+                self._staged[rid] = parked
             elif now - parked.since < self.max_wait_s:
                 continue
             parked.job.cancelled = True
@@ -187,7 +198,17 @@ class EngineTiers:
             out.append(parked.request)
         return out
 
+    def admit(self, request: Request) -> None:
+        """The scheduler is about to look up `request`'s prefix (`Scheduler.before_admit`):
+        its staged blocks go into the device cache now, where nothing can evict them before
+        the lookup takes them. They stay staged until the request is admitted (an attempt
+        that finds too few free blocks is retried, and its blocks may be evicted by then)."""
+        staged = self._staged.get(request.request_id)
+        if staged is not None:
+            self._install(staged)
+
     def abort(self, request_id: str) -> Request | None:
+        self._staged.pop(request_id, None)
         parked = self._parked.pop(request_id, None)
         if parked is None:
             return None
@@ -196,37 +217,33 @@ class EngineTiers:
 
     def _install(self, parked: _Parked) -> None:
         """Verified records into free device blocks, cached under their keys (and free:
-        the request takes them as prefix hits when it is scheduled)."""
+        the request's lookup takes them as prefix hits). Every block of the prefix is held
+        until the end, so that a block taken here never evicts the device's part of the
+        prefix or a block just installed (either would be the first to go); what does not
+        fit stays staged for the next attempt."""
         pool, tokens = self.kv.pool, {HOST_TIER: 0, DISK_TIER: 0}
-        # The device's part of the prefix is held meanwhile: the blocks taken here must not
-        # evict it (it was used longest ago, so it would go first).
         held = [b for b in self.kv.get_computed_blocks(parked.request)[0] if b >= 0]
         pool.touch(held)
         try:
-            self._fill(parked, tokens)
+            for key, _, table, _ in parked.plan:
+                if pool.get_cached_block(key) is not None:
+                    continue
+                payload = parked.job.payloads.get(key)
+                if payload is None:
+                    break  # not read or not verified: the prefix stops here
+                ids = pool.allocate(1)
+                if ids is None:
+                    break
+                held += ids
+                self.io.write(ids[0], payload)
+                pool.cache_block(ids[0], key, bool(parked.job.flags[key] & record.FLAG_PUBLISHED))
+                if table == 0:
+                    tokens[parked.job.tiers[key]] += self.kv.block_size
         finally:
-            pool.free(reversed(held))
+            pool.free(reversed(held))  # the prefix's end is evicted first, as always
         for tier, n in tokens.items():
             if n:
                 self.tiers.count_hits(tier, n)
-
-    def _fill(self, parked: _Parked, tokens: dict[int, int]) -> None:
-        pool = self.kv.pool
-        for key, _, table in parked.plan:
-            payload = parked.job.payloads.get(key)
-            if payload is None:
-                break  # not read or not verified: the prefix stops here
-            if pool.get_cached_block(key) is not None:
-                continue
-            ids = pool.allocate(1)
-            if ids is None:
-                break
-            self.io.write(ids[0], payload)
-            published = bool(parked.job.flags[key] & record.FLAG_PUBLISHED)
-            pool.cache_block(ids[0], key, published)
-            pool.free(ids)
-            if table == 0:
-                tokens[parked.job.tiers[key]] += self.kv.block_size
 
     # -- what the index hears ------------------------------------------------------------
 
@@ -276,6 +293,7 @@ class EngineTiers:
 def make_tiers(
     config: EngineConfig,
     kv: KVCacheManager,
+    scheduler: Scheduler,
     caches: Sequence[tuple[torch.Tensor, int]],
     model_id: str,
     kv_format: str,
@@ -294,4 +312,4 @@ def make_tiers(
     io = BlockIO(caches)
     fields = {"model": model_id, "dtype": str(io.dtype), "kv_format": kv_format,
               "layout": kv.layout.describe(), "block": io.block_shape}  # fmt: skip
-    return EngineTiers(cache, kv, io, tier_identity(fields, model_dir))
+    return EngineTiers(cache, kv, scheduler, io, tier_identity(fields, model_dir))

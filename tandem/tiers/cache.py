@@ -49,6 +49,7 @@ class Onload:
     verified bytes of the leading keys read (reading stops at the first that fails)."""
 
     keys: list[int]
+    spare: set[int] = field(default_factory=set)  # keys whose miss does not stop the job
     payloads: dict[int, torch.Tensor] = field(default_factory=dict)
     flags: dict[int, int] = field(default_factory=dict)  # key -> its record's flags
     tiers: dict[int, int] = field(default_factory=dict)  # key -> the tier that served it
@@ -142,9 +143,10 @@ class TierCache:
             self._offloads.append(_Offload(key, flags, payload, ready))
             self._cv.notify_all()
 
-    def onload(self, keys: list[int]) -> Onload:
-        """Start reading and verifying `keys`' records (in order) on the tier thread."""
-        job = Onload(list(keys))
+    def onload(self, keys: list[int], spare: set[int] | None = None) -> Onload:
+        """Start reading and verifying `keys`' records (in order) on the tier thread; the
+        job stops at the first key no tier can serve, unless it is in `spare`."""
+        job = Onload(list(keys), set(spare or ()))
         with self._cv:
             self._onloads.append(job)
             self._cv.notify_all()
@@ -350,7 +352,8 @@ class TierCache:
                     job.payloads[key], job.flags[key], job.tiers[key] = payload, flags, tier
                     break
             else:
-                return
+                if key not in job.spare:
+                    return
 
     def _read_one(self, tier: int, key: int) -> tuple[torch.Tensor, int] | None:
         """`key`'s verified bytes and flags from `tier`; None when it holds no good record

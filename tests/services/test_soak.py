@@ -2,7 +2,8 @@
 4 closed-loop clients of the OpenAI HTTP API sending a bounded number of requests from the
 soak's own mix (benchmarks/soak_load.py: short chats streamed and not, documents long enough to
 be prefilled on the prefill worker, streams closed by the client after 1-3 chunks, requests
-given up before their first chunk, invalid requests). Afterwards every valid request completed
+given up before their first chunk, invalid requests), once on the device cache alone and once
+with KV tiers behind a small one. Afterwards every valid request completed
 or ended by its own disconnect, every invalid one got a 4xx, and both workers are back to 0 KV
 blocks in use within lease_ttl_s, holding no lease and running nothing; no KV audit violation
 and no ejection (where the build exports those metrics). No timing is asserted. The full soak
@@ -62,8 +63,18 @@ def describe(records: list[Record]) -> list[str]:
     return [f"{r.kind}: {r.outcome} {r.detail[:120]}" for r in records]
 
 
-def test_soak_leaves_nothing_behind(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with up_cluster(tiny_model_dir, tmp_path / "run") as cluster:
+# KV tiers (issue 44) behind a device cache of 1 MiB (2048 tokens of the tiny model): the
+# documents evict each other, so blocks go down to host memory and disk and come back while
+# streams are cut and given up around them.
+TIERS = dict(
+    kv_cache_bytes=1 << 20, kv_host_bytes=8 << 20, kv_disk_bytes=16 << 20,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("tiers", [False, True], ids=["device", "kv-tiers"])
+def test_soak_leaves_nothing_behind(tiny_model_dir: Path, tmp_path: Path, tiers: bool) -> None:
+    overrides = dict(TIERS, kv_disk_dir=str(tmp_path / "kv-disk")) if tiers else {}
+    with up_cluster(tiny_model_dir, tmp_path / "run", **overrides) as cluster:
         records = asyncio.run(soak(cluster))
         drained, samples = wait_kv_free(cluster, worker_lease_ttl_s() + DRAIN_MARGIN_S, 0.0)
         pages = scrape_all(cluster)
@@ -99,4 +110,17 @@ def test_soak_leaves_nothing_behind(tiny_model_dir: Path, tmp_path: Path) -> Non
     ejections = "tandem_router_ejections_total"
     if pages["router"].has(ejections) and pages["router"].total(ejections):
         problems.append(f"ejections: {pages['router'].by_label(ejections, 'reason')}")
+    if tiers:  # blocks went down the tiers, and nothing read back failed its check
+        offloaded = sum(
+            page.total("tandem_worker_kv_tier_offload_bytes_total")
+            for name, page in pages.items()
+            if name != "router"
+        )
+        if not offloaded:
+            problems.append("no worker offloaded a block to its KV tiers")
+        for name, page in pages.items():
+            for bad in ("digest_mismatches", "failed_writes"):
+                metric = f"tandem_worker_kv_tier_{bad}_total"
+                if name != "router" and page.has(metric) and page.total(metric):
+                    problems.append(f"{name}: {page.total(metric):g} {bad}")
     assert not problems, "\n".join(problems)

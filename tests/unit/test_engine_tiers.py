@@ -94,6 +94,23 @@ def test_chunked_prefill_preemption_and_prefix_hits_with_tiers(
     engine.close()
 
 
+def test_concurrent_tier_hits_do_not_crowd_each_other_out(
+    tiny_model_dir, engine_factory, tmp_path
+) -> None:
+    """Four prompts whose blocks are all in host memory arrive at once at a cache that holds
+    two of them: each one's blocks enter the device cache only as it is admitted, so none
+    evicts another's before its lookup, and every one is served from the tier."""
+    engine = tiered(engine_factory, tiny_model_dir, tmp_path, "host", num_blocks=26)
+    batch = prompts(4, 40, seed=13)
+    want = [c.token_ids for c in run(engine, batch[:2]) + run(engine, batch[2:])]
+    run(engine, prompts(2, 40, seed=14))  # the device cache now holds none of them
+    done = run(engine, batch)
+    assert [c.token_ids for c in done] == want
+    assert [c.num_cached_tokens for c in done] == [36] * 4
+    assert tier(engine, "host").hit_tokens >= 4 * 36
+    engine.close()
+
+
 def test_corrupted_records_are_counted_misses_and_never_served(
     tiny_model_dir, engine_factory, tmp_path
 ) -> None:
