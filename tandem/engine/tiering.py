@@ -248,13 +248,12 @@ class EngineTiers:
     # -- what the index hears ------------------------------------------------------------
 
     def enable_events(self, device_hashes: list[int]) -> None:
+        """Track the tier marks from now on, starting from what the tiers hold (a change
+        between the snapshot and the first `events` is applied twice, which marks allow)."""
+        self.tiers.record_changes = True
+        self.tiers.take_changes()  # from before: the snapshot below has them
         self._marks = tier_marks.TierMarks()
-        held = [(h, tier_marks.DEVICE) for h in device_hashes]
-        held += [
-            (key, tier) for key, tier, flags in self.tiers.held() if flags & record.FLAG_PUBLISHED
-        ]
-        self._marks.reset(held)
-        self.tiers.take_changes()
+        self._marks.reset(self._held(device_hashes))
 
     def events(self, device: list[KVEvent]) -> list[KVEvent]:
         """The device's events followed by the tier marks they and the tiers changed."""
@@ -274,12 +273,15 @@ class EngineTiers:
     def mark_hashes(self, device_hashes: list[int]) -> list[int]:
         """The tier marks a snapshot names, given what the device holds."""
         marks = tier_marks.TierMarks()
-        held = [(h, tier_marks.DEVICE) for h in device_hashes]
-        held += [
-            (key, tier) for key, tier, flags in self.tiers.held() if flags & record.FLAG_PUBLISHED
-        ]
-        marks.reset(held)
+        marks.reset(self._held(device_hashes))
         return marks.hashes()
+
+    def _held(self, device_hashes: list[int]) -> list[tuple[int, int]]:
+        """(key, tier) of every published block the device and the tiers hold."""
+        held = [(h, tier_marks.DEVICE) for h in device_hashes]
+        held += [(key, tier) for key, tier, flags in self.tiers.held()
+                 if flags & record.FLAG_PUBLISHED]  # fmt: skip
+        return held
 
     def stats(self) -> list[TierStats]:
         return self.tiers.stats()

@@ -91,6 +91,7 @@ class TierCache:
         self._rates: dict[int, float] = {}  # tier -> onload bytes per second
         self._lock = threading.Lock()  # stats, rates, changes
         self._changes: list[tuple[int, int, bool, int]] = []  # key, tier, present, flags
+        self.record_changes = False  # kept for `take_changes` only once someone takes them
         self._cv = threading.Condition()
         self._offloads: deque[_Offload] = deque()
         self._disk_writes: deque[tuple[int, record.Header, torch.Tensor]] = deque()
@@ -388,6 +389,8 @@ class TierCache:
     def _visible(
         self, tier: int, key: int, flags: int, evicted: list[int], gone: bool = False
     ) -> None:
+        if not self.record_changes:
+            return
         with self._lock:
             self._changes.append((key, tier, not gone, flags))
             self._changes += [(old, tier, False, 0) for old in evicted]

@@ -160,6 +160,7 @@ def test_a_restarted_disk_store_admits_only_good_records_of_its_identity(tmp_pat
 def test_offloads_become_visible_once_stored_and_come_back_verified(tmp_path: Path) -> None:
     tiers = TierCache(IDENT, BLOCK, host_bytes=100 * BLOCK, disk_dir=str(tmp_path),
                       disk_bytes=100 * BLOCK)  # fmt: skip
+    tiers.record_changes = True
     try:
         assert tiers.wants(1) and tiers.tier_of(1) is None
         tiers.offer(1, record.FLAG_PUBLISHED, payload(1))
@@ -185,6 +186,7 @@ def test_offloads_become_visible_once_stored_and_come_back_verified(tmp_path: Pa
 def test_a_flipped_byte_in_host_memory_or_on_disk_is_a_counted_miss(tmp_path: Path) -> None:
     tiers = TierCache(IDENT, BLOCK, host_bytes=100 * BLOCK, disk_dir=str(tmp_path),
                       disk_bytes=100 * BLOCK)  # fmt: skip
+    tiers.record_changes = True
     try:
         for key in (1, 2, 3):
             tiers.offer(key, 0, payload(key))
@@ -253,6 +255,7 @@ def test_a_failed_write_is_counted_and_never_visible(
 
     monkeypatch.setattr(DiskStore, "_write", staticmethod(fail))
     tiers = TierCache(IDENT, BLOCK, disk_dir=str(tmp_path), disk_bytes=100 * BLOCK)
+    tiers.record_changes = True
     try:
         tiers.offer(1, 0, payload(1))
         assert tiers.drain()
@@ -271,7 +274,6 @@ def test_a_restarted_tier_serves_its_disk_records_again(tmp_path: Path) -> None:
     try:
         assert again.drain()
         assert again.tier_of(1) == DISK_TIER
-        assert again.take_changes() == [(1, DISK_TIER, True, record.FLAG_PUBLISHED)]
         assert again.held() == [(1, DISK_TIER, record.FLAG_PUBLISHED)]
         job = again.onload([1])
         assert job.done.wait(5) and torch.equal(job.payloads[1], payload(1))
@@ -324,3 +326,18 @@ def test_a_restart_over_budget_keeps_the_newest_records(tmp_path: Path) -> None:
     # the oldest admitted is the first evicted
     assert again.put(6, seal(6, payload(6)), view(payload(6))) == [3]
     again.close()
+
+
+def test_changes_are_kept_only_once_someone_takes_them(tmp_path: Path) -> None:
+    """A worker that never publishes to an index (no Redis, `tandem generate`) must not
+    accumulate the tiers' changes forever."""
+    tiers = TierCache(IDENT, BLOCK, host_bytes=100 * BLOCK)
+    try:
+        for key in range(1, 6):
+            tiers.offer(key, 0, payload(key))
+        assert tiers.drain() and tiers.take_changes() == []
+        tiers.record_changes = True
+        tiers.offer(6, 0, payload(6))
+        assert tiers.drain() and tiers.take_changes() == [(6, HOST_TIER, True, 0)]
+    finally:
+        tiers.close()
