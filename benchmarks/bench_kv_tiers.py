@@ -5,6 +5,7 @@ what they cost -- one engine in this process, every configuration in the same ru
     .venv/bin/python benchmarks/bench_kv_tiers.py bandwidth
     .venv/bin/python benchmarks/bench_kv_tiers.py slow-disk [--model-dir DIR]
     .venv/bin/python benchmarks/bench_kv_tiers.py up [--model-dir DIR]
+    .venv/bin/python benchmarks/bench_kv_tiers.py overhead [--model-dir DIR]
 
 workloads: a multi-turn chat (conversations x turns, each turn its whole history plus a new
   user message) and an agent loop (agents with a long fixed prefix each, many short turns),
@@ -16,6 +17,8 @@ bandwidth: bringing a block back per tier (read + verify) against the floor -- a
   (BLAKE2b keyed digest) per block against a copy.
 slow-disk: a disk that takes 50 ms per write: decode ITL of requests that never use the
   tier, against no tiers, and the offloads the disk pushed back.
+overhead: no reuse at all, every block written through to host memory and disk for
+  nothing: two engines (none; host + disk) alternating over the same prompts, paired.
 up: `tandem up` (Redis, a prefill and a decode worker, the router; --kv-cache-bytes 50000000
   per worker) with and without --kv-host-bytes 1000000000, a multi-turn chat through the
   Python client: TTFT as the client sees it, and the prompt tokens the workers had cached.
@@ -342,9 +345,42 @@ def cmd_up(args: argparse.Namespace) -> dict:
     return {"up": rows}
 
 
+def cmd_overhead(args: argparse.Namespace) -> dict:
+    """What the tiers cost when nothing is reused: two engines in this process, one without
+    tiers and one with host + disk, serving the same prompts (no shared prefix) alternately,
+    the order swapped every request (a paired comparison: drift on this shared box hits
+    both alike)."""
+    vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+    prompts = no_reuse(vocab, 40, random.Random(3))
+    with tempfile.TemporaryDirectory() as disk:
+        engines = {t: engine(args.model_dir, args.device_tokens, t, disk)
+                   for t in ("none", "host+disk")}  # fmt: skip
+        times: dict[str, list[float]] = {t: [] for t in engines}
+        for i, p in enumerate(prompts):
+            order = list(engines) if i % 2 == 0 else list(reversed(engines))
+            for t in order:
+                t0 = time.perf_counter()
+                serve(engines[t], p, f"o{i}")
+                times[t].append(time.perf_counter() - t0)
+        stats = engines["host+disk"].tier_stats()
+        for e in engines.values():
+            e.close()
+    base, tiered_ = (statistics.median(times[t]) for t in ("none", "host+disk"))
+    row = {
+        "requests": len(prompts), "prompt_tokens": 256, "output_tokens": ANSWER,
+        "request_ms_p50_none": round(base * 1e3, 1),
+        "request_ms_p50_tiers": round(tiered_ * 1e3, 1),
+        "tiers_over_none": round(tiered_ / base, 3),
+        "blocks_offloaded": {s.tier: s.blocks + s.evictions for s in stats},
+        "skipped_offloads": sum(s.skipped_offloads for s in stats),
+    }  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return {"overhead": row}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cmd", choices=("workloads", "bandwidth", "slow-disk", "up"))
+    parser.add_argument("cmd", choices=("workloads", "bandwidth", "slow-disk", "up", "overhead"))
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--tiers", default="none,host,host+disk",
                         help="workloads: the configurations, in order (none first: the "
@@ -354,7 +390,7 @@ def main() -> None:
                         help="device KV cache, in tokens (the working sets are ~4x)")  # fmt: skip
     args = parser.parse_args()
     fn = {"workloads": cmd_workloads, "bandwidth": cmd_bandwidth, "slow-disk": cmd_slow_disk,
-          "up": cmd_up}  # fmt: skip
+          "up": cmd_up, "overhead": cmd_overhead}  # fmt: skip
     result = fn[args.cmd](args)
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results.update(result)
