@@ -374,7 +374,7 @@ class TierCache:
         elif tier == DISK_TIER and self.disk is not None and key in self.disk:
             raw, flags, why = self.disk.read(key)
             if not why:
-                return torch.frombuffer(raw, dtype=torch.uint8), flags
+                return raw, flags
             if why == "not held":
                 return None
         else:

@@ -219,26 +219,33 @@ class DiskStore:
         finally:
             os.close(fd)
 
-    def read(self, key: int) -> tuple[bytearray, int, str]:
-        """(payload, flags, "") for a good record of `key`, marked used; (empty, 0, why)
-        otherwise (the record, if any, is dropped)."""
+    def read(self, key: int) -> tuple[torch.Tensor, int, str]:
+        """(payload as uint8, flags, "") for a good record of `key`, marked used; (empty,
+        0, why) otherwise (the record, if any, is dropped). One read into the returned
+        buffer (no zero-fill, no intermediate copy); a header that claims more bytes than
+        the file holds is refused before anything is allocated for it."""
+        empty = torch.empty(0, dtype=torch.uint8)
         with self._lock:
             if key not in self._files:
-                return bytearray(), 0, "not held"
+                return empty, 0, "not held"
             self._files.move_to_end(key)
         try:
-            with open(self.path(key), "rb") as f:
+            with open(self.path(key), "rb", buffering=0) as f:
                 header = record.parse_header(f.read(record.HEADER_BYTES))
-                size = header.payload_bytes if header is not None else 0
-                payload = bytearray(size)
-                got = f.readinto(payload) if size else 0
+                on_disk = os.fstat(f.fileno()).st_size - record.HEADER_BYTES
+                size = min(header.payload_bytes, on_disk) if header is not None else 0
+                payload = torch.empty(max(size, 0), dtype=torch.uint8)
+                view = memoryview(payload.numpy())  # type: ignore[arg-type]
+                got = 0
+                while got < size and (n := f.readinto(view[got:])):
+                    got += n
         except OSError as exc:
             self.drop(key)
-            return bytearray(), 0, f"unreadable: {exc}"
-        why = self._check(header, memoryview(payload)[:got], key)
+            return empty, 0, f"unreadable: {exc}"
+        why = self._check(header, view[:got], key)
         if why:
             self.drop(key)
-            return bytearray(), 0, why
+            return empty, 0, why
         assert header is not None
         return payload, header.flags, ""
 

@@ -95,7 +95,7 @@ def test_disk_store_writes_reads_evicts_and_is_one_workers(tmp_path: Path) -> No
     for key in (1, 2):
         assert store.put(key, seal(key, payload(key)), view(payload(key))) == []
     data, flags, why = store.read(1)
-    assert why == "" and bytes(data) == bytes(view(payload(1))) and flags == 0
+    assert why == "" and torch.equal(data, payload(1)) and flags == 0
     assert store.put(3, seal(3, payload(3), 1), view(payload(3))) == [2]  # 1 was read last
     assert not store.path(2).exists() and store.used == 2 * size
     assert sorted(k for k, _ in store.held()) == [1, 3] and dict(store.held())[3] == 1
@@ -341,3 +341,15 @@ def test_changes_are_kept_only_once_someone_takes_them(tmp_path: Path) -> None:
         assert tiers.drain() and tiers.take_changes() == [(6, HOST_TIER, True, 0)]
     finally:
         tiers.close()
+
+
+def test_a_header_claiming_more_bytes_than_its_file_is_refused(tmp_path: Path) -> None:
+    store = DiskStore(str(tmp_path), 10 * BLOCK + 1000, IDENT)
+    store.put(1, seal(1, payload(1)), view(payload(1)))
+    header = record.parse_header(store.path(1).read_bytes())
+    assert header is not None
+    lying = record.Header(header.ident, 1, 0, 1 << 60, header.digest).pack()
+    store.path(1).write_bytes(lying + bytes(view(payload(1))))
+    data, _, why = store.read(1)
+    assert "truncated" in why and data.numel() == 0 and 1 not in store
+    store.close()
