@@ -57,6 +57,12 @@ def check(request: pytest.FixtureRequest) -> Iterator[Check]:
             assert index.fast_lookup is fast
             return index
 
+    yield runner(make)
+
+
+def runner(make: Callable[[], PrefixIndex]) -> Check:
+    """Runs a test body against a fresh index from `make`, closed afterwards."""
+
     def run(body: Body) -> None:
         async def main() -> None:
             index = make()
@@ -67,7 +73,7 @@ def check(request: pytest.FixtureRequest) -> Iterator[Check]:
 
         asyncio.run(main())
 
-    yield run
+    return run
 
 
 async def _join(index: PrefixIndex, worker: str, hashes: list[int], model: str = "m") -> None:

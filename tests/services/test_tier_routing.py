@@ -6,7 +6,6 @@ in-memory index and Redis alike."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import pytest
@@ -18,6 +17,7 @@ from tandem.routing import RoutingConfig, TierOverlap, WorkerLoad
 from tandem.services.common.redis.index import RedisPrefixIndex
 from tandem.services.router.config import RouterConfig
 from tandem.services.router.placer import Placer, ResumeMarks
+from tests.services.test_prefix_index_contract import runner
 
 Body = Callable[[PrefixIndex], Awaitable[None]]
 
@@ -43,17 +43,7 @@ def check(request: pytest.FixtureRequest) -> Iterator[Callable[[Body], None]]:
         def make() -> PrefixIndex:
             return RedisPrefixIndex(url)
 
-    def run(body: Body) -> None:
-        async def main() -> None:
-            index = make()
-            try:
-                await body(index)
-            finally:
-                await index.close()
-
-        asyncio.run(main())
-
-    yield run
+    yield runner(make)
 
 
 class Counting(PrefixIndex):
