@@ -72,7 +72,7 @@ class BlockIO:
         if self.device.type == "cpu":
             whole = blocks[0].clone() if len(blocks) == 1 else torch.cat(blocks, dim=3)
             return whole.view(torch.uint8).reshape(-1), None
-        host = torch.empty(self.block_shape, dtype=self.dtype, pin_memory=True)
+        host = torch.empty(self.block_shape, dtype=self.dtype, device="cpu", pin_memory=True)
         host.copy_(blocks[0], non_blocking=True)  # one rank on a GPU (others are refused)
         done = torch.cuda.Event()
         done.record()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tandem.engine.device import use_device
 from tandem.engine.loading import compile_matmuls
@@ -12,14 +12,11 @@ from tandem.engine.ranks import decode_capture_plan
 from tandem.engine.request import RequestSpec
 from tandem.engine.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from tandem.engine.engine import LLMEngine
-
 log = logging.getLogger(__name__)
 WARMUP_REQUEST_ID = "__tandem_warmup__"
 
 
-def warm_up(engine: LLMEngine) -> None:
+def warm_up(engine: Any) -> None:  # an LLMEngine (which imports this module: not typed here)
     """Run one prefill step at the full token budget and a few decode steps before
     traffic, so the first requests do not pay for allocator growth and kernel set-up,
     compile every oneDNN matmul kernel the engine can need (`compile_matmuls`) and the

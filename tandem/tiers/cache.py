@@ -304,7 +304,7 @@ class TierCache:
     def _probe_host(self) -> None:
         """A first host onload rate: verifying one block's digest (the copy back is the
         engine's, and faster)."""
-        probe = torch.zeros(self.block_bytes, dtype=torch.uint8)
+        probe = torch.zeros(self.block_bytes, dtype=torch.uint8, device="cpu")
         view = view_bytes(probe)
         t0 = time.perf_counter()
         record.digest(self.ident, 0, 0, view)

@@ -224,7 +224,7 @@ class DiskStore:
         0, why) otherwise (the record, if any, is dropped). One read into the returned
         buffer (no zero-fill, no intermediate copy); a header that claims more bytes than
         the file holds is refused before anything is allocated for it."""
-        empty = torch.empty(0, dtype=torch.uint8)
+        empty = torch.empty(0, dtype=torch.uint8, device="cpu")
         with self._lock:
             if key not in self._files:
                 return empty, 0, "not held"
@@ -234,7 +234,7 @@ class DiskStore:
                 header = record.parse_header(f.read(record.HEADER_BYTES))
                 on_disk = os.fstat(f.fileno()).st_size - record.HEADER_BYTES
                 size = min(header.payload_bytes, on_disk) if header is not None else 0
-                payload = torch.empty(max(size, 0), dtype=torch.uint8)
+                payload = torch.empty(max(size, 0), dtype=torch.uint8, device="cpu")
                 view = memoryview(payload.numpy())  # type: ignore[arg-type]
                 got = 0
                 while got < size and (n := f.readinto(view[got:])):
