@@ -122,15 +122,30 @@ def short_kv_format(kv_format: str) -> str:
     return f"{dtype}/{digest[:8]}" if digest else dtype or "-"
 
 
-def _tokens_per_s(v: float) -> str:
-    return f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+def _compact(v: float) -> str:
+    """A count or rate in at most ~6 characters: "900", "120.5k", "3.4M"."""
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if v >= scale:
+            return f"{v / scale:.1f}{unit}"
+    return f"{v:.0f}"
 
 
-def tier_onload(w: Any) -> str:
-    """A worker's KV tiers as `ctl top` shows them: the prompt tokens per second each tier
-    brings back ("host 120.5k disk 900"), "-" for a worker without tiers."""
-    rates = (("host", w.host_onload_tokens_per_s), ("disk", w.disk_onload_tokens_per_s))
-    return " ".join(f"{tier} {_tokens_per_s(v)}" for tier, v in rates if v > 0) or "-"
+def tier_use(w: Any) -> list[str]:
+    """A worker's KV tiers as `ctl top` shows them, in three parts: each tier's verified
+    blocks and the prompt tokens per second it brings back ("host 1.2k blk 120.5k/s"; "" for
+    a tier it lacks), then the prompt tokens its tiers have served since start ("hits 56.0k");
+    [] for a worker without tiers."""
+    tiers = (
+        ("host", w.host_tier_blocks, w.host_onload_tokens_per_s),
+        ("disk", w.disk_tier_blocks, w.disk_onload_tokens_per_s),
+    )
+    parts = [
+        f"{tier} {_compact(blocks)} blk {_compact(rate)}/s" if blocks or rate > 0 else ""
+        for tier, blocks, rate in tiers
+    ]
+    if not any(parts) and not w.tier_hit_tokens:
+        return []
+    return [*parts, f"hits {_compact(w.tier_hit_tokens)}"]
 
 
 def render_top(s: Any, address: str, now: float) -> list[str]:
@@ -159,10 +174,18 @@ def render_top(s: Any, address: str, now: float) -> list[str]:
     ]
     names = [w.worker_id + (" [draining]" if w.draining else "") for w in s.workers]
     width = max([24, *map(len, names)])
-    # KV tiers' onload rates (tok/s), a column only when some worker has a tier.
-    tiers = [tier_onload(w) for w in s.workers]
+    # KV tiers' use, a column only when some worker has a tier: its parts aligned across
+    # workers (a part no worker shows takes no room), "-" for a worker without tiers.
+    uses = [tier_use(w) for w in s.workers]
+    part_widths = [max(len(u[i]) for u in uses if u) for i in range(3)] if any(uses) else []
+    tiers = [
+        "  ".join(f"{part:<{n}}" for part, n in zip(u, part_widths, strict=True) if n).rstrip()
+        if u
+        else "-"
+        for u in uses
+    ]
     kv_width = max([2, *(len(short_kv_format(w.kv_format)) for w in s.workers)])
-    tier_head = f"{'KV':<{kv_width}}  TIER ONLOAD TOK/S" if set(tiers) - {"-"} else "KV"
+    tier_head = f"{'KV':<{kv_width}}  TIERS" if any(uses) else "KV"
     lines.append(
         f"{'ROLE':<8} {'WORKER':<{width}} {'WAITING':>7} {'RUNNING':>7} {'KV USED/TOTAL':>18} "
         f"{'STEP':>9} {'TOK/S':>8}  {tier_head}"

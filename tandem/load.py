@@ -29,6 +29,9 @@ COUNT_FIELDS = (
     "num_free_blocks",
     "num_handed_off",
     "num_preemptions",
+    "host_tier_blocks",
+    "disk_tier_blocks",
+    "tier_hit_tokens",
 )
 RATE_FIELDS = (
     "busy_frac",
@@ -56,10 +59,13 @@ class Load:
     measured, kept while idle (`prefill_tokens_per_s`: the router's admission estimate
     divides queued tokens by it, tandem.routing.admission).
 
-    KV tiers (tandem.tiers), 0 where the worker has no such tier: the prompt tokens per
-    second its host and disk tiers bring back into the device cache, read and verified
-    (`host_onload_tokens_per_s`, `disk_onload_tokens_per_s`), measured at start and kept
-    current: placement weighs a tier hit against recomputing it (tandem.routing.tiers)."""
+    KV tiers (tandem.tiers), 0 where the worker has no such tier: the verified blocks its host
+    and disk tiers hold now (`host_tier_blocks`, `disk_tier_blocks`) and the prompt tokens
+    any tier has served since start (`tier_hit_tokens`: brought back and used), counts shown
+    by `tandem ctl top`; and the prompt tokens per second its host and disk tiers bring back
+    into the device cache, read and verified (`host_onload_tokens_per_s`,
+    `disk_onload_tokens_per_s`), measured at start and kept current: placement weighs a tier
+    hit against recomputing it (tandem.routing.tiers)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -68,6 +74,9 @@ class Load:
     num_free_blocks: int = 0
     num_handed_off: int = 0
     num_preemptions: int = 0
+    host_tier_blocks: int = 0
+    disk_tier_blocks: int = 0
+    tier_hit_tokens: int = 0
     busy_frac: float = 0.0
     tokens_per_s: float = 0.0
     step_ms: float = 0.0

@@ -352,6 +352,9 @@ class Controller(agrpc.AdminServicer):
                     kv_format=w.kv_format,
                     host_onload_tokens_per_s=w.host_onload_tokens_per_s,
                     disk_onload_tokens_per_s=w.disk_onload_tokens_per_s,
+                    host_tier_blocks=w.host_tier_blocks,
+                    disk_tier_blocks=w.disk_tier_blocks,
+                    tier_hit_tokens=w.tier_hit_tokens,
                 )
                 for w in sorted(self._latest, key=lambda w: (Role(w.role).rank, w.worker_id))
             ],

@@ -478,6 +478,7 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             host_onload_tokens_per_s=tiers.onload_tokens_per_s(HOST_TIER) if tiers else 0.0,
             disk_onload_tokens_per_s=tiers.onload_tokens_per_s(DISK_TIER) if tiers else 0.0,
+            **(tiers.load_counts() if tiers else {}),
         )
 
     def get_request(self, request_id: str) -> Request | None:

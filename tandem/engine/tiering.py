@@ -286,6 +286,17 @@ class EngineTiers:
     def stats(self) -> list[TierStats]:
         return self.tiers.stats()
 
+    def load_counts(self) -> dict[str, int]:
+        """The tiers' counts a worker's `Load` carries (tandem.load): the verified blocks each
+        tier holds now, and the prompt tokens all of them have served since start."""
+        stats = self.tiers.stats()
+        blocks = {s.tier: s.blocks for s in stats}
+        return {
+            "host_tier_blocks": blocks.get("host", 0),
+            "disk_tier_blocks": blocks.get("disk", 0),
+            "tier_hit_tokens": sum(s.hit_tokens for s in stats),
+        }
+
     def close(self) -> None:
         for rid in list(self._parked):
             self.abort(rid)

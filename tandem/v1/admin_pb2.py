@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\"\x0f\n\rStatusRequest\"\x95\x01\n\nRoleStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x05\x12\x0c\n\x04live\x18\x04 \x01(\x05\x12\x10\n\x08\x64raining\x18\x05 \x01(\x05\x12\x0b\n\x03min\x18\x06 \x01(\x05\x12\x0b\n\x03max\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\r\n\x05ready\x18\t \x01(\x05\"H\n\x0cHostCapacity\x12\x13\n\x0bmax_workers\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"W\n\x03Sla\x12\x18\n\x0bttft_p90_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nitl_p90_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x0e\n\x0c_ttft_p90_msB\r\n\x0b_itl_p90_ms\"\x94\x03\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12$\n\x05roles\x18\x02 \x03(\x0b\x32\x15.tandem.v1.RoleStatus\x12\x1b\n\x03sla\x18\x03 \x01(\x0b\x32\x0e.tandem.v1.Sla\x12\x17\n\x0fwindow_requests\x18\x04 \x01(\x05\x12\x16\n\x0esla_attainment\x18\x05 \x01(\x01\x12\x13\n\x0bttft_p90_ms\x18\x06 \x01(\x01\x12\x12\n\nitl_p90_ms\x18\x07 \x01(\x01\x12\x10\n\x08\x61\x63tuator\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x1a\n\x12last_decision_unix\x18\n \x01(\x01\x12(\n\x07workers\x18\x0b \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12)\n\x06recent\x18\x0c \x01(\x0b\x32\x19.tandem.v1.LatencySummary\x12\x15\n\robserved_unix\x18\r \x01(\x01\x12)\n\x08\x63\x61pacity\x18\x0e \x01(\x0b\x32\x17.tandem.v1.HostCapacity\"\xd0\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x0f\n\x07step_ms\x18\x08 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x01\x12\x11\n\tbusy_frac\x18\n \x01(\x01\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x14\n\x0cupdated_unix\x18\x0c \x01(\x01\x12\x11\n\tkv_format\x18\r \x01(\t\x12 \n\x18host_onload_tokens_per_s\x18\x0e \x01(\x01\x12 \n\x18\x64isk_onload_tokens_per_s\x18\x0f \x01(\x01\"\x86\x01\n\x0eLatencySummary\x12\x10\n\x08window_s\x18\x01 \x01(\x01\x12\x10\n\x08requests\x18\x02 \x01(\x05\x12\x13\n\x0bttft_p50_ms\x18\x03 \x01(\x01\x12\x13\n\x0bttft_p90_ms\x18\x04 \x01(\x01\x12\x12\n\nitl_p50_ms\x18\x05 \x01(\x01\x12\x12\n\nitl_p90_ms\x18\x06 \x01(\x01\"\x1f\n\x0e\x45xplainRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"\xe4\x03\n\x0e\x44\x65\x63isionRecord\x12\x11\n\tunix_time\x18\x01 \x01(\x01\x12\x37\n\x07\x63urrent\x18\x02 \x03(\x0b\x32&.tandem.v1.DecisionRecord.CurrentEntry\x12\x35\n\x06target\x18\x03 \x03(\x0b\x32%.tandem.v1.DecisionRecord.TargetEntry\x12\x37\n\x07reasons\x18\x04 \x03(\x0b\x32&.tandem.v1.DecisionRecord.ReasonsEntry\x12\x37\n\x07\x66igures\x18\x05 \x03(\x0b\x32&.tandem.v1.DecisionRecord.FiguresEntry\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x1a.\n\x0c\x43urrentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a-\n\x0bTargetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0c\x46iguresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\x0f\x45xplainResponse\x12,\n\tdecisions\x18\x01 \x03(\x0b\x32\x19.tandem.v1.DecisionRecord\"2\n\x0fSetRatioRequest\x12\x0f\n\x07prefill\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05\",\n\rSetSlaRequest\x12\x1b\n\x03sla\x18\x01 \x01(\x0b\x32\x0e.tandem.v1.Sla\"\r\n\x0b\x41utoRequest2\xc5\x02\n\x05\x41\x64min\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12@\n\x07\x45xplain\x12\x19.tandem.v1.ExplainRequest\x1a\x1a.tandem.v1.ExplainResponse\x12\x41\n\x08SetRatio\x12\x1a.tandem.v1.SetRatioRequest\x1a\x19.tandem.v1.StatusResponse\x12=\n\x06SetSla\x12\x18.tandem.v1.SetSlaRequest\x1a\x19.tandem.v1.StatusResponse\x12\x39\n\x04\x41uto\x12\x16.tandem.v1.AutoRequest\x1a\x19.tandem.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\"\x0f\n\rStatusRequest\"\x95\x01\n\nRoleStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63urrent\x18\x02 \x01(\x05\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x05\x12\x0c\n\x04live\x18\x04 \x01(\x05\x12\x10\n\x08\x64raining\x18\x05 \x01(\x05\x12\x0b\n\x03min\x18\x06 \x01(\x05\x12\x0b\n\x03max\x18\x07 \x01(\x05\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\r\n\x05ready\x18\t \x01(\x05\"H\n\x0cHostCapacity\x12\x13\n\x0bmax_workers\x18\x01 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"W\n\x03Sla\x12\x18\n\x0bttft_p90_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nitl_p90_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\x0e\n\x0c_ttft_p90_msB\r\n\x0b_itl_p90_ms\"\x94\x03\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12$\n\x05roles\x18\x02 \x03(\x0b\x32\x15.tandem.v1.RoleStatus\x12\x1b\n\x03sla\x18\x03 \x01(\x0b\x32\x0e.tandem.v1.Sla\x12\x17\n\x0fwindow_requests\x18\x04 \x01(\x05\x12\x16\n\x0esla_attainment\x18\x05 \x01(\x01\x12\x13\n\x0bttft_p90_ms\x18\x06 \x01(\x01\x12\x12\n\nitl_p90_ms\x18\x07 \x01(\x01\x12\x10\n\x08\x61\x63tuator\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x1a\n\x12last_decision_unix\x18\n \x01(\x01\x12(\n\x07workers\x18\x0b \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12)\n\x06recent\x18\x0c \x01(\x0b\x32\x19.tandem.v1.LatencySummary\x12\x15\n\robserved_unix\x18\r \x01(\x01\x12)\n\x08\x63\x61pacity\x18\x0e \x01(\x0b\x32\x17.tandem.v1.HostCapacity\"\x9d\x03\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x05\x12\x0f\n\x07step_ms\x18\x08 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\t \x01(\x01\x12\x11\n\tbusy_frac\x18\n \x01(\x01\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x14\n\x0cupdated_unix\x18\x0c \x01(\x01\x12\x11\n\tkv_format\x18\r \x01(\t\x12 \n\x18host_onload_tokens_per_s\x18\x0e \x01(\x01\x12 \n\x18\x64isk_onload_tokens_per_s\x18\x0f \x01(\x01\x12\x18\n\x10host_tier_blocks\x18\x10 \x01(\x03\x12\x18\n\x10\x64isk_tier_blocks\x18\x11 \x01(\x03\x12\x17\n\x0ftier_hit_tokens\x18\x12 \x01(\x03\"\x86\x01\n\x0eLatencySummary\x12\x10\n\x08window_s\x18\x01 \x01(\x01\x12\x10\n\x08requests\x18\x02 \x01(\x05\x12\x13\n\x0bttft_p50_ms\x18\x03 \x01(\x01\x12\x13\n\x0bttft_p90_ms\x18\x04 \x01(\x01\x12\x12\n\nitl_p50_ms\x18\x05 \x01(\x01\x12\x12\n\nitl_p90_ms\x18\x06 \x01(\x01\"\x1f\n\x0e\x45xplainRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"\xe4\x03\n\x0e\x44\x65\x63isionRecord\x12\x11\n\tunix_time\x18\x01 \x01(\x01\x12\x37\n\x07\x63urrent\x18\x02 \x03(\x0b\x32&.tandem.v1.DecisionRecord.CurrentEntry\x12\x35\n\x06target\x18\x03 \x03(\x0b\x32%.tandem.v1.DecisionRecord.TargetEntry\x12\x37\n\x07reasons\x18\x04 \x03(\x0b\x32&.tandem.v1.DecisionRecord.ReasonsEntry\x12\x37\n\x07\x66igures\x18\x05 \x03(\x0b\x32&.tandem.v1.DecisionRecord.FiguresEntry\x12\x0f\n\x07\x61pplied\x18\x06 \x01(\x08\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x1a.\n\x0c\x43urrentEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a-\n\x0bTargetEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0c\x46iguresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"?\n\x0f\x45xplainResponse\x12,\n\tdecisions\x18\x01 \x03(\x0b\x32\x19.tandem.v1.DecisionRecord\"2\n\x0fSetRatioRequest\x12\x0f\n\x07prefill\x18\x01 \x01(\x05\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05\",\n\rSetSlaRequest\x12\x1b\n\x03sla\x18\x01 \x01(\x0b\x32\x0e.tandem.v1.Sla\"\r\n\x0b\x41utoRequest2\xc5\x02\n\x05\x41\x64min\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12@\n\x07\x45xplain\x12\x19.tandem.v1.ExplainRequest\x1a\x1a.tandem.v1.ExplainResponse\x12\x41\n\x08SetRatio\x12\x1a.tandem.v1.SetRatioRequest\x1a\x19.tandem.v1.StatusResponse\x12=\n\x06SetSla\x12\x18.tandem.v1.SetSlaRequest\x1a\x19.tandem.v1.StatusResponse\x12\x39\n\x04\x41uto\x12\x16.tandem.v1.AutoRequest\x1a\x19.tandem.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,29 +50,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSRESPONSE']._serialized_start=369
   _globals['_STATUSRESPONSE']._serialized_end=773
   _globals['_WORKERSTATUS']._serialized_start=776
-  _globals['_WORKERSTATUS']._serialized_end=1112
-  _globals['_LATENCYSUMMARY']._serialized_start=1115
-  _globals['_LATENCYSUMMARY']._serialized_end=1249
-  _globals['_EXPLAINREQUEST']._serialized_start=1251
-  _globals['_EXPLAINREQUEST']._serialized_end=1282
-  _globals['_DECISIONRECORD']._serialized_start=1285
-  _globals['_DECISIONRECORD']._serialized_end=1769
-  _globals['_DECISIONRECORD_CURRENTENTRY']._serialized_start=1580
-  _globals['_DECISIONRECORD_CURRENTENTRY']._serialized_end=1626
-  _globals['_DECISIONRECORD_TARGETENTRY']._serialized_start=1628
-  _globals['_DECISIONRECORD_TARGETENTRY']._serialized_end=1673
-  _globals['_DECISIONRECORD_REASONSENTRY']._serialized_start=1675
-  _globals['_DECISIONRECORD_REASONSENTRY']._serialized_end=1721
-  _globals['_DECISIONRECORD_FIGURESENTRY']._serialized_start=1723
-  _globals['_DECISIONRECORD_FIGURESENTRY']._serialized_end=1769
-  _globals['_EXPLAINRESPONSE']._serialized_start=1771
-  _globals['_EXPLAINRESPONSE']._serialized_end=1834
-  _globals['_SETRATIOREQUEST']._serialized_start=1836
-  _globals['_SETRATIOREQUEST']._serialized_end=1886
-  _globals['_SETSLAREQUEST']._serialized_start=1888
-  _globals['_SETSLAREQUEST']._serialized_end=1932
-  _globals['_AUTOREQUEST']._serialized_start=1934
-  _globals['_AUTOREQUEST']._serialized_end=1947
-  _globals['_ADMIN']._serialized_start=1950
-  _globals['_ADMIN']._serialized_end=2275
+  _globals['_WORKERSTATUS']._serialized_end=1189
+  _globals['_LATENCYSUMMARY']._serialized_start=1192
+  _globals['_LATENCYSUMMARY']._serialized_end=1326
+  _globals['_EXPLAINREQUEST']._serialized_start=1328
+  _globals['_EXPLAINREQUEST']._serialized_end=1359
+  _globals['_DECISIONRECORD']._serialized_start=1362
+  _globals['_DECISIONRECORD']._serialized_end=1846
+  _globals['_DECISIONRECORD_CURRENTENTRY']._serialized_start=1657
+  _globals['_DECISIONRECORD_CURRENTENTRY']._serialized_end=1703
+  _globals['_DECISIONRECORD_TARGETENTRY']._serialized_start=1705
+  _globals['_DECISIONRECORD_TARGETENTRY']._serialized_end=1750
+  _globals['_DECISIONRECORD_REASONSENTRY']._serialized_start=1752
+  _globals['_DECISIONRECORD_REASONSENTRY']._serialized_end=1798
+  _globals['_DECISIONRECORD_FIGURESENTRY']._serialized_start=1800
+  _globals['_DECISIONRECORD_FIGURESENTRY']._serialized_end=1846
+  _globals['_EXPLAINRESPONSE']._serialized_start=1848
+  _globals['_EXPLAINRESPONSE']._serialized_end=1911
+  _globals['_SETRATIOREQUEST']._serialized_start=1913
+  _globals['_SETRATIOREQUEST']._serialized_end=1963
+  _globals['_SETSLAREQUEST']._serialized_start=1965
+  _globals['_SETSLAREQUEST']._serialized_end=2009
+  _globals['_AUTOREQUEST']._serialized_start=2011
+  _globals['_AUTOREQUEST']._serialized_end=2024
+  _globals['_ADMIN']._serialized_start=2027
+  _globals['_ADMIN']._serialized_end=2352
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,8 @@ async def prefill_heavy(registry: Registry, log: RequestLog) -> None:
     )  # fmt: skip
     await registry.register(
         info("d0", "decode", busy_frac=1.0, tokens_per_s=200.0, step_ms=20.0, num_running=4,
-             host_onload_tokens_per_s=50_000.0, disk_onload_tokens_per_s=8_000.0)
+             host_onload_tokens_per_s=50_000.0, disk_onload_tokens_per_s=8_000.0,
+             host_tier_blocks=120, disk_tier_blocks=900, tier_hit_tokens=4096)
     )  # fmt: skip
     for _ in range(10):
         log.record(RequestSample(time.time(), 1500.0, 20.0, 1000, 32, disaggregated=True))
@@ -298,12 +299,17 @@ def test_admin_api_over_grpc(redis_url: str) -> None:
             status = await stub.Status(apb.StatusRequest())
             text = format_status(status)
             assert "mode: auto" in text and "prefill" in text and "scale up 1 -> 3" in text
-            # The heartbeats' KV tier onload rates reach `tandem ctl top` (0: no such tier).
+            # The heartbeats' KV tier rates and use reach `tandem ctl top` (0: no such tier).
             rates = {
                 w.worker_id: (w.host_onload_tokens_per_s, w.disk_onload_tokens_per_s)
                 for w in status.workers
             }
             assert rates == {"p0": (0.0, 0.0), "d0": (50_000.0, 8_000.0)}
+            use = {
+                w.worker_id: (w.host_tier_blocks, w.disk_tier_blocks, w.tier_hit_tokens)
+                for w in status.workers
+            }
+            assert use == {"p0": (0, 0, 0), "d0": (120, 900, 4096)}
             explained = await stub.Explain(apb.ExplainRequest(limit=1))
             assert len(explained.decisions) == 1
             d = explained.decisions[0]

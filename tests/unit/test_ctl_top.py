@@ -84,22 +84,42 @@ def test_render_top() -> None:
 
 
 def test_render_top_with_kv_tiers() -> None:
-    """A worker with KV tiers: a column of each tier's onload rate (prompt tokens per second
-    brought back into the device cache), "-" for a worker without tiers."""
+    """A worker with KV tiers: a column of each tier's verified blocks and onload rate (prompt
+    tokens per second brought back into the device cache), then the prompt tokens its tiers
+    served since start; parts aligned across workers, "-" for a worker without tiers."""
     s = status()
-    s.workers[0].host_onload_tokens_per_s = 120_540.0
-    s.workers[0].disk_onload_tokens_per_s = 900.4
+    w = s.workers[0]
+    w.host_tier_blocks, w.host_onload_tokens_per_s = 1_234, 120_540.0
+    w.disk_tier_blocks, w.disk_onload_tokens_per_s = 3_400_000, 900.4
+    w.tier_hit_tokens = 56_012
     s.workers[1].kv_format = "bfloat16"
-    s.workers.add(worker_id="decode-1", role="decode", disk_onload_tokens_per_s=2_000.0)
+    # a disk tier only, holding blocks but none served yet
+    s.workers.add(
+        worker_id="decode-1", role="decode", disk_tier_blocks=10, disk_onload_tokens_per_s=2_000.0
+    )
     assert render_top(s, "10.0.0.7:50061", NOW)[6:] == [
         "ROLE     WORKER                   WAITING RUNNING      KV USED/TOTAL      STEP    TOK/S"
-        "  KV            TIER ONLOAD TOK/S",
+        "  KV            TIERS",
         "prefill  prefill-0                      5       2      192/256 (75%)   12.3 ms     4096  "
-        "fp8/00112233  host 120.5k disk 900",
+        "fp8/00112233  host 1.2k blk 120.5k/s  disk 3.4M blk 900/s  hits 56.0k",
         "decode   decode-0 [draining]            0      17        0/1024 (0%)    8.1 ms      250"
         "  bfloat16      -",
         "decode   decode-1                       0       0            0/0 (-)    0.0 ms        0"
-        "  -             disk 2.0k",
+        "  -                                     disk 10 blk 2.0k/s   hits 0",
+    ]
+
+
+def test_tier_parts_no_worker_shows_take_no_room() -> None:
+    """Host tiers only (one still empty, its rate measured at start): no room kept for disk."""
+    s = status()
+    s.workers[0].host_onload_tokens_per_s = 50_000.0
+    s.workers[1].host_tier_blocks = 7
+    s.workers[1].host_onload_tokens_per_s = 999.0
+    s.workers[1].tier_hit_tokens = 28
+    assert [line[87:] for line in render_top(s, "a:1", NOW)[6:]] == [
+        "  KV            TIERS",
+        "  fp8/00112233  host 0 blk 50.0k/s  hits 0",
+        "  -             host 7 blk 999/s    hits 28",
     ]
 
 

@@ -16,7 +16,8 @@ from tandem.services.controller.server import sample_of
 # every figure a different value, so a field copied into the wrong one shows
 FULL = Load(
     num_running=3, num_waiting=5, queued_prefill_tokens=700, num_blocks=512,
-    num_free_blocks=100, num_handed_off=2, num_preemptions=9, busy_frac=0.25,
+    num_free_blocks=100, num_handed_off=2, num_preemptions=9, host_tier_blocks=40,
+    disk_tier_blocks=300, tier_hit_tokens=6400, busy_frac=0.25,
     tokens_per_s=1500.5, step_ms=12.5, prefill_tokens_per_s=4000.0,
     host_onload_tokens_per_s=90000.0, disk_onload_tokens_per_s=20000.0,
 )  # fmt: skip
@@ -54,6 +55,12 @@ def test_a_registry_record_round_trips_its_load_through_json() -> None:
     # a record from a worker that predates num_handed_off / num_preemptions still reads
     old = info.to_json().replace('"num_handed_off":2,', "").replace('"num_preemptions":9,', "")
     assert load_fields(WorkerInfo.from_json(old))["num_handed_off"] == 0
+    # and one that predates the tier counts: 0, as from a worker without tiers
+    old = info.to_json()
+    for name in ("host_tier_blocks", "disk_tier_blocks", "tier_hit_tokens"):
+        old = old.replace(f'"{name}":{getattr(FULL, name)},', "")
+    back = WorkerInfo.from_json(old)
+    assert (back.host_tier_blocks, back.disk_tier_blocks, back.tier_hit_tokens) == (0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -62,6 +69,7 @@ def test_a_registry_record_round_trips_its_load_through_json() -> None:
         ("num_running", -1, "WorkerInfo.num_running must be >= 0, got -1"),
         ("num_free_blocks", True, "WorkerInfo.num_free_blocks must be an int, got True"),
         ("num_preemptions", 1.5, "WorkerInfo.num_preemptions must be an int, got 1.5"),
+        ("tier_hit_tokens", -5, "WorkerInfo.tier_hit_tokens must be >= 0, got -5"),
         ("busy_frac", -0.1, "WorkerInfo.busy_frac must be a number >= 0, got -0.1"),
         ("step_ms", "3", "WorkerInfo.step_ms must be a number >= 0, got '3'"),
     ],
