@@ -49,6 +49,7 @@ from .serve import check_serve
 from .sizes import CPU_SIZES, CUDA_SIZES
 from .startup import check_startup
 from .throughput import check_throughput
+from .tiers_bench import check_tiers
 from .tiles_sweep import check_tiles
 
 DESCRIPTION = "The GPU check: what only a GPU can tell about the engine, as one prepared script."
@@ -66,11 +67,12 @@ PARTS = (
     "tiles",
     "hybrid",
     "mla",
+    "tiers",
 )
 # One command of <= 8 minutes on an H200 (`timeout 470`; budgets in sizes.CUDA_SIZES): what
 # issue 40 measures. parity and tiles (done: the engine matches transformers, the tiles are
-# chosen), nixl and serve (they need the site archive carried), hybrid (issue 42's kernels)
-# and mla (issue 43's kernel) run when named.
+# chosen), nixl and serve (they need the site archive carried), hybrid (issue 42's kernels),
+# mla (issue 43's kernel) and tiers (issue 44's copies and onload rate) run when named.
 DEFAULT_PARTS = ("preflight", "startup", "throughput", "kernels", "e2e", "quant", "moe")
 JSON_NAME, LOG_NAME = "gpu-check.json", "gpu-check.log"
 PART_FNS: dict[str, Callable[[Context], Figures]] = {
@@ -87,6 +89,7 @@ PART_FNS: dict[str, Callable[[Context], Figures]] = {
     "tiles": check_tiles,
     "hybrid": check_hybrid,
     "mla": check_mla,
+    "tiers": check_tiers,
 }
 
 

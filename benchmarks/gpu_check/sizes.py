@@ -191,6 +191,7 @@ CUDA_SIZES = Sizes(
         tiles=75,
         hybrid=120,  # its engine check builds four tiny models and runs transformers on them
         mla=60,  # 9 decode cases (the largest cache 1.2 GB) and a reference check
+        tiers=60,  # 128 MiB of block copies, a 46M model's engine, eight requests
     ),
 )
 
@@ -284,5 +285,6 @@ CPU_SIZES = Sizes(
         tiles=60,
         hybrid=90,
         mla=60,
+        tiers=60,
     ),
 )

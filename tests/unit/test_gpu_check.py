@@ -40,7 +40,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     parts = report["parts"]
     assert list(parts) == [
         "preflight", "startup", "parity", "throughput", "kernels", "e2e", "quant", "moe", "nixl",
-        "serve", "tiles", "hybrid", "mla",
+        "serve", "tiles", "hybrid", "mla", "tiers",
     ]  # fmt: skip
     nixl_status = "ok" if importlib.util.find_spec("nixl") else "skipped"
     expected = {
@@ -57,6 +57,7 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
         "tiles": "ok",
         "hybrid": "ok",
         "mla": "ok",
+        "tiers": "ok",
     }
     assert {name: p["status"] for name, p in parts.items()} == expected, output
     for part in parts.values():
@@ -201,6 +202,12 @@ def test_gpu_check_cpu_run_passes_every_part(tmp_path: Path) -> None:
     mla = parts["mla"]["figures"]
     assert mla["correct"]["passed"] and len(mla["decode"]) == 2
     assert all(c["time_us"] > 0 for c in mla["decode"]) and mla["vs_torch"]["torch_us"] > 0
+    # tiers: block copies out and back exact, repeats identical and served from the host tier
+    tiers = parts["tiers"]["figures"]
+    copies = tiers["block_copies"]
+    assert copies["offload_copy_gb_s"] > 0 and copies["verify_gb_s"] > 0
+    engine = tiers["engine"]
+    assert engine["identical"] and engine["tier_pays"] and engine["hit_tokens"] > 0
 
 
 def test_gpu_check_new_parts_alone_build_what_they_need(tmp_path: Path) -> None:
