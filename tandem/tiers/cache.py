@@ -162,15 +162,12 @@ class TierCache:
 
     def held(self) -> list[tuple[int, int, int]]:
         """(key, tier, flags) of every visible record now."""
-        out = []
-        if self.host is not None:
-            for key in self.host.keys():
-                entry = self.host.get_quiet(key)
-                if entry is not None:
-                    out.append((key, HOST_TIER, entry.flags))
-        if self.disk is not None:
-            out += [(key, DISK_TIER, flags) for key, flags in self.disk.held()]
-        return out
+        return [
+            (key, tier, flags)
+            for tier, store in ((HOST_TIER, self.host), (DISK_TIER, self.disk))
+            if store is not None
+            for key, flags in store.held()
+        ]
 
     def onload_rate(self, tier: int) -> float:
         """Bytes per second the tier has brought back (read and verified); 0 until known."""

@@ -74,6 +74,11 @@ class HostStore:
             self.used += size
         return evicted
 
+    def held(self) -> list[tuple[int, int]]:
+        """(key, record flags) of every visible record (as `DiskStore.held`)."""
+        with self._lock:
+            return [(key, entry.flags) for key, entry in self._entries.items()]
+
     def get_quiet(self, key: int) -> HostEntry | None:
         """The record of `key` (not marked used); None if there is none."""
         return self._entries.get(key)

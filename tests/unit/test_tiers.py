@@ -157,10 +157,16 @@ def test_a_restarted_disk_store_admits_only_good_records_of_its_identity(tmp_pat
 # -- the tier threads ------------------------------------------------------------------------
 
 
-def test_offloads_become_visible_once_stored_and_come_back_verified(tmp_path: Path) -> None:
+def both_tiers(tmp_path: Path) -> TierCache:
+    """Host and disk tiers of 100 blocks each, keeping their changes for `take_changes`."""
     tiers = TierCache(IDENT, BLOCK, host_bytes=100 * BLOCK, disk_dir=str(tmp_path),
                       disk_bytes=100 * BLOCK)  # fmt: skip
     tiers.record_changes = True
+    return tiers
+
+
+def test_offloads_become_visible_once_stored_and_come_back_verified(tmp_path: Path) -> None:
+    tiers = both_tiers(tmp_path)
     try:
         assert tiers.wants(1) and tiers.tier_of(1) is None
         tiers.offer(1, record.FLAG_PUBLISHED, payload(1))
@@ -184,9 +190,7 @@ def test_offloads_become_visible_once_stored_and_come_back_verified(tmp_path: Pa
 
 
 def test_a_flipped_byte_in_host_memory_or_on_disk_is_a_counted_miss(tmp_path: Path) -> None:
-    tiers = TierCache(IDENT, BLOCK, host_bytes=100 * BLOCK, disk_dir=str(tmp_path),
-                      disk_bytes=100 * BLOCK)  # fmt: skip
-    tiers.record_changes = True
+    tiers = both_tiers(tmp_path)
     try:
         for key in (1, 2, 3):
             tiers.offer(key, 0, payload(key))
