@@ -118,6 +118,55 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "suffix")  # tandem.speculative.proposers
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (tandem.speculative): a proposer drafts tokens, one target
+    forward verifies them (greedy and seeded output unchanged, token for token).
+
+    Attributes:
+        method: "none", "ngram" (prompt lookup: the last n tokens matched against the
+            prompt and output so far) or "suffix" (a suffix index over the request's tokens
+            and, with suffix_share, recent requests of the same tenant).
+        num_speculative_tokens: most tokens drafted per request and step (k).
+        ngram_max, ngram_min: the longest and shortest suffix n-gram lookup tries.
+        max_batch: speculation pauses while a step decodes more requests than this (a
+            large batch is no longer bound by the weights' read: BENCHMARKS.md issue 45).
+        suffix_share: suffix: also draft from the recent requests of the same tenant
+            (requests with the same non-empty cache_salt, the tenant isolation key).
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 2
+    max_batch: int = 8
+    suffix_share: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(
+                "need 1 <= ngram_min <= ngram_max <= 16, got "
+                f"ngram_min={self.ngram_min}, ngram_max={self.ngram_max}"
+            )
+        if self.max_batch < 1:
+            raise ValueError(f"speculative max_batch must be >= 1, got {self.max_batch}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """One engine: a model, its KV cache and its scheduler.
@@ -129,6 +178,7 @@ class EngineConfig:
             that runs it natively (AVX512-BF16 or AMX, with oneDNN's prepacked matmuls:
             1.3-2x faster than float32, within 0.1 nat of it, BENCHMARKS.md issue 24),
             else float32. "float32" for outputs token-identical to transformers in float32.
+        speculative: speculative decoding (SpeculativeConfig); off by default.
         device: torch device string ("cpu", "cuda", "cuda:1").
         quantization: the layer matrices' weights: "none" (the model's dtype), "int8" (per
             channel), "int4" (group-wise with zero points) or "fp8" (e4m3 per channel);
@@ -192,6 +242,7 @@ class EngineConfig:
     cpu_matmul: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in (*MODEL_DTYPES, "auto"):
