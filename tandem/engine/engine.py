@@ -47,14 +47,16 @@ from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.state_checkpoints import StateCheckpoints
 from tandem.engine.state_pages import StateHandoff, pages_format
+from tandem.engine.texts import RequestTexts
 from tandem.engine.tiering import make_tiers
 from tandem.engine.warmup import WARMUP_REQUEST_ID, warm_up
 from tandem.load import Load
 from tandem.model.config import ModelConfig
 from tandem.parallel.group import TPGroup
 from tandem.quant.kv import KVScales
+from tandem.speculative.speculator import make_speculator
+from tandem.speculative.stats import SpecStats
 from tandem.tiers.stats import TierStats
-from tandem.tokenizer.detokenize import TextStream
 from tandem.tokenizer.tokenizer import Tokenizer
 from tandem.weights.loader import ProgressFn
 
@@ -143,6 +145,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
         )
+        linear = self.model.linear_states is not None
+        self.speculator = make_speculator(config.speculative, self.max_model_len, linear)
+        self.scheduler.speculator = self.speculator
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
         self.runner = ModelRunner(
@@ -157,7 +162,7 @@ class LLMEngine:
         self.tiers = make_tiers(config, self.kv, self.scheduler, caches, self.model_id,
                                 self.kv_format, model_dir)  # fmt: skip
         self._requests: dict[str, Request] = {}
-        self._text: dict[str, TextStream] = {}
+        self._texts = RequestTexts(self.tokenizer)
         self.num_steps = 0
         self.num_tokens_computed = 0  # prompt + generated tokens run through the model
         self.last_step_prefill_tokens = 0  # prompt tokens (prefill chunks) of the last step
@@ -252,14 +257,7 @@ class LLMEngine:
 
     def _track(self, request: Request, resume: Resume | None) -> None:
         self._requests[request.request_id] = request
-        if self.tokenizer is not None:
-            self._text[request.request_id] = TextStream(
-                self.tokenizer,
-                request.prompt_token_ids,
-                request.sampling_params.stop,
-                request.output_token_ids,
-                resume.num_emitted_chars if resume else None,
-            )
+        self._texts.track(request, resume.num_emitted_chars if resume else None)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
@@ -270,11 +268,13 @@ class LLMEngine:
         return request is not None
 
     def _forget(self, request_id: str) -> None:
+        if self.speculator is not None:
+            self.speculator.finish(request_id)
         if self.state_handoff is not None:
             self.state_handoff.forget(request_id)
         self.runner.release(request_id)
         self._requests.pop(request_id, None)
-        self._text.pop(request_id, None)
+        self._texts.forget(request_id)
 
     # -- disaggregation hooks --------------------------------------------------------------
 
@@ -326,9 +326,7 @@ class LLMEngine:
             for request in self.tiers.ready():
                 self.scheduler.add_request(request)
         out = self.scheduler.schedule()
-        self.last_step_prefill_tokens = sum(
-            s.num_new_tokens for s in out.scheduled if not s.is_decode
-        )
+        self.last_step_prefill_tokens = sum(s.num_prefill_tokens for s in out.scheduled)
         if out.is_empty:
             return []
         samples = self.runner.execute(out)
@@ -339,9 +337,8 @@ class LLMEngine:
         for ev in self.scheduler.update(out, samples, now):
             request = ev.request
             rid = request.request_id
-            new_ids = [] if ev.new_token_id is None else [ev.new_token_id]
-            text = self._detokenize(request, new_ids, now)
-            lps = request.logprobs[-1:] if new_ids and request.logprobs else []
+            new_ids, text = self._detokenize(request, ev.new_token_ids, now)
+            lps = request.logprobs[-len(new_ids) :] if new_ids and request.logprobs else []
             if request.status == RequestStatus.HANDED_OFF:
                 # a linear-attention state into blocks after the pages, before reading the table
                 packed = self.state_handoff.pack(rid) if self.state_handoff else 0
@@ -378,19 +375,19 @@ class LLMEngine:
                 self._forget(rid)
         return outputs
 
-    def _detokenize(self, request: Request, new_ids: list[int], now: float) -> str:
-        """Text delta for new tokens; ends the request at the first stop string."""
-        stream = self._text.get(request.request_id)
-        if stream is None or not new_ids:
-            return ""
-        text, stop = stream.add(new_ids, request.status.finished)
+    def _detokenize(
+        self, request: Request, new_ids: list[int], now: float
+    ) -> tuple[list[int], str]:
+        """The new tokens that stand and their text delta; a stop string ends the request
+        at the token that completes it."""
+        new_ids, text, stop = self._texts.add(request, new_ids)
         if stop is not None:
             request.stop_reason = stop
             if request.status.finished:
                 request.status = RequestStatus.FINISHED_STOPPED  # the stop came first
             else:
                 self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED, now)
-        return text
+        return new_ids, text
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
@@ -463,6 +460,11 @@ class LLMEngine:
     def tier_stats(self) -> list[TierStats]:
         """Each KV tier's figures (tandem.tiers.stats); empty without tiers."""
         return [] if self.tiers is None else self.tiers.stats()
+
+    def spec_stats(self) -> list[SpecStats]:
+        """Each speculative proposer's counts (tandem.speculative.stats); empty without
+        speculation."""
+        return [] if self.speculator is None else [self.speculator.stats()]
 
     def stats(self) -> Load:
         """The counts of this engine's load (its rates are the worker's to add)."""

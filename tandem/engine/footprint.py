@@ -33,7 +33,7 @@ def engine_footprint(engine: LLMEngine) -> dict[str, StateSize]:
     sched = engine.scheduler
     sizes = {
         "engine_requests": StateSize(len(engine._requests), None),
-        "engine_text_streams": StateSize(len(engine._text), None),
+        "engine_text_streams": StateSize(len(engine._texts), None),
         "scheduler_requests": StateSize(
             len(sched.waiting)
             + len(sched.running)
@@ -58,6 +58,8 @@ def engine_footprint(engine: LLMEngine) -> dict[str, StateSize]:
         ckpts = engine.kv.checkpoints
         if ckpts is not None:
             sizes["linear_state_checkpoints"] = StateSize(len(ckpts), ckpts.num_slots)
+    if engine.speculator is not None:
+        sizes.update((k, StateSize(*v)) for k, v in engine.speculator.footprint().items())
     if engine.state_handoff is not None:
         sizes["state_handoff_reserved"] = StateSize(len(engine.state_handoff._reserved), None)
     if getattr(model, "matmul", None) is MatmulKind.ONEDNN:

@@ -243,6 +243,31 @@ class GrammarMatcher:
                 )
             self._advance(token_id)
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids` (a speculative draft) the grammar accepts in a row from
+        here; the matcher does not move."""
+        if not token_ids or self._matcher.is_stopped():
+            return 0
+        return int(self._matcher.validate_tokens(list(token_ids)))
+
+    def masks_along(self, draft: Sequence[int], vocab_size: int) -> torch.Tensor:
+        """The allowed tokens here and after each token of `draft` (which the grammar must
+        accept: `valid_prefix`): [len(draft) + 1, ceil(vocab_size / 32)] int32 CPU, for
+        verifying the draft in one step. The matcher ends where it started."""
+        rows = torch.zeros(len(draft) + 1, -(-vocab_size // 32), dtype=torch.int32, device="cpu")
+        saved, consumed = (self.num_accepted, self.digit_run), 0
+        for j, row in enumerate(rows):
+            self.fill(row)
+            if j == len(draft):
+                break
+            if not self._matcher.consume_token(draft[j]):
+                raise ValueError(f"draft token {draft[j]} at {j} is not in the grammar")
+            self._advance(draft[j])
+            consumed += 1
+        self._matcher.rollback(consumed)
+        self.num_accepted, self.digit_run = saved
+        return rows
+
     @property
     def is_finished(self) -> bool:
         """Nothing but EOS can follow (the output is complete), or the matcher failed."""
@@ -258,7 +283,18 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
-def token_bitmask(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
+class FixedMask:
+    """A mask computed ahead (`GrammarMatcher.masks_along`), in a matcher's place for one
+    sampling row: `token_bitmask` copies it."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+
+    def fill(self, row: torch.Tensor) -> None:
+        row.copy_(self.row)
+
+
+def token_bitmask(matchers: Sequence[GrammarMatcher | FixedMask], vocab_size: int) -> torch.Tensor:
     """The allowed tokens of each matcher: [len(matchers), ceil(vocab_size / 32)] int32 CPU."""
     bitmask = torch.zeros(len(matchers), -(-vocab_size // 32), dtype=torch.int32, device="cpu")
     for row, matcher in zip(bitmask, matchers, strict=True):

@@ -16,9 +16,10 @@ from tandem.engine.cuda_graphs import (
 )
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request
-from tandem.engine.sampling import Sampler, SampleResult, SampleRow
+from tandem.engine.sampling import Sampler, SampleResult
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.step_inputs import BlockTables, HostStaging
+from tandem.engine.verify import sample_scheduled
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
 from tandem.model.linear_attention import Chunk, StateRows
 from tandem.model.llama import LlamaModel
@@ -40,11 +41,14 @@ class StepRow(NamedTuple):
     block_ids: tuple[int, ...]
     sample: bool
     token_ids: list[int]  # positions [start, start + num_new_tokens)
+    num_draft: int = 0  # speculative tokens ending token_ids: each of them is sampled too
 
     @classmethod
     def of(cls, s: ScheduledRequest) -> StepRow:
-        ids = s.request.token_ids_slice(s.start, s.start + s.num_new_tokens)
-        return cls(s.request.request_id, s.start, s.num_new_tokens, s.block_ids, s.sample, ids)
+        known = s.start + s.num_new_tokens - len(s.draft)
+        ids = s.request.token_ids_slice(s.start, known) + list(s.draft)
+        return cls(s.request.request_id, s.start, s.num_new_tokens, s.block_ids, s.sample, ids,
+                   len(s.draft))  # fmt: skip
 
     @property
     def is_decode(self) -> bool:
@@ -190,8 +194,8 @@ class ModelRunner:
                 positions.append(pos)
                 for t in range(k):
                     slot_blocks[t].append(s.block_ids[pos // bs * k + t])
-            if s.sample:  # logits only at each sampling row's last token
-                last_idx.append(len(ids) - 1)
+            if s.sample:  # logits only at each sampling row's last token (and its draft's)
+                last_idx += range(len(ids) - 1 - s.num_draft, len(ids))
         arrays = [ids, positions, last_idx, [b for t in slot_blocks for b in t]]
         if self.block_tables is not None:
             arrays += self._paged_arrays(decodes, prefills)
@@ -366,8 +370,9 @@ class ModelRunner:
             bs,
         )
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run one step. Returns the sampled token of every row that samples."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[SampleResult]]:
+        """Run one step. Returns the tokens every sampling row emits (tandem.engine.verify:
+        one, or a verified draft's accepted tokens and the next)."""
         if out.is_empty:
             return {}
         rows = order_rows(out)
@@ -380,19 +385,7 @@ class ModelRunner:
         logits = self._logits(self.prepare_rows(plan.rows, requests), plan.graph_size)
         if logits is None:
             return {}
-        sampled_rows = [s for s in rows if s.sample]
-        sample_rows = [
-            SampleRow(
-                s.request.sampling_params,
-                s.request.prompt_token_ids,
-                s.request.output_token_ids,
-                s.request.generator,
-                s.request.matcher,
-            )
-            for s in sampled_rows
-        ]
-        results = self.sampler(logits, sample_rows)
-        return {s.request.request_id: res for s, res in zip(sampled_rows, results, strict=True)}
+        return sample_scheduled(self.sampler, logits, [s for s in rows if s.sample])
 
     def follow(self, plan: StepPlan) -> None:
         """Another rank's step (tandem.engine.ranks): the same forward on this shard, its

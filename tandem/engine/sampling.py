@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from tandem.engine.grammar import Constraint, GrammarMatcher, token_bitmask
+from tandem.engine.grammar import Constraint, FixedMask, GrammarMatcher, token_bitmask
 
 # One generated token's logprob entry: (its logprob, its top-n (token id, logprob) pairs).
 LogprobEntry = tuple[float | None, tuple[tuple[int, float], ...] | None]
@@ -164,7 +164,8 @@ class SampleRow(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None
-    matcher: GrammarMatcher | None = None  # constrained: the request's grammar position
+    # constrained: the request's grammar position (or its mask there, computed ahead)
+    matcher: GrammarMatcher | FixedMask | None = None
 
 
 class SampleResult(NamedTuple):

@@ -4,8 +4,9 @@ Pure: `schedule()` plans a step from plain state, `update()` applies the step's 
 tokens. No I/O, no torch, no clock reads (the engine passes `now`).
 
 Each step spends a token budget (`max_num_batched_tokens`):
-  1. running requests first, in arrival order: one token each when decoding, a chunk when
-     prefilling; when blocks run out, the most recently admitted running request is
+  1. running requests first, in arrival order: one token each when decoding (plus a draft
+     to verify, with speculation: tandem.speculative), a chunk when prefilling; when blocks
+     run out, the most recently admitted running request is
      preempted (blocks freed, recomputed later) until the current one fits;
   2. then waiting requests, while budget, `max_num_seqs` and free blocks allow, starting
      after their longest cached prefix; those whose KV is already in place (committed
@@ -23,6 +24,7 @@ from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampling import SampleResult
+from tandem.speculative.speculator import Speculator
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,8 @@ class ScheduledRequest:
         num_new_tokens: tokens computed this step, starting at position `start`.
         block_ids: the request's whole block table.
         sample: this chunk reaches the last known token, so the step samples the next one.
+        draft: speculative tokens after the last known token, computed with it (counted in
+            num_new_tokens) and verified by sampling each position.
     """
 
     request: Request
@@ -40,10 +44,16 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: tuple[int, ...]
     sample: bool
+    draft: tuple[int, ...] = ()
 
     @property
     def is_decode(self) -> bool:
         return self.num_new_tokens == 1 and self.start > 0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (or recomputed) tokens this row computes: not a decode, not a draft's."""
+        return 0 if self.is_decode or self.draft else self.num_new_tokens
 
 
 @dataclass(slots=True)
@@ -62,10 +72,11 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """A request's progress after a step: its new token (if any) and whether it ended."""
+    """A request's progress after a step: its new tokens (several when a draft was
+    accepted) and whether it ended."""
 
     request: Request
-    new_token_id: int | None
+    new_token_ids: list[int]
     finished: bool
 
 
@@ -101,6 +112,7 @@ class Scheduler:
         # Called with a request about to be admitted, before its prefix-cache lookup (the KV
         # tiers put the blocks they brought back for it into the cache there).
         self.before_admit: Callable[[Request], None] | None = None
+        self.speculator: Speculator | None = None  # drafts for decoding requests
 
     # -- admission -------------------------------------------------------------------------
 
@@ -158,14 +170,37 @@ class Scheduler:
             num_new = min(num_new, threshold)
         return num_new
 
-    def _schedule_one(self, request: Request, start: int, num_new: int) -> ScheduledRequest:
+    def _schedule_one(
+        self, request: Request, start: int, num_new: int, draft: tuple[int, ...] = ()
+    ) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
             start=start,
             num_new_tokens=num_new,
             block_ids=tuple(self.kv.get_block_ids(request.request_id)),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new - len(draft) == request.num_tokens,
+            draft=draft,
         )
+
+    def _draft(
+        self, request: Request, speculator: Speculator | None, budget: int
+    ) -> tuple[int, ...]:
+        """A draft to verify after the request's next token, its blocks allocated; none
+        unless the request is decoding (only its last token's KV is missing)."""
+        decoding = 0 < request.num_computed_tokens == request.num_tokens - 1
+        if speculator is None or not decoding:
+            return ()
+        draft = speculator.draft(request, budget)
+        if draft and self.kv.allocate_slots(request, 1 + len(draft)) is None:
+            return ()  # no blocks for it: decode plainly
+        return draft
+
+    def _speculating(self) -> bool:
+        """Does this step draft (a speculator, and few enough decoding requests)?"""
+        if self.speculator is None:
+            return False
+        decoding = sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running)
+        return self.speculator.active(decoding)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -186,11 +221,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        speculator = self.speculator if self._speculating() else None
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            draft = self._draft(request, speculator, budget)
+            num_new += len(draft)
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -199,7 +237,7 @@ class Scheduler:
                     break
             else:
                 start = request.num_computed_tokens
-                out.scheduled.append(self._schedule_one(request, start, num_new))
+                out.scheduled.append(self._schedule_one(request, start, num_new, draft))
                 budget -= num_new
                 i += 1
                 continue
@@ -218,6 +256,8 @@ class Scheduler:
                 num_cached = request.num_computed_tokens  # decode role: KV already in place
             start = num_cached
             num_new = self._chunk(request.num_tokens - start, budget)
+            draft = self._draft(request, speculator, budget)  # a committed hand-off decodes
+            num_new += len(draft)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             request.num_computed_tokens = start
@@ -226,43 +266,58 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(self._schedule_one(request, start, num_new))
+            out.scheduled.append(self._schedule_one(request, start, num_new, draft))
             budget -= num_new
         return out
 
     # -- applying results ------------------------------------------------------------------
 
     def update(
-        self, out: SchedulerOutput, samples: dict[str, SampleResult], now: float = 0.0
+        self, out: SchedulerOutput, samples: dict[str, list[SampleResult]], now: float = 0.0
     ) -> list[TokenEvent]:
-        """Advance every scheduled request; append sampled tokens; finish stopped ones."""
+        """Advance every scheduled request; append sampled tokens (a row that verified a
+        draft brings its accepted tokens and the target's next one); finish stopped ones."""
         events = []
         for sched in out.scheduled:
             request = sched.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = sched.start + sched.num_new_tokens
-            self.kv.cache_blocks(request)
+            results = samples[request.request_id] if sched.sample else []
+            # A draft's rejected positions hold KV that is not the request's: only the
+            # accepted ones count as computed (they are overwritten later), so neither the
+            # prefix cache nor a sliding table's trim ever sees the rest.
+            accepted = len(results) - 1 if sched.draft else 0
+            request.num_computed_tokens = sched.start + sched.num_new_tokens - len(sched.draft)
+            request.num_computed_tokens += accepted
             if not sched.sample:
+                self.kv.cache_blocks(request)
                 continue
-            result = samples[request.request_id]
-            request.output_token_ids.append(result.token_id)
-            if request.matcher is not None:
-                # The mask allowed only tokens it accepts; a refusal leaves it finished.
-                request.matcher.accept(result.token_id)
-            if request.sampling_params.logprobs is not None:
-                request.logprobs.append((result.logprob, result.top_logprobs))
+            status, new_ids = None, []
+            for result in results:
+                new_ids.append(result.token_id)
+                request.output_token_ids.append(result.token_id)
+                if request.matcher is not None:
+                    # The mask allowed only tokens it accepts; a refusal leaves it finished.
+                    request.matcher.accept(result.token_id)
+                if request.sampling_params.logprobs is not None:
+                    request.logprobs.append((result.logprob, result.top_logprobs))
+                status = self._check_stop(request)
+                if status is not None:
+                    break  # a draft's tokens after a stop are not the request's
             if request.first_token_time is None:
                 request.first_token_time = now
+            if sched.draft and self.speculator is not None:
+                self.speculator.verified(request.request_id, len(sched.draft), accepted,
+                                         len(new_ids))  # fmt: skip
             self.hash_request(request)
-            status = self._check_stop(request)
+            self.kv.cache_blocks(request)
             if status is not None:
                 self.finish(request.request_id, status, now)
             elif request.hand_off:
                 self.running.remove(request)
                 request.status = RequestStatus.HANDED_OFF
                 self.handed_off[request.request_id] = request
-            events.append(TokenEvent(request, result.token_id, status is not None))
+            events.append(TokenEvent(request, new_ids, status is not None))
         return events
 
     def _check_stop(self, request: Request) -> RequestStatus | None:

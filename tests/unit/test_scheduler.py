@@ -31,7 +31,7 @@ def req(rid: str, n: int, max_tokens: int = 4, first: int = 0, **kw) -> Request:
 def run_step(s: Scheduler, token: int = 99) -> SchedulerOutput:
     out = s.schedule()
     samples = {
-        x.request.request_id: SampleResult(token, None, None) for x in out.scheduled if x.sample
+        x.request.request_id: [SampleResult(token, None, None)] for x in out.scheduled if x.sample
     }
     s.update(out, samples)
     s.kv.check_integrity()
