@@ -53,6 +53,7 @@ from tandem.load import Load
 from tandem.model.config import ModelConfig
 from tandem.parallel.group import TPGroup
 from tandem.quant.kv import KVScales
+from tandem.speculative.stats import SpecStats
 from tandem.tiers.stats import TierStats
 from tandem.tokenizer.detokenize import TextStream
 from tandem.tokenizer.tokenizer import Tokenizer
@@ -463,6 +464,11 @@ class LLMEngine:
     def tier_stats(self) -> list[TierStats]:
         """Each KV tier's figures (tandem.tiers.stats); empty without tiers."""
         return [] if self.tiers is None else self.tiers.stats()
+
+    def spec_stats(self) -> list[SpecStats]:
+        """Each speculative proposer's counts (tandem.speculative.stats); empty without
+        speculation."""
+        return []
 
     def stats(self) -> Load:
         """The counts of this engine's load (its rates are the worker's to add)."""
