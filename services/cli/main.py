@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem.config import CacheConfig, EngineConfig
+from tandem.config import CacheConfig, EngineConfig, SpeculativeConfig
 from tandem.services.cli.model import (
     DEFAULT_MODEL_DIR,
     DEFAULT_MODEL_ENV,
@@ -170,6 +170,12 @@ ENGINE_FLAGS = (
     "replicate_attention",
     "tp_exact_sums",
     "cpu_matmul",
+    "speculative",
+    "num_speculative_tokens",
+    "speculative_max_batch",
+    "speculative_ngram_max",
+    "speculative_ngram_min",
+    "speculative_suffix_share",
 )
 
 
@@ -203,6 +209,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """`tandem generate`'s engine from the engine flags, validated (a bad value exits 2 naming
     its flag); model_dir is --model as given."""
     from tandem.services.common.runtime.flags import usage_error
+    from tandem.services.up.config import SPECULATIVE_FIELDS
 
     try:
         return EngineConfig(
@@ -224,9 +231,16 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                 kv_disk_dir=args.kv_disk_dir,
                 kv_disk_bytes=args.kv_disk_bytes,
             ),
+            speculative=SpeculativeConfig(
+                **{name: getattr(args, up) for name, up in SPECULATIVE_FIELDS.items()}
+            ),
         )
     except ValueError as exc:
-        flags = {name: "--" + name.replace("_", "-") for name in ENGINE_FLAGS}
+        # SpeculativeConfig's messages name its own fields (max_batch: --speculative-max-batch).
+        names = [*ENGINE_FLAGS, *SPECULATIVE_FIELDS]
+        flags = {
+            name: "--" + SPECULATIVE_FIELDS.get(name, name).replace("_", "-") for name in names
+        }
         if args.kv_cache_mb is not None:
             flags["kv_cache_bytes"] = "--kv-cache-mb"
         usage_error(args.parser, exc, flags)

@@ -105,11 +105,15 @@ def up_config(args: argparse.Namespace) -> UpConfig:
     for, else the field's default; `resolve` settles both."""
     from tandem.services.common.runtime.flags import build_config, leaves
     from tandem.services.up import UpConfig
+    from tandem.services.up.config import SPECULATIVE_FIELDS
 
     names = {leaf.name for leaf in leaves(UpConfig)}
     values = {name: value for name, value in vars(args).items() if name in names}
     values["model_dir"] = args.model or ""
-    flags = {name: "--" + name.replace("_", "-") for name in names} | SET_BY_CLI
+    # SpeculativeConfig's messages name its own fields (max_batch: --speculative-max-batch).
+    names |= set(SPECULATIVE_FIELDS)
+    flags = {name: "--" + SPECULATIVE_FIELDS.get(name, name).replace("_", "-") for name in names}
+    flags |= SET_BY_CLI
     requested = requested_kv_cache_bytes(args)
     if requested is None:
         del values["kv_cache_bytes"]

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.config import CacheConfig, EngineConfig
+from tandem.config import CacheConfig, EngineConfig, SpeculativeConfig
+from tandem.services.common.runtime.flags import PUBLIC_NAMES
 from tandem.services.common.runtime.supervision import RestartConfig
 from tandem.services.router.config import DEFAULT_MAX_QUEUE_DELAY_S
 from tandem.tools import get_format
@@ -21,6 +22,11 @@ _RESTART_NAMES = re.compile(r"\b(?:backoff_s|max_backoff_s|window_s)\b")
 # needs (KV moves by cma/shared memory or CUDA IPC; TCP carries only control). A
 # UCX_NET_DEVICES of the user's environment wins.
 LOOPBACK_UCX_ENV = {"UCX_NET_DEVICES": "lo"}
+# SpeculativeConfig's fields -> UpConfig's (the workers' flags: runtime.flags.PUBLIC_NAMES).
+SPECULATIVE_FIELDS = {
+    name: PUBLIC_NAMES.get(("speculative", name), name)
+    for name in SpeculativeConfig.__dataclass_fields__
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,16 @@ class UpConfig:
             every rank count answers bit for bit as one rank (None: yes on a CPU;
             tandem.config.EngineConfig.tp_exact_sums).
         cpu_matmul: on a CPU, auto, plain or onednn (tandem.config.EngineConfig.cpu_matmul).
+        speculative: speculative decoding on every worker's decode steps (issue 45,
+            tandem.config.SpeculativeConfig): none, ngram (prompt lookup) or suffix (a
+            suffix index over the request's tokens); greedy and seeded outputs unchanged.
+        num_speculative_tokens: most tokens drafted per request and step (1..16).
+        speculative_max_batch: speculation pauses while a step decodes more requests than
+            this.
+        speculative_ngram_max: the longest suffix n-gram the lookup tries (<= 16).
+        speculative_ngram_min: the shortest (>= 1).
+        speculative_suffix_share: suffix: also draft from recent requests of the same tenant
+            (the same cache_salt).
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
@@ -133,6 +149,12 @@ class UpConfig:
     replicate_attention: bool = False
     tp_exact_sums: bool | None = None
     cpu_matmul: str = "auto"
+    speculative: str = "none"
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 8
+    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = 2
+    speculative_suffix_share: bool = False
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     tool_call_parser: str = "auto"
@@ -197,6 +219,9 @@ class UpConfig:
                 kv_disk_dir=self.kv_disk_dir,
                 kv_disk_bytes=self.kv_disk_bytes,
             ),
+            speculative=SpeculativeConfig(
+                **{name: getattr(self, up) for name, up in SPECULATIVE_FIELDS.items()}
+            ),
         )
 
     def worker_disk_dir(self, worker_name: str) -> str:
@@ -227,6 +252,12 @@ class UpConfig:
             "--replicate-attention", str(self.replicate_attention).lower(),
             "--tp-exact-sums", tp_exact_sums.lower(),
             "--cpu-matmul", self.cpu_matmul,
+            "--speculative", self.speculative,
+            "--num-speculative-tokens", str(self.num_speculative_tokens),
+            "--speculative-max-batch", str(self.speculative_max_batch),
+            "--speculative-ngram-max", str(self.speculative_ngram_max),
+            "--speculative-ngram-min", str(self.speculative_ngram_min),
+            "--speculative-suffix-share", str(self.speculative_suffix_share).lower(),
         ]  # fmt: skip
 
     def restart_config(self) -> RestartConfig:

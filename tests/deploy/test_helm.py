@@ -134,6 +134,10 @@ NON_DEFAULTS: dict[str, dict[str, Any]] = {
         "device": "cpu",
         "kv_cache_dtype": "fp8",
         "quantization": "int8",
+        "speculative": "ngram",
+        "num_speculative_tokens": 8,
+        "speculative_max_batch": 16,
+        "speculative_suffix_share": True,
     },
     "controller": {"target_utilization": 0.55, "max_decode": 12, "actuator": "none"},
 }

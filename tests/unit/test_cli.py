@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tandem.config import SpeculativeConfig
 from tandem.services.up import UpConfig
 from tandem.tokenizer.tokenizer import Tokenizer
 
@@ -137,6 +138,12 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "replicate_attention": ("true", True),
     "tp_exact_sums": ("false", False),
     "cpu_matmul": ("onednn", "onednn"),
+    "speculative": ("suffix", "suffix"),
+    "num_speculative_tokens": ("6", 6),
+    "speculative_max_batch": ("32", 32),
+    "speculative_ngram_max": ("3", 3),
+    "speculative_ngram_min": ("1", 1),
+    "speculative_suffix_share": ("true", True),
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("32", 32),
     "disagg_min_uncached_tokens": ("0", 0),
@@ -306,6 +313,16 @@ BAD_UP_VALUES = [
      "argument --num-threads: num_threads must be >= 0 (0: auto), got -1"),
     (["--port", "x"], "argument --port: invalid int value: 'x'"),
     (["--autoscale", "maybe"], "argument --autoscale: expected a boolean, got 'maybe'"),
+    (["--speculative", "eagle"],
+     "argument --speculative: speculative must be one of none, ngram, suffix, got 'eagle'"),
+    (["--num-speculative-tokens", "17"],
+     "argument --num-speculative-tokens: num_speculative_tokens must be in [1, 16], got 17"),
+    (["--speculative-ngram-min", "5"],
+     "arguments --speculative-ngram-min, --speculative-ngram-max: need 1 <= ngram_min <= "
+     "ngram_max <= 16, got ngram_min=5, ngram_max=4"),
+    (["--speculative-max-batch", "0"],
+     "arguments --speculative, --speculative-max-batch: speculative max_batch must be >= 1, "
+     "got 0"),
 ]  # fmt: skip
 
 
@@ -386,16 +403,21 @@ def test_generate_shares_the_engine_flags_of_up(
     assert sorted(shared) == [
         "--cpu-matmul", "--device", "--dtype", "--expert-parallel", "--gpu-memory-utilization",
         "--kv-cache-bytes", "--kv-cache-dtype", "--kv-cache-mb", "--kv-disk-bytes",
-        "--kv-disk-dir", "--kv-host-bytes", "--quantization", "--quantization-group-size",
-        "--replicate-attention", "--tensor-parallel-size", "--tp-exact-sums",
+        "--kv-disk-dir", "--kv-host-bytes", "--num-speculative-tokens", "--quantization",
+        "--quantization-group-size", "--replicate-attention", "--speculative",
+        "--speculative-max-batch", "--speculative-ngram-max", "--speculative-ngram-min",
+        "--speculative-suffix-share", "--tensor-parallel-size", "--tp-exact-sums",
     ]  # fmt: skip
     assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
     argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",
             "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8",
             "--expert-parallel", "true", "--tp-exact-sums", "false",
             "--cpu-matmul", "plain", "--kv-host-bytes", "4096", "--kv-disk-dir", "/kv",
-            "--kv-disk-bytes", "8192"]  # fmt: skip
+            "--kv-disk-bytes", "8192", "--speculative", "ngram", "--num-speculative-tokens",
+            "5", "--speculative-max-batch", "2", "--speculative-ngram-max", "6",
+            "--speculative-suffix-share"]  # fmt: skip
     up_env.setenv("TANDEM_DTYPE", "bfloat16")  # both read the variables
+    up_env.setenv("TANDEM_SPECULATIVE_NGRAM_MIN", "3")
     engine = _engine_config(build_parser().parse_args(["generate", *argv, "--model", "m", "hi"]))
     assert engine == up_config(up_args(*argv, "--model", "m")).engine_config()
     assert (engine.device, engine.dtype, engine.cache.kv_cache_bytes) == (
@@ -412,6 +434,14 @@ def test_generate_shares_the_engine_flags_of_up(
     # `tandem generate`'s one engine takes the disk tier's directory as given.
     tiers = (engine.cache.kv_host_bytes, engine.cache.kv_disk_dir, engine.cache.kv_disk_bytes)
     assert tiers == (4096, "/kv", 8192)
+    assert engine.speculative == SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=5,
+        ngram_max=6,
+        ngram_min=3,
+        max_batch=2,
+        suffix_share=True,
+    )
     assert _engine_config(build_parser().parse_args(["generate", "hi"])).dtype == "bfloat16"
     with pytest.raises(SystemExit) as exc:
         _engine_config(build_parser().parse_args(["generate", "--gpu-memory-utilization", "2"]))
@@ -430,6 +460,59 @@ def test_generate_refuses_half_a_disk_tier_naming_its_flags(
     with pytest.raises(SystemExit):
         _engine_config(build_parser().parse_args(["generate", "--kv-disk-dir", "/kv", "hi"]))
     assert "a disk tier needs both kv_disk_dir and kv_disk_bytes" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_bad_speculative_setting_naming_its_flag(
+    up_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.services.cli.main import _engine_config, build_parser
+
+    argv = ["generate", "--speculative", "suffix", "--speculative-ngram-max", "17", "hi"]
+    with pytest.raises(SystemExit) as exc:
+        _engine_config(build_parser().parse_args(argv))
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "tandem generate: error: arguments --speculative-ngram-min, --speculative-ngram-max: "
+        "need 1 <= ngram_min <= ngram_max <= 16, got ngram_min=2, ngram_max=17"
+    )
+    off = _engine_config(build_parser().parse_args(["generate", "hi"])).speculative
+    assert off == SpeculativeConfig() and not off.enabled
+
+
+def test_up_passes_the_speculative_settings_to_every_worker(up_env: pytest.MonkeyPatch) -> None:
+    """The workers' command lines (UpConfig.worker_args) carry the speculative flags as given
+    (issue 45: speculation runs where a worker decodes; a prefill worker's engine has them
+    too, unused), and a worker main parses them into the config's SpeculativeConfig."""
+    from tandem.services.common.runtime.flags import parse_config
+    from tandem.services.common.worker.config import WorkerConfig
+
+    up_env.setenv("TANDEM_SPECULATIVE_SUFFIX_SHARE", "true")
+    config = up("--model", "/m", "--speculative", "suffix", "--num-speculative-tokens", "8",
+                "--speculative-max-batch", "16", "--speculative-ngram-max", "5",
+                "--speculative-ngram-min", "3")  # fmt: skip
+    want = SpeculativeConfig("suffix", 8, ngram_max=5, ngram_min=3, max_batch=16,
+                             suffix_share=True)  # fmt: skip
+    assert config.engine_config().speculative == want
+
+    def flags(args: list[str]) -> dict[str, str]:
+        return dict(zip(args[::2], args[1::2], strict=True))
+
+    for name, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
+        args = config.worker_args(name)
+        assert {k: v for k, v in flags(args).items() if "speculative" in k} == {
+            "--speculative": "suffix",
+            "--num-speculative-tokens": "8",
+            "--speculative-max-batch": "16",
+            "--speculative-ngram-max": "5",
+            "--speculative-ngram-min": "3",
+            "--speculative-suffix-share": "true",
+        }
+        worker = parse_config(WorkerConfig, args, fixed={"role": role}, environ={})
+        assert worker.engine.speculative == want
+    # Off by default, and the workers are told so.
+    up_env.delenv("TANDEM_SPECULATIVE_SUFFIX_SHARE")
+    plain = flags(up("--model", "/m").worker_args("decode-0"))
+    assert (plain["--speculative"], plain["--speculative-suffix-share"]) == ("none", "false")
 
 
 def test_up_gives_each_worker_its_own_disk_tier_directory(up_env: pytest.MonkeyPatch) -> None:

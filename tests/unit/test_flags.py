@@ -107,6 +107,83 @@ def test_kv_tier_settings_reach_a_worker_config_by_flag_and_env() -> None:
     assert (cache.kv_host_bytes, cache.kv_disk_dir, cache.kv_disk_bytes) == (2048, "", 0)
 
 
+def test_speculative_settings_reach_a_worker_config_by_flag_and_env() -> None:
+    """SpeculativeConfig's fields (issue 45) are flags and TANDEM_* variables of every worker
+    main under the names `tandem up` and `tandem generate` give them (PUBLIC_NAMES:
+    --speculative, not --method), with their docstring's help."""
+    from tandem.config import SpeculativeConfig
+
+    names = {leaf.path: (leaf.name, leaf.flag, leaf.env) for leaf in leaves(WorkerConfig)}
+    spec = {
+        path[-1]: named for path, named in names.items() if path[:2] == ("engine", "speculative")
+    }
+    assert spec == {
+        "method": ("speculative", "--speculative", "TANDEM_SPECULATIVE"),
+        "num_speculative_tokens": (
+            "num_speculative_tokens", "--num-speculative-tokens", "TANDEM_NUM_SPECULATIVE_TOKENS",
+        ),
+        "ngram_max": (
+            "speculative_ngram_max", "--speculative-ngram-max", "TANDEM_SPECULATIVE_NGRAM_MAX",
+        ),
+        "ngram_min": (
+            "speculative_ngram_min", "--speculative-ngram-min", "TANDEM_SPECULATIVE_NGRAM_MIN",
+        ),
+        "max_batch": (
+            "speculative_max_batch", "--speculative-max-batch", "TANDEM_SPECULATIVE_MAX_BATCH",
+        ),
+        "suffix_share": (
+            "speculative_suffix_share", "--speculative-suffix-share",
+            "TANDEM_SPECULATIVE_SUFFIX_SHARE",
+        ),
+    }  # fmt: skip
+    cfg = parse_config(
+        WorkerConfig,
+        ["--model-dir", "/m", "--speculative", "suffix", "--speculative-max-batch", "4",
+         "--speculative-suffix-share", "--num-speculative-tokens", "7"],
+        fixed={"role": "decode"},
+        environ={"TANDEM_SPECULATIVE_NGRAM_MAX": "8", "TANDEM_SPECULATIVE_NGRAM_MIN": "3",
+                 "TANDEM_SPECULATIVE": "ngram", "TANDEM_NUM_SPECULATIVE_TOKENS": "2"},
+    )  # fmt: skip
+    assert cfg.engine.speculative == SpeculativeConfig(
+        method="suffix",
+        num_speculative_tokens=7,
+        ngram_max=8,
+        ngram_min=3,
+        max_batch=4,
+        suffix_share=True,
+    )
+    env = {"TANDEM_SPECULATIVE": "ngram", "TANDEM_SPECULATIVE_SUFFIX_SHARE": "false"}
+    spec_cfg = parse_config(WorkerConfig, ["--model-dir", "/m"], environ=env).engine.speculative
+    assert spec_cfg == SpeculativeConfig(method="ngram")
+    assert parse_config(WorkerConfig, ["--model-dir", "/m"], environ={}).engine.speculative == (
+        SpeculativeConfig()
+    )
+
+
+def test_speculative_help_and_errors_name_the_public_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--help"], prog="decode", environ={})
+    out = " ".join(capsys.readouterr().out.split())
+    assert '--speculative SPECULATIVE "none", "ngram" (prompt lookup' in out
+    assert "(env TANDEM_SPECULATIVE_MAX_BATCH; default 8)" in out
+    assert "--method" not in out and "--max-batch" not in out
+    with pytest.raises(SystemExit):
+        argv = ["--model-dir", "/m", "--speculative-ngram-min", "9"]
+        parse_config(WorkerConfig, argv, prog="decode", environ={})
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "decode: error: arguments --speculative-ngram-min, --speculative-ngram-max: need 1 <= "
+        "ngram_min <= ngram_max <= 16, got ngram_min=9, ngram_max=4"
+    )
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--model-dir", "/m", "--speculative", "eagle"], environ={})
+    assert (
+        "argument --speculative: speculative must be one of none, ngram, suffix, got 'eagle'"
+        in capsys.readouterr().err
+    )
+
+
 def test_a_disk_tier_without_its_budget_is_a_usage_error(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

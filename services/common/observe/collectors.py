@@ -2,7 +2,8 @@
 
 `EngineGauges` reads the engine's load (running and waiting requests, KV blocks) and its
 preemptions; `ExpertRouting` reads a mixture-of-experts model's tokens per (layer, expert);
-`KVTiers` reads the KV tiers' figures (tandem.tiers, `tier_families`).
+`KVTiers` reads the KV tiers' figures (tandem.tiers, `tier_families`); `Speculation` the
+speculative proposers' counts (tandem.speculative, `spec_families`).
 `WorkerMetrics` (tandem.services.common.observe.metrics) registers them on its registry; nothing is
 computed on the engine's hot path for them.
 """
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from tandem.load import Load
+    from tandem.speculative.stats import SpecStats
     from tandem.tiers.stats import TierStats
 
 # The KV tiers' metrics: tandem_worker_kv_tier_<TierStats field>{role, tier}, one series per
@@ -38,6 +40,17 @@ TIER_COUNTERS = {
     "digest_mismatches": "Blocks that failed their digest on read-back (dropped, recomputed).",
     "failed_writes": "Block writes that failed (an I/O error, a full disk): never visible.",
     "evictions": "Blocks the tier evicted to stay within its budget.",
+}
+# Speculative decoding's metrics (issue 45): tandem_worker_spec_<SpecStats field>_total{role,
+# proposer}, one series per proposer ("ngram", "suffix"); counters since start.
+SPEC_PREFIX = "tandem_worker_spec_"
+SPEC_COUNTERS = {
+    "proposed_tokens": "Drafted tokens the target model verified.",
+    "accepted_tokens": "Drafted tokens the target agreed with (emitted as drafted).",
+    "verify_rows": "Request-steps that verified a draft (one row of one step each).",
+    "emitted_tokens": "Tokens the verifying rows emitted (accepted plus the target's own).",
+    "paused_steps": "Steps in which speculation paused (more decoding requests than "
+    "--speculative-max-batch).",
 }
 
 
@@ -125,3 +138,28 @@ class KVTiers(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from tier_families(self.role, self.read())
+
+
+def spec_families(role: str, stats: Iterable[SpecStats]) -> list[Metric]:
+    """Speculative decoding's metric families for `stats` (LLMEngine.spec_stats: one record
+    per proposer), labelled role and proposer; each family holds one sample per proposer
+    (none without speculation)."""
+    stats = list(stats)
+    families: list[Metric] = []
+    for field, doc in SPEC_COUNTERS.items():
+        family = CounterMetricFamily(SPEC_PREFIX + field, doc, labels=["role", "proposer"])
+        for s in stats:
+            family.add_metric([role, s.proposer], getattr(s, field))
+        families.append(family)
+    return families
+
+
+class Speculation(Collector):
+    """The speculative proposers' counts (`spec_families`), read when scraped: `read` is
+    LLMEngine.spec_stats."""
+
+    def __init__(self, role: str, read: Callable[[], list[SpecStats]]) -> None:
+        self.role, self.read = role, read
+
+    def collect(self) -> Iterator[Metric]:
+        yield from spec_families(self.role, self.read())

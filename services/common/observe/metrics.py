@@ -27,7 +27,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import Metric
 
 from tandem.routing import Placement, RouteKind
-from tandem.services.common.observe.collectors import EngineGauges, ExpertRouting, KVTiers
+from tandem.services.common.observe.collectors import (
+    EngineGauges,
+    ExpertRouting,
+    KVTiers,
+    Speculation,
+)
 from tandem.services.common.rpc.errors import ServiceError
 from tandem.services.common.worker.kv_pull import Pulled
 from tandem.types import KVOutcome, Role
@@ -35,6 +40,7 @@ from tandem.types import KVOutcome, Role
 if TYPE_CHECKING:
     from tandem.engine.engine import LLMEngine
     from tandem.load import Load
+    from tandem.speculative.stats import SpecStats
     from tandem.tiers.stats import TierStats
 
 log = logging.getLogger(__name__)
@@ -385,6 +391,11 @@ class WorkerMetrics:
         """tandem_worker_kv_tier_*{role, tier}: a worker with KV tiers registers them (read
         when scraped: tandem.services.common.observe.collectors.tier_families names them)."""
         self.registry.register(KVTiers(self.role, read))
+
+    def speculation(self, read: Callable[[], list[SpecStats]]) -> None:
+        """tandem_worker_spec_*_total{role, proposer}: a worker with speculative decoding
+        registers them (read when scraped: collectors.spec_families names them)."""
+        self.registry.register(Speculation(self.role, read))
 
     def admitted(self, request_id: str) -> None:
         """`request_id` is about to be added to the engine (any thread)."""

@@ -5,6 +5,11 @@ A config may compose others (`WorkerConfig.engine: EngineConfig`, which holds a
 
     WorkerConfig.engine.cache.kv_cache_bytes  <->  --kv-cache-bytes  <->  TANDEM_KV_CACHE_BYTES
 
+A few fields would say too little on their own and go by a longer name (`PUBLIC_NAMES`):
+
+    WorkerConfig.engine.speculative.max_batch  <->  --speculative-max-batch
+                                               <->  TANDEM_SPECULATIVE_MAX_BATCH
+
 A flag beats the environment, which beats the field's default (a nested config's default
 instance supplies its fields' defaults); a flag's help is its field's entry in the
 `Attributes:` section of its config's docstring. Only services' main.py call `parse_config`;
@@ -28,6 +33,16 @@ T = TypeVar("T")
 ENV_PREFIX = "TANDEM_"
 # Short spellings a leaf's flag also answers to (the long one is the field's name).
 ALIASES = {"tensor_parallel_size": ("--tp",)}
+# A leaf's name (flag, TANDEM_* variable, Helm key) where its field's own name would say too
+# little once flattened, keyed by (the field holding its config, the field): SpeculativeConfig's
+# as `tandem up` and `tandem generate` spell them (UpConfig's speculative_* fields).
+PUBLIC_NAMES: dict[tuple[str, ...], str] = {
+    ("speculative", "method"): "speculative",
+    ("speculative", "ngram_max"): "speculative_ngram_max",
+    ("speculative", "ngram_min"): "speculative_ngram_min",
+    ("speculative", "max_batch"): "speculative_max_batch",
+    ("speculative", "suffix_share"): "speculative_suffix_share",
+}
 
 
 class Leaf(NamedTuple):
@@ -38,8 +53,14 @@ class Leaf(NamedTuple):
     default: Any  # dataclasses.MISSING when the field is required
 
     @property
-    def name(self) -> str:
+    def field(self) -> str:
+        """The dataclass field's own name (its config's messages say this one)."""
         return self.path[-1]
+
+    @property
+    def name(self) -> str:
+        """Its flag's, variable's and Helm key's name: the field's, or its `PUBLIC_NAMES` entry."""
+        return PUBLIC_NAMES.get(self.path[-2:], self.path[-1])
 
     @property
     def flag(self) -> str:
@@ -234,7 +255,7 @@ def add_flags(
             default.env = leaf.env
             # An environment value may be a secret (a Redis URL's password): not in --help.
             shown = "set from the environment"
-        help_text = " ".join([docs.get(leaf.name, ""), f"(env {leaf.env}; {shown})"]).strip()
+        help_text = " ".join([docs.get(leaf.field, ""), f"(env {leaf.env}; {shown})"]).strip()
         bare: dict[str, Any] = {"nargs": "?", "const": True, "metavar": "BOOL"}
         parser.add_argument(
             leaf.flag,
@@ -266,6 +287,13 @@ def usage_error(
     parser.error(f"argument{plural} {', '.join(which)}: {message}" if which else message)
 
 
+def leaf_flags(added: Sequence[Leaf]) -> dict[str, str]:
+    """Name -> flag of each leaf of `added`, for `usage_error`: by its name, and by its
+    field's own where that differs (a config's message says `max_batch`, the flag is
+    --speculative-max-batch)."""
+    return {leaf.field: leaf.flag for leaf in added} | {leaf.name: leaf.flag for leaf in added}
+
+
 def build_config(
     cls: type[T],
     parser: argparse.ArgumentParser,
@@ -274,17 +302,16 @@ def build_config(
 ) -> T:
     """`cls` from leaf name -> value (a leaf left out takes its default). A validation error of
     any of its dataclasses is a usage error of `parser` (exit 2) naming the flags of the fields
-    it names (`flags`: field name -> flag; default: every leaf's own)."""
-    by_name = {leaf.name: leaf for leaf in leaves(cls)}
+    it names (`flags`: field name -> flag; default: every leaf's own, `leaf_flags`)."""
+    all_leaves = leaves(cls)
+    by_name = {leaf.name: leaf for leaf in all_leaves}
     unknown = set(values) - set(by_name)
     if unknown:
         raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
     try:
         return build(cls, {by_name[name].path: value for name, value in values.items()})
     except (ValueError, TypeError) as exc:
-        usage_error(
-            parser, exc, {n: leaf.flag for n, leaf in by_name.items()} if flags is None else flags
-        )
+        usage_error(parser, exc, leaf_flags(all_leaves) if flags is None else flags)
 
 
 def parse_config(
@@ -307,4 +334,4 @@ def parse_config(
     parser = argparse.ArgumentParser(prog=prog or cls.__name__)
     added = add_flags(parser, cls, skip=fixed, environ=environ)
     ns = vars(parser.parse_args(argv))
-    return build_config(cls, parser, {**ns, **fixed}, {leaf.name: leaf.flag for leaf in added})
+    return build_config(cls, parser, {**ns, **fixed}, leaf_flags(added))

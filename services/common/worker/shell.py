@@ -107,6 +107,8 @@ class Worker:
         self.metrics.weights(self.engine.weight_bytes, config.engine.quantization)
         if config.engine.cache.kv_host_bytes or config.engine.cache.kv_disk_bytes:
             self.metrics.kv_tiers(self.engine.tier_stats)  # read under the tiers' lock
+        if config.engine.speculative.enabled:
+            self.metrics.speculation(self.engine.spec_stats)
         self.metrics.registry.register(MemoryCollector(self.role.value, self.footprint))
         self.metrics_address = ""  # host:port of /metrics, once started (metrics_port >= 0)
         self._metrics_server: HTTPServer | None = None
