@@ -146,7 +146,8 @@ class LLMEngine:
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
         )
         linear = self.model.linear_states is not None
-        self.speculator = make_speculator(config.speculative, self.max_model_len, linear)
+        self.speculator = make_speculator(config.speculative, self.max_model_len, linear,
+                                          config.device)  # fmt: skip
         self.scheduler.speculator = self.speculator
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))

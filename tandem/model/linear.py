@@ -141,3 +141,22 @@ def matmul(
             x = torch.nn.functional.pad(x, (0, 0, 0, rows - n))  # x [rows, in], zero rows
         return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")[:n]
     return x @ w if bias is None else torch.addmm(bias, x, w)
+
+
+def lm_head_matmul(
+    x: torch.Tensor, w: torch.Tensor | QuantLinear | QuantizedWeight, kind: MatmulKind
+) -> torch.Tensor:
+    """`matmul` for the lm_head. A tied lm_head is the embedding transposed, [vocab, hid]
+    row-major underneath: for 2+ rows on a CPU, MKL streams it once as (W @ x^T)^T, 2.5-4x
+    faster than x @ W^T (SmolLM2's 49k x 576, 5 rows: 13.6 vs 51.6 ms; 8 rows: 18 vs 55;
+    BENCHMARKS.md issue 45): what a speculative verify row and a decode batch take. One row
+    keeps x @ W^T, the faster there."""
+    if (
+        kind is MatmulKind.PLAIN
+        and isinstance(w, torch.Tensor)
+        and x.shape[0] > 1
+        and x.device.type == "cpu"
+        and w.t().is_contiguous()
+    ):
+        return torch.mm(w.t(), x.t()).t()
+    return matmul(x, w, kind)

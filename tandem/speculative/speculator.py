@@ -3,31 +3,80 @@
 Rules (exact unit tests in tests/unit/test_speculative.py):
 - A step speculates only while it decodes at most `max_batch` requests: past that the batch
   is no longer bound by reading the weights, and verifying drafts costs more than it saves.
-- A request's draft is at most its own k, which adapts to what it accepts: a fully accepted
-  draft raises k by one (up to num_speculative_tokens), a partly accepted one sets it to the
-  accepted length + 1. k never drafts past max_tokens or the model's context.
+- A request drafts the k that maximises its expected tokens per unit of step time, from its
+  own acceptance rate a (a smoothed count of drafted tokens accepted, per token tried) and
+  what verifying k tokens costs on the device (`VerifyCost`): a draft of k yields
+  1 + a + ... + a^k tokens for a step costing 1 + fixed + per_token * k decode steps. No
+  k beats a plain step (a low rate): no draft, and the rate drifts back to its prior with
+  every plain step, so the request probes again later. k is at most num_speculative_tokens
+  and never drafts past max_tokens or the model's context.
 - A constrained request drafts only the tokens its grammar accepts (`valid_prefix`).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from tandem.config import SpeculativeConfig
-from tandem.engine.request import Request
 from tandem.speculative.proposers import SHARED_TENANTS, Proposer, SuffixProposer, make_proposer
 from tandem.speculative.stats import SpecStats
 
+if TYPE_CHECKING:  # the engine package imports this module (its scheduler)
+    from tandem.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyCost:
+    """A step verifying k drafted tokens after a row's own token costs 1 + fixed +
+    per_token * k plain decode steps."""
+
+    fixed: float
+    per_token: float
+
+
+# Measured on a 2-core AVX2 CPU, SmolLM2-135M in float32, one request at a 500-token context
+# (BENCHMARKS.md issue 45): a verify step took 1.3-1.8x a decode step at k = 1 and
+# 1.65-2.4x at k = 4 (MKL's GEMMs of 2-8 rows run at a fraction of the FMA peak).
+CPU_COST = VerifyCost(fixed=0.4, per_token=0.15)
+# A GPU's decode step is bound by reading the weights: a few more rows cost next to nothing
+# (an estimate, not measured here: no GPU was lent for issue 45).
+GPU_COST = VerifyCost(fixed=0.05, per_token=0.02)
+PRIOR_RATE = 0.8  # a new request's acceptance rate: try drafting
+PRIOR_WEIGHT = 2.0  # tokens' worth of belief in the prior
+# per verify, the weight of a request's earlier counts; per plain step, the pull to the prior
+DECAY = 0.8
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a draft of k yields (the row's own included) at per-token acceptance `rate`."""
+    return sum(rate**i for i in range(k + 1))
+
+
+def best_draft_length(rate: float, k_max: int, cost: VerifyCost) -> int:
+    """The k in 1..k_max with the most tokens per unit of step time; 0 when none beats a
+    plain decode step (1 token per 1)."""
+    best, best_gain = 0, 1.0
+    for k in range(1, k_max + 1):
+        gain = expected_tokens(rate, k) / (1 + cost.fixed + cost.per_token * k)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, cost: VerifyCost = CPU_COST
+    ) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.cost = cost
         self.proposer: Proposer = make_proposer(
             config.method, config.ngram_min, config.ngram_max, config.suffix_share
         )
         self._seen: dict[str, int] = {}  # request id -> tokens the proposer has of it
-        self._k: dict[str, int] = {}  # request id -> its adapted draft length
+        # request id -> (accepted, tried): drafted tokens, decayed (see `rate`)
+        self._counts: dict[str, tuple[float, float]] = {}
         self._stats = SpecStats(config.method)
 
     def active(self, num_decoding: int) -> bool:
@@ -42,7 +91,7 @@ class Speculator:
         the step's tokens left, the request's own token included."""
         rid, params = request.request_id, request.sampling_params
         room = min(
-            self._k.get(rid, self.config.num_speculative_tokens),
+            self.config.num_speculative_tokens,
             params.max_tokens - len(request.output_token_ids) - 1,
             self.max_model_len - request.num_tokens - 1,
             budget - 1,
@@ -55,7 +104,12 @@ class Speculator:
         elif seen < request.num_tokens:
             self.proposer.extend(rid, request.token_ids_slice(seen, request.num_tokens))
         self._seen[rid] = request.num_tokens
-        draft = self.proposer.propose(rid, room)
+        k = best_draft_length(self.rate(rid), room, self.cost)
+        if k == 0:
+            accepted, tried = self._counts.get(rid, (0.0, 0.0))
+            self._counts[rid] = (accepted * DECAY, tried * DECAY)  # drift back to the prior
+            return ()
+        draft = self.proposer.propose(rid, k)
         if draft and request.matcher is not None:
             draft = draft[: request.matcher.valid_prefix(draft)]
         return tuple(draft)
@@ -63,9 +117,11 @@ class Speculator:
     def verified(self, request_id: str, proposed: int, accepted: int, emitted: int) -> None:
         """A row verified `proposed` drafted tokens, accepted `accepted` and emitted
         `emitted` tokens."""
-        k_max = self.config.num_speculative_tokens
-        k = self._k.get(request_id, k_max)
-        self._k[request_id] = min(k_max, k + 1) if accepted == proposed else accepted + 1
+        # Tokens tried: those accepted, and the first rejected one (the rest were never
+        # reached): per-token acceptance is then accepted / tried.
+        tried = accepted + (accepted < proposed)
+        was_accepted, was_tried = self._counts.get(request_id, (0.0, 0.0))
+        self._counts[request_id] = (was_accepted * DECAY + accepted, was_tried * DECAY + tried)
         s = self._stats
         self._stats = replace(
             s,
@@ -79,7 +135,12 @@ class Speculator:
         """The request is gone: forget it (a shared suffix index keeps its tokens)."""
         if self._seen.pop(request_id, None) is not None:
             self.proposer.finish(request_id)
-        self._k.pop(request_id, None)
+        self._counts.pop(request_id, None)
+
+    def rate(self, request_id: str) -> float:
+        """The request's per-token acceptance rate, its counts smoothed by the prior."""
+        accepted, tried = self._counts.get(request_id, (0.0, 0.0))
+        return (accepted + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def stats(self) -> SpecStats:
         return self._stats
@@ -90,7 +151,7 @@ class Speculator:
         tenants."""
         sizes: dict[str, tuple[int, int | None]] = {
             "spec_requests": (len(self._seen), None),
-            "spec_draft_lengths": (len(self._k), None),
+            "spec_acceptance_counts": (len(self._counts), None),
             "spec_proposer_requests": (self.proposer.num_requests(), None),
         }
         if isinstance(self.proposer, SuffixProposer) and self.proposer.share:
@@ -99,7 +160,7 @@ class Speculator:
 
 
 def make_speculator(
-    config: SpeculativeConfig, max_model_len: int, linear_attention: bool
+    config: SpeculativeConfig, max_model_len: int, linear_attention: bool, device: str = "cpu"
 ) -> Speculator | None:
     """The engine's speculator (None: speculation off).
 
@@ -114,4 +175,5 @@ def make_speculator(
             f"speculative decoding ({config.method}): a linear-attention model's state cannot "
             "yet be rolled back past rejected draft tokens; serve it without --speculative"
         )
-    return Speculator(config, max_model_len)
+    cost = CPU_COST if device.startswith("cpu") else GPU_COST
+    return Speculator(config, max_model_len, cost)

@@ -19,7 +19,13 @@ from tandem.engine.request import Request
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.verify import accepted_length
 from tandem.speculative.proposers import NgramIndex, NgramProposer, SuffixProposer, vote
-from tandem.speculative.speculator import Speculator, make_speculator
+from tandem.speculative.speculator import (
+    Speculator,
+    VerifyCost,
+    best_draft_length,
+    expected_tokens,
+    make_speculator,
+)
 from tests.unit.test_engine import disaggregated
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -97,28 +103,43 @@ def spec_request(rid: str, prompt: list[int], max_tokens: int = 100, **kw) -> Re
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), **kw)
 
 
-def test_draft_length_adapts_to_acceptance_and_respects_the_limits() -> None:
+def test_the_draft_length_maximises_tokens_per_step_time() -> None:
+    cost = VerifyCost(fixed=0.4, per_token=0.15)
+    assert expected_tokens(0.5, 3) == 1.875 and expected_tokens(0.0, 4) == 1.0
+    # 0.7: 1 + .7 + .49 + .343 + .2401 = 2.7731 tokens for 2.0 steps at k = 4, the best
+    assert [best_draft_length(r, 4, cost) for r in (0.3, 0.45, 0.5, 0.6, 0.7)] == [0, 0, 2, 3, 4]
+    assert best_draft_length(0.95, 2, cost) == 2  # bounded by k_max
+    cheap = VerifyCost(fixed=0.05, per_token=0.02)
+    assert best_draft_length(0.3, 8, cheap) == 3
+
+
+def test_draft_length_follows_acceptance_and_respects_the_limits() -> None:
     s = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=3, ngram_min=1),
-                   max_model_len=64)  # fmt: skip
+                   max_model_len=64, cost=VerifyCost(fixed=0.4, per_token=0.15))  # fmt: skip
     r = spec_request("r", [1, 2, 3, 4, 5, 6, 7, 1])
-    assert s.draft(r, budget=100) == (2, 3, 4)  # k starts at its maximum
-    s.verified("r", 3, 1, 2)
-    assert s.draft(r, budget=100) == (2, 3)  # partly accepted: accepted + 1
-    s.verified("r", 2, 2, 3)
-    assert s.draft(r, budget=100) == (2, 3, 4)  # fully accepted: one more, up to 3
+    assert s.rate("r") == 0.8 and s.draft(r, budget=100) == (2, 3, 4)  # the prior: try
     assert s.draft(r, budget=3) == (2, 3)  # the step's budget, the row's own token first
-    s.verified("r", 3, 0, 1)
-    assert s.draft(r, budget=100) == (2,)
+    s.verified("r", 3, 0, 1)  # tried 1 (the first was rejected), accepted 0
+    assert s.rate("r") == pytest.approx(1.6 / 3)
+    assert s.draft(r, budget=100) == (2, 3)  # k = 2 at 0.53
+    s.verified("r", 2, 0, 1)  # counts (0, 0.8 + 1): rate 1.6 / 3.8 = 0.42, no k pays
+    assert s.draft(r, budget=100) == () and s.draft(r, budget=100) == ()
+    assert s.rate("r") == pytest.approx(1.6 / (1.8 * 0.64 + 2))  # drifting back
+    assert s.draft(r, budget=100) == (2, 3)  # 0.51: probing again
+    s.verified("r", 2, 2, 3)
+    assert s.rate("r") > 0.7 and s.draft(r, budget=100) == (2, 3, 4)
     # never past max_tokens (the target's own token comes after the draft) or the context
-    s.verified("r", 1, 1, 2)
     assert s.draft(spec_request("m", [1, 2, 1], max_tokens=2), 100) == (2,)
     assert s.draft(spec_request("n", [1, 2, 1], max_tokens=1), 100) == ()
     assert s.draft(spec_request("c", [9] * 62), 100) == (9,)  # 62 tokens of 64: then 2 more
     assert s.draft(spec_request("d", [9] * 63), 100) == ()
     assert s.draft(spec_request("h", [1, 2, 1], hand_off=True), 100) == ()
     stats = s.stats()
-    assert (stats.proposed_tokens, stats.accepted_tokens, stats.verify_rows) == (9, 4, 4)
-    assert stats.emitted_tokens == 8 and stats.acceptance_length == 2.0
+    assert (stats.proposed_tokens, stats.accepted_tokens, stats.verify_rows) == (7, 2, 3)
+    assert stats.emitted_tokens == 5 and stats.acceptance_length == 5 / 3
+    for rid in ("r", "m", "n", "c", "d", "h"):
+        s.finish(rid)
+    assert all(n == 0 for n, _ in s.footprint().values())
 
 
 def test_speculation_pauses_above_max_batch_and_counts_it() -> None:
