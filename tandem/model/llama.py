@@ -23,17 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import cpu_ops
+from tandem.model import linear
 from tandem.model.attention import AttentionBackend, AttentionMetadata
 from tandem.model.config import ModelConfig
 from tandem.model.layer_weights import LayerWeights, ModelWeights, Weight
-from tandem.model.linear import (
-    MatmulKind,
-    lm_head_matmul,
-    matmul,
-    onednn_row_counts,
-    onednn_rows,
-    pack,
-)
+from tandem.model.linear import MatmulKind, matmul, onednn_row_counts, onednn_rows, pack
 from tandem.model.linear_attention import LinearStates, gdn_forward
 from tandem.model.mla import mla_forward
 from tandem.model.moe import moe_forward
@@ -447,7 +441,7 @@ class LlamaModel:
         of a tensor-parallel group)."""
         if self.weights.lm_head.is_mkldnn:
             self.onednn_row_counts.add(onednn_rows(hidden.shape[0]))
-        logits = lm_head_matmul(hidden, self.weights.lm_head, self.matmul)
+        logits = linear.lm_head_matmul(hidden, self.weights.lm_head, self.matmul)
         if self.tp is not None:  # [rows, vocab / tp] per rank, the padding dropped
             logits = self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
         cap = self.config.features.final_softcap
