@@ -4,6 +4,12 @@ batch size with speculation forced on and off, and acceptance disaggregated vs c
     .venv/bin/python benchmarks/bench_speculative.py batch1 [--model-dir DIR] [--reps N]
     .venv/bin/python benchmarks/bench_speculative.py batch [--model-dir DIR] [--sizes 1,4,8,16,32]
     .venv/bin/python benchmarks/bench_speculative.py pd [--model-dir DIR]
+    .venv/bin/python benchmarks/bench_speculative.py cost [--model-dir DIR]
+
+`cost` measures what a verify step costs against a plain decode step at k = 1..4 (the
+constants of `tandem.speculative.speculator.CPU_COST`): one request at a 500-token context,
+its drafts always wrong (each verify still yields one token), plain and verify steps
+alternated so the box's load moves both alike; medians of --reps rounds.
 
 Every ratio is against speculation off in the same run: the engines run side by side and
 each prompt is served by every engine in turn, so the box's load moves all of them alike.
@@ -225,6 +231,61 @@ def cmd_pd(args: argparse.Namespace) -> dict:
     return {"model": args.model_dir.name, "rows": rows}
 
 
+class WrongDraft:
+    """A proposer whose drafts are never accepted: k copies of a token the model would not
+    pick here (it is set to a rejected one after the first step)."""
+
+    name = "wrong"
+
+    def __init__(self) -> None:
+        self.k = 1
+
+    def start(self, request_id: str, token_ids: Any, tenant: str = "") -> None: ...
+
+    def extend(self, request_id: str, token_ids: Any) -> None: ...
+
+    def propose(self, request_id: str, k: int) -> list[int]:
+        return [3] * self.k
+
+    def finish(self, request_id: str) -> None: ...
+
+    def num_requests(self) -> int:
+        return 0
+
+
+def cmd_cost(args: argparse.Namespace) -> dict:
+    import statistics
+
+    from tandem.speculative.speculator import VerifyCost
+
+    ks = (1, 2, 3, 4)
+    engines = {k: make_engine(args.model_dir, "ngram" if k else "none") for k in (0, *ks)}
+    params = SamplingParams(max_tokens=4 * args.reps + 8, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1000, 1500))
+    times: dict[int, list[float]] = {k: [] for k in engines}
+    for k, e in engines.items():
+        if e.speculator is not None:
+            proposer = e.speculator.proposer = WrongDraft()  # type: ignore[assignment]
+            proposer.k = k
+            e.speculator.cost = VerifyCost(0.0, 0.0)  # always draft: rate never matters
+        e.add_request(e.spec("c", prompt, params))
+        e.step()  # the prefill
+    for _ in range(args.reps):
+        for k, e in engines.items():  # each round: a step of every engine in turn
+            t = time.perf_counter()
+            e.step()
+            times[k].append(time.perf_counter() - t)
+    base = statistics.median(times[0])
+    medians = {k: statistics.median(t) for k, t in times.items()}
+    rows = [
+        {"k": k, "step_ms": round(1000 * m, 2), "vs_plain": round(m / base, 3)}
+        for k, m in medians.items()
+    ]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return {"model": args.model_dir.name, "context": len(prompt), "rows": rows}
+
+
 def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], n: int) -> list:
     """One request prefilled by `prefill`, its KV copied into `decode`, decoded there."""
     import torch
@@ -274,14 +335,15 @@ def plot(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cmd", choices=("batch1", "batch", "pd"))
+    parser.add_argument("cmd", choices=("batch1", "batch", "pd", "cost"))
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--sizes", default="1,4,8,16,32")
     parser.add_argument("--method", default="ngram")
     args = parser.parse_args()
-    result = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd}[args.cmd](args)
+    commands = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd, "cost": cmd_cost}
+    result = commands[args.cmd](args)
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     saved[args.cmd] = result
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -36,16 +36,16 @@ class VerifyCost:
 
 
 # Measured on a 2-core AVX2 CPU, SmolLM2-135M in float32, one request at a 500-token context
-# (BENCHMARKS.md issue 45): a verify step took 1.3-1.8x a decode step at k = 1 and
-# 1.65-2.4x at k = 4 (MKL's GEMMs of 2-8 rows run at a fraction of the FMA peak).
-CPU_COST = VerifyCost(fixed=0.4, per_token=0.15)
+# (`bench_speculative.py cost`, BENCHMARKS.md issue 45): a verify step took 1.43, 1.70, 2.28
+# and 2.24 decode steps at k = 1..4 (MKL's GEMMs of 2-8 rows run far below the FMA peak).
+CPU_COST = VerifyCost(fixed=0.2, per_token=0.27)
 # A GPU's decode step is bound by reading the weights: a few more rows cost next to nothing
 # (an estimate, not measured here: no GPU was lent for issue 45).
 GPU_COST = VerifyCost(fixed=0.05, per_token=0.02)
 PRIOR_RATE = 0.8  # a new request's acceptance rate: try drafting
 PRIOR_WEIGHT = 2.0  # tokens' worth of belief in the prior
-# per verify, the weight of a request's earlier counts; per plain step, the pull to the prior
-DECAY = 0.8
+DECAY = 0.8  # per verify, the weight of a request's earlier counts
+PLAIN_DECAY = 0.95  # per plain step, the same: a request that stopped drafting tries again
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -107,7 +107,7 @@ class Speculator:
         k = best_draft_length(self.rate(rid), room, self.cost)
         if k == 0:
             accepted, tried = self._counts.get(rid, (0.0, 0.0))
-            self._counts[rid] = (accepted * DECAY, tried * DECAY)  # drift back to the prior
+            self._counts[rid] = (accepted * PLAIN_DECAY, tried * PLAIN_DECAY)  # toward the prior
             return ()
         draft = self.proposer.propose(rid, k)
         if draft and request.matcher is not None:
