@@ -2,7 +2,7 @@
 batch size with speculation forced on and off, and acceptance disaggregated vs colocated.
 
     .venv/bin/python benchmarks/bench_speculative.py batch1 [--model-dir DIR] [--reps N]
-    .venv/bin/python benchmarks/bench_speculative.py batch [--model-dir DIR] [--sizes 1,4,8,16,32]
+    .venv/bin/python benchmarks/bench_speculative.py batch [--sizes 1,4,8,16,32] [--workload W]
     .venv/bin/python benchmarks/bench_speculative.py pd [--model-dir DIR]
     .venv/bin/python benchmarks/bench_speculative.py cost [--model-dir DIR]
 
@@ -184,13 +184,13 @@ def cmd_batch1(args: argparse.Namespace) -> dict:
 
 
 def cmd_batch(args: argparse.Namespace) -> dict:
-    """Output tokens/s at each batch size, code-edit prompts, speculation forced on (its
+    """Output tokens/s at each batch size, --workload's prompts, speculation forced on (its
     max_batch above every size) against off, each size served by both in turn."""
     sizes = [int(s) for s in args.sizes.split(",")]
     engines = {m: make_engine(args.model_dir, m, max_batch=1024) for m in ("none", args.method)}
     tok = engines["none"].tokenizer
     assert tok is not None
-    chats = workloads()["code-edit"]
+    chats = workloads()[args.workload]
     prompts = [tok.encode_chat(c)[0] for c in chats]
     rows = []
     for n in sizes:
@@ -203,7 +203,8 @@ def cmd_batch(args: argparse.Namespace) -> dict:
                      "on_tokens_per_s": round(rates[args.method], 1),
                      "on_vs_off": round(rates[args.method] / rates["none"], 3)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
-    return {"model": args.model_dir.name, "method": args.method, "rows": rows}
+    return {"model": args.model_dir.name, "method": args.method, "workload": args.workload,
+            "max_tokens": args.max_tokens, "rows": rows}  # fmt: skip
 
 
 def cmd_pd(args: argparse.Namespace) -> dict:
@@ -341,11 +342,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--sizes", default="1,4,8,16,32")
     parser.add_argument("--method", default="ngram")
+    parser.add_argument("--workload", default="code-edit", choices=tuple(workloads()))
     args = parser.parse_args()
     commands = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd, "cost": cmd_cost}
     result = commands[args.cmd](args)
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    saved[args.cmd] = result
+    key = f"batch-{args.workload}" if args.cmd == "batch" else args.cmd
+    saved[key] = result
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
 

@@ -151,7 +151,7 @@ class UpConfig:
     cpu_matmul: str = "auto"
     speculative: str = "none"
     num_speculative_tokens: int = 4
-    speculative_max_batch: int = 8
+    speculative_max_batch: int = 2  # SpeculativeConfig.max_batch
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 2
     speculative_suffix_share: bool = False

@@ -147,10 +147,10 @@ def lm_head_matmul(
     x: torch.Tensor, w: torch.Tensor | QuantLinear | QuantizedWeight, kind: MatmulKind
 ) -> torch.Tensor:
     """`matmul` for the lm_head. A tied lm_head is the embedding transposed, [vocab, hid]
-    row-major underneath: for 2+ rows on a CPU, MKL streams it once as (W @ x^T)^T, 2.5-4x
-    faster than x @ W^T (SmolLM2's 49k x 576, 5 rows: 13.6 vs 51.6 ms; 8 rows: 18 vs 55;
-    BENCHMARKS.md issue 45): what a speculative verify row and a decode batch take. One row
-    keeps x @ W^T, the faster there."""
+    row-major underneath: for 2+ rows on a CPU, MKL streams it once as (W @ x^T)^T, about
+    2.2x faster than x @ W^T over the view (SmolLM2's 49k x 576 in float32, 5 rows: 12.5-13.6
+    against 26.6-30.4 ms; BENCHMARKS.md issue 45): what a speculative verify row and a decode
+    batch take. One row keeps x @ W^T."""
     if (
         kind is MatmulKind.PLAIN
         and isinstance(w, torch.Tensor)

@@ -44,7 +44,7 @@ def repeating_prompts(seed: int, n: int) -> list[list[int]]:
 def test_speculative_cluster_answers_as_the_plain_engine(
     cluster: Cluster, tiny_model_dir: Path
 ) -> None:
-    prompts = repeating_prompts(7, 6)  # 6 at once: under --speculative-max-batch (8)
+    prompts = repeating_prompts(7, 6)  # 6 at once: under --speculative-max-batch 8
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = reference_engine(tiny_model_dir).generate(prompts, params)
 

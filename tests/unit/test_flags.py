@@ -167,7 +167,7 @@ def test_speculative_help_and_errors_name_the_public_flags(
         parse_config(WorkerConfig, ["--help"], prog="decode", environ={})
     out = " ".join(capsys.readouterr().out.split())
     assert '--speculative SPECULATIVE "none", "ngram" (prompt lookup' in out
-    assert "(env TANDEM_SPECULATIVE_MAX_BATCH; default 8)" in out
+    assert "(env TANDEM_SPECULATIVE_MAX_BATCH; default 2)" in out
     assert "--method" not in out and "--max-batch" not in out
     with pytest.raises(SystemExit):
         argv = ["--model-dir", "/m", "--speculative-ngram-min", "9"]

@@ -241,6 +241,7 @@ def prompts_with_repeats(seed: int, n: int) -> list[list[int]]:
 def run(engine, prompts, params):
     done = engine.generate(prompts, params)
     engine.check_integrity()
+    engine.cached_prompt_tokens = sum(c.num_cached_tokens for c in done)
     return [c.token_ids for c in done], [c.logprobs for c in done]
 
 
@@ -264,8 +265,9 @@ def test_every_proposer_leaves_the_output_unchanged(tiny_model_dir, engine_facto
         assert engine.num_free_blocks() == engine.num_blocks
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle"])
 def test_prefix_hits_chunked_prefill_preemption_penalties_and_logprobs(
-    tiny_model_dir, engine_factory
+    tiny_model_dir, engine_factory, method
 ):
     params = SamplingParams(max_tokens=20, temperature=0.7, seed=5, repetition_penalty=1.3,
                             frequency_penalty=0.5, logprobs=3)  # fmt: skip
@@ -274,12 +276,13 @@ def test_prefix_hits_chunked_prefill_preemption_penalties_and_logprobs(
     ref_engine = engine_factory(tiny_model_dir, **tight)
     ref, ref_lps = run(ref_engine, prompts, params)
     refs = {tuple(p): r for p, r in zip(prompts, ref, strict=True)}
-    engine = make_spec_engine(engine_factory, tiny_model_dir, "oracle", Oracle(refs, 0.25),
-                              **tight)  # fmt: skip
+    oracle = Oracle(refs, 0.25) if method == "oracle" else None
+    engine = make_spec_engine(engine_factory, tiny_model_dir, method, oracle, **tight)
     got, lps = run(engine, prompts, params)
     assert got == ref
     assert engine.scheduler.num_preemptions > 0 and ref_engine.scheduler.num_preemptions > 0
-    assert engine.spec_stats()[0].accepted_tokens > 0
+    assert engine.spec_stats()[0].verify_rows > 0
+    assert engine.cached_prompt_tokens > 0  # the second half hit the first's blocks
     for a, b in zip(lps, ref_lps, strict=True):
         assert len(a) == len(b)
         for (lp, top), (ref_lp, ref_top) in zip(a, b, strict=True):
@@ -287,7 +290,8 @@ def test_prefix_hits_chunked_prefill_preemption_penalties_and_logprobs(
             assert [t for t, _ in top] == [t for t, _ in ref_top]
 
 
-def test_a_json_schema_grammar_stays_exact(tiny_model_dir, engine_factory):
+@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle"])
+def test_a_json_schema_grammar_stays_exact(tiny_model_dir, engine_factory, method):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
               "required": ["a", "b"]}  # fmt: skip
     for temperature in (0.0, 0.9):
@@ -296,12 +300,13 @@ def test_a_json_schema_grammar_stays_exact(tiny_model_dir, engine_factory):
         prompts = prompts_with_repeats(3, 3)
         ref, _ = run(engine_factory(tiny_model_dir), prompts, params)
         refs = {tuple(p): r for p, r in zip(prompts, ref, strict=True)}
-        for wrong in (0.0, 0.4):
-            engine = make_spec_engine(engine_factory, tiny_model_dir, "oracle",
-                                      Oracle(refs, wrong))  # fmt: skip
+        for wrong in (0.0, 0.4) if method == "oracle" else (None,):
+            oracle = Oracle(refs, wrong) if wrong is not None else None
+            engine = make_spec_engine(engine_factory, tiny_model_dir, method, oracle)
             got, _ = run(engine, prompts, params)
             assert got == ref, (temperature, wrong)
-            assert engine.spec_stats()[0].accepted_tokens > 0
+            if oracle is not None:
+                assert engine.spec_stats()[0].accepted_tokens > 0
 
 
 def test_stop_strings_and_max_tokens_cut_an_accepted_draft(tiny_model_dir, engine_factory):
@@ -325,7 +330,7 @@ def test_stop_strings_and_max_tokens_cut_an_accepted_draft(tiny_model_dir, engin
         assert spec.num_free_blocks() == spec.num_blocks
 
 
-@pytest.mark.parametrize("method", ["ngram", "oracle"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "oracle"])
 def test_disaggregated_acceptance_equals_colocated(tiny_model_dir, engine_factory, method):
     prompts = prompts_with_repeats(5, 4)
     ref, _ = run(engine_factory(tiny_model_dir), prompts, GREEDY)
@@ -449,3 +454,20 @@ def test_sampled_output_follows_the_target_distribution(
     monkeypatch.setattr("tandem.engine.verify.accepted_length", lambda draft, sampled: len(draft))
     wrong, expected = observed(engine())
     assert chi_square_p(wrong, expected) < 1e-6
+
+
+def test_tensor_parallel_ranks_verify_the_same_drafts(hf_model, engine_factory):
+    """Every rank runs a verify row's 1 + k positions (StepRow.num_draft): two ranks answer
+    as one, drafts accepted."""
+    model_dir, _ = hf_model("llama")
+    prompts = [[t % 200 + 3 for t in p] for p in prompts_with_repeats(8, 3)]
+    ref, _ = run(engine_factory(model_dir), prompts, GREEDY)
+    refs = {tuple(p): r for p, r in zip(prompts, ref, strict=True)}
+    two = make_spec_engine(engine_factory, model_dir, "oracle", Oracle(refs, 0.3),
+                           tensor_parallel_size=2)  # fmt: skip
+    try:
+        got, _ = run(two, prompts, GREEDY)
+        assert got == ref
+        assert two.spec_stats()[0].accepted_tokens > 0
+    finally:
+        two.close()
