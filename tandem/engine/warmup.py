@@ -55,6 +55,8 @@ def warm_up(engine: Any) -> None:  # an LLMEngine (which imports this module: no
         engine.tiers.prefill_tokens_per_s = engine.warmup_prefill_tokens_per_s
     engine.take_kv_events()
     engine.num_steps = engine.num_tokens_computed = 0
+    if engine.speculator is not None:  # its drafts are not traffic's
+        engine.speculator.reset_stats()
     compile_matmuls(engine.model, engine.config)
     engine.model.attention.warm_up(
         engine.kv_cache[:, 0], engine.model.config.num_q_heads, engine.max_model_len

@@ -145,6 +145,10 @@ class Speculator:
     def stats(self) -> SpecStats:
         return self._stats
 
+    def reset_stats(self) -> None:
+        """Count from zero (after the engine's warm-up)."""
+        self._stats = SpecStats(self.config.method)
+
     def footprint(self) -> dict[str, tuple[int, int | None]]:
         """What grows with traffic here, as (entries, bound or None: per live request), for
         tandem.engine.footprint: per live request, and a shared suffix pool bounded by its

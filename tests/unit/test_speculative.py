@@ -26,6 +26,7 @@ from tandem.speculative.speculator import (
     expected_tokens,
     make_speculator,
 )
+from tandem.speculative.stats import SpecStats
 from tests.unit.test_engine import disaggregated
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -471,3 +472,16 @@ def test_tensor_parallel_ranks_verify_the_same_drafts(hf_model, engine_factory):
         assert two.spec_stats()[0].accepted_tokens > 0
     finally:
         two.close()
+
+
+def test_warm_up_leaves_no_drafts_counted(tiny_model_dir, engine_factory):
+    """The warm-up's request (a long run of ids that repeats over the tiny vocabulary)
+    drafts, but its counts are not traffic's, and nothing of it stays."""
+    engine = make_spec_engine(engine_factory, tiny_model_dir, "suffix")
+    proposer, drafted = engine.speculator.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda rid, k: drafted.append(propose(rid, k)) or drafted[-1]
+    engine.warm_up()
+    assert any(drafted)
+    assert engine.spec_stats()[0] == SpecStats("suffix")
+    assert all(n == 0 for n, _ in engine.speculator.footprint().values())
