@@ -45,6 +45,7 @@ from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, c
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.spec_states import StateRollback
 from tandem.engine.state_checkpoints import StateCheckpoints
 from tandem.engine.state_pages import StateHandoff, pages_format
 from tandem.engine.texts import RequestTexts
@@ -147,16 +148,20 @@ class LLMEngine:
         )
         linear = self.model.linear_states is not None
         self.speculator = make_speculator(config.speculative, self.max_model_len, linear,
-                                          config.device)  # fmt: skip
+                                          config.device, config.tensor_parallel_size)  # fmt: skip
         self.scheduler.speculator = self.speculator
+        self.scheduler.recompute_rejected = linear and self.speculator is not None
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
         self.runner = ModelRunner(
             self.model, self.kv_cache, block_size, sampler, self.max_model_len, self.followers,
             self.kv,
         )  # fmt: skip
-        # a linear-attention model's state travels in a hand-off's blocks (state_pages)
+        # a linear-attention model's state travels in a hand-off's blocks (state_pages), and
+        # is put back past a rejected draft token (spec_states)
         states = self.model.linear_states
+        if states is not None and self.scheduler.recompute_rejected:
+            self.runner.rollback = StateRollback(states, self.runner)
         self.state_handoff = StateHandoff(self.kv, self.runner, states) if states else None
         # KV tiers behind the prefix cache (tandem.tiers), when the cache config asks
         caches = self.rank_kv or ((self.kv_cache, 0),)

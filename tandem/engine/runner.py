@@ -18,6 +18,7 @@ from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.request import Request
 from tandem.engine.sampling import Sampler, SampleResult
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.spec_states import StateRollback
 from tandem.engine.step_inputs import BlockTables, HostStaging
 from tandem.engine.verify import sample_scheduled
 from tandem.model.attention import AttentionMetadata, DecodeGroup, PagedBatch, PrefillSpan
@@ -158,6 +159,7 @@ class ModelRunner:
         self._state_pos: dict[str, int] = {}  # request id -> tokens its slot's state is after
         self._free_slots: list[int] = []
         self.num_state_restores = 0  # rows resumed from a checkpoint (prefix hit, preemption)
+        self.rollback: StateRollback | None = None  # speculation on a linear-attention model
 
     def release(self, request_id: str) -> None:
         """The request is gone (finished, aborted, released): free its block table row
@@ -381,11 +383,13 @@ class ModelRunner:
         if self.followers is not None:  # the other ranks run the same step on their shards
             self.followers.send(plan)
             self._released = []
-        requests = [s.request for s in rows]
-        logits = self._logits(self.prepare_rows(plan.rows, requests), plan.graph_size)
-        if logits is None:
-            return {}
-        return sample_scheduled(self.sampler, logits, [s for s in rows if s.sample])
+        step = self.prepare_rows(plan.rows, [s.request for s in rows])
+        copies = self.rollback.copy_aside(rows) if self.rollback is not None else {}
+        logits = self._logits(step, plan.graph_size)
+        results = {} if logits is None else sample_scheduled(self.sampler, logits, rows)
+        if copies and self.rollback is not None:  # a linear-attention state past a rejection
+            self.rollback.restore(rows, copies, results)
+        return results
 
     def follow(self, plan: StepPlan) -> None:
         """Another rank's step (tandem.engine.ranks): the same forward on this shard, its

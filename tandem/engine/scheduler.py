@@ -113,6 +113,9 @@ class Scheduler:
         # tiers put the blocks they brought back for it into the cache there).
         self.before_admit: Callable[[Request], None] | None = None
         self.speculator: Speculator | None = None  # drafts for decoding requests
+        # A linear-attention model's state goes back before a verify row with a rejected
+        # token (tandem.engine.spec_states): the row's tokens are then recomputed.
+        self.recompute_rejected = False
 
     # -- admission -------------------------------------------------------------------------
 
@@ -289,6 +292,8 @@ class Scheduler:
             accepted = len(results) - 1 if sched.draft else 0
             request.num_computed_tokens = sched.start + sched.num_new_tokens - len(sched.draft)
             request.num_computed_tokens += accepted
+            if self.recompute_rejected and accepted < len(sched.draft):
+                request.num_computed_tokens = sched.start  # its state is before the row
             if not sched.sample:
                 self.kv.cache_blocks(request)
                 continue

@@ -39,8 +39,10 @@ def accepted_length(draft: Sequence[int], sampled: Sequence[int]) -> int:
 def sample_scheduled(
     sampler: Sampler, logits: torch.Tensor, scheduled: Sequence[ScheduledRequest]
 ) -> dict[str, list[SampleResult]]:
-    """The tokens each sampling row emits: one for a plain row, accepted + 1 for a row
-    that verified a draft. `logits`: [sum of the rows' 1 + len(draft)] rows, in order."""
+    """The tokens each sampling row of `scheduled` emits: one for a plain row, accepted + 1
+    for a row that verified a draft. `logits`: [sum of the sampling rows' 1 + len(draft)]
+    rows, in order."""
+    scheduled = [s for s in scheduled if s.sample]
     rows: list[SampleRow] = []
     vocab = logits.shape[1]
     for s in scheduled:

@@ -164,20 +164,26 @@ class Speculator:
 
 
 def make_speculator(
-    config: SpeculativeConfig, max_model_len: int, linear_attention: bool, device: str = "cpu"
+    config: SpeculativeConfig,
+    max_model_len: int,
+    linear_attention: bool,
+    device: str = "cpu",
+    tensor_parallel_size: int = 1,
 ) -> Speculator | None:
     """The engine's speculator (None: speculation off).
 
     Raises:
-        ValueError: a model with linear-attention layers (Qwen3-Next), whose recurrent state
-            cannot yet be rolled back past a rejected draft token.
+        ValueError: a model with linear-attention layers (Qwen3-Next) split over tensor-
+            parallel ranks: every rank would have to put its state back after a rejected
+            draft token (tandem.engine.spec_states does it on one rank).
     """
     if not config.enabled:
         return None
-    if linear_attention:
+    if linear_attention and tensor_parallel_size > 1:
         raise ValueError(
-            f"speculative decoding ({config.method}): a linear-attention model's state cannot "
-            "yet be rolled back past rejected draft tokens; serve it without --speculative"
+            f"speculative decoding ({config.method}): a linear-attention model's state is "
+            "rolled back past rejected draft tokens on one rank only; serve it without "
+            "--speculative or with --tensor-parallel-size 1"
         )
     cost = CPU_COST if device.startswith("cpu") else GPU_COST
     return Speculator(config, max_model_len, cost)

@@ -172,10 +172,11 @@ def test_a_grammar_cuts_the_draft_at_the_first_token_it_refuses(tiny_model_dir) 
         assert r.matcher.num_accepted == 2  # asking never moves it
 
 
-def test_speculation_refuses_a_linear_attention_model_with_a_reason() -> None:
-    with pytest.raises(ValueError, match="linear-attention model's state"):
-        make_speculator(SpeculativeConfig(method="ngram"), 64, linear_attention=True)
-    assert make_speculator(SpeculativeConfig(), 64, linear_attention=True) is None
+def test_speculation_refuses_a_tensor_parallel_linear_attention_model() -> None:
+    with pytest.raises(ValueError, match="linear-attention model's state is rolled back"):
+        make_speculator(SpeculativeConfig(method="ngram"), 64, True, tensor_parallel_size=2)
+    assert make_speculator(SpeculativeConfig(method="ngram"), 64, True) is not None
+    assert make_speculator(SpeculativeConfig(), 64, True, tensor_parallel_size=2) is None
 
 
 def test_accepted_length_is_the_longest_agreeing_prefix() -> None:
@@ -348,21 +349,28 @@ def test_disaggregated_acceptance_equals_colocated(tiny_model_dir, engine_factor
     assert full.spec_stats()[0].verify_rows > 0
 
 
-@pytest.mark.parametrize("arch", ["gpt-oss", "gemma3", "deepseek-v3"])
-def test_sliding_windows_and_latent_attention_stay_exact(hf_model, engine_factory, arch):
+@pytest.mark.parametrize("arch", ["gpt-oss", "gemma3", "deepseek-v3", "qwen3-next"])
+def test_sliding_windows_latents_and_linear_states_stay_exact(hf_model, engine_factory, arch):
     """Rejected positions never move a sliding table's trim (it follows accepted tokens
-    only) and MLA's verify rows take its prefill path over the cached latents."""
+    only), MLA's verify rows take its prefill path over the cached latents, and a Gated
+    DeltaNet state is put back before a row with a rejected token, which is recomputed."""
     model_dir, _ = hf_model(arch)
     prompts = prompts_with_repeats(6, 3)
     prompts = [[t % 200 + 3 for t in p] for p in prompts]
     ref, _ = run(engine_factory(model_dir), prompts, GREEDY)
     refs = {tuple(p): r for p, r in zip(prompts, ref, strict=True)}
     engine = make_spec_engine(engine_factory, model_dir, "oracle", Oracle(refs, 0.3))
-    got, _ = run(engine, prompts, GREEDY)
-    assert got == ref
+    for params in (GREEDY, SEEDED):
+        want = ref if params is GREEDY else run(engine_factory(model_dir), prompts, params)[0]
+        got, _ = run(engine, prompts, params)
+        assert got == want
     stats = engine.spec_stats()[0]
     assert 0 < stats.accepted_tokens < stats.proposed_tokens
     assert engine.num_free_blocks() == engine.num_blocks
+    runner = engine.runner
+    assert not runner._state_slots and not runner._state_pos  # the copies freed too
+    if arch == "qwen3-next":
+        assert runner.rollback is not None and runner.rollback.num_restored > 0
 
 
 # -- the distribution of sampled output -------------------------------------------------------
