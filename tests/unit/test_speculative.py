@@ -15,7 +15,7 @@ import torch
 
 from tandem.config import EngineRole, SpeculativeConfig
 from tandem.engine.grammar import Constraint, ConstraintKind
-from tandem.engine.request import Request
+from tandem.engine.request import Request, Resume
 from tandem.engine.sampling import SamplingParams
 from tandem.engine.verify import accepted_length
 from tandem.speculative.proposers import NgramIndex, NgramProposer, SuffixProposer, vote
@@ -493,3 +493,63 @@ def test_warm_up_leaves_no_drafts_counted(tiny_model_dir, engine_factory):
     assert any(drafted)
     assert engine.spec_stats()[0] == SpecStats("suffix")
     assert all(n == 0 for n, _ in engine.speculator.footprint().values())
+
+
+def record_starts(proposer) -> list[list[int]]:
+    """The token lists `proposer.start` is given from now on."""
+    starts: list[list[int]] = []
+    start = proposer.start
+
+    def recording(rid, ids, tenant=""):
+        starts.append(list(ids))
+        start(rid, ids, tenant)
+
+    proposer.start = recording
+    return starts
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_migrated_stream_resumes_drafting_from_its_tokens(tiny_model_dir, engine_factory, method):
+    """A stream moved to another speculating worker (Resume: every token so far) continues
+    token-identically, seeded too: the proposer indexes the prompt and the resumed tokens
+    when it first sees the request; nothing of the first worker's proposer moves."""
+    prompt = prompts_with_repeats(9, 1)[0]
+    for params in (GREEDY, SEEDED):
+        [whole] = engine_factory(tiny_model_dir).generate([prompt], params)
+        first = make_spec_engine(engine_factory, tiny_model_dir, method)
+        request = first.add_request(first.spec("m", prompt, params))
+        while len(request.output_token_ids) < 9:
+            first.step()
+        moved = list(request.output_token_ids)
+        assert first.abort("m")
+        second = make_spec_engine(engine_factory, tiny_model_dir, method)
+        indexed = record_starts(second.speculator.proposer)
+        resumed = second.add_request(second.spec("m", prompt, params), Resume(tuple(moved)))
+        while second.has_unfinished():
+            second.step()
+        assert resumed.output_token_ids == whole.token_ids
+        # its first decode step indexed the prompt, every token moved and the one token its
+        # recomputing prefill sampled
+        assert indexed == [prompt + moved + whole.token_ids[len(moved) : len(moved) + 1]]
+
+
+def test_suffix_drafts_from_the_same_tenants_earlier_answer(tiny_model_dir, engine_factory):
+    """With suffix_share a request of tenant A drafts from A's finished request (its answer
+    repeated: acceptance), never from tenant B's; outputs unchanged either way."""
+    spec = SpeculativeConfig(method="suffix", suffix_share=True, ngram_min=2)
+    prompt = prompts_with_repeats(10, 1)[0]
+    plain = engine_factory(tiny_model_dir)
+    [want] = plain.generate([prompt], GREEDY)
+    counts = {}
+    for tenant in ("tenant-a", "tenant-b"):
+        engine = engine_factory(tiny_model_dir, speculative=spec)
+        engine.add_request(engine.spec("first", prompt, GREEDY, "tenant-a"))
+        while engine.has_unfinished():
+            engine.step()
+        before = engine.spec_stats()[0].accepted_tokens
+        again = engine.add_request(engine.spec("again", prompt, GREEDY, tenant))
+        while engine.has_unfinished():
+            engine.step()
+        assert again.output_token_ids == want.token_ids
+        counts[tenant] = engine.spec_stats()[0].accepted_tokens - before
+    assert counts["tenant-a"] > counts["tenant-b"]
