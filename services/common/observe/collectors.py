@@ -11,7 +11,7 @@ computed on the engine's hot path for them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -115,18 +115,32 @@ class ExpertRouting(Collector):
         yield family
 
 
+def record_families(
+    prefix: str,
+    label: str,
+    role: str,
+    records: Iterable[Any],
+    fields: Iterable[tuple[type[CounterMetricFamily | GaugeMetricFamily], dict[str, str]]],
+) -> list[Metric]:
+    """One family per field of `fields` (its kind, then field -> help), named prefix +
+    field, labelled role and `label` (the records' attribute of that name): one sample per
+    record (none without records)."""
+    records = list(records)
+    families: list[Metric] = []
+    for kind, docs in fields:
+        for field, doc in docs.items():
+            family = kind(prefix + field, doc, labels=["role", label])
+            for r in records:
+                family.add_metric([role, getattr(r, label)], getattr(r, field))
+            families.append(family)
+    return families
+
+
 def tier_families(role: str, stats: Iterable[TierStats]) -> list[Metric]:
     """The KV tiers' metric families for `stats` (LLMEngine.tier_stats: one record per tier),
     labelled role and tier; each family holds one sample per tier (none without tiers)."""
-    stats = list(stats)
-    families: list[Metric] = []
-    for kind, docs in ((GaugeMetricFamily, TIER_GAUGES), (CounterMetricFamily, TIER_COUNTERS)):
-        for field, doc in docs.items():
-            family = kind(TIER_PREFIX + field, doc, labels=["role", "tier"])
-            for s in stats:
-                family.add_metric([role, s.tier], getattr(s, field))
-            families.append(family)
-    return families
+    kinds = ((GaugeMetricFamily, TIER_GAUGES), (CounterMetricFamily, TIER_COUNTERS))
+    return record_families(TIER_PREFIX, "tier", role, stats, kinds)
 
 
 class KVTiers(Collector):
@@ -144,14 +158,8 @@ def spec_families(role: str, stats: Iterable[SpecStats]) -> list[Metric]:
     """Speculative decoding's metric families for `stats` (LLMEngine.spec_stats: one record
     per proposer), labelled role and proposer; each family holds one sample per proposer
     (none without speculation)."""
-    stats = list(stats)
-    families: list[Metric] = []
-    for field, doc in SPEC_COUNTERS.items():
-        family = CounterMetricFamily(SPEC_PREFIX + field, doc, labels=["role", "proposer"])
-        for s in stats:
-            family.add_metric([role, s.proposer], getattr(s, field))
-        families.append(family)
-    return families
+    kinds = ((CounterMetricFamily, SPEC_COUNTERS),)
+    return record_families(SPEC_PREFIX, "proposer", role, stats, kinds)
 
 
 class Speculation(Collector):
