@@ -104,10 +104,14 @@ def workloads() -> dict[str, list[list[dict[str, str]]]]:
     }  # fmt: skip
 
 
+CPU_MATMUL = "auto"  # --cpu-matmul
+
+
 def make_engine(model_dir: Path, method: str, max_batch: int = 8, **kw: Any) -> LLMEngine:
     cfg = EngineConfig(
         model_dir=str(model_dir),
         dtype="auto",
+        cpu_matmul=CPU_MATMUL,
         cache=CacheConfig(num_blocks=2048),
         scheduler=SchedulerConfig(max_num_seqs=64),
         speculative=SpeculativeConfig(method=method, max_batch=max_batch),
@@ -284,7 +288,8 @@ def cmd_cost(args: argparse.Namespace) -> dict:
     ]
     for row in rows:
         print(json.dumps(row), flush=True)
-    return {"model": args.model_dir.name, "context": len(prompt), "rows": rows}
+    return {"model": args.model_dir.name, "context": len(prompt), "cpu_matmul": args.cpu_matmul,
+            "rows": rows}  # fmt: skip
 
 
 def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], n: int) -> list:
@@ -342,12 +347,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--sizes", default="1,4,8,16,32")
     parser.add_argument("--method", default="ngram")
+    parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "plain", "onednn"))
     parser.add_argument("--workload", default="code-edit", choices=tuple(workloads()))
     args = parser.parse_args()
+    global CPU_MATMUL
+    CPU_MATMUL = args.cpu_matmul
     commands = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd, "cost": cmd_cost}
     result = commands[args.cmd](args)
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     key = f"batch-{args.workload}" if args.cmd == "batch" else args.cmd
+    key += "" if args.cpu_matmul == "auto" else f"-{args.cpu_matmul}"
     saved[key] = result
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(saved, indent=1) + "\n")
