@@ -27,6 +27,11 @@ from tandem.engine.sampling import SampleResult
 from tandem.speculative.speculator import Speculator
 
 
+def decoding(request: Request) -> bool:
+    """Is the request decoding: all its KV computed but its last token's?"""
+    return 0 < request.num_computed_tokens == request.num_tokens - 1
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
     """One request's share of a step.
@@ -190,8 +195,7 @@ class Scheduler:
     ) -> tuple[int, ...]:
         """A draft to verify after the request's next token, its blocks allocated; none
         unless the request is decoding (only its last token's KV is missing)."""
-        decoding = 0 < request.num_computed_tokens == request.num_tokens - 1
-        if speculator is None or not decoding:
+        if speculator is None or not decoding(request):
             return ()
         draft = speculator.draft(request, budget)
         if draft and self.kv.allocate_slots(request, 1 + len(draft)) is None:
@@ -202,8 +206,7 @@ class Scheduler:
         """Does this step draft (a speculator, and few enough decoding requests)?"""
         if self.speculator is None:
             return False
-        decoding = sum(r.num_computed_tokens == r.num_tokens - 1 for r in self.running)
-        return self.speculator.active(decoding)
+        return self.speculator.active(sum(decoding(r) for r in self.running))
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)

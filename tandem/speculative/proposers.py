@@ -84,22 +84,39 @@ class Proposer(Protocol):
     def num_requests(self) -> int: ...
 
 
-class NgramProposer:
-    """Prompt lookup: copy what followed the most recent earlier occurrence of the longest
-    matching suffix n-gram."""
-
-    name = "ngram"
+class IndexedProposer:
+    """What both proposers keep: each live request's `NgramIndex` (and its tenant), built at
+    `start`, grown by `extend`, dropped by `finish`."""
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self._indexes: dict[str, NgramIndex] = {}
+        self._tenants: dict[str, str] = {}
 
     def start(self, request_id: str, token_ids: Sequence[int], tenant: str = "") -> None:
         index = self._indexes[request_id] = NgramIndex(self.n_min, self.n_max)
         index.extend(token_ids)
+        self._tenants[request_id] = tenant
 
     def extend(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._indexes[request_id].extend(token_ids)
+
+    def finish(self, request_id: str) -> None:
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> tuple[NgramIndex | None, str]:
+        """Drop the request: (its index, its tenant)."""
+        return self._indexes.pop(request_id, None), self._tenants.pop(request_id, "")
+
+    def num_requests(self) -> int:
+        return len(self._indexes)
+
+
+class NgramProposer(IndexedProposer):
+    """Prompt lookup: copy what followed the most recent earlier occurrence of the longest
+    matching suffix n-gram."""
+
+    name = "ngram"
 
     def propose(self, request_id: str, k: int) -> list[int]:
         index = self._indexes[request_id]
@@ -109,14 +126,8 @@ class NgramProposer:
         at = found[-1]
         return index.tokens[at : at + k]
 
-    def finish(self, request_id: str) -> None:
-        self._indexes.pop(request_id, None)
 
-    def num_requests(self) -> int:
-        return len(self._indexes)
-
-
-class SuffixProposer:
+class SuffixProposer(IndexedProposer):
     """Majority vote over every earlier occurrence of the longest matching suffix, extended
     token by token while the vote stays above `MIN_VOTE_SHARE`; the request's own tokens
     first, then (with `share`) its tenant's recent requests."""
@@ -124,19 +135,10 @@ class SuffixProposer:
     name = "suffix"
 
     def __init__(self, n_min: int, n_max: int, share: bool = False) -> None:
-        self.n_min, self.n_max, self.share = n_min, n_max, share
-        self._indexes: dict[str, NgramIndex] = {}
-        self._tenants: dict[str, str] = {}
+        super().__init__(n_min, n_max)
+        self.share = share
         # tenant -> its recent finished requests' indexes, oldest first
         self._shared: OrderedDict[str, list[NgramIndex]] = OrderedDict()
-
-    def start(self, request_id: str, token_ids: Sequence[int], tenant: str = "") -> None:
-        index = self._indexes[request_id] = NgramIndex(self.n_min, self.n_max)
-        index.extend(token_ids)
-        self._tenants[request_id] = tenant
-
-    def extend(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._indexes[request_id].extend(token_ids)
 
     def propose(self, request_id: str, k: int) -> list[int]:
         index = self._indexes[request_id]
@@ -151,8 +153,7 @@ class SuffixProposer:
         return []
 
     def finish(self, request_id: str) -> None:
-        index = self._indexes.pop(request_id, None)
-        tenant = self._tenants.pop(request_id, "")
+        index, tenant = self._forget(request_id)
         # Only a named tenant's requests are shared, and only with the same tenant: the
         # empty salt is everyone's, and a draft must not reveal another tenant's text.
         if index is None or not self.share or not tenant:
@@ -163,9 +164,6 @@ class SuffixProposer:
         del kept[:-SHARED_REQUESTS_PER_TENANT]
         while len(self._shared) > SHARED_TENANTS:
             self._shared.popitem(last=False)
-
-    def num_requests(self) -> int:
-        return len(self._indexes)
 
     def num_tenants(self) -> int:
         return len(self._shared)
