@@ -118,7 +118,7 @@ class SchedulerConfig:
             )
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "suffix")  # tandem.speculative.proposers
+SPECULATIVE_METHODS = ("none", "ngram", "suffix", "draft")  # tandem.speculative
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,9 @@ class SpeculativeConfig:
     Attributes:
         method: "none", "ngram" (prompt lookup: the last n tokens matched against the
             prompt and output so far) or "suffix" (a suffix index over the request's tokens
-            and, with suffix_share, recent requests of the same tenant).
+            and, with suffix_share, recent requests of the same tenant) or "draft" (a
+            smaller model sharing the target's tokenizer, `draft_model`, run by the same
+            worker with its own paged KV cache).
         num_speculative_tokens: most tokens drafted per request and step (k).
         ngram_max, ngram_min: the longest and shortest suffix n-gram lookup tries.
         max_batch: speculation pauses while a step decodes more requests than this. On
@@ -137,6 +139,8 @@ class SpeculativeConfig:
             loops) still gains at 32: raise it for such traffic (BENCHMARKS.md issue 45).
         suffix_share: suffix: also draft from the recent requests of the same tenant
             (requests with the same non-empty cache_salt, the tenant isolation key).
+        draft_model: draft: the draft model's directory (config.json, safetensors and the
+            target's tokenizer); "" otherwise.
     """
 
     method: str = "none"
@@ -145,11 +149,18 @@ class SpeculativeConfig:
     ngram_min: int = 2
     max_batch: int = 2
     suffix_share: bool = False
+    draft_model: str = ""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        if (self.method == "draft") != bool(self.draft_model):
+            raise ValueError(
+                "speculative draft needs a draft model (--draft-model DIR), and a draft model "
+                f"needs --speculative draft; got speculative={self.method!r}, "
+                f"draft_model={self.draft_model!r}"
             )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(

@@ -150,6 +150,7 @@ class LLMEngine:
         self.speculator = make_speculator(config.speculative, self.max_model_len, linear,
                                           config.device, config.tensor_parallel_size)  # fmt: skip
         self.scheduler.speculator = self.speculator
+        self.draft_format = ""  # a draft model's hand-off section format ("": none)
         self.scheduler.recompute_rejected = linear and self.speculator is not None
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
