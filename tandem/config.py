@@ -139,6 +139,10 @@ class SpeculativeConfig:
             loops) still gains at 32: raise it for such traffic (BENCHMARKS.md issue 45).
         suffix_share: suffix: also draft from the recent requests of the same tenant
             (requests with the same non-empty cache_salt, the tenant isolation key).
+        adaptive: draft the k that pays best for each request's measured acceptance and
+            the device's verify cost (tandem.speculative.speculator), none when no k pays;
+            false: always num_speculative_tokens (within max_tokens and the context), as
+            other engines do -- for measuring a proposer as it is.
         draft_model: draft: the draft model's directory (config.json, safetensors and the
             target's tokenizer); "" otherwise.
     """
@@ -149,6 +153,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     max_batch: int = 2
     suffix_share: bool = False
+    adaptive: bool = True
     draft_model: str = ""
 
     def __post_init__(self) -> None:

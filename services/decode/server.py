@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 import grpc
 
@@ -77,9 +78,8 @@ from tandem.v1 import worker_pb2_grpc as wgrpc
 log = logging.getLogger(__name__)
 
 
-def _reserve_state(engine: LLMEngine, request_id: str) -> list[int] | None:
-    assert engine.state_handoff is not None  # a linear_state section was expected
-    return engine.state_handoff.reserve(request_id)
+def _reserve_section(engine: LLMEngine, rid: str, kind: SectionKind) -> list[int] | None:
+    return engine.reserve_section(rid, kind)
 
 
 def permission_denied(message: str) -> ServiceError:
@@ -281,13 +281,16 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         done = ReadDone(0, 0.0)
         num_tokens = 0
         ids = handoff.remote.block_ids
-        state = sections.get(SectionKind.LINEAR_STATE)
-        state_ids = None
-        if state is not None:
-            state_ids = await self.loop.call(lambda e: _reserve_state(e, rid))
-            if state_ids is None:
-                await self.loop.call(lambda e: e.abort(rid))
-                raise resource_exhausted("no free KV blocks for the hand-off's linear state")
+        # each section after the pages (a linear state, a draft model's KV): blocks to read
+        # it into, after the reserved pages
+        extra: list[tuple[range, list[int]]] = []
+        for kind in (SectionKind.LINEAR_STATE, SectionKind.DRAFT_KV):
+            if kind in sections:
+                into = await self.loop.call(partial(_reserve_section, rid=rid, kind=kind))
+                if into is None:
+                    await self.loop.call(lambda e: e.abort(rid))
+                    raise resource_exhausted(f"no free KV blocks for the hand-off's {kind}")
+                extra.append((sections[kind], into))
         try:
             kv = self.engine.kv
             plan = plan_read(
@@ -300,10 +303,10 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 kv.handoff_live(len(prompt)) if kv.num_tables > 1 else None,
             )
             num_tokens = len(plan.remote_block_ids) * handoff.block_size
-            if state is not None and state_ids is not None:  # read with the pages
+            for remote, into in extra:  # read with the pages
                 plan = ReadPlan(
-                    plan.remote_block_ids + tuple(ids[i] for i in state),
-                    plan.local_block_ids + tuple(state_ids),
+                    plan.remote_block_ids + tuple(ids[i] for i in remote),
+                    plan.local_block_ids + tuple(into),
                 )
             tracing.kv_plan(span, plan.remote_block_ids, plan.local_block_ids)
             done = await self._reader.read(handoff.remote, plan, handoff.lease_id.encode())
@@ -347,13 +350,19 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     ) -> dict[SectionKind, range] | str:
         """Each of the hand-off's sections' blocks (`check_sections`), or why this worker
         cannot resume from them."""
-        kv = self.engine.kv
+        kv, draft = self.engine.kv, self.engine.draft_handoff
+        num_prompt = spec.num_prompt_tokens
+        draft_section = None if draft is None else (draft.format, draft.num_bytes(num_prompt))
         try:
             return check_sections(
                 handoff.sections,
-                expected_sections(self.engine.pages_format, self.engine.state_handoff),
+                expected_sections(
+                    self.engine.pages_format,
+                    self.engine.state_handoff,
+                    draft_section,
+                ),
                 len(handoff.remote.block_ids),
-                sum(map(len, kv.handoff_live(spec.num_prompt_tokens))),
+                sum(map(len, kv.handoff_live(num_prompt))),
                 self.transport.layout.block_bytes,
                 needs_sections=kv.num_tables > 1,
             )

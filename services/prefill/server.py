@@ -131,6 +131,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                     self._lease_spans[rid] = tracing.start_lease(
                         span, lease.lease_id, self.config.lease_ttl_s
                     )
+                draft = self.engine.draft_handoff  # a draft model's KV for the prompt
                 handoff = KVHandoff(
                     remote=self.transport.export(out.block_ids),
                     block_size=self.engine.kv.block_size,
@@ -145,6 +146,7 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
                         self.engine.state_handoff,
                         out.state_blocks,
                         self.engine.kv.num_tables > 1,
+                        draft.section(spec.num_prompt_tokens, out.draft_blocks) if draft else None,
                     ),
                 )
                 resp.kv.CopyFrom(convert.handoff_to_proto(self._sign(spec, handoff)))

@@ -24,6 +24,7 @@ import torch
 from tandem.config import EngineConfig, EngineRole
 from tandem.engine.block_pool import KVEvent
 from tandem.engine.device import use_device
+from tandem.engine.drafting import DraftHandoff, load_draft
 from tandem.engine.grammar import GrammarCompiler
 from tandem.engine.kv_cache import shared_kv_dir
 from tandem.engine.kv_manager import KVCacheManager
@@ -33,14 +34,9 @@ from tandem.engine.loading import (
     shard_for,
     wants_decode_graphs,
 )
-from tandem.engine.outputs import Completion, RequestOutput
+from tandem.engine.outputs import Completion, RequestOutput, generate
 from tandem.engine.prefix_hash import DISK_TIER, HOST_TIER
-from tandem.engine.ranks import (
-    Followers,
-    exit_on_rank_death,
-    free_address,
-    threads_per_rank,
-)
+from tandem.engine.ranks import Followers, exit_on_rank_death, free_address, threads_per_rank
 from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
@@ -59,6 +55,7 @@ from tandem.speculative.speculator import make_speculator
 from tandem.speculative.stats import SpecStats
 from tandem.tiers.stats import TierStats
 from tandem.tokenizer.tokenizer import Tokenizer
+from tandem.transfer.sections import SectionKind
 from tandem.weights.loader import ProgressFn
 
 # RequestOutput and Completion live in tandem.engine.outputs and are named here too (what a
@@ -104,6 +101,8 @@ class LLMEngine:
             if self.followers is not None:
                 shard = shard_for(config, 0)
                 self.tp = TPGroup.init(shard, address, config.device, config.tp_shared_memory)
+            # a draft model and its cache first: on a GPU the target's cache is sized after
+            draft = load_draft(config) if config.speculative.method == "draft" else None
             loaded = load_model_and_cache(config, self.tp, progress, kv_share)
         except BaseException:
             self.close()
@@ -147,10 +146,14 @@ class LLMEngine:
             sched_cfg, self.kv, self.max_model_len, self.model_id, self.kv_hash_format
         )
         linear = self.model.linear_states is not None
+        draft_cost = draft.model.weights.num_bytes() / self.weight_bytes if draft else 0.0
         self.speculator = make_speculator(config.speculative, self.max_model_len, linear,
-                                          config.device, config.tensor_parallel_size)  # fmt: skip
+                                          config.device, config.tensor_parallel_size,
+                                          draft, draft_cost)  # fmt: skip
         self.scheduler.speculator = self.speculator
-        self.draft_format = ""  # a draft model's hand-off section format ("": none)
+        # a draft model's KV travels in a hand-off's draft_kv section (tandem.engine.drafting)
+        self.draft_handoff = DraftHandoff(self.kv, self.kv_cache, draft) if draft else None
+        self.draft_format = draft.format if draft else ""  # what the registry advertises
         self.scheduler.recompute_rejected = linear and self.speculator is not None
         # Sampling noise is drawn on the logits' device, so the generators live there too.
         sampler = Sampler(torch.Generator(device=config.device).manual_seed(config.seed))
@@ -277,8 +280,9 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         if self.speculator is not None:
             self.speculator.finish(request_id)
-        if self.state_handoff is not None:
-            self.state_handoff.forget(request_id)
+        for handoff in (self.state_handoff, self.draft_handoff):
+            if handoff is not None:
+                handoff.forget(request_id)
         self.runner.release(request_id)
         self._requests.pop(request_id, None)
         self._texts.forget(request_id)
@@ -316,9 +320,21 @@ class LLMEngine:
     def commit_kv(self, request_id: str) -> None:
         """Decode role: the prompt's KV (and a linear-attention state, read into the blocks
         `state_handoff.reserve` gave) is in place; the request joins the batch."""
-        if self.state_handoff is not None and request_id in self._requests:
-            self.state_handoff.unpack(request_id, self._requests[request_id].num_prompt_tokens)
+        request = self._requests.get(request_id)
+        if self.state_handoff is not None and request is not None:
+            self.state_handoff.unpack(request_id, request.num_prompt_tokens)
+        if self.draft_handoff is not None and request is not None:
+            self.draft_handoff.unpack(request_id, request.prompt_token_ids)
         self.scheduler.commit_kv(request_id)
+
+    def reserve_section(self, request_id: str, kind: SectionKind) -> list[int] | None:
+        """Decode role: blocks after the reserved pages to read a hand-off's `kind` section
+        into (a linear state, a draft model's KV); None when too few are free."""
+        if kind is SectionKind.DRAFT_KV and self.draft_handoff is not None:
+            num_prompt = self._requests[request_id].num_prompt_tokens
+            return self.draft_handoff.reserve(request_id, num_prompt)
+        assert kind is SectionKind.LINEAR_STATE and self.state_handoff is not None, kind
+        return self.state_handoff.reserve(request_id)
 
     # -- stepping --------------------------------------------------------------------------
 
@@ -349,6 +365,8 @@ class LLMEngine:
             if request.status == RequestStatus.HANDED_OFF:
                 # a linear-attention state into blocks after the pages, before reading the table
                 packed = self.state_handoff.pack(rid) if self.state_handoff else 0
+                draft = self.draft_handoff
+                drafted = draft.pack(rid, request.prompt_token_ids) if draft else 0
                 outputs.append(
                     RequestOutput(
                         request_id=rid,
@@ -359,6 +377,7 @@ class LLMEngine:
                         handed_off=True,
                         num_cached_tokens=request.num_cached_tokens or 0,
                         state_blocks=packed,
+                        draft_blocks=drafted,
                         # each KV table's blocks the next token reads
                         block_ids=self.kv.handoff_blocks(rid, request.num_prompt_tokens),
                         logprobs=lps,
@@ -400,27 +419,7 @@ class LLMEngine:
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[Completion]:
         """Run prompts to completion (offline use). Output order follows `prompts`."""
-        ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
-        requests = [
-            self.add_request(self.spec(rid, p, params)) for rid, p in zip(ids, prompts, strict=True)
-        ]
-        texts = {rid: "" for rid in ids}
-        while self.has_unfinished():
-            for o in self.step():
-                if o.request_id in texts:
-                    texts[o.request_id] += o.new_text
-        return [
-            Completion(
-                request_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                token_ids=list(r.output_token_ids),
-                text=texts[r.request_id],
-                finish_reason=r.finish_reason,
-                num_cached_tokens=r.num_cached_tokens or 0,
-                logprobs=list(r.logprobs),
-            )
-            for r in requests
-        ]
+        return generate(self, prompts, params)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing at one rank). The engine

@@ -43,25 +43,38 @@ def pack_state(
     states: LinearStates, slot: int, kv_cache: torch.Tensor, block_ids: list[int]
 ) -> None:
     """Slot `slot`'s state into `block_ids` (num_state_blocks of them), the last padded."""
-    rows = _rows(kv_cache)
-    payload = torch.zeros(len(block_ids) * rows.shape[1], dtype=torch.uint8, device=rows.device)
-    n_rec = states.recurrent[slot].nbytes
-    payload[:n_rec] = states.recurrent[slot].reshape(-1).view(torch.uint8)
-    payload[n_rec : n_rec + states.conv[slot].nbytes] = (
-        states.conv[slot].reshape(-1).view(torch.uint8)
+    payload = torch.cat(
+        [
+            states.recurrent[slot].reshape(-1).view(torch.uint8),
+            states.conv[slot].reshape(-1).view(torch.uint8),
+        ]
     )
-    rows[block_ids] = payload.view(len(block_ids), -1)
+    write_payload(kv_cache, block_ids, payload)
 
 
 def unpack_state(
     states: LinearStates, slot: int, kv_cache: torch.Tensor, block_ids: list[int]
 ) -> None:
     """The state packed in `block_ids` into slot `slot`."""
-    payload = _rows(kv_cache)[block_ids].reshape(-1)
     n_rec, n_conv = states.recurrent[slot].nbytes, states.conv[slot].nbytes
+    payload = read_payload(kv_cache, block_ids, n_rec + n_conv)
     rec, conv = states.recurrent, states.conv
-    rec[slot] = payload[:n_rec].clone().view(rec.dtype).view(rec.shape[1:])
-    conv[slot] = payload[n_rec : n_rec + n_conv].clone().view(conv.dtype).view(conv.shape[1:])
+    rec[slot] = payload[:n_rec].view(rec.dtype).view(rec.shape[1:])
+    conv[slot] = payload[n_rec:].view(conv.dtype).view(conv.shape[1:])
+
+
+def write_payload(kv_cache: torch.Tensor, block_ids: list[int], payload: torch.Tensor) -> None:
+    """`payload` (bytes) into the cache's blocks `block_ids`, the last one padded with zeros:
+    the blocks are raw bytes to every transport, whatever the cache's dtype."""
+    rows = _rows(kv_cache)
+    padded = torch.zeros(len(block_ids) * rows.shape[1], dtype=torch.uint8, device=rows.device)
+    padded[: payload.numel()] = payload.to(rows.device)
+    rows[block_ids] = padded.view(len(block_ids), -1)
+
+
+def read_payload(kv_cache: torch.Tensor, block_ids: list[int], num_bytes: int) -> torch.Tensor:
+    """The first `num_bytes` bytes packed in `block_ids` (a copy)."""
+    return _rows(kv_cache)[block_ids].reshape(-1)[:num_bytes].clone()
 
 
 def _rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -121,30 +134,41 @@ def handoff_sections(
     state: StateHandoff | None,
     state_blocks: int,
     sectioned: bool = False,
+    draft: HandoffSection | None = None,
 ) -> tuple[HandoffSection, ...]:
     """A hand-off's sections (tandem.transfer.sections) for `num_blocks` blocks whose last
-    `state_blocks` hold a packed state: none for a model with one plain KV table and no
-    linear layers (its handle signs as before sections existed), else the pages (in
-    `pages_format`: `LLMEngine.pages_format`) and, when packed, the state. `sectioned`: the
-    pages are several KV tables, which always travel in a typed section."""
-    if state is None and not sectioned:
+    hold a packed state (`state_blocks`) and then a draft model's KV (`draft`'s): none for a
+    model with one plain KV table, no linear layers and no draft (its handle signs as
+    before sections existed), else the pages (in `pages_format`: `LLMEngine.pages_format`)
+    and, when packed, the state and the draft's KV. `sectioned`: the pages are several KV
+    tables, which always travel in a typed section."""
+    if state is None and draft is None and not sectioned:
         return ()
-    pages = HandoffSection(SectionKind.ATTENTION, pages_format, num_blocks - state_blocks)
-    if state is None:
-        return (pages,)
-    if not state_blocks:
-        return (pages,)  # no room to pack: its reader refuses it and prefills again
-    packed = HandoffSection(SectionKind.LINEAR_STATE, state.format, state_blocks, state.num_bytes)
-    return pages, packed
+    num_draft = draft.num_blocks if draft is not None else 0
+    pages = HandoffSection(
+        SectionKind.ATTENTION, pages_format, num_blocks - state_blocks - num_draft
+    )
+    sections = [pages]
+    # no room to pack a state: its reader refuses the hand-off and prefills again
+    if state is not None and state_blocks:
+        sections.append(
+            HandoffSection(SectionKind.LINEAR_STATE, state.format, state_blocks, state.num_bytes)
+        )
+    if draft is not None:
+        sections.append(draft)
+    return tuple(sections)
 
 
 def expected_sections(
-    kv_format: str, state: StateHandoff | None
+    kv_format: str, state: StateHandoff | None, draft: tuple[str, int] | None = None
 ) -> dict[SectionKind, tuple[str, int]]:
-    """The sections a reader with this cache and state needs (`check_sections`)."""
+    """The sections a reader with this cache, state and draft model (its section's format
+    and bytes for the prompt) needs (`check_sections`)."""
     expected = {SectionKind.ATTENTION: (kv_format, 0)}
     if state is not None:
         expected[SectionKind.LINEAR_STATE] = (state.format, state.num_bytes)
+    if draft is not None:
+        expected[SectionKind.DRAFT_KV] = draft
     return expected
 
 

@@ -73,7 +73,9 @@ class Proposer(Protocol):
 
     name: str
 
-    def start(self, request_id: str, token_ids: Sequence[int], tenant: str) -> None: ...
+    def start(
+        self, request_id: str, token_ids: Sequence[int], tenant: str, num_prompt: int
+    ) -> None: ...
 
     def extend(self, request_id: str, token_ids: Sequence[int]) -> None: ...
 
@@ -93,7 +95,9 @@ class IndexedProposer:
         self._indexes: dict[str, NgramIndex] = {}
         self._tenants: dict[str, str] = {}
 
-    def start(self, request_id: str, token_ids: Sequence[int], tenant: str = "") -> None:
+    def start(
+        self, request_id: str, token_ids: Sequence[int], tenant: str = "", num_prompt: int = 0
+    ) -> None:
         index = self._indexes[request_id] = NgramIndex(self.n_min, self.n_max)
         index.extend(token_ids)
         self._tenants[request_id] = tenant

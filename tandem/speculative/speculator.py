@@ -10,6 +10,7 @@ Rules (exact unit tests in tests/unit/test_speculative.py):
   k beats a plain step (a low rate): no draft, and the rate drifts back to its prior with
   every plain step, so the request probes again later. k is at most num_speculative_tokens
   and never drafts past max_tokens or the model's context.
+- Without `adaptive` every request drafts num_speculative_tokens (within the limits).
 - A constrained request drafts only the tokens its grammar accepts (`valid_prefix`).
 """
 
@@ -66,12 +67,18 @@ def best_draft_length(rate: float, k_max: int, cost: VerifyCost) -> int:
 
 class Speculator:
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, cost: VerifyCost = CPU_COST
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        cost: VerifyCost = CPU_COST,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer`: one that runs a model (tandem.engine.drafting), built by the engine;
+        None: the method's own (tandem.speculative.proposers)."""
         self.config = config
         self.max_model_len = max_model_len
         self.cost = cost
-        self.proposer: Proposer = make_proposer(
+        self.proposer: Proposer = proposer or make_proposer(
             config.method, config.ngram_min, config.ngram_max, config.suffix_share
         )
         self._seen: dict[str, int] = {}  # request id -> tokens the proposer has of it
@@ -100,11 +107,13 @@ class Speculator:
             return ()
         seen = self._seen.get(rid)
         if seen is None:
-            self.proposer.start(rid, request.all_token_ids, request.cache_salt)
+            self.proposer.start(
+                rid, request.all_token_ids, request.cache_salt, request.num_prompt_tokens
+            )
         elif seen < request.num_tokens:
             self.proposer.extend(rid, request.token_ids_slice(seen, request.num_tokens))
         self._seen[rid] = request.num_tokens
-        k = best_draft_length(self.rate(rid), room, self.cost)
+        k = best_draft_length(self.rate(rid), room, self.cost) if self.config.adaptive else room
         if k == 0:
             accepted, tried = self._counts.get(rid, (0.0, 0.0))
             self._counts[rid] = (accepted * PLAIN_DECAY, tried * PLAIN_DECAY)  # toward the prior
@@ -133,8 +142,8 @@ class Speculator:
 
     def finish(self, request_id: str) -> None:
         """The request is gone: forget it (a shared suffix index keeps its tokens)."""
-        if self._seen.pop(request_id, None) is not None:
-            self.proposer.finish(request_id)
+        self._seen.pop(request_id, None)
+        self.proposer.finish(request_id)  # a draft model may hold KV of a request never drafted
         self._counts.pop(request_id, None)
 
     def rate(self, request_id: str) -> float:
@@ -143,11 +152,19 @@ class Speculator:
         return (accepted + PRIOR_RATE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def stats(self) -> SpecStats:
-        return self._stats
+        """The counts, with a draft model's prompt tokens (`DraftProposer`'s counters)."""
+        return replace(
+            self._stats,
+            draft_prefill_tokens=getattr(self.proposer, "prefill_tokens", 0),
+            draft_handoff_tokens=getattr(self.proposer, "handoff_tokens", 0),
+        )
 
     def reset_stats(self) -> None:
         """Count from zero (after the engine's warm-up)."""
         self._stats = SpecStats(self.config.method)
+        for counter in ("prefill_tokens", "handoff_tokens"):  # a draft model's
+            if hasattr(self.proposer, counter):
+                setattr(self.proposer, counter, 0)
 
     def footprint(self) -> dict[str, tuple[int, int | None]]:
         """What grows with traffic here, as (entries, bound or None: per live request), for
@@ -169,8 +186,12 @@ def make_speculator(
     linear_attention: bool,
     device: str = "cpu",
     tensor_parallel_size: int = 1,
+    proposer: Proposer | None = None,
+    draft_cost: float = 0.0,
 ) -> Speculator | None:
-    """The engine's speculator (None: speculation off).
+    """The engine's speculator (None: speculation off). `proposer`: a draft model's
+    (tandem.engine.drafting), whose forward for each drafted token costs `draft_cost` plain
+    decode steps (its weights' bytes over the target's: both are bound by reading them).
 
     Raises:
         ValueError: a model with linear-attention layers (Qwen3-Next) split over tensor-
@@ -186,4 +207,5 @@ def make_speculator(
             "--speculative or with --tensor-parallel-size 1"
         )
     cost = CPU_COST if device.startswith("cpu") else GPU_COST
-    return Speculator(config, max_model_len, cost)
+    cost = replace(cost, per_token=cost.per_token + draft_cost)
+    return Speculator(config, max_model_len, cost, proposer)

@@ -10,7 +10,7 @@ class SpecStats:
     """Counts since the engine started, for one proposer.
 
     Attributes:
-        proposer: the method ("ngram", "suffix").
+        proposer: the method ("ngram", "suffix", "draft").
         proposed_tokens: drafted tokens the target verified.
         accepted_tokens: of those, the ones the target agreed with (emitted as they were).
         verify_rows: request-steps that verified a draft (one row of one step each).
@@ -18,6 +18,10 @@ class SpecStats:
             own next token, less any after a stop.
         paused_steps: steps in which speculation paused because the batch was larger than
             `SpeculativeConfig.max_batch`.
+        draft_prefill_tokens: a draft model's: prompt tokens it computed on this worker (0
+            on a decode worker whose hand-offs carried the draft's KV).
+        draft_handoff_tokens: a draft model's: prompt tokens whose draft KV arrived in a
+            hand-off's draft_kv section.
     """
 
     proposer: str
@@ -26,6 +30,8 @@ class SpecStats:
     verify_rows: int = 0
     emitted_tokens: int = 0
     paused_steps: int = 0
+    draft_prefill_tokens: int = 0
+    draft_handoff_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -10,6 +10,10 @@ split into typed sections, in this order, each signed with the rest of the handl
     linear_state   a linear-attention model's (Qwen3-Next) per-request state after the
                    prompt: every linear layer's convolution inputs and recurrent matrices,
                    `num_bytes` of them packed into the section's blocks
+    draft_kv       a draft model's KV for the prompt (speculative decoding, issue 45:
+                   tandem.engine.drafting), whole draft blocks packed into the section's
+                   blocks: the decode worker drafts from its first step without prefilling
+                   the draft; its format names the draft checkpoint and its cache geometry
 
 Each section names its format (the attention cache's dtype and scales; the state's dtypes and
 shapes). A reader accepts a hand-off only when it has exactly the sections its own model needs,
@@ -31,9 +35,10 @@ from enum import StrEnum
 class SectionKind(StrEnum):
     ATTENTION = "attention"
     LINEAR_STATE = "linear_state"
+    DRAFT_KV = "draft_kv"
 
 
-ORDER = (SectionKind.ATTENTION, SectionKind.LINEAR_STATE)
+ORDER = (SectionKind.ATTENTION, SectionKind.LINEAR_STATE, SectionKind.DRAFT_KV)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +50,8 @@ class HandoffSection:
         format: what the bytes are, as the owner's engine names it (`check_sections`
             compares it with the reader's).
         num_blocks: the section's blocks, following the previous sections' in the handle.
-        num_bytes: linear_state: the payload's bytes (its last block is padded); 0 for
-            attention, whose size the prompt sets.
+        num_bytes: linear_state and draft_kv: the payload's bytes (its last block is
+            padded); 0 for attention, whose size the prompt sets.
     """
 
     kind: str
@@ -103,7 +108,12 @@ def check_sections(
         raise SectionRefused(f"the {', '.join(missing)} section is missing")
     extra = [k for k in kinds if SectionKind(k) not in expected]
     if extra:
-        raise SectionRefused(f"sections {extra} hold state this model does not keep")
+        why = (
+            " (a draft model's KV: this worker drafts without that draft model)"
+            if SectionKind.DRAFT_KV in extra
+            else ""
+        )
+        raise SectionRefused(f"sections {extra} hold state this model does not keep{why}")
     ranges: dict[SectionKind, range] = {}
     start = 0
     for s in sections:

@@ -200,7 +200,9 @@ class Oracle:
         self.refs, self.wrong, self.seed = refs, wrong, seed
         self._tokens: dict[str, list[int]] = {}
 
-    def start(self, request_id: str, token_ids: Sequence[int], tenant: str = "") -> None:
+    def start(
+        self, request_id: str, token_ids: Sequence[int], tenant: str = "", num_prompt: int = 0
+    ) -> None:
         self._tokens[request_id] = list(token_ids)
 
     def extend(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -385,7 +387,9 @@ class FixedDraft:
         self.after, self.draft = after, draft
         self._tokens: dict[str, list[int]] = {}
 
-    def start(self, request_id: str, token_ids: Sequence[int], tenant: str = "") -> None:
+    def start(
+        self, request_id: str, token_ids: Sequence[int], tenant: str = "", num_prompt: int = 0
+    ) -> None:
         self._tokens[request_id] = list(token_ids)
 
     def extend(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -500,9 +504,9 @@ def record_starts(proposer) -> list[list[int]]:
     starts: list[list[int]] = []
     start = proposer.start
 
-    def recording(rid, ids, tenant=""):
+    def recording(rid, ids, tenant="", num_prompt=0):
         starts.append(list(ids))
-        start(rid, ids, tenant)
+        start(rid, ids, tenant, num_prompt)
 
     proposer.start = recording
     return starts

@@ -51,6 +51,9 @@ SPEC_COUNTERS = {
     "emitted_tokens": "Tokens the verifying rows emitted (accepted plus the target's own).",
     "paused_steps": "Steps in which speculation paused (more decoding requests than "
     "--speculative-max-batch).",
+    "draft_prefill_tokens": "Prompt tokens the draft model computed on this worker (0 on a "
+    "decode worker whose hand-offs carry the draft's KV).",
+    "draft_handoff_tokens": "Prompt tokens whose draft-model KV arrived in a hand-off.",
 }
 
 

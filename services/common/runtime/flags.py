@@ -42,6 +42,7 @@ PUBLIC_NAMES: dict[tuple[str, ...], str] = {
     ("speculative", "ngram_min"): "speculative_ngram_min",
     ("speculative", "max_batch"): "speculative_max_batch",
     ("speculative", "suffix_share"): "speculative_suffix_share",
+    ("speculative", "adaptive"): "speculative_adaptive",
     ("speculative", "draft_model"): "draft_model",
 }
 
