@@ -20,18 +20,24 @@ SUFFIX = SpecStats(
     proposer="suffix", proposed_tokens=90, accepted_tokens=81, verify_rows=30,
     emitted_tokens=108, paused_steps=0,
 )  # fmt: skip
+DRAFT = SpecStats(
+    proposer="draft", proposed_tokens=60, accepted_tokens=45, verify_rows=20,
+    emitted_tokens=65, paused_steps=1, draft_prefill_tokens=0, draft_handoff_tokens=512,
+)  # fmt: skip
 
 
 def test_spec_families_one_counter_sample_per_proposer_and_field() -> None:
-    families = spec_families("decode", [NGRAM, SUFFIX])
+    families = spec_families("decode", [NGRAM, SUFFIX, DRAFT])
     assert [f.name for f in families] == [
         "tandem_worker_spec_proposed_tokens",
         "tandem_worker_spec_accepted_tokens",
         "tandem_worker_spec_verify_rows",
         "tandem_worker_spec_emitted_tokens",
         "tandem_worker_spec_paused_steps",
+        "tandem_worker_spec_draft_prefill_tokens",
+        "tandem_worker_spec_draft_handoff_tokens",
     ]
-    assert [f.type for f in families] == ["counter"] * 5
+    assert [f.type for f in families] == ["counter"] * 7
     got = {
         (s.name, s.labels["proposer"]): s.value
         for family in families
@@ -53,6 +59,18 @@ def test_spec_families_one_counter_sample_per_proposer_and_field() -> None:
         ("tandem_worker_spec_verify_rows_total", "suffix"): 30,
         ("tandem_worker_spec_emitted_tokens_total", "suffix"): 108,
         ("tandem_worker_spec_paused_steps_total", "suffix"): 0,
+        ("tandem_worker_spec_proposed_tokens_total", "draft"): 60,
+        ("tandem_worker_spec_accepted_tokens_total", "draft"): 45,
+        ("tandem_worker_spec_verify_rows_total", "draft"): 20,
+        ("tandem_worker_spec_emitted_tokens_total", "draft"): 65,
+        ("tandem_worker_spec_paused_steps_total", "draft"): 1,
+        ("tandem_worker_spec_draft_prefill_tokens_total", "draft"): 0,
+        ("tandem_worker_spec_draft_handoff_tokens_total", "draft"): 512,
+        **{
+            (f"tandem_worker_spec_draft_{n}_tokens_total", p): 0
+            for n in ("prefill", "handoff")
+            for p in ("ngram", "suffix")
+        },
     }
 
 
