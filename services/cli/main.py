@@ -18,6 +18,7 @@ from tandem.services.cli.model import (
     ensure_default_model,
     ensure_random_model,
     kv_cache_bytes,
+    resolve_draft_model,
     resolve_model,
     up_kv_cache,
 )
@@ -116,7 +117,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    config = dataclasses.replace(engine_config, model_dir=str(model_dir))
+    draft_model = resolve_draft_model(engine_config.speculative.draft_model)
+    speculative = dataclasses.replace(engine_config.speculative, draft_model=draft_model)
+    config = dataclasses.replace(engine_config, model_dir=str(model_dir), speculative=speculative)
     try:
         check_device(config.device, config.cache.gpu_memory_utilization)
     except ValueError as exc:
@@ -176,6 +179,7 @@ ENGINE_FLAGS = (
     "speculative_ngram_max",
     "speculative_ngram_min",
     "speculative_suffix_share",
+    "draft_model",
 )
 
 

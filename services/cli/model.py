@@ -79,6 +79,13 @@ def resolve_model(model: str | None, cache_dir: Path = MODEL_CACHE_DIR) -> Path:
     return path
 
 
+def resolve_draft_model(draft_model: str, cache_dir: Path = MODEL_CACHE_DIR) -> str:
+    """The draft model directory a --draft-model value names, as --model's (`resolve_model`):
+    a directory as is (a relative one stays relative to where the command runs, as the model's
+    does), a .gguf file converted once into `cache_dir`; "" (no draft model) stays ""."""
+    return str(resolve_model(draft_model, cache_dir)) if draft_model else ""
+
+
 def requested_kv_cache_bytes(args: argparse.Namespace) -> int | None:
     """The KV cache size asked for: --kv-cache-mb (the old spelling, MiB), else
     --kv-cache-bytes or TANDEM_KV_CACHE_BYTES; None when none was."""

@@ -11,7 +11,12 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tandem.services.cli.model import requested_kv_cache_bytes, resolve_model, up_kv_cache
+from tandem.services.cli.model import (
+    requested_kv_cache_bytes,
+    resolve_draft_model,
+    resolve_model,
+    up_kv_cache,
+)
 
 if TYPE_CHECKING:
     from tandem.client import TandemClient
@@ -125,15 +130,19 @@ def up_config(args: argparse.Namespace) -> UpConfig:
 
 
 def resolve(config: UpConfig, args: argparse.Namespace) -> tuple[UpConfig, str]:
-    """`config` with the model directory --model names (fetched or converted once) and the KV
-    cache asked for, else enough for one full context of that model; and a line saying what
-    the cache holds."""
+    """`config` with the model directory --model names (fetched or converted once), the draft
+    model's --draft-model names (resolved as the model's), and the KV cache asked for, else
+    enough for one full context of that model; and a line saying what the cache holds."""
     model_dir = resolve_model(args.model)
+    draft_model = resolve_draft_model(config.draft_model)
     requested = requested_kv_cache_bytes(args)
     kv_bytes, kv_line = up_kv_cache(
         model_dir, requested, config.device, config.dtype, config.kv_cache_dtype
     )
-    return dataclasses.replace(config, model_dir=str(model_dir), kv_cache_bytes=kv_bytes), kv_line
+    resolved = dataclasses.replace(
+        config, model_dir=str(model_dir), draft_model=draft_model, kv_cache_bytes=kv_bytes
+    )
+    return resolved, kv_line
 
 
 def drop_up_variables(environ: MutableMapping[str, str]) -> None:

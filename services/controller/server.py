@@ -350,6 +350,8 @@ class Controller(agrpc.AdminServicer):
                     draining=w.draining,
                     updated_unix=w.updated_at,
                     kv_format=w.kv_format,
+                    speculative=w.speculative,
+                    draft_format=w.draft_format,
                     host_onload_tokens_per_s=w.host_onload_tokens_per_s,
                     disk_onload_tokens_per_s=w.disk_onload_tokens_per_s,
                     host_tier_blocks=w.host_tier_blocks,

@@ -89,8 +89,9 @@ class UpConfig:
             tandem.config.EngineConfig.tp_exact_sums).
         cpu_matmul: on a CPU, auto, plain or onednn (tandem.config.EngineConfig.cpu_matmul).
         speculative: speculative decoding on every worker's decode steps (issue 45,
-            tandem.config.SpeculativeConfig): none, ngram (prompt lookup) or suffix (a
-            suffix index over the request's tokens); greedy and seeded outputs unchanged.
+            tandem.config.SpeculativeConfig): none, ngram (prompt lookup), suffix (a
+            suffix index over the request's tokens) or draft (a smaller model, draft_model);
+            greedy and seeded outputs unchanged.
         num_speculative_tokens: most tokens drafted per request and step (1..16).
         speculative_max_batch: speculation pauses while a step decodes more requests than
             this.
@@ -98,6 +99,9 @@ class UpConfig:
         speculative_ngram_min: the shortest (>= 1).
         speculative_suffix_share: suffix: also draft from recent requests of the same tenant
             (the same cache_salt).
+        draft_model: draft: the draft model's directory (`tandem up` resolves it as --model's:
+            a .gguf converted once), on every worker: a prefill worker prefills the draft too
+            and hands its KV over with the target's; "" otherwise.
         disagg_min_uncached_tokens: the router's threshold: prompts with fewer uncached tokens
             skip the prefill worker.
         max_queue_delay_s: refuse a request at once (HTTP 429 / RESOURCE_EXHAUSTED, with
@@ -155,6 +159,7 @@ class UpConfig:
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 2
     speculative_suffix_share: bool = False
+    draft_model: str = ""  # SpeculativeConfig.draft_model
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
     tool_call_parser: str = "auto"
@@ -258,6 +263,7 @@ class UpConfig:
             "--speculative-ngram-max", str(self.speculative_ngram_max),
             "--speculative-ngram-min", str(self.speculative_ngram_min),
             "--speculative-suffix-share", str(self.speculative_suffix_share).lower(),
+            "--draft-model", self.draft_model,
         ]  # fmt: skip
 
     def restart_config(self) -> RestartConfig:

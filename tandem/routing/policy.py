@@ -35,8 +35,12 @@ workers (`overlap`, from the prefix index):
      the decode worker's ranks each pull their KV heads from the prefill ranks holding
      them), but a tensor-parallel worker hands off only when its rank 0 maps every rank's
      cache (`WorkerLoad.kv_handoff`: on a CPU); one that cannot is never paired (as a
-     decode worker it prefills its requests itself). With no compatible prefill worker,
-     the decode worker prefills and the reason says why.
+     decode worker it prefills its requests itself). Speculative decoding with a draft
+     model: a prefill worker is paired only with a decode worker of the same draft format
+     (`WorkerLoad.draft_format`, "" for none): a decode worker with a draft model needs
+     the prefill worker to prefill that draft too and hand its KV over, and a prefill
+     worker with a draft sends a section a draft-less decode worker refuses. With no
+     compatible prefill worker, the decode worker prefills and the reason says why.
   6. KV tiers: for a worker whose host and disk tiers the prefix index shows
      (`request.tiers`, tandem.routing.tiers), the uncached tokens of step 3 are its
      tier-aware equivalent: each tier segment that onloads faster than the worker
@@ -135,6 +139,8 @@ class WorkerLoad(Load):
     kv_format: str = ""  # the KV cache's format (dtype, fp8 scales); pairs must be equal
     tensor_parallel_size: int = 1  # ranks (any sizes pair; see above)
     kv_handoff: bool = False  # a tensor-parallel worker's KV can be handed off (see above)
+    speculative: str = ""  # the speculative method ("", ngram, suffix, draft); not placed on
+    draft_format: str = ""  # a draft model's KV section format ("": none); pairs must be equal
 
     @property
     def prefill_queue(self) -> int:
@@ -405,9 +411,15 @@ def _round_robin(
 
 
 def can_hand_off(prefill: WorkerLoad, decode: WorkerLoad) -> bool:
-    """Whether `decode` can read `prefill`'s blocks: the same KV format, and each side
-    single-rank or tensor-parallel with every rank's cache mapped (`kv_handoff`)."""
-    return prefill.kv_format == decode.kv_format and _hands_off(prefill) and _hands_off(decode)
+    """Whether `decode` can read `prefill`'s blocks: the same KV format and the same draft
+    format (the same draft model, or none on both), and each side single-rank or
+    tensor-parallel with every rank's cache mapped (`kv_handoff`)."""
+    return (
+        prefill.kv_format == decode.kv_format
+        and prefill.draft_format == decode.draft_format
+        and _hands_off(prefill)
+        and _hands_off(decode)
+    )
 
 
 def _hands_off(worker: WorkerLoad) -> bool:
@@ -429,8 +441,16 @@ def _no_compatible_prefill(
         )
         return Placement(decode, None, RouteKind.NO_PREFILL_WORKER, reason, cached, candidates)
     same_format = [w for w in prefills if w.kv_format == decode.kv_format]
-    if same_format:  # all of them tensor-parallel without mapped caches
-        sizes = sorted({w.tensor_parallel_size for w in same_format})
+    same_draft = [w for w in same_format if w.draft_format == decode.draft_format]
+    if same_format and not same_draft:
+        others = sorted({w.draft_format or "none" for w in same_format})
+        reason = (
+            f"no prefill worker with draft model {decode.draft_format or 'none'} "
+            f"(theirs: {', '.join(others)}): prefill on {decode.worker_id}"
+        )
+        return Placement(decode, None, RouteKind.NO_PREFILL_WORKER, reason, cached, candidates)
+    if same_draft:  # all of them tensor-parallel without mapped caches
+        sizes = sorted({w.tensor_parallel_size for w in same_draft})
         reason = (
             f"no prefill worker with KV format {decode.kv_format or 'unknown'} that can hand "
             f"off (tensor-parallel sizes: {', '.join(map(str, sizes))}, their ranks' caches "

@@ -83,7 +83,7 @@ class StatusResponse(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., roles: _Optional[_Iterable[_Union[RoleStatus, _Mapping]]] = ..., sla: _Optional[_Union[Sla, _Mapping]] = ..., window_requests: _Optional[int] = ..., sla_attainment: _Optional[float] = ..., ttft_p90_ms: _Optional[float] = ..., itl_p90_ms: _Optional[float] = ..., actuator: _Optional[str] = ..., last_error: _Optional[str] = ..., last_decision_unix: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., recent: _Optional[_Union[LatencySummary, _Mapping]] = ..., observed_unix: _Optional[float] = ..., capacity: _Optional[_Union[HostCapacity, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "num_running", "num_waiting", "num_blocks", "num_free_blocks", "step_ms", "tokens_per_s", "busy_frac", "draining", "updated_unix", "kv_format", "host_onload_tokens_per_s", "disk_onload_tokens_per_s", "host_tier_blocks", "disk_tier_blocks", "tier_hit_tokens")
+    __slots__ = ("worker_id", "role", "address", "num_running", "num_waiting", "num_blocks", "num_free_blocks", "step_ms", "tokens_per_s", "busy_frac", "draining", "updated_unix", "kv_format", "host_onload_tokens_per_s", "disk_onload_tokens_per_s", "host_tier_blocks", "disk_tier_blocks", "tier_hit_tokens", "speculative", "draft_format")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class WorkerStatus(_message.Message):
     HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -120,7 +122,9 @@ class WorkerStatus(_message.Message):
     host_tier_blocks: int
     disk_tier_blocks: int
     tier_hit_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., step_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., busy_frac: _Optional[float] = ..., draining: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., kv_format: _Optional[str] = ..., host_onload_tokens_per_s: _Optional[float] = ..., disk_onload_tokens_per_s: _Optional[float] = ..., host_tier_blocks: _Optional[int] = ..., disk_tier_blocks: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ...) -> None: ...
+    speculative: str
+    draft_format: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., step_ms: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., busy_frac: _Optional[float] = ..., draining: _Optional[bool] = ..., updated_unix: _Optional[float] = ..., kv_format: _Optional[str] = ..., host_onload_tokens_per_s: _Optional[float] = ..., disk_onload_tokens_per_s: _Optional[float] = ..., host_tier_blocks: _Optional[int] = ..., disk_tier_blocks: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., speculative: _Optional[str] = ..., draft_format: _Optional[str] = ...) -> None: ...
 
 class LatencySummary(_message.Message):
     __slots__ = ("window_s", "requests", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms")

@@ -5,6 +5,7 @@ the real helm 3."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,15 @@ SPEC_ENV = {
     "TANDEM_SPECULATIVE_NGRAM_MAX",
     "TANDEM_SPECULATIVE_NGRAM_MIN",
     "TANDEM_SPECULATIVE_SUFFIX_SHARE",
+    "TANDEM_DRAFT_MODEL",
 }
+# The model on a volume mounted at /models (model.volume), where a draft model lies too.
+MODEL_VOLUME = {
+    "dir": "/models/llama-3-8b",
+    "mountPath": "/models",
+    "volume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+}
+DRAFT = {"speculative": "draft", "draft_model": "/models/llama-3.2-1b"}
 
 
 def _env(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
@@ -53,7 +62,7 @@ def test_speculative_config_as_the_workers_env(helm: Helm, tmp_path: Path) -> No
     )  # fmt: skip
     objects = helm.render("-f", str(values))
     env = _env(objects, "decode")
-    assert {name: env[name] for name in SPEC_ENV} == {
+    assert {name: env[name] for name in SPEC_ENV if name in env} == {  # no draft model
         "TANDEM_SPECULATIVE": "suffix",
         "TANDEM_NUM_SPECULATIVE_TOKENS": "6",
         "TANDEM_SPECULATIVE_MAX_BATCH": "32",
@@ -95,6 +104,8 @@ def test_speculative_config_as_the_workers_env(helm: Helm, tmp_path: Path) -> No
          "decode.config.speculative_max_batch: Invalid type. Expected: integer"),
         (["decode.config.speculative_suffix_share=yes"],
          "decode.config.speculative_suffix_share: Invalid type. Expected: boolean"),
+        (["prefill.config.draft_model=1"],
+         "prefill.config.draft_model: Invalid type. Expected: string"),
         # SpeculativeConfig's field names are not the chart's (nor the flags').
         (["decode.config.method=ngram"], "Additional property method is not allowed"),
         (["decode.config.max_batch=4"], "Additional property max_batch is not allowed"),
@@ -104,4 +115,73 @@ def test_schema_refuses_bad_speculative_values(helm: Helm, flags: list[str], mes
     with pytest.raises(HelmError) as exc:
         helm.template(*(arg for flag in flags for arg in ("--set", flag)))
     assert "don't meet the specifications of the schema" in str(exc.value)
+    assert message in str(exc.value)
+
+
+def _draft_values(
+    tmp_path: Path,
+    prefill: dict[str, Any],
+    decode: dict[str, Any],
+    model: dict[str, Any] | None = None,
+) -> list[str]:
+    values = tmp_path / "draft.yaml"
+    values.write_text(yaml.safe_dump({
+        "model": MODEL_VOLUME if model is None else model,
+        "prefill": {"config": prefill},
+        "decode": {"config": decode},
+    }))  # fmt: skip
+    return ["-f", str(values)]
+
+
+def test_draft_model_as_both_workers_env(helm: Helm, tmp_path: Path) -> None:
+    """speculative draft: both roles get TANDEM_SPECULATIVE=draft and the same
+    TANDEM_DRAFT_MODEL (the prefill worker prefills the draft and hands its KV over), which
+    the worker's flag parser reads into SpeculativeConfig.draft_model."""
+    objects = helm.render(*_draft_values(tmp_path, DRAFT, {**DRAFT, "speculative_max_batch": 8}))
+    want = SpeculativeConfig(method="draft", draft_model="/models/llama-3.2-1b")
+    for role, spec in (("prefill", want), ("decode", dataclasses.replace(want, max_batch=8))):
+        env = _env(objects, role)
+        assert env["TANDEM_SPECULATIVE"] == "draft"
+        assert env["TANDEM_DRAFT_MODEL"] == "/models/llama-3.2-1b"
+        assert env["TANDEM_MODEL_DIR"] == "/models/llama-3-8b"
+        tandem_env = {k: v for k, v in env.items() if k in SPEC_ENV}
+        worker = parse_config(WorkerConfig, ["--model-dir", "/m"], environ=tandem_env)
+        assert worker.engine.speculative == spec
+    # The model image holds the draft model too (model.baked): any path.
+    baked = {"baked": True, "dir": "/opt/model", "volume": None}
+    draft = {"speculative": "draft", "draft_model": "/opt/draft"}
+    objects = helm.render(*_draft_values(tmp_path, draft, draft, baked))
+    assert _env(objects, "decode")["TANDEM_DRAFT_MODEL"] == "/opt/draft"
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "model", "message"),
+    [
+        ({}, DRAFT, None,
+         'prefill.config.draft_model ("") and decode.config.draft_model '
+         '("/models/llama-3.2-1b") must be the same'),
+        (DRAFT, {"speculative": "ngram"}, None,
+         'prefill.config.draft_model ("/models/llama-3.2-1b") and decode.config.draft_model '
+         '("") must be the same'),
+        ({**DRAFT, "draft_model": "/models/other"}, DRAFT, None, "must be the same"),
+        ({**DRAFT, "draft_model": "/drafts/small"}, {**DRAFT, "draft_model": "/drafts/small"},
+         None,
+         "draft_model (/drafts/small) must lie under model.mountPath (/models): the draft "
+         "model is read from the model's volume"),
+        # The generated demo model's emptyDir holds no draft model.
+        (DRAFT, DRAFT, {"dir": "/models/tandem-tiny-small"},
+         "draft_model needs the model on a volume (model.volume) or in the image "
+         "(model.baked)"),
+    ],
+)  # fmt: skip
+def test_chart_refuses_a_draft_model_the_workers_cannot_share(
+    helm: Helm,
+    tmp_path: Path,
+    prefill: dict[str, Any],
+    decode: dict[str, Any],
+    model: dict[str, Any] | None,
+    message: str,
+) -> None:
+    with pytest.raises(HelmError) as exc:
+        helm.template(*_draft_values(tmp_path, prefill, decode, model))
     assert message in str(exc.value)

@@ -54,7 +54,8 @@ async def prefill_heavy(registry: Registry, log: RequestLog) -> None:
     await registry.register(
         info("d0", "decode", busy_frac=1.0, tokens_per_s=200.0, step_ms=20.0, num_running=4,
              host_onload_tokens_per_s=50_000.0, disk_onload_tokens_per_s=8_000.0,
-             host_tier_blocks=120, disk_tier_blocks=900, tier_hit_tokens=4096)
+             host_tier_blocks=120, disk_tier_blocks=900, tier_hit_tokens=4096,
+             speculative="draft", draft_format="draft-fmt")
     )  # fmt: skip
     for _ in range(10):
         log.record(RequestSample(time.time(), 1500.0, 20.0, 1000, 32, disaggregated=True))
@@ -310,6 +311,9 @@ def test_admin_api_over_grpc(redis_url: str) -> None:
                 for w in status.workers
             }
             assert use == {"p0": (0, 0, 0), "d0": (120, 900, 4096)}
+            # And their speculative method and draft model's format (issue 45).
+            spec = {w.worker_id: (w.speculative, w.draft_format) for w in status.workers}
+            assert spec == {"p0": ("", ""), "d0": ("draft", "draft-fmt")}
             explained = await stub.Explain(apb.ExplainRequest(limit=1))
             assert len(explained.decisions) == 1
             d = explained.decisions[0]

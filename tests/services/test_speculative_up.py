@@ -15,6 +15,7 @@ import pytest
 
 from tandem.client import AsyncTandemClient
 from tandem.engine.sampling import SamplingParams
+from tandem.services.common.redis.registry import Registry
 from tandem.services.up import Cluster
 from tests.services.conftest import up_cluster
 from tests.services.test_metrics_cluster import samples, scrape, value
@@ -67,3 +68,19 @@ def test_speculative_cluster_answers_as_the_plain_engine(
     emitted = value(decode, "tandem_worker_spec_emitted_tokens_total", proposer=method)
     assert proposed >= accepted > 0 and emitted == accepted + rows
     assert_all_free(cluster)
+
+
+def test_every_worker_advertises_its_speculative_method(cluster: Cluster) -> None:
+    """The registry records (WorkerInfo, from the engine) name the method on both roles, and
+    no draft format: ngram and suffix move nothing with a hand-off, so they pair as before."""
+
+    async def records() -> dict[str, tuple[str, str]]:
+        registry = Registry(cluster.redis_url)
+        try:
+            workers = await registry.list_workers()
+        finally:
+            await registry.close()
+        return {w.worker_id: (w.speculative, w.draft_format) for w in workers}
+
+    method = cluster.config.speculative
+    assert asyncio.run(records()) == {"prefill-0": (method, ""), "decode-0": (method, "")}

@@ -144,6 +144,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "speculative_ngram_max": ("3", 3),
     "speculative_ngram_min": ("1", 1),
     "speculative_suffix_share": ("true", True),
+    "draft_model": ("drafts/small", "drafts/small"),
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("32", 32),
     "disagg_min_uncached_tokens": ("0", 0),
@@ -163,10 +164,12 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "max_restarts": ("0", 0),
     "restart_window_s": ("5", 5.0),
 }
-# Fields valid only with another: the disk tier's directory and its budget.
+# Fields valid only with another: the disk tier's directory and its budget; a draft model
+# and speculative draft.
 UP_COMPANIONS: dict[str, dict[str, tuple[str, Any]]] = {
     "kv_disk_dir": {"kv_disk_bytes": ("1", 1)},
     "kv_disk_bytes": {"kv_disk_dir": ("/d", "/d")},
+    "draft_model": {"speculative": ("draft", "draft")},
 }
 
 
@@ -314,7 +317,16 @@ BAD_UP_VALUES = [
     (["--port", "x"], "argument --port: invalid int value: 'x'"),
     (["--autoscale", "maybe"], "argument --autoscale: expected a boolean, got 'maybe'"),
     (["--speculative", "eagle"],
-     "argument --speculative: speculative must be one of none, ngram, suffix, got 'eagle'"),
+     "argument --speculative: speculative must be one of none, ngram, suffix, draft, got "
+     "'eagle'"),
+    (["--speculative", "draft"],
+     "arguments --speculative, --draft-model: speculative draft needs a draft model "
+     "(--draft-model DIR), and a draft model needs --speculative draft; got "
+     "speculative='draft', draft_model=''"),
+    (["--draft-model", "/d", "--speculative", "suffix"],
+     "arguments --speculative, --draft-model: speculative draft needs a draft model "
+     "(--draft-model DIR), and a draft model needs --speculative draft; got "
+     "speculative='suffix', draft_model='/d'"),
     (["--num-speculative-tokens", "17"],
      "argument --num-speculative-tokens: num_speculative_tokens must be in [1, 16], got 17"),
     (["--speculative-ngram-min", "5"],
@@ -401,7 +413,8 @@ def test_generate_shares_the_engine_flags_of_up(
 
     shared = option_help("generate")
     assert sorted(shared) == [
-        "--cpu-matmul", "--device", "--dtype", "--expert-parallel", "--gpu-memory-utilization",
+        "--cpu-matmul", "--device", "--draft-model", "--dtype", "--expert-parallel",
+        "--gpu-memory-utilization",
         "--kv-cache-bytes", "--kv-cache-dtype", "--kv-cache-mb", "--kv-disk-bytes",
         "--kv-disk-dir", "--kv-host-bytes", "--num-speculative-tokens", "--quantization",
         "--quantization-group-size", "--replicate-attention", "--speculative",
@@ -513,6 +526,107 @@ def test_up_passes_the_speculative_settings_to_every_worker(up_env: pytest.Monke
     up_env.delenv("TANDEM_SPECULATIVE_SUFFIX_SHARE")
     plain = flags(up("--model", "/m").worker_args("decode-0"))
     assert (plain["--speculative"], plain["--speculative-suffix-share"]) == ("none", "false")
+    assert plain["--draft-model"] == ""
+
+
+def test_up_passes_the_draft_model_to_every_worker(up_env: pytest.MonkeyPatch) -> None:
+    """speculative draft: every worker, prefill too (it prefills the draft and hands its KV
+    over), gets --speculative draft and the same --draft-model, from the flag or
+    TANDEM_DRAFT_MODEL."""
+    from tandem.services.common.runtime.flags import parse_config
+    from tandem.services.common.worker.config import WorkerConfig
+
+    config = up("--model", "/m", "--speculative", "draft", "--draft-model", "/models/draft")
+    up_env.setenv("TANDEM_DRAFT_MODEL", "/models/draft")
+    assert up("--model", "/m", "--speculative", "draft") == config
+    want = SpeculativeConfig("draft", draft_model="/models/draft")
+    assert config.engine_config().speculative == want
+    for name, role in (("prefill-0", "prefill"), ("decode-1", "decode")):
+        args = config.worker_args(name)
+        assert args[args.index("--draft-model") + 1] == "/models/draft"
+        assert args[args.index("--speculative") + 1] == "draft"
+        worker = parse_config(WorkerConfig, args, fixed={"role": role}, environ={})
+        assert worker.engine.speculative == want
+
+
+def _fake_gguf_conversion(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """tandem.weights.fetch.convert_gguf_file replaced: it records the files it is given and
+    names cache_dir/<stem> (the real one converts, out of scope here)."""
+    import tandem.weights.fetch as fetch
+
+    converted: list[Path] = []
+
+    def convert(path: Path, cache_dir: Path) -> Path:
+        converted.append(path)
+        return cache_dir / path.stem
+
+    monkeypatch.setattr(fetch, "convert_gguf_file", convert)
+    return converted
+
+
+def test_up_resolves_the_draft_model_as_the_model(
+    up_env: pytest.MonkeyPatch, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """--draft-model is resolved as --model is (tandem.services.cli.model.resolve_model): a
+    directory as given (a relative one relative to where `tandem up` runs, whose workers
+    inherit its working directory), a .gguf file converted once; none stays none (not the
+    default model)."""
+    from tandem.services.cli.model import MODEL_CACHE_DIR
+    from tandem.services.cli.up import resolve, up_config
+
+    converted = _fake_gguf_conversion(up_env)
+    gguf = tmp_path / "draft-q8.gguf"
+    gguf.write_bytes(b"GGUF")
+    for draft, want in (
+        ("drafts/small", "drafts/small"),
+        (str(gguf), str(MODEL_CACHE_DIR / gguf.stem)),
+    ):
+        args = up_args(
+            "--model", str(tiny_model_dir), "--speculative", "draft", "--draft-model", draft
+        )
+        config, _ = resolve(up_config(args), args)
+        assert config.draft_model == want
+        assert config.worker_args("prefill-0")[-2:] == ["--draft-model", want]
+        assert config.model_dir == str(tiny_model_dir)
+    assert converted == [gguf]
+    args = up_args("--model", str(tiny_model_dir))
+    config, _ = resolve(up_config(args), args)
+    assert config.draft_model == "" and converted == [gguf]
+
+
+def test_generate_resolves_the_draft_model_as_the_model(
+    up_env: pytest.MonkeyPatch,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`tandem generate --speculative draft --draft-model X.gguf`: the engine it builds is
+    given the converted draft model's directory (the engine itself is replaced: this checks
+    the config it gets)."""
+    import tandem.engine.engine as engine_module
+    from tandem.services.cli.main import build_parser, cmd_generate
+    from tandem.services.cli.model import MODEL_CACHE_DIR
+
+    converted = _fake_gguf_conversion(up_env)
+    built: list[Any] = []
+
+    class NoEngine:
+        def __init__(self, config: Any, progress: Any = None) -> None:
+            built.append(config)
+            raise ValueError("not loaded in this test")
+
+    up_env.setattr(engine_module, "LLMEngine", NoEngine)
+    gguf = tmp_path / "draft.gguf"
+    gguf.write_bytes(b"GGUF")
+    argv = ["generate", "--model", str(tiny_model_dir), "--speculative", "draft",
+            "--draft-model", str(gguf), "hi"]  # fmt: skip
+    assert cmd_generate(build_parser().parse_args(argv)) == 2
+    assert "not loaded in this test" in capsys.readouterr().err
+    (config,) = built
+    assert config.model_dir == str(tiny_model_dir) and converted == [gguf]
+    assert config.speculative == SpeculativeConfig(
+        "draft", draft_model=str(MODEL_CACHE_DIR / "draft")
+    )
 
 
 def test_up_gives_each_worker_its_own_disk_tier_directory(up_env: pytest.MonkeyPatch) -> None:

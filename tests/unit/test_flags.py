@@ -135,6 +135,7 @@ def test_speculative_settings_reach_a_worker_config_by_flag_and_env() -> None:
             "speculative_suffix_share", "--speculative-suffix-share",
             "TANDEM_SPECULATIVE_SUFFIX_SHARE",
         ),
+        "draft_model": ("draft_model", "--draft-model", "TANDEM_DRAFT_MODEL"),
     }  # fmt: skip
     cfg = parse_config(
         WorkerConfig,
@@ -158,6 +159,10 @@ def test_speculative_settings_reach_a_worker_config_by_flag_and_env() -> None:
     assert parse_config(WorkerConfig, ["--model-dir", "/m"], environ={}).engine.speculative == (
         SpeculativeConfig()
     )
+    env = {"TANDEM_SPECULATIVE": "draft", "TANDEM_DRAFT_MODEL": "/models/env-draft"}
+    argv = ["--model-dir", "/m", "--draft-model", "/models/draft"]
+    spec_cfg = parse_config(WorkerConfig, argv, environ=env).engine.speculative
+    assert spec_cfg == SpeculativeConfig(method="draft", draft_model="/models/draft")
 
 
 def test_speculative_help_and_errors_name_the_public_flags(
@@ -179,8 +184,19 @@ def test_speculative_help_and_errors_name_the_public_flags(
     with pytest.raises(SystemExit):
         parse_config(WorkerConfig, ["--model-dir", "/m", "--speculative", "eagle"], environ={})
     assert (
-        "argument --speculative: speculative must be one of none, ngram, suffix, got 'eagle'"
-        in capsys.readouterr().err
+        "argument --speculative: speculative must be one of none, ngram, suffix, draft, got "
+        "'eagle'" in capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--model-dir", "/m", "--speculative", "draft"], environ={})
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            "error: arguments --speculative, --draft-model: speculative draft needs a draft model "
+            "(--draft-model DIR), and a draft model needs --speculative draft; got "
+            "speculative='draft', draft_model=''"
+        )
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from tandem.quant.kv import (
     quantize_kv,
 )
 from tandem.routing import RouteRequest, RoutingConfig, WorkerLoad, choose
-from tandem.routing.policy import RouteKind
+from tandem.routing.policy import RouteKind, can_hand_off
 from tandem.services.common.redis.worker_info import WorkerInfo
 from tandem.services.common.rpc.convert import kv_layout_from_proto, kv_layout_to_proto
 from tandem.transfer import KVHandoff, KVLayout, LayoutMismatch, RemoteKV, check_compatible
@@ -213,7 +214,7 @@ def test_prefix_hashes_differ_by_kv_format() -> None:
     assert kv_hash_format(fmt) == fmt and kv_hash_format("bfloat16") == ""
 
 
-def load(worker_id: str, role: str, fmt: str, **kw: int) -> WorkerLoad:
+def load(worker_id: str, role: str, fmt: str, **kw: int | str) -> WorkerLoad:
     return WorkerLoad(
         worker_id=worker_id, role=role, address=f"{worker_id}:1", num_blocks=1000,
         num_free_blocks=1000, kv_format=fmt, **kw,
@@ -224,22 +225,51 @@ FMT_A = kv_format(FP8, KVScales.default(2))
 FMT_B = "bfloat16"
 
 
+DRAFT_A, DRAFT_B = "draft-a/4x2", "draft-b/8x2"  # draft formats: opaque, equal or not
+
+
 @pytest.mark.parametrize("policy", ["kv", "load", "round_robin"])
-def test_placement_never_pairs_mismatched_kv_formats(policy: str) -> None:
+def test_placement_never_pairs_mismatched_kv_or_draft_formats(policy: str) -> None:
+    """Pairs share the KV format and the draft format (speculative draft: the same draft
+    model, or none on both); a compatible prefill worker, when there is one, is used."""
     cfg = RoutingConfig(policy=policy, disagg_min_uncached_tokens=16)
     rng = random.Random(3)
-    for seq in range(60):
+    paired_drafts = set()
+    for seq in range(120):
         workers = [
-            load(f"{role[0]}{i}", role, rng.choice([FMT_A, FMT_B]), num_running=rng.randint(0, 3))
+            load(f"{role[0]}{i}", role, rng.choice([FMT_A, FMT_B]), num_running=rng.randint(0, 3),
+                 draft_format=rng.choice(["", "", DRAFT_A, DRAFT_B]))
             for role in ("prefill", "decode")
             for i in range(rng.randint(1, 3))
-        ]
+        ]  # fmt: skip
         p = choose(RouteRequest(500, 16, sequence=seq), workers, cfg)
         assert p is not None
+        compatible = [w for w in workers if w.role == "prefill" and can_hand_off(w, p.decode)]
         if p.prefill is not None:
             assert p.prefill.kv_format == p.decode.kv_format
-        elif any(w.kv_format == p.decode.kv_format for w in workers if w.role == "prefill"):
-            pytest.fail(f"colocated although a compatible prefill worker exists: {p.reason}")
+            assert p.prefill.draft_format == p.decode.draft_format
+            paired_drafts.add(p.decode.draft_format)
+        elif compatible:
+            pytest.fail(f"colocated although {compatible[0].worker_id} can hand off: {p.reason}")
+    assert paired_drafts == {"", DRAFT_A, DRAFT_B}
+
+
+def test_only_equal_draft_formats_hand_off() -> None:
+    """A decode worker with a draft model needs its draft's KV from the prefill worker; a
+    prefill worker with a draft sends a section a draft-less decode worker refuses."""
+    none_p, none_d = load("p0", "prefill", FMT_A), load("d0", "decode", FMT_A)
+    a_p = load("p1", "prefill", FMT_A, draft_format=DRAFT_A)
+    a_d = load("d1", "decode", FMT_A, draft_format=DRAFT_A)
+    b_d = load("d2", "decode", FMT_A, draft_format=DRAFT_B)
+    assert can_hand_off(none_p, none_d) and can_hand_off(a_p, a_d)
+    assert not can_hand_off(none_p, a_d) and not can_hand_off(a_p, none_d)
+    assert not can_hand_off(a_p, b_d)
+    # The same draft but another KV format still does not pair.
+    assert not can_hand_off(a_p, load("d3", "decode", FMT_B, draft_format=DRAFT_A))
+    # Which prefill worker a decode worker gets: the one with its draft format.
+    for decode, want in ((none_d, "p0"), (a_d, "p1")):
+        p = choose(RouteRequest(500, 16), [none_p, a_p, decode], RoutingConfig())
+        assert p is not None and p.prefill is not None and p.prefill.worker_id == want
 
 
 def test_placement_says_why_no_prefill_worker_is_compatible() -> None:
@@ -249,6 +279,34 @@ def test_placement_says_why_no_prefill_worker_is_compatible() -> None:
     assert p.reason == (
         f"no prefill worker with KV format {FMT_A} (theirs: bfloat16): prefill on d0"
     )
+    # Another KV format says so, whatever the drafts.
+    workers = [load("p0", "prefill", FMT_B, draft_format=DRAFT_A),
+               load("d0", "decode", FMT_A, draft_format=DRAFT_A)]  # fmt: skip
+    p = choose(RouteRequest(500, 16), workers, RoutingConfig())
+    assert p is not None and p.reason == (
+        f"no prefill worker with KV format {FMT_A} (theirs: bfloat16): prefill on d0"
+    )
+
+
+def test_placement_says_when_no_prefill_worker_has_the_draft_model() -> None:
+    """Prefill workers of the decode worker's KV format, none with its draft format: the
+    reason names the draft formats (none: no draft model), sorted."""
+    workers = [
+        load("p0", "prefill", FMT_A),
+        load("p1", "prefill", FMT_A, draft_format=DRAFT_B),
+        load("p2", "prefill", FMT_B, draft_format=DRAFT_A),
+        load("d0", "decode", FMT_A, draft_format=DRAFT_A),
+    ]
+    for policy in ("kv", "load", "round_robin"):
+        p = choose(RouteRequest(500, 16), workers, RoutingConfig(policy=policy))
+        assert p is not None and p.prefill is None and p.kind == RouteKind.NO_PREFILL_WORKER
+        assert p.reason == (
+            f"no prefill worker with draft model {DRAFT_A} (theirs: {DRAFT_B}, none): prefill on d0"
+        )
+    workers = [load("p0", "prefill", FMT_A, draft_format=DRAFT_A), load("d0", "decode", FMT_A)]
+    p = choose(RouteRequest(500, 16), workers, RoutingConfig())
+    assert p is not None and p.prefill is None
+    assert p.reason == f"no prefill worker with draft model none (theirs: {DRAFT_A}): prefill on d0"
 
 
 def test_the_registry_record_advertises_the_kv_format() -> None:
@@ -262,6 +320,27 @@ def test_the_registry_record_advertises_the_kv_format() -> None:
     )  # an older worker
     with pytest.raises(ValueError, match="kv_format"):
         WorkerInfo(worker_id="d0", role="decode", address="h:1", model="m", epoch=1, kv_format=3)  # type: ignore[arg-type]
+
+
+def test_the_registry_record_advertises_speculation_and_the_draft_format() -> None:
+    ids = {"worker_id": "d0", "role": "decode", "address": "h:1", "model": "m", "epoch": 1}
+    info = WorkerInfo(**ids, speculative="draft", draft_format=DRAFT_A)  # type: ignore[arg-type]
+    raw = info.to_json()
+    assert '"draft_format":"draft-a/4x2"' in raw and '"speculative":"draft"' in raw
+    assert WorkerInfo.from_json(raw) == info
+    load_ = info.load()
+    assert (load_.speculative, load_.draft_format) == ("draft", DRAFT_A)
+    # A worker that predates them: no speculation, no draft model.
+    old = json.loads(raw)
+    del old["speculative"], old["draft_format"]
+    older = WorkerInfo.from_json(json.dumps(old))
+    assert (older.speculative, older.draft_format) == ("", "")
+    assert (older.load().speculative, older.load().draft_format) == ("", "")
+    for name, bad in (("speculative", 1), ("draft_format", None), ("draft_format", ["x"])):
+        with pytest.raises(ValueError, match=f"WorkerInfo.{name} must be a str, got"):
+            WorkerInfo(**ids, **{name: bad})  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=f"WorkerInfo.{name} must be a str"):
+            WorkerInfo.from_json(json.dumps({**json.loads(raw), name: bad}))
 
 
 # -- CPU attention ---------------------------------------------------------------------------

@@ -48,6 +48,12 @@ class WorkerInfo(Load):
     # cache: on a CPU); False from one that predates it. A single-rank worker's always can
     # (tandem.routing.policy.can_hand_off).
     kv_handoff: bool = False
+    # Speculative decoding's method ("", "ngram", "suffix", "draft"; tandem.config.
+    # SpeculativeConfig; "" when off or from a worker that predates it): shown, not placed on.
+    speculative: str = ""
+    # The draft model's KV hand-off section format (LLMEngine.draft_format); "" without a draft
+    # model or from a worker that predates it. The router pairs equal formats only.
+    draft_format: str = ""
 
     def __post_init__(self) -> None:
         for name in ("worker_id", "role", "address", "model"):
@@ -65,8 +71,10 @@ class WorkerInfo(Load):
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"WorkerInfo.tensor_parallel_size must be an int >= 1, got {tp!r}")
-        if not isinstance(self.kv_format, str):
-            raise ValueError(f"WorkerInfo.kv_format must be a str, got {self.kv_format!r}")
+        for name in ("kv_format", "speculative", "draft_format"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"WorkerInfo.{name} must be a str, got {value!r}")
         if not isinstance(self.kv_handoff, bool):
             raise ValueError(f"WorkerInfo.kv_handoff must be a bool, got {self.kv_handoff!r}")
         if not isinstance(self.draining, bool):
@@ -91,6 +99,8 @@ class WorkerInfo(Load):
             kv_format=self.kv_format,
             tensor_parallel_size=self.tensor_parallel_size,
             kv_handoff=self.kv_handoff,
+            speculative=self.speculative,
+            draft_format=self.draft_format,
         )
 
     def to_json(self) -> str:

@@ -178,6 +178,8 @@ class Worker:
             kv_format=self.engine.kv_format,
             tensor_parallel_size=self.engine.config.tensor_parallel_size,
             kv_handoff=self.engine.config.tensor_parallel_size == 1 or bool(self.engine.rank_kv),
+            speculative=spec.method if (spec := self.engine.config.speculative).enabled else "",
+            draft_format=self.engine.draft_format,
             updated_at=time.time(),
         )
 

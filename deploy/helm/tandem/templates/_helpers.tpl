@@ -388,6 +388,19 @@ the component's extraVolumeMounts). */}}
 {{- if and .Values.redis.enabled .Values.redis.url -}}
 {{- fail "set either redis.enabled (bundled Redis) or redis.url (external Redis), not both" -}}
 {{- end -}}
+{{- /* speculative: draft. The prefill worker prefills the draft and hands its KV over: both
+roles load the same draft model, from the model's volume (or the image, model.baked). */ -}}
+{{- $prefillDraft := (.Values.prefill.config | default dict).draft_model | default "" -}}
+{{- $decodeDraft := (.Values.decode.config | default dict).draft_model | default "" -}}
+{{- if ne $prefillDraft $decodeDraft -}}
+{{- fail (printf "prefill.config.draft_model (%q) and decode.config.draft_model (%q) must be the same (with speculative: draft in both): the prefill worker prefills the draft model and hands its KV over" $prefillDraft $decodeDraft) -}}
+{{- end -}}
+{{- if and $decodeDraft (not .Values.model.baked) (not .Values.model.volume) -}}
+{{- fail "draft_model needs the model on a volume (model.volume) or in the image (model.baked): the generated demo model's emptyDir holds no draft model" -}}
+{{- end -}}
+{{- if and $decodeDraft (not .Values.model.baked) (not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.model.mountPath)) $decodeDraft)) -}}
+{{- fail (printf "draft_model (%s) must lie under model.mountPath (%s): the draft model is read from the model's volume" $decodeDraft .Values.model.mountPath) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod scheduling fields of a component's values (nodeSelector, tolerations, affinity). */}}
