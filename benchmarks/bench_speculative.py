@@ -21,6 +21,13 @@ Workloads (chat-templated, greedy, up to --max-tokens):
   quote       summarise a passage, then quote it
   chat        open chat: little to copy (speculation must cost next to nothing there)
 
+Proposers: none, ngram, suffix, and draft: a draft model made of the target's
+--draft-layers, written once next to the model: no smaller model shares SmolLM2's tokenizer.
+The default, all 30 layers, drafts what the target would say (the ceiling of any draft's
+acceptance, at the target's own cost); a layer-skipping draft ("0-7,22-29") is cheaper but
+its guesses are rarely accepted (BENCHMARKS.md issue 45). It drafts with the cost rule
+(`draft`) and always k tokens (`draft-forced`, --speculative-adaptive false).
+
 Default model: SmolLM2-135M-Instruct (the CLI's default), dtype auto. Writes
 benchmarks/results/speculative.json and benchmarks/plots/speculative-batch1.png.
 """
@@ -47,11 +54,12 @@ from tandem.config import (  # noqa: E402
 from tandem.engine.engine import LLMEngine  # noqa: E402
 from tandem.engine.request import Resume  # noqa: E402
 from tandem.engine.sampling import SamplingParams  # noqa: E402
+from tandem.transfer.sections import SectionKind  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
 RESULTS = ROOT / "results" / "speculative.json"
 PLOT = ROOT / "plots" / "speculative-batch1.png"
-METHODS = ("none", "ngram", "suffix")
+METHODS = ("none", "ngram", "suffix", "draft", "draft-forced")
 
 CODE = """def parse_orders(lines):
     orders = []
@@ -105,6 +113,58 @@ def workloads() -> dict[str, list[list[dict[str, str]]]]:
 
 
 CPU_MATMUL = "auto"  # --cpu-matmul
+DRAFT_LAYERS = "0-29"  # --draft-layers
+
+
+def parse_layers(spec: str) -> list[int]:
+    """ "0-3,26-29" -> [0, 1, 2, 3, 26, 27, 28, 29]."""
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def layer_draft(model_dir: Path, layers: str) -> Path:
+    """The target's layers `layers` (e.g. "0-3,26-29": its first and last four, the middle
+    skipped) with its embedding, final norm and head, as a model directory beside it
+    (written once): a layer-skipping draft sharing its tokenizer."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    keep = parse_layers(layers)
+    out = model_dir.parent / f"{model_dir.name}-layers{layers.replace(',', '_')}"
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["num_hidden_layers"] = len(keep)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, out / name)
+    renumber = {old: new for new, old in enumerate(keep)}
+    kept = {}
+    for k, v in load_file(model_dir / "model.safetensors").items():
+        if not k.startswith("model.layers."):
+            kept[k] = v
+            continue
+        parts = k.split(".")
+        if int(parts[2]) in renumber:
+            parts[2] = str(renumber[int(parts[2])])
+            kept[".".join(parts)] = v
+    save_file(kept, out / "model.safetensors.part")
+    (out / "model.safetensors.part").rename(out / "model.safetensors")
+    return out
+
+
+def spec_config(model_dir: Path, method: str, max_batch: int) -> SpeculativeConfig:
+    if not method.startswith("draft"):
+        return SpeculativeConfig(method=method, max_batch=max_batch)
+    draft = layer_draft(model_dir, DRAFT_LAYERS)
+    return SpeculativeConfig(method="draft", draft_model=str(draft), max_batch=max_batch,
+                             adaptive=method == "draft")  # fmt: skip
 
 
 def make_engine(model_dir: Path, method: str, max_batch: int = 8, **kw: Any) -> LLMEngine:
@@ -114,7 +174,7 @@ def make_engine(model_dir: Path, method: str, max_batch: int = 8, **kw: Any) -> 
         cpu_matmul=CPU_MATMUL,
         cache=CacheConfig(num_blocks=2048),
         scheduler=SchedulerConfig(max_num_seqs=64),
-        speculative=SpeculativeConfig(method=method, max_batch=max_batch),
+        speculative=spec_config(model_dir, method, max_batch),
         **kw,
     )
     engine = LLMEngine(cfg)
@@ -218,7 +278,9 @@ def cmd_pd(args: argparse.Namespace) -> dict:
     chats = [c for cs in workloads().values() for c in cs]
     for m in METHODS[1:]:
         full = make_engine(args.model_dir, m)
-        prefill = make_engine(args.model_dir, "none", role=EngineRole.PREFILL)
+        # a draft model's prefill worker prefills the draft too and hands its KV over
+        pre = m if m.startswith("draft") else "none"
+        prefill = make_engine(args.model_dir, pre, role=EngineRole.PREFILL)
         decode = make_engine(args.model_dir, m, role=EngineRole.DECODE)
         tok = full.tokenizer
         assert tok is not None
@@ -231,7 +293,9 @@ def cmd_pd(args: argparse.Namespace) -> dict:
         a, b = full.spec_stats()[0], decode.spec_stats()[0]
         rows.append({"method": m, "colocated_acceptance_length": round(a.acceptance_length, 4),
                      "disaggregated_acceptance_length": round(b.acceptance_length, 4),
-                     "ratio": round(b.acceptance_length / a.acceptance_length, 4)})  # fmt: skip
+                     "ratio": round(b.acceptance_length / a.acceptance_length, 4),
+                     "decode_draft_prefill_tokens": b.draft_prefill_tokens,
+                     "decode_draft_handoff_tokens": b.draft_handoff_tokens})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return {"model": args.model_dir.name, "rows": rows}
 
@@ -245,7 +309,7 @@ class WrongDraft:
     def __init__(self) -> None:
         self.k = 1
 
-    def start(self, request_id: str, token_ids: Any, tenant: str = "") -> None: ...
+    def start(self, request_id: str, token_ids: Any, tenant: str = "", n: int = 0) -> None: ...
 
     def extend(self, request_id: str, token_ids: Any) -> None: ...
 
@@ -302,12 +366,17 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], 
         pass
     [out] = outs
     src = prefill.block_table(rid)
+    pages = len(src) - out.draft_blocks
     reserved = decode.reserve_kv(decode.spec(rid, prompt, params), Resume(out.new_token_ids))
     assert reserved is not None
     dst, cached = reserved
     first = cached // decode.kv.block_size
-    idx = torch.tensor(dst[first:], dtype=torch.long)
-    decode.kv_cache[idx] = prefill.kv_cache[torch.tensor(src[first : len(dst)], dtype=torch.long)]
+    copies = [(src[first:pages], dst[first:])]
+    if out.draft_blocks:  # the draft_kv section, into blocks reserved for it
+        copies.append((src[pages:], decode.reserve_section(rid, SectionKind.DRAFT_KV) or []))
+    for a, b in copies:
+        idx = torch.tensor(b, dtype=torch.long)
+        decode.kv_cache[idx] = prefill.kv_cache[torch.tensor(a, dtype=torch.long)]
     decode.commit_kv(rid)
     request = decode.get_request(rid)
     assert request is not None and prefill.release(rid)
@@ -330,7 +399,7 @@ def plot(rows: list[dict]) -> None:
                 for n in names]  # fmt: skip
         ax.bar([i + j * width for i in range(len(names))], vals, width, label=m)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks([i + width for i in range(len(names))], names)
+    ax.set_xticks([i + width * (len(METHODS) - 1) / 2 for i in range(len(names))], names)
     ax.set_ylabel("batch-1 decode tokens/s vs off")
     ax.set_title("Speculative decoding, SmolLM2-135M on 2 CPU cores")
     ax.legend()
@@ -348,10 +417,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,4,8,16,32")
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "plain", "onednn"))
+    parser.add_argument("--draft-layers", default="0-29")
     parser.add_argument("--workload", default="code-edit", choices=tuple(workloads()))
     args = parser.parse_args()
-    global CPU_MATMUL
-    CPU_MATMUL = args.cpu_matmul
+    global CPU_MATMUL, DRAFT_LAYERS
+    CPU_MATMUL, DRAFT_LAYERS = args.cpu_matmul, args.draft_layers
     commands = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd, "cost": cmd_cost}
     result = commands[args.cmd](args)
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}

@@ -179,6 +179,7 @@ ENGINE_FLAGS = (
     "speculative_ngram_max",
     "speculative_ngram_min",
     "speculative_suffix_share",
+    "speculative_adaptive",
     "draft_model",
 )
 

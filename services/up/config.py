@@ -99,6 +99,8 @@ class UpConfig:
         speculative_ngram_min: the shortest (>= 1).
         speculative_suffix_share: suffix: also draft from recent requests of the same tenant
             (the same cache_salt).
+        speculative_adaptive: draft the k that pays for each request's acceptance (none
+            when no k does); false: always num_speculative_tokens, for measuring.
         draft_model: draft: the draft model's directory (`tandem up` resolves it as --model's:
             a .gguf converted once), on every worker: a prefill worker prefills the draft too
             and hands its KV over with the target's; "" otherwise.
@@ -159,6 +161,7 @@ class UpConfig:
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 2
     speculative_suffix_share: bool = False
+    speculative_adaptive: bool = True
     draft_model: str = ""  # SpeculativeConfig.draft_model
     disagg_min_uncached_tokens: int = 64
     max_queue_delay_s: float = DEFAULT_MAX_QUEUE_DELAY_S
@@ -263,6 +266,7 @@ class UpConfig:
             "--speculative-ngram-max", str(self.speculative_ngram_max),
             "--speculative-ngram-min", str(self.speculative_ngram_min),
             "--speculative-suffix-share", str(self.speculative_suffix_share).lower(),
+            "--speculative-adaptive", str(self.speculative_adaptive).lower(),
             "--draft-model", self.draft_model,
         ]  # fmt: skip
 

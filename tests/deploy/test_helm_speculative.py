@@ -24,6 +24,7 @@ SPEC_ENV = {
     "TANDEM_SPECULATIVE_NGRAM_MAX",
     "TANDEM_SPECULATIVE_NGRAM_MIN",
     "TANDEM_SPECULATIVE_SUFFIX_SHARE",
+    "TANDEM_SPECULATIVE_ADAPTIVE",
     "TANDEM_DRAFT_MODEL",
 }
 # The model on a volume mounted at /models (model.volume), where a draft model lies too.
@@ -55,6 +56,7 @@ def test_speculative_config_as_the_workers_env(helm: Helm, tmp_path: Path) -> No
                     "speculative": "suffix", "num_speculative_tokens": 6,
                     "speculative_max_batch": 32, "speculative_ngram_max": 5,
                     "speculative_ngram_min": 1, "speculative_suffix_share": True,
+                    "speculative_adaptive": False,
                 }
             },
             "prefill": {"config": {"speculative": "ngram"}},
@@ -69,6 +71,7 @@ def test_speculative_config_as_the_workers_env(helm: Helm, tmp_path: Path) -> No
         "TANDEM_SPECULATIVE_NGRAM_MAX": "5",
         "TANDEM_SPECULATIVE_NGRAM_MIN": "1",
         "TANDEM_SPECULATIVE_SUFFIX_SHARE": "true",
+        "TANDEM_SPECULATIVE_ADAPTIVE": "false",
     }
     tandem_env = {k: v for k, v in env.items() if k in SPEC_ENV}
     worker = parse_config(WorkerConfig, ["--model-dir", "/m"], environ=tandem_env)
@@ -79,6 +82,7 @@ def test_speculative_config_as_the_workers_env(helm: Helm, tmp_path: Path) -> No
         ngram_min=1,
         max_batch=32,
         suffix_share=True,
+        adaptive=False,
     )
     prefill = _env(objects, "prefill")  # per role: only what that role's config sets
     assert {k: v for k, v in prefill.items() if k in SPEC_ENV} == {"TANDEM_SPECULATIVE": "ngram"}

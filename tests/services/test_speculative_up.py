@@ -25,11 +25,18 @@ from tests.services.workers import assert_all_free
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module", params=["ngram", "suffix"])
+@pytest.fixture(scope="module", params=["ngram", "suffix", "draft"])
 def cluster(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    with up_cluster(tiny_model_dir, tmp_path_factory.mktemp("run"), speculative=request.param) as c:
+    # draft: the target drafting for itself, always k tokens (on a CPU the cost rule would
+    # not draft with a draft as costly as the target); every prompt handed off (a short
+    # one prefilled on the decode worker prefills the draft there too)
+    draft = dict(draft_model=str(tiny_model_dir), speculative_adaptive=False,
+                 disagg_min_uncached_tokens=0)  # fmt: skip
+    extra = draft if request.param == "draft" else {}
+    run = tmp_path_factory.mktemp("run")
+    with up_cluster(tiny_model_dir, run, speculative=request.param, **extra) as c:  # type: ignore[arg-type]
         yield c
 
 
@@ -67,12 +74,19 @@ def test_speculative_cluster_answers_as_the_plain_engine(
     rows = value(decode, "tandem_worker_spec_verify_rows_total", proposer=method)
     emitted = value(decode, "tandem_worker_spec_emitted_tokens_total", proposer=method)
     assert proposed >= accepted > 0 and emitted == accepted + rows
+    if method == "draft":  # its KV came with each hand-off: the decode worker never prefilled it
+        handed = value(decode, "tandem_worker_spec_draft_handoff_tokens_total", proposer=method)
+        assert value(decode, "tandem_worker_spec_draft_prefill_tokens_total") == 0
+        assert all(r.disaggregated for r in results) and handed >= sum(map(len, prompts))
+        prefill = samples(scrape(cluster.metrics_addresses["prefill-0"]))
+        assert value(prefill, "tandem_worker_spec_draft_prefill_tokens_total") >= handed
     assert_all_free(cluster)
 
 
 def test_every_worker_advertises_its_speculative_method(cluster: Cluster) -> None:
     """The registry records (WorkerInfo, from the engine) name the method on both roles, and
-    no draft format: ngram and suffix move nothing with a hand-off, so they pair as before."""
+    no draft format for ngram and suffix (they move nothing with a hand-off, so they pair as
+    before); a draft model's format, the same on both, for draft."""
 
     async def records() -> dict[str, tuple[str, str]]:
         registry = Registry(cluster.redis_url)
@@ -83,4 +97,7 @@ def test_every_worker_advertises_its_speculative_method(cluster: Cluster) -> Non
         return {w.worker_id: (w.speculative, w.draft_format) for w in workers}
 
     method = cluster.config.speculative
-    assert asyncio.run(records()) == {"prefill-0": (method, ""), "decode-0": (method, "")}
+    found = asyncio.run(records())
+    fmt = found["decode-0"][1]
+    assert fmt.startswith("draft.v1 ") if method == "draft" else fmt == ""
+    assert found == {"prefill-0": (method, fmt), "decode-0": (method, fmt)}

@@ -144,6 +144,7 @@ UP_VALUES: dict[str, tuple[str, Any]] = {
     "speculative_ngram_max": ("3", 3),
     "speculative_ngram_min": ("1", 1),
     "speculative_suffix_share": ("true", True),
+    "speculative_adaptive": ("false", False),
     "draft_model": ("drafts/small", "drafts/small"),
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("32", 32),
@@ -418,8 +419,9 @@ def test_generate_shares_the_engine_flags_of_up(
         "--kv-cache-bytes", "--kv-cache-dtype", "--kv-cache-mb", "--kv-disk-bytes",
         "--kv-disk-dir", "--kv-host-bytes", "--num-speculative-tokens", "--quantization",
         "--quantization-group-size", "--replicate-attention", "--speculative",
-        "--speculative-max-batch", "--speculative-ngram-max", "--speculative-ngram-min",
-        "--speculative-suffix-share", "--tensor-parallel-size", "--tp-exact-sums",
+        "--speculative-adaptive", "--speculative-max-batch", "--speculative-ngram-max",
+        "--speculative-ngram-min", "--speculative-suffix-share", "--tensor-parallel-size",
+        "--tp-exact-sums",
     ]  # fmt: skip
     assert shared == {flag: h for flag, h in option_help("up").items() if flag in shared}
     argv = ["--device", "cuda:1", "--dtype", "float16", "--kv-cache-mb", "3",
@@ -519,6 +521,7 @@ def test_up_passes_the_speculative_settings_to_every_worker(up_env: pytest.Monke
             "--speculative-ngram-max": "5",
             "--speculative-ngram-min": "3",
             "--speculative-suffix-share": "true",
+            "--speculative-adaptive": "true",
         }
         worker = parse_config(WorkerConfig, args, fixed={"role": role}, environ={})
         assert worker.engine.speculative == want

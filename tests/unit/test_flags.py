@@ -135,6 +135,9 @@ def test_speculative_settings_reach_a_worker_config_by_flag_and_env() -> None:
             "speculative_suffix_share", "--speculative-suffix-share",
             "TANDEM_SPECULATIVE_SUFFIX_SHARE",
         ),
+        "adaptive": (
+            "speculative_adaptive", "--speculative-adaptive", "TANDEM_SPECULATIVE_ADAPTIVE",
+        ),
         "draft_model": ("draft_model", "--draft-model", "TANDEM_DRAFT_MODEL"),
     }  # fmt: skip
     cfg = parse_config(
