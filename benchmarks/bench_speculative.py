@@ -28,7 +28,7 @@ acceptance, at the target's own cost); a layer-skipping draft ("0-7,22-29") is c
 its guesses are rarely accepted (BENCHMARKS.md issue 45). It drafts with the cost rule
 (`draft`) and always k tokens (`draft-forced`, --speculative-adaptive false).
 
-Default model: SmolLM2-135M-Instruct (the CLI's default), dtype auto. Writes
+Default model: SmolLM2-135M-Instruct (the CLI's default), float32 (--dtype). Writes
 benchmarks/results/speculative.json and benchmarks/plots/speculative-batch1.png.
 """
 
@@ -114,6 +114,11 @@ def workloads() -> dict[str, list[list[dict[str, str]]]]:
 
 CPU_MATMUL = "auto"  # --cpu-matmul
 DRAFT_LAYERS = "0-29"  # --draft-layers
+# --dtype: float32 by default, where a verify step's rows round exactly as a plain step's
+# (greedy answers token-identical, which the script checks); bfloat16 through oneDNN (a CPU
+# with AMX or AVX512-BF16) rounds a few-row product differently from a one-row one, so
+# answers may part after a near-tie (tandem.model.linear.pack)
+DTYPE = "float32"
 
 
 def parse_layers(spec: str) -> list[int]:
@@ -170,7 +175,7 @@ def spec_config(model_dir: Path, method: str, max_batch: int) -> SpeculativeConf
 def make_engine(model_dir: Path, method: str, max_batch: int = 8, **kw: Any) -> LLMEngine:
     cfg = EngineConfig(
         model_dir=str(model_dir),
-        dtype="auto",
+        dtype=DTYPE,
         cpu_matmul=CPU_MATMUL,
         cache=CacheConfig(num_blocks=2048),
         scheduler=SchedulerConfig(max_num_seqs=64),
@@ -418,10 +423,11 @@ def main() -> None:
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "plain", "onednn"))
     parser.add_argument("--draft-layers", default="0-29")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     parser.add_argument("--workload", default="code-edit", choices=tuple(workloads()))
     args = parser.parse_args()
-    global CPU_MATMUL, DRAFT_LAYERS
-    CPU_MATMUL, DRAFT_LAYERS = args.cpu_matmul, args.draft_layers
+    global CPU_MATMUL, DRAFT_LAYERS, DTYPE
+    CPU_MATMUL, DRAFT_LAYERS, DTYPE = args.cpu_matmul, args.draft_layers, args.dtype
     commands = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd, "cost": cmd_cost}
     result = commands[args.cmd](args)
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}

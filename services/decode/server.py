@@ -15,7 +15,9 @@ any block is reserved or read. Without a hand-off, the prompt is prefilled here 
 disaggregation). A model with linear-attention layers (Qwen3-Next) keeps per-request state that
 no KV page holds: its hand-off carries that state in a typed section of its own
 (`tandem.transfer.sections`), read with the pages into blocks reserved for it and moved into the
-request's slot at commit. A hand-off without exactly the sections this worker's model needs,
+request's slot at commit; with a draft model (speculative decoding) the draft's KV for the
+prompt travels the same way, into this worker's draft cache (`tandem.engine.drafting`), so the
+draft is never prefilled here. A hand-off without exactly the sections this worker's model needs,
 each complete and of its format, is declined before anything is reserved (its lease released)
 and prefilled again -- here, or elsewhere when the router asked for `report_kv_failure` --
 never decoded from partial state.
