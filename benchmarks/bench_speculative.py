@@ -298,7 +298,8 @@ def cmd_pd(args: argparse.Namespace) -> dict:
         a, b = full.spec_stats()[0], decode.spec_stats()[0]
         rows.append({"method": m, "colocated_acceptance_length": round(a.acceptance_length, 4),
                      "disaggregated_acceptance_length": round(b.acceptance_length, 4),
-                     "ratio": round(b.acceptance_length / a.acceptance_length, 4),
+                     "ratio": round(b.acceptance_length / a.acceptance_length, 4)
+                     if a.verify_rows else None,  # (the cost rule may never draft)
                      "decode_draft_prefill_tokens": b.draft_prefill_tokens,
                      "decode_draft_handoff_tokens": b.draft_handoff_tokens})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
