@@ -56,7 +56,12 @@ class Fleet:
         self.model_dir = model_dir
         self.run_dir = run_dir
         self.roles = roles or WORKERS
-        self.routers = routers or {"r0": [], "r1": ["--max-inflight", str(MAX_INFLIGHT)]}
+        # r0 holds a stream whose decode workers all died for 2 s (tandem.routing.recovery:
+        # hold_s), r1 not at all: the fault tests see both the hold's bound and a prompt fail
+        self.routers = routers or {
+            "r0": ["--stream-hold-s", "2"],
+            "r1": ["--max-inflight", str(MAX_INFLIGHT), "--stream-hold-s", "0"],
+        }
         self.worker_args = list(worker_args)
         self.redis = RedisServer(unix_socket=run_dir / "redis.sock", workdir=run_dir / "redis")
         self.procs: dict[str, subprocess.Popen[str]] = {}

@@ -189,3 +189,9 @@ class PrefillServer(Worker, wgrpc.PrefillWorkerServicer):
 
     def owns(self, request_id: str) -> bool:
         return super().owns(request_id) or self.leases.holds(request_id)
+
+    def pending(self) -> int:
+        """A drain also waits for every committed hand-off to be pulled (its lease confirmed)
+        or to lapse: the decode worker reads the blocks from here, so leaving earlier would
+        make it prefill the prompt again."""
+        return super().pending() + len(self.leases)

@@ -71,6 +71,10 @@ class Call:
     kv: KVHandoff | None = None  # the prefill hop's hand-off, until the decode hop uses it
     recoveries: int = 0
     failed: set[str] = field(default_factory=set)  # workers that failed this request
+    # worker id -> its registry epoch when it failed this request: a restarted incarnation
+    # (another epoch) is a new worker, eligible again
+    failed_epochs: dict[str, int | None] = field(default_factory=dict)
+    restarted: set[str] = field(default_factory=set)  # of those, the ones back since
     public_id: str = ""  # what the client calls it: its label, or the server's id
     tenant: str = ""
     t_last_token: float = 0.0  # perf_counter when the last token reached the client (metrics)

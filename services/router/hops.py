@@ -49,6 +49,7 @@ from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
+HOLD_POLL_S = 0.1  # a held stream's re-planning period (RecoveryConfig.hold_s)
 
 
 class HopFailed(Exception):
@@ -107,7 +108,7 @@ class Hops:
                     yield msg
                 return
             except HopFailed as failed:
-                self._recover(call, failed)
+                await self._recover(call, failed)
 
     # -- hops ------------------------------------------------------------------------------
 
@@ -261,9 +262,13 @@ class Hops:
 
     # -- recovery ----------------------------------------------------------------------------
 
-    def _recover(self, call: Call, failed: HopFailed) -> None:
-        """Re-place `call` after `failed`, or raise ServiceError(UNAVAILABLE)."""
+    async def _recover(self, call: Call, failed: HopFailed) -> None:
+        """Re-place `call` after `failed`, or raise ServiceError(UNAVAILABLE). With no decode
+        worker to continue on, the stream is held (open, nothing sent) and planned again
+        every HOLD_POLL_S until one is back or `hold_s` is spent (`Action.HOLD`)."""
         call.failed.add(failed.worker_id)
+        call.restarted.discard(failed.worker_id)  # this incarnation failed it too
+        call.failed_epochs[failed.worker_id] = self.placer.epoch_of(failed.worker_id)
         # Never the last healthy worker of its role for a stall: taking it out of rotation
         # would refuse every request, not spare them a slow worker.
         spare = failed.stalled and last_of_role(failed.worker_id, self.placer.workers())
@@ -277,6 +282,9 @@ class Hops:
                 if w is not None and w.worker_id == failed.worker_id:
                     self.links.retire(w.address)
         local = placement.cached_tokens if placement.prefill is None else 0
+        # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
+        # frozen worker) is released in the background under its own ids.
+        self.links.abort(call.worker_rid, placement)
         failure = Failure(
             fault=failed.fault,
             decode_id=placement.decode.worker_id,
@@ -287,15 +295,26 @@ class Hops:
             min_reprefill_tokens=self.min_reprefill_tokens,
             prefill_gone=failed.unreachable,
         )
-        step = plan_recovery(failure, self.placer.workers(), self.recovery)
-        line = f"{failed}: {step.describe()}"
-        tracing.recovery_step(call.span, failed.fault.value, step.action.value, line)
-        self.metrics.recovery(failed.fault.value, step.action.value)
-        log.warning("request %s: %s", call.spec.request_id, line)
-        call.timings.recoveries.append(line)
-        # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
-        # frozen worker) is released in the background under its own ids.
-        self.links.abort(call.worker_rid, placement)
+        t_hold, held = time.monotonic(), False
+        while True:
+            step = plan_recovery(failure, self.placer.workers(), self.recovery)
+            if step.action is not Action.HOLD or not held:  # a hold is reported once
+                line = f"{failed}: {step.describe()}"
+                tracing.recovery_step(call.span, failed.fault.value, step.action.value, line)
+                self.metrics.recovery(failed.fault.value, step.action.value)
+                log.warning("request %s: %s", call.spec.request_id, line)
+                call.timings.recoveries.append(line)
+            if step.action is not Action.HOLD:
+                break
+            held = True
+            await asyncio.sleep(HOLD_POLL_S)
+            self._forget_restarted(call)
+            failure = dataclasses.replace(
+                failure,
+                failed=frozenset(call.failed),
+                held_s=time.monotonic() - t_hold,
+                restarted=frozenset(call.restarted),
+            )
         if step.action is Action.FAIL:
             raise errors.unavailable(
                 f"request {call.public_id} failed: {step.reason}", retry_after_s=1.0
@@ -319,6 +338,16 @@ class Hops:
         if step.prefill is not None:
             self.placer.claim(step.prefill.worker_id)
         call.placement = new
+
+    def _forget_restarted(self, call: Call) -> None:
+        """Workers that failed `call` and have since come back as a new incarnation (another
+        registry epoch: restarted by supervision) are eligible again."""
+        for worker_id, epoch in list(call.failed_epochs.items()):
+            now = self.placer.epoch_of(worker_id)
+            if now is not None and now != epoch:
+                call.failed.discard(worker_id)
+                call.restarted.add(worker_id)
+                del call.failed_epochs[worker_id]
 
 
 def _handoff(resp: wpb.PrefillResponse) -> KVHandoff:

@@ -209,6 +209,10 @@ class Placer:
             if self.breakers.allows(w.worker_id, now, w.epoch or None)
         ]
 
+    def epoch_of(self, worker_id: str) -> int | None:
+        """The registry epoch (incarnation) of `worker_id` now; None when it is not known."""
+        return next((w.epoch for w in self._known() if w.worker_id == worker_id), None)
+
     def _known(self) -> list[WorkerInfo]:
         """Every worker of this model the registry knows (or the static lists name)."""
         if self._watcher is not None:

@@ -18,7 +18,11 @@ Three faults, each met by one recovery step, all bounded by a per-request budget
   decode_failed   -> migrate: another healthy decode worker continues from the prompt plus
                      the tokens already streamed (it prefills them itself; seeded sampling
                      resumes where it stopped because the engine advances the seed's stream
-                     by the carried tokens)
+                     by the carried tokens); with no other healthy decode worker (the only
+                     one died), hold: the router keeps the client's stream open and plans
+                     again as workers come and go, for at most `hold_s` -- a restarted
+                     incarnation of the failed worker (a new registry epoch) counts as a
+                     new worker -- then migrates to the first that is back
   budget spent, or no healthy worker of the needed role -> fail with UNAVAILABLE, promptly
 
 "Healthy" is the caller's view: registry members minus open circuit breakers
@@ -75,6 +79,7 @@ class Action(enum.Enum):
     REPREFILL = "reprefill"  # prefill again on `prefill`; `decode` pulls from it
     RECOMPUTE = "recompute"  # `decode` prefills the prompt itself
     MIGRATE = "migrate"  # `decode` (another worker) continues the request
+    HOLD = "hold"  # no decode worker to continue on yet: plan again shortly (within hold_s)
     FAIL = "fail"  # end the request with UNAVAILABLE and `reason`
 
 
@@ -87,19 +92,24 @@ class RecoveryConfig:
     recompute_max_queued_tokens: with no other prefill worker and the failed one still
         reachable, the decode worker takes over the prompt only while its queued prompt
         tokens plus this one's stay within this.
+    hold_s: how long a stream whose decode worker failed is held, open, when no other
+        healthy decode worker exists (the only one died and is being restarted, or a new
+        one is starting); 0: fail it at once.
     """
 
     max_recoveries: int = 3
     reprefill: bool = True
     recompute_max_queued_tokens: int = 8192
+    hold_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_recoveries < 0:
             raise ValueError(f"max_recoveries must be >= 0, got {self.max_recoveries}")
+        if self.hold_s < 0:
+            raise ValueError(f"hold_s must be >= 0, got {self.hold_s}")
         if self.recompute_max_queued_tokens < 0:
             raise ValueError(
-                "recompute_max_queued_tokens must be >= 0, got "
-                f"{self.recompute_max_queued_tokens}"
+                f"recompute_max_queued_tokens must be >= 0, got {self.recompute_max_queued_tokens}"
             )
 
 
@@ -118,6 +128,10 @@ class Failure:
         min_reprefill_tokens: the router's disaggregation threshold.
         prefill_gone: the failed prefill worker is unreachable (dead, frozen, cut off), so
             its queue is gone with it; False: it is alive (errored or stalled).
+        held_s: how long the request has been held so far waiting for a decode worker.
+        restarted: workers that failed this request and have since come back as a new
+            incarnation (another registry epoch: restarted by supervision): new workers,
+            eligible again, `decode_id` included.
     """
 
     fault: Fault
@@ -128,6 +142,8 @@ class Failure:
     num_uncached_tokens: int = 0
     min_reprefill_tokens: int = 0
     prefill_gone: bool = True
+    held_s: float = 0.0
+    restarted: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,10 +180,14 @@ def plan_recovery(
         key=lambda w: w.worker_id,
     )
     if failure.fault is Fault.DECODE_FAILED:
-        decodes = [w for w in live if w.role == Role.DECODE and w.worker_id != failure.decode_id]
+        decodes = [
+            w
+            for w in live
+            if w.role == Role.DECODE
+            and (w.worker_id != failure.decode_id or w.worker_id in failure.restarted)
+        ]
         if not decodes:
-            return Recovery(Action.FAIL, f"{what} on {failure.decode_id}; no other healthy "
-                            "decode worker")  # fmt: skip
+            return _hold_or_fail(f"{what} on {failure.decode_id}", failure, config)
         target = min(decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
         return Recovery(
             Action.MIGRATE,
@@ -180,7 +200,7 @@ def plan_recovery(
         # The decode worker is gone too: nothing to hand off to. Migrate (recompute there).
         decodes = [w for w in live if w.role == Role.DECODE]
         if not decodes:
-            return Recovery(Action.FAIL, f"{what}; no healthy decode worker")
+            return _hold_or_fail(what, failure, config)
         decode = min(decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
         return Recovery(
             Action.MIGRATE,
@@ -221,3 +241,15 @@ def plan_recovery(
         decode=decode,
         prefill=prefill,
     )  # fmt: skip
+
+
+def _hold_or_fail(what: str, failure: Failure, config: RecoveryConfig) -> Recovery:
+    """No healthy decode worker to continue on: hold the stream while `hold_s` lasts."""
+    if failure.held_s < config.hold_s:
+        return Recovery(
+            Action.HOLD,
+            f"{what}; no other healthy decode worker: holding the stream until one is back "
+            f"(held {failure.held_s:.1f}s of hold_s {config.hold_s:g}s)",
+        )
+    held = f" after holding the stream {failure.held_s:.1f}s" if config.hold_s else ""
+    return Recovery(Action.FAIL, f"{what}; no other healthy decode worker{held}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tandem.routing import WorkerLoad
@@ -44,9 +46,41 @@ def test_decode_failure_migrates_to_least_loaded_other_decode_with_most_free_blo
 
 def test_decode_failure_never_returns_to_the_failed_worker_even_if_not_in_failed():
     only = [w("d0", "decode")]
-    r = plan_recovery(Failure(Fault.DECODE_FAILED, "d0"), only, CFG)
+    r = plan_recovery(Failure(Fault.DECODE_FAILED, "d0"), only, RecoveryConfig(hold_s=0))
     assert r.action is Action.FAIL
-    assert "no other healthy decode worker" in r.reason
+    assert r.reason == "decode_failed on d0; no other healthy decode worker"
+
+
+def test_the_only_decode_workers_failure_holds_the_stream_for_hold_s_then_fails():
+    cfg = RecoveryConfig(hold_s=30.0)
+    f = Failure(Fault.DECODE_FAILED, "d0", failed=frozenset({"d0"}))
+    for held in (0.0, 29.9):
+        r = plan_recovery(dataclasses.replace(f, held_s=held), [w("d0", "decode")], cfg)
+        assert r.action is Action.HOLD and r.decode is None
+        assert r.reason == (
+            "decode_failed on d0; no other healthy decode worker: holding the stream until one "
+            f"is back (held {held:.1f}s of hold_s 30s)"
+        )
+    r = plan_recovery(dataclasses.replace(f, held_s=30.0), [], cfg)
+    assert r.action is Action.FAIL
+    assert r.reason == (
+        "decode_failed on d0; no other healthy decode worker after holding the stream 30.0s"
+    )
+    # d0 back as a new incarnation (the router took it out of `failed`), or another worker
+    r = plan_recovery(dataclasses.replace(f, failed=frozenset(), held_s=3.0), [w("d0", "decode")],
+                      cfg)  # fmt: skip
+    assert r.action is Action.HOLD  # the same id, not known to be restarted: still the dead one
+    for back, restarted in (("d0", frozenset({"d0"})), ("d9", frozenset())):
+        held = dataclasses.replace(f, failed=frozenset(), held_s=3.0, restarted=restarted)
+        r = plan_recovery(held, [w(back, "decode")], cfg)
+        assert r.action is Action.MIGRATE and r.decode is not None
+        assert r.decode.worker_id == back
+    # holding spends no recovery step; a prefill fault with no decode worker holds too
+    r = plan_recovery(Failure(Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0", "d1"})),
+                      [w("p1", "prefill")], cfg)  # fmt: skip
+    assert r.action is Action.HOLD
+    with pytest.raises(ValueError, match="hold_s"):
+        RecoveryConfig(hold_s=-1)
 
 
 def test_budget_is_spent_exactly_at_max_recoveries():
@@ -130,7 +164,8 @@ def test_prefill_failure_with_an_unhealthy_decode_worker_moves_the_request():
     assert r.action is Action.MIGRATE
     assert r.decode is not None and r.decode.worker_id == "d2"
     f = Failure(Fault.PREFILL_FAILED, "d1", "p0", failed=frozenset({"p0"}))
-    assert plan_recovery(f, [w("p1", "prefill")], CFG).action is Action.FAIL
+    assert plan_recovery(f, [w("p1", "prefill")], RecoveryConfig(hold_s=0)).action is Action.FAIL
+    assert plan_recovery(f, [w("p1", "prefill")], CFG).action is Action.HOLD
 
 
 def test_config_rejects_negative_budget():

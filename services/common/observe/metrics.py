@@ -70,7 +70,7 @@ TRANSFER_BUCKETS = (
 COMPONENTS = ("router", *Role, "controller")
 PATHS = ("disaggregated", "colocated")
 FAULTS = ("prefill_failed", "kv_pull_failed", "decode_failed")
-ACTIONS = ("reprefill", "recompute", "migrate", "fail")
+ACTIONS = ("reprefill", "recompute", "migrate", "hold", "fail")
 WORKER_STATES = ("healthy", "open_breaker")
 # A hand-off's outcome on the decode worker (RECOMPUTED is a trace value, not a count).
 TRANSFER_OUTCOMES: tuple[KVOutcome, ...] = tuple(

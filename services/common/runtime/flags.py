@@ -35,7 +35,8 @@ ENV_PREFIX = "TANDEM_"
 ALIASES = {"tensor_parallel_size": ("--tp",)}
 # A leaf's name (flag, TANDEM_* variable, Helm key) where its field's own name would say too
 # little once flattened, keyed by (the field holding its config, the field): SpeculativeConfig's
-# as `tandem up` and `tandem generate` spell them (UpConfig's speculative_* fields).
+# as `tandem up` and `tandem generate` spell them (UpConfig's speculative_* fields), and the
+# router's RecoveryConfig.hold_s.
 PUBLIC_NAMES: dict[tuple[str, ...], str] = {
     ("speculative", "method"): "speculative",
     ("speculative", "ngram_max"): "speculative_ngram_max",
@@ -44,6 +45,7 @@ PUBLIC_NAMES: dict[tuple[str, ...], str] = {
     ("speculative", "suffix_share"): "speculative_suffix_share",
     ("speculative", "adaptive"): "speculative_adaptive",
     ("speculative", "draft_model"): "draft_model",
+    ("recovery", "hold_s"): "stream_hold_s",
 }
 
 

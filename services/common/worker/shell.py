@@ -65,8 +65,7 @@ DEREGISTER_TIMEOUT_S = 5.0
 
 
 def _exit_now(status: int) -> None:
-    """End the process at once: a normal interpreter exit runs finalizers that may call into
-    the broken CUDA context and hang or abort."""
+    """End the process at once (exit's finalizers may hang in a broken CUDA context)."""
     logging.shutdown()
     sys.stdout.flush()
     os._exit(status)
@@ -101,8 +100,7 @@ class Worker:
                     dataclasses.replace(config.engine, role=self.role), progress=_load_progress()
                 )
         self.engine = engine
-        # Gauges read what the engine thread last published (a scrape never iterates the
-        # scheduler's queues while the engine changes them).
+        # Gauges read what the engine thread last published (never the scheduler's queues).
         self.metrics = WorkerMetrics(self.role.value, self._published_stats)
         self.metrics.weights(self.engine.weight_bytes, config.engine.quantization)
         if config.engine.cache.kv_host_bytes or config.engine.cache.kv_disk_bytes:
@@ -115,8 +113,7 @@ class Worker:
         with _phase(f"KV cache registered with the {config.transport} transport"):
             self.transport: KVTransport = make_transport(config.transport, self.worker_id)
             scales = self.engine.kv_scales
-            # A tensor-parallel engine's every rank's cache (mapped by rank 0 on a CPU): a
-            # hand-off moves each rank's heads, whatever the peer's TP size.
+            # every rank's cache (mapped by rank 0 on a CPU): a hand-off moves each's heads
             self.transport.register(
                 self.engine.kv_cache,
                 (scales.k, scales.v) if scales else ((), ()),
@@ -234,14 +231,17 @@ class Worker:
             log.info("%s metrics on http://%s/metrics", self.worker_id, self.metrics_address)
 
     async def drain_and_stop(self) -> None:
-        """Stop admitting, let in-flight requests finish (bounded), deregister, stop."""
+        """Stop admitting, let in-flight work finish (`pending`; bounded), deregister, stop."""
         self.draining = True
         for name in (*self.service_names, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.num_active_rpcs and time.monotonic() < deadline:
+        while self.pending() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.stop()
+
+    def pending(self) -> int:  # what a drain waits for: calls in flight (a role adds more)
+        return self.num_active_rpcs
 
     def _device_failed(self, exc: BaseException) -> None:
         """The engine loop's report of a device error (on the event loop): the CUDA context
