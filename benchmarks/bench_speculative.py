@@ -5,6 +5,7 @@ batch size with speculation forced on and off, and acceptance disaggregated vs c
     .venv/bin/python benchmarks/bench_speculative.py batch [--sizes 1,4,8,16,32] [--workload W]
     .venv/bin/python benchmarks/bench_speculative.py pd [--model-dir DIR]
     .venv/bin/python benchmarks/bench_speculative.py cost [--model-dir DIR]
+    .venv/bin/python benchmarks/bench_speculative.py draft-layers [--layer-sets "0-7;0-3,26-29"]
 
 `cost` measures what a verify step costs against a plain decode step at k = 1..4 (the
 constants of `tandem.speculative.speculator.CPU_COST`): one request at a 500-token context,
@@ -306,6 +307,26 @@ def cmd_pd(args: argparse.Namespace) -> dict:
     return {"model": args.model_dir.name, "rows": rows}
 
 
+def cmd_draft_layers(args: argparse.Namespace) -> dict:
+    """Acceptance of drafts cut from the target's layers (--layer-sets, ";"-separated
+    `--draft-layers` values), always drafting k = 4, on the code-edit prompts."""
+    global DRAFT_LAYERS
+    rows = []
+    for layers in args.layer_sets.split(";"):
+        DRAFT_LAYERS = layers
+        e = make_engine(args.model_dir, "draft-forced")
+        tok = e.tokenizer
+        assert tok is not None
+        for chat in workloads()["code-edit"]:
+            serve(e, [tok.encode_chat(chat)[0]], args.max_tokens)
+        s = e.spec_stats()[0]
+        rows.append({"layers": layers, "acceptance_rate": round(s.accepted_tokens
+                     / max(s.proposed_tokens, 1), 3), "acceptance_length":
+                     round(s.acceptance_length, 3)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return {"model": args.model_dir.name, "max_tokens": args.max_tokens, "rows": rows}
+
+
 class WrongDraft:
     """A proposer whose drafts are never accepted: k copies of a token the model would not
     pick here (it is set to a rejected one after the first step)."""
@@ -416,7 +437,7 @@ def plot(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cmd", choices=("batch1", "batch", "pd", "cost"))
+    parser.add_argument("cmd", choices=("batch1", "batch", "pd", "cost", "draft-layers"))
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=160)
@@ -424,12 +445,14 @@ def main() -> None:
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "plain", "onednn"))
     parser.add_argument("--draft-layers", default="0-29")
+    parser.add_argument("--layer-sets", default="0-7;0-13;0-3,26-29;0-5,24-29;0-7,22-29")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     parser.add_argument("--workload", default="code-edit", choices=tuple(workloads()))
     args = parser.parse_args()
     global CPU_MATMUL, DRAFT_LAYERS, DTYPE
     CPU_MATMUL, DRAFT_LAYERS, DTYPE = args.cpu_matmul, args.draft_layers, args.dtype
-    commands = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd, "cost": cmd_cost}
+    commands = {"batch1": cmd_batch1, "batch": cmd_batch, "pd": cmd_pd, "cost": cmd_cost,
+                "draft-layers": cmd_draft_layers}  # fmt: skip
     result = commands[args.cmd](args)
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     key = f"batch-{args.workload}" if args.cmd == "batch" else args.cmd
