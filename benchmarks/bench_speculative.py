@@ -36,6 +36,7 @@ benchmarks/results/speculative.json and benchmarks/plots/speculative-batch1.png.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -282,7 +283,7 @@ def cmd_pd(args: argparse.Namespace) -> dict:
     prompt's KV to a decode engine, copied block by block in process), per proposer."""
     rows = []
     chats = [c for cs in workloads().values() for c in cs]
-    for m in METHODS[1:]:
+    for m in args.methods.split(",") if args.methods else METHODS[1:]:
         full = make_engine(args.model_dir, m)
         # a draft model's prefill worker prefills the draft too and hands its KV over
         pre = m if m.startswith("draft") else "none"
@@ -304,6 +305,8 @@ def cmd_pd(args: argparse.Namespace) -> dict:
                      "decode_draft_prefill_tokens": b.draft_prefill_tokens,
                      "decode_draft_handoff_tokens": b.draft_handoff_tokens})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
+        del full, prefill, decode  # three engines per method: free them before the next
+        gc.collect()
     return {"model": args.model_dir.name, "rows": rows}
 
 
@@ -445,6 +448,7 @@ def main() -> None:
     parser.add_argument("--method", default="ngram")
     parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "plain", "onednn"))
     parser.add_argument("--draft-layers", default="0-29")
+    parser.add_argument("--methods", default="", help="pd: these proposers (default all)")
     parser.add_argument("--layer-sets", default="0-7;0-13;0-3,26-29;0-5,24-29;0-7,22-29")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     parser.add_argument("--workload", default="code-edit", choices=tuple(workloads()))

@@ -111,8 +111,10 @@ def check_draft(
 
 def load_draft(config: EngineConfig) -> DraftProposer:
     """The draft model of `config.speculative` with a pool for the contexts of the requests
-    that draft in one step (max_batch) and `SPARE_REQUESTS` more. The engine loads it (and
-    allocates its cache) before sizing the target's cache, which so leaves room for both.
+    that draft in one step (max_batch) and `SPARE_REQUESTS` more, and never more tokens than
+    the target's cache holds where that is known now (`_target_blocks`). The engine loads
+    it (and allocates its cache) before sizing the target's cache, which so leaves room for
+    both on a GPU.
 
     Raises:
         ValueError: see `check_draft`; FileNotFoundError: no such directory.
@@ -133,16 +135,29 @@ def load_draft(config: EngineConfig) -> DraftProposer:
     bs = config.cache.block_size
     per_request = -(-(max_len + config.speculative.num_speculative_tokens) // bs)
     dtype = DTYPES[config.resolved_dtype]
-    batch = config.speculative.max_batch + SPARE_REQUESTS
-    cache = allocate_kv_cache(
-        model.config, per_request * batch, bs, dtype, torch.device(config.device)
-    )
+    num_blocks = per_request * (config.speculative.max_batch + SPARE_REQUESTS)
+    target_blocks = _target_blocks(config, target, dtype)
+    if target_blocks is not None and target_blocks < num_blocks:
+        num_blocks = max(target_blocks, 1)
+        max_len = min(max_len, num_blocks * bs - config.speculative.num_speculative_tokens)
+    cache = allocate_kv_cache(model.config, num_blocks, bs, dtype, torch.device(config.device))
     fmt = (
         f"{FORMAT_VERSION} {fingerprint(draft_dir)} {str(dtype).removeprefix('torch.')} "
         f"{model.config.kv_layout.slots}x{model.config.num_kv_heads}x{model.config.head_dim}"
     )
     chunk = config.scheduler.max_num_batched_tokens
     return DraftProposer(model, cache, bs, max_len, chunk, fmt)
+
+
+def _target_blocks(config: EngineConfig, target: ModelConfig, dtype: torch.dtype) -> int | None:
+    """The blocks the target's cache will hold where that is known before it loads (a
+    count, a CPU byte budget); None on a GPU (sized after the weights and a profile)."""
+    cache = config.cache
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if torch.device(config.device).type == "cuda":
+        return None
+    return cache.kv_cache_bytes // block_bytes(target, cache.block_size, dtype)
 
 
 class DraftProposer:

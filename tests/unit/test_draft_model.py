@@ -116,6 +116,7 @@ def test_prefix_hits_chunked_prefill_preemption_and_grammars_stay_exact(
     params = SamplingParams(max_tokens=20, temperature=0.7, seed=5, repetition_penalty=1.3)
     ref, _ = run(engine_factory(tiny_model_dir, **tight), prompts, params)
     engine = draft_engine(engine_factory, tiny_model_dir, tiny_model_dir, **tight)
+    assert engine.speculator.proposer.kv_cache.shape[0] == 40  # no more than the target's
     got, _ = run(engine, prompts, params)
     assert got == ref
     assert engine.scheduler.num_preemptions > 0 and engine.cached_prompt_tokens > 0
