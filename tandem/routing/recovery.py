@@ -6,6 +6,7 @@ Three faults, each met by one recovery step, all bounded by a per-request budget
   kv_pull_failed  the decode worker could not read the hand-off (read failed, lease lapsed
                   before confirm, owner gone): it freed its reserved blocks and said so
   decode_failed   the decode worker died or froze, before or while streaming
+  decode_moved    the decode worker is draining: it handed the stream's KV off (issue 46)
 
   prefill faults  -> reprefill on another healthy prefill worker (the same decode worker
                      pulls from it), or, for a short prompt, recompute: the decode worker
@@ -15,6 +16,8 @@ Three faults, each met by one recovery step, all bounded by a per-request budget
                      `recompute_max_queued_tokens`); otherwise fail promptly: moving a live
                      prefill worker's load onto a busy decode worker only spreads the
                      overload to the streams it serves
+  decode_moved    -> migrate, as decode_failed, the new decode worker pulling the moved KV
+                     (a pull that fails: recompute there, prompt and output)
   decode_failed   -> migrate: another healthy decode worker continues from the prompt plus
                      the tokens already streamed (it prefills them itself; seeded sampling
                      resumes where it stopped because the engine advances the seed's stream
@@ -49,6 +52,7 @@ class Fault(enum.Enum):
     PREFILL_FAILED = "prefill_failed"
     KV_PULL_FAILED = "kv_pull_failed"
     DECODE_FAILED = "decode_failed"
+    DECODE_MOVED = "decode_moved"  # draining: its KV of the stream is handed off
 
 
 # gRPC status names of a worker call that mean the worker failed, not the request.
@@ -179,7 +183,7 @@ def plan_recovery(
         (w for w in workers if not w.draining and w.worker_id not in failure.failed),
         key=lambda w: w.worker_id,
     )
-    if failure.fault is Fault.DECODE_FAILED:
+    if failure.fault in (Fault.DECODE_FAILED, Fault.DECODE_MOVED):
         decodes = [
             w
             for w in live
@@ -209,6 +213,10 @@ def plan_recovery(
             decode=decode,
         )
     prefills = [w for w in live if w.role == Role.PREFILL]
+    if failure.prefill_id is None:  # a moved stream's KV: another prefill has only the prompt
+        return Recovery(
+            Action.RECOMPUTE, f"{what}; a moved stream's hand-off: prefill on decode", decode=decode
+        )
     if not config.reprefill:
         return Recovery(Action.RECOMPUTE, f"{what}; reprefill is off", decode=decode)
     if failure.num_uncached_tokens < failure.min_reprefill_tokens:

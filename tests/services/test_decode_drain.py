@@ -1,0 +1,100 @@
+"""Draining a decode worker with streams in flight (issue 46): `tandem up` with one prefill and
+two decode workers, real processes, real gRPC and NIXL. SIGTERM one decode worker while
+streams decode on both: it stops each of its decoding streams between steps with the KV
+pinned (the prompt and every output token but the last), hands it off to the router in the
+stream (`DecodeResponse.moved`, signed for the request), and the router continues it on the
+other decode worker, which pulls the KV -- nothing prefilled again. Every stream ends
+token-identical to an uninterrupted run; the drained worker exits 0 once every moved stream's
+KV has been pulled."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tandem.client import AsyncTandemClient, Result
+from tandem.engine.sampling import SamplingParams
+from tandem.services.up import Cluster
+from tests.services.conftest import up_cluster
+from tests.services.test_metrics_cluster import samples, scrape, value
+from tests.services.test_moe_up import reference_engine
+
+MAX_TOKENS = 200
+WAIT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with up_cluster(
+        tiny_model_dir, tmp_path_factory.mktemp("run"), num_decode=2,
+        disagg_min_uncached_tokens=0,
+    ) as c:  # fmt: skip
+        yield c
+
+
+async def stream(address: str, prompt: list[int], started: asyncio.Event, **kw: object) -> Result:
+    result = Result()
+    async with AsyncTandemClient(address, timeout_s=WAIT_S) as client:
+        async for _ in client.stream(
+            prompt, result=result, max_tokens=MAX_TOKENS, ignore_eos=True, **kw
+        ):
+            if len(result.token_ids) >= 20:
+                started.set()
+    return result
+
+
+def run_streams(cluster: Cluster, prompts: list[list[int]], seeds: list[int | None], drain: str):
+    """Every prompt streamed (seed None: greedy); with `drain`, that worker is SIGTERMed once
+    every stream is past its 20th token."""
+
+    async def main() -> list[Result]:
+        started = [asyncio.Event() for _ in prompts]
+        tasks = []
+        for p, seed, ev in zip(prompts, seeds, started, strict=True):
+            kw = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed}
+            tasks.append(asyncio.create_task(stream(cluster.router_address, p, ev, **kw)))
+        if drain:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WAIT_S)
+            [child] = [c for c in cluster.children if c.name == drain]
+            child.proc.terminate()
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S))
+
+    return asyncio.run(main())
+
+
+def test_a_draining_decode_worker_moves_its_streams_with_their_kv(
+    cluster: Cluster, tiny_model_dir: Path
+) -> None:
+    rng = random.Random(460)
+    prompts = [rng.choices(range(5, 500), k=rng.randint(40, 90)) for _ in range(6)]
+    seeds = [None, None, None, 5, 6, 7]
+    clean = run_streams(cluster, prompts, seeds, drain="")
+    stay = "decode-0"
+    before = samples(scrape(cluster.metrics_addresses[stay]))
+    [drained] = [c for c in cluster.children if c.name == "decode-1"]
+    moved = run_streams(cluster, prompts, seeds, drain="decode-1")
+    assert drained.proc.wait(timeout=60) == 0  # every moved stream's KV pulled, then it left
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in reference_engine(tiny_model_dir).generate(prompts[:3], greedy)]
+    num_moved = 0
+    for i, (got, first) in enumerate(zip(moved, clean, strict=True)):
+        assert got.finish_reason == "length" and got.token_ids == first.token_ids, i
+        if seeds[i] is None:
+            assert got.token_ids == want[i]
+        if got.migrations:
+            assert got.migrations == 1 and got.decode_worker == stay, got.recoveries
+            assert "decode_moved on decode-1" in got.recoveries[0], got.recoveries
+            num_moved += 1
+    assert num_moved > 0  # streams were decoding on decode-1 when it drained
+    after = samples(scrape(cluster.metrics_addresses[stay]))
+    # every moved stream's KV pulled by decode-0 (committed), none prefilled again there
+    committed = "tandem_worker_kv_transfers_total"
+    assert value(after, committed, outcome="committed") - value(
+        before, committed, outcome="committed"
+    ) >= num_moved + sum(1 for r in moved if not r.migrations)
+    recomputed = "tandem_worker_kv_recomputed_total"
+    assert value(after, recomputed) == value(before, recomputed)
