@@ -9,22 +9,20 @@ KV has been pulled."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tandem.client import AsyncTandemClient, Result
 from tandem.engine.sampling import SamplingParams
 from tandem.services.up import Cluster
 from tests.services.conftest import up_cluster
+from tests.services.streams import run_streams
 from tests.services.test_metrics_cluster import samples, scrape, value
 from tests.services.test_moe_up import reference_engine
 
 MAX_TOKENS = 200
-WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -36,34 +34,9 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield c
 
 
-async def stream(address: str, prompt: list[int], started: asyncio.Event, **kw: object) -> Result:
-    result = Result()
-    async with AsyncTandemClient(address, timeout_s=WAIT_S) as client:
-        async for _ in client.stream(
-            prompt, result=result, max_tokens=MAX_TOKENS, ignore_eos=True, **kw
-        ):
-            if len(result.token_ids) >= 20:
-                started.set()
-    return result
-
-
-def run_streams(cluster: Cluster, prompts: list[list[int]], seeds: list[int | None], drain: str):
-    """Every prompt streamed (seed None: greedy); with `drain`, that worker is SIGTERMed once
-    every stream is past its 20th token."""
-
-    async def main() -> list[Result]:
-        started = [asyncio.Event() for _ in prompts]
-        tasks = []
-        for p, seed, ev in zip(prompts, seeds, started, strict=True):
-            kw = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed}
-            tasks.append(asyncio.create_task(stream(cluster.router_address, p, ev, **kw)))
-        if drain:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WAIT_S)
-            [child] = [c for c in cluster.children if c.name == drain]
-            child.proc.terminate()
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S))
-
-    return asyncio.run(main())
+def terminate(cluster: Cluster, name: str) -> None:
+    [child] = [c for c in cluster.children if c.name == name]
+    child.proc.terminate()
 
 
 def test_a_draining_decode_worker_moves_its_streams_with_their_kv(
@@ -72,11 +45,12 @@ def test_a_draining_decode_worker_moves_its_streams_with_their_kv(
     rng = random.Random(460)
     prompts = [rng.choices(range(5, 500), k=rng.randint(40, 90)) for _ in range(6)]
     seeds = [None, None, None, 5, 6, 7]
-    clean = run_streams(cluster, prompts, seeds, drain="")
+    address = cluster.router_address
+    clean = run_streams(address, prompts, seeds, MAX_TOKENS)
     stay = "decode-0"
     before = samples(scrape(cluster.metrics_addresses[stay]))
     [drained] = [c for c in cluster.children if c.name == "decode-1"]
-    moved = run_streams(cluster, prompts, seeds, drain="decode-1")
+    moved = run_streams(address, prompts, seeds, MAX_TOKENS, lambda: terminate(cluster, "decode-1"))
     assert drained.proc.wait(timeout=60) == 0  # every moved stream's KV pulled, then it left
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in reference_engine(tiny_model_dir).generate(prompts[:3], greedy)]
