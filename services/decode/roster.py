@@ -57,6 +57,7 @@ class PrefillRoster:
         return departed[0]
 
     def live_decode_workers(self, exclude: str = "") -> list[str]:
-        """Registered decode workers, not draining, but `exclude`: where a stream can move."""
-        decode = [w for w, info in self._live.items() if info.role == Role.DECODE]
+        """Registered decode workers that continue moved streams, not draining, but
+        `exclude`: where a draining worker's stream can move with its KV."""
+        decode = [w for w, i in self._live.items() if i.role == Role.DECODE and i.accepts_moved]
         return sorted(w for w in decode if not self._live[w].draining and w != exclude)

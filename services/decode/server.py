@@ -33,6 +33,7 @@ under hashes it computed itself (`LLMEngine.reserve_kv`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -46,8 +47,9 @@ from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.state_pages import expected_sections
+from tandem.load import Load
 from tandem.services.common.observe import tracing
-from tandem.services.common.redis.registry import Registry, WorkerWatcher
+from tandem.services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
 from tandem.services.common.rpc import convert
 from tandem.services.common.rpc.errors import (
     ServiceError,
@@ -112,6 +114,10 @@ class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         wgrpc.add_DecodeWorkerServicer_to_server(self, server)
+
+    def info(self, s: Load | None = None) -> WorkerInfo:
+        """The registry record, saying this worker continues moved streams."""
+        return dataclasses.replace(super().info(s), accepts_moved=True)
 
     async def start(self) -> None:
         if self.config.redis_url:

@@ -289,11 +289,6 @@ class Hops:
                 if w is not None and w.worker_id == failed.worker_id:
                     self.links.retire(w.address)
         local = placement.cached_tokens if placement.prefill is None else 0
-        # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
-        # frozen worker) is released in the background under its own ids; a moved stream's
-        # pinned KV is what the next hop reads.
-        if not moved:
-            self.links.abort(call.worker_rid, placement)
         failure = Failure(
             fault=failed.fault,
             decode_id=placement.decode.worker_id,
@@ -324,13 +319,19 @@ class Hops:
                 held_s=time.monotonic() - t_hold,
                 restarted=frozenset(call.restarted),
             )
+        # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
+        # frozen worker) is released in the background under its own ids; a moved stream's
+        # pinned KV is what the next hop reads, when it can.
+        keep = moved and step.keep_kv
+        if not keep:
+            self.links.abort(call.worker_rid, placement)
         if step.action is Action.FAIL:
             raise errors.unavailable(
                 f"request {call.public_id} failed: {step.reason}", retry_after_s=1.0
             )
         assert step.decode is not None
         call.recoveries += 1
-        if not moved:
+        if not keep:
             call.kv = None
             call.worker_rid = worker_request_id(call.spec.request_id)
         if step.action is Action.MIGRATE:

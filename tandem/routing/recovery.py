@@ -156,6 +156,7 @@ class Recovery:
     reason: str
     decode: WorkerLoad | None = None  # where the request continues (None only for FAIL)
     prefill: WorkerLoad | None = None  # REPREFILL only
+    keep_kv: bool = False  # decode_moved: `decode` pulls the moved KV (else it prefills)
 
     def describe(self) -> str:
         """One line for logs and the response's timings."""
@@ -192,12 +193,16 @@ def plan_recovery(
         ]
         if not decodes:
             return _hold_or_fail(f"{what} on {failure.decode_id}", failure, config)
-        target = min(decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
+        moved = failure.fault is Fault.DECODE_MOVED
+        takes = [w for w in decodes if w.accepts_moved] if moved else []
+        target = min(takes or decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
+        how = "" if takes or not moved else " (none continues moved streams: it prefills)"
         return Recovery(
             Action.MIGRATE,
             f"{what} on {failure.decode_id}; continuing on the least loaded healthy decode "
-            f"worker (load {target.decode_load})",
+            f"worker (load {target.decode_load}){how}",
             decode=target,
+            keep_kv=bool(takes),
         )
     decode = next((w for w in live if w.worker_id == failure.decode_id), None)
     if decode is None:

@@ -79,13 +79,17 @@ def test_a_worker_moving_address_or_leaving_unknown_is_handled() -> None:
     assert roster.role("d1", "h:d1", 1) == Role.DECODE
 
 
-def test_streams_move_only_to_live_decode_workers_that_are_not_draining() -> None:
+def test_streams_move_only_to_live_decode_workers_that_take_them_and_are_not_draining() -> None:
     roster = PrefillRoster(retain_s=30.0, clock=Clock())
-    draining = WorkerInfo(worker_id="d2", role="decode", address="h:d2", model="m", epoch=1,
-                          draining=True)  # fmt: skip
-    roster.update([info("p0", 1), info("d0", 1, role="decode"), info("d1", 1, role="decode"),
-                   draining], [])  # fmt: skip
-    assert roster.live_decode_workers() == ["d0", "d1"]
+
+    def decode(worker_id: str, **kw: bool) -> WorkerInfo:
+        return WorkerInfo(worker_id=worker_id, role="decode", address=f"h:{worker_id}",
+                          model="m", epoch=1, **kw)  # fmt: skip
+
+    roster.update([info("p0", 1), decode("d0", accepts_moved=True),
+                   decode("d1", accepts_moved=True), decode("d2", accepts_moved=True,
+                   draining=True), decode("old")], [])  # fmt: skip
+    assert roster.live_decode_workers() == ["d0", "d1"]  # "old" predates moved streams
     assert roster.live_decode_workers(exclude="d0") == ["d1"]
     roster.update([], ["d1"])
     assert roster.live_decode_workers(exclude="d0") == []
