@@ -61,14 +61,18 @@ def test_a_draining_decode_worker_moves_its_streams_with_their_kv(
             assert got.token_ids == want[i]
         if got.migrations:
             assert got.migrations == 1 and got.decode_worker == stay, got.recoveries
+            # one step: the move; a pull that failed would add a kv_pull_failed one
+            assert len(got.recoveries) == 1, got.recoveries
             assert "decode_moved on decode-1" in got.recoveries[0], got.recoveries
             num_moved += 1
     assert num_moved > 0  # streams were decoding on decode-1 when it drained
     after = samples(scrape(cluster.metrics_addresses[stay]))
-    # every moved stream's KV pulled by decode-0 (committed), none prefilled again there
+    # every moved stream's KV pulled by decode-0 (its transfers committed), none prefilled
+    # again there (streams placed on decode-0 from the start may be prefix-cache hits there)
     committed = "tandem_worker_kv_transfers_total"
-    assert value(after, committed, outcome="committed") - value(
+    pulled = value(after, committed, outcome="committed") - value(
         before, committed, outcome="committed"
-    ) >= num_moved + sum(1 for r in moved if not r.migrations)
+    )
+    assert pulled >= num_moved
     recomputed = "tandem_worker_kv_recomputed_total"
     assert value(after, recomputed) == value(before, recomputed)
