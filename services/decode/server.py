@@ -268,14 +268,11 @@ class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
         handed off, `DecodeResponse.moved`; the router re-places them); without one they
         finish here within drain_timeout_s."""
         if self._roster.live_decode_workers(exclude=self.worker_id):
-            for rid in list(self._decoding_streams()):
-                await self.loop.hand_off(rid)
+            running = await self.loop.call(lambda e: [r.request_id for r in e.scheduler.running])
+            for rid in running:
+                if self.loop.has_stream(rid):  # a Decode call open here
+                    await self.loop.hand_off(rid)
         return await super().drain_step()
-
-    def _decoding_streams(self) -> list[str]:
-        """Requests with a Decode call open here (an engine hint, read off its thread)."""
-        return [r.request_id for r in list(self.engine.scheduler.running)
-                if self.loop.has_stream(r.request_id)]  # fmt: skip
 
     async def _pull_kv(
         self,
