@@ -33,6 +33,7 @@ under hashes it computed itself (`LLMEngine.reserve_kv`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -42,12 +43,13 @@ import grpc
 
 from tandem import wire
 from tandem.config import EngineRole
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.prefix_hash import hash_keys
 from tandem.engine.request import RequestSpec, Resume
 from tandem.engine.state_pages import expected_sections
+from tandem.load import Load
 from tandem.services.common.observe import tracing
-from tandem.services.common.redis.registry import Registry, WorkerWatcher
+from tandem.services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
 from tandem.services.common.rpc import convert
 from tandem.services.common.rpc.errors import (
     ServiceError,
@@ -56,11 +58,10 @@ from tandem.services.common.rpc.errors import (
     resource_exhausted,
     rpc,
 )
-from tandem.services.common.security import derive_key, load_secret
 from tandem.services.common.worker.engine_loop import output_batches
 from tandem.services.common.worker.kv_pull import Pulled
 from tandem.services.common.worker.kv_reader import KVReader, ReadDone
-from tandem.services.common.worker.shell import Worker
+from tandem.services.common.worker.owner import KVOwner
 from tandem.services.decode.roster import PrefillRoster
 from tandem.transfer import (
     KVHandoff,
@@ -73,11 +74,18 @@ from tandem.transfer import (
 )
 from tandem.transfer.plan import ReadPlan
 from tandem.transfer.sections import SectionKind, SectionRefused, check_sections
-from tandem.types import KVOutcome
+from tandem.types import KVOutcome, Role
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
+
+
+def handoff_tokens(spec: RequestSpec, resume: Resume) -> list[int]:
+    """The tokens whose KV a hand-off to this request holds: all but its last (a prefill
+    worker's: the prompt, its first token following; a draining decode worker's: the prompt
+    and the output streamed so far but its last token)."""
+    return list(spec.prompt_token_ids) + list(resume.output_token_ids[:-1])
 
 
 def _reserve_section(engine: LLMEngine, rid: str, kind: SectionKind) -> list[int] | None:
@@ -88,7 +96,7 @@ def permission_denied(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.PERMISSION_DENIED, message)
 
 
-class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
+class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
     role = EngineRole.DECODE
     service_names = ("tandem.v1.DecodeWorker",)
 
@@ -97,10 +105,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         self._reader = KVReader(self.transport, self.config.engine.device)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_recomputed = 0
-        secret_file = self.config.auth.cluster_secret_file
-        self._handoff_key = (
-            derive_key(load_secret(secret_file), "kv-handoff") if secret_file else None
-        )
+        self.num_moved = 0  # streams handed off to another decode worker while draining
         # A handle stays usable for the owner's lease (lease_ttl_s, the same flag on both
         # roles): keep departed owners known well past that.
         self._roster = PrefillRoster(retain_s=max(60.0, 2 * self.config.lease_ttl_s))
@@ -110,9 +115,11 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     def add_servicers(self, server: grpc.aio.Server) -> None:
         wgrpc.add_DecodeWorkerServicer_to_server(self, server)
 
+    def info(self, s: Load | None = None) -> WorkerInfo:
+        """The registry record, saying this worker continues moved streams."""
+        return dataclasses.replace(super().info(s), accepts_moved=True)
+
     async def start(self) -> None:
-        if self._handoff_key is None:
-            log.warning("KV hand-offs unsigned: set cluster_secret_file")
         if self.config.redis_url:
             # Before the worker is ready: the first hand-off already meets a populated view.
             self._watch_registry = Registry(self.config.redis_url, self.config.registry_ttl_s)
@@ -136,13 +143,17 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         await super().stop()
         self._reader.close()
 
-    def _prefill_stub(self, address: str) -> wgrpc.PrefillWorkerStub:
+    def _owner_stub(self, handoff: KVHandoff) -> wgrpc.PrefillWorkerStub | wgrpc.DecodeWorkerStub:
+        """Where a hand-off's lease is confirmed: its owner, a prefill worker or a draining
+        decode worker (both serve ReleaseKv)."""
+        address = handoff.owner_address
         ch = self._channels.get(address)
         if ch is None:
             from tandem.services.common.security import internal_channel
 
             ch = self._channels[address] = internal_channel(address, self.config.auth)
-        return wgrpc.PrefillWorkerStub(ch)
+        role = self._roster.role(handoff.remote.agent_name, address, handoff.epoch)
+        return wgrpc.DecodeWorkerStub(ch) if role == Role.DECODE else wgrpc.PrefillWorkerStub(ch)
 
     # -- RPCs ------------------------------------------------------------------------------
 
@@ -164,10 +175,12 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             except ValueError as exc:
                 raise invalid_argument(str(exc)) from None
             handoff = decode.handoff
-            sections = None if handoff is None else self._read_sections(spec, handoff)
+            # whose KV a hand-off holds: the prompt, and for a moved stream its output too
+            tokens = handoff_tokens(spec, decode.resume)
+            sections = None if handoff is None else self._read_sections(tokens, handoff)
             if handoff is not None and isinstance(sections, str):
                 # Not every group's state is in it: never decode from part of it.
-                await self._decline_kv(spec, handoff, sections, span)
+                await self._decline_kv(spec, tokens, handoff, sections, span)
                 self.metrics.kv_transfer(KVOutcome.REFUSED)
                 if decode.report_kv_failure:
                     failed = wpb.KvFailed(reason=sections)
@@ -185,12 +198,12 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 ) as kv_span:
                     try:
                         pulled = await self._pull_kv(
-                            spec, decode.resume, handoff, sections, kv_span
+                            spec, decode.resume, tokens, handoff, sections, kv_span
                         )
                     except ServiceError:
                         self.metrics.kv_transfer(KVOutcome.REFUSED)
                         raise
-                    self.metrics.kv_pulled(pulled, spec.num_prompt_tokens)
+                    self.metrics.kv_pulled(pulled, len(tokens))
                     tracing.kv_result(
                         kv_span, pulled, handoff.lease_id, not decode.report_kv_failure
                     )
@@ -228,6 +241,10 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 if chunk.token_ids or chunk.text:
                     yield wpb.DecodeResponse(request_id=rid, chunk=chunk)
                 last = batch[-1]
+                if last.handed_off:  # draining: the stream moves (`_move_streams`)
+                    call.keep_request = True  # the lease frees the blocks
+                    yield wpb.DecodeResponse(request_id=rid, moved=self._moved(spec, last, span))
+                    return
                 if last.finished:
                     # Prompt tokens this worker found in its own prefix cache (with pulled KV,
                     # the part it did not need to read; without, the part it did not prefill).
@@ -237,10 +254,31 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                     span.set_attribute("tandem.output_tokens", num_output_tokens)
                     yield wpb.DecodeResponse(request_id=rid, complete=complete)
 
+    def _moved(self, spec: RequestSpec, out: RequestOutput, span: tracing.Span) -> wpb.KvMoved:
+        """The hand-off of a stream this draining worker stopped: its pinned blocks, leased
+        and signed for another decode worker to continue from."""
+        request = self.engine.get_request(spec.request_id)
+        assert request is not None  # handed off: the engine holds it until released
+        tokens = request.all_token_ids[: request.num_computed_tokens]
+        self.num_moved += 1
+        return wpb.KvMoved(kv=self.hand_off(spec, tokens, out.block_ids, (), span))
+
+    async def drain_step(self) -> int:
+        """While another decode worker is live, the streams decoding here move to it (their KV
+        handed off, `DecodeResponse.moved`; the router re-places them); without one they
+        finish here within drain_timeout_s."""
+        if self._roster.live_decode_workers(exclude=self.worker_id):
+            running = await self.loop.call(lambda e: [r.request_id for r in e.scheduler.running])
+            for rid in running:
+                if self.loop.has_stream(rid):  # a Decode call open here
+                    await self.loop.hand_off(rid)
+        return await super().drain_step()
+
     async def _pull_kv(
         self,
         spec: RequestSpec,
         resume: Resume,
+        tokens: list[int],
         handoff: KVHandoff,
         sections: dict[SectionKind, range],
         span: tracing.Span = tracing.INVALID_SPAN,
@@ -250,7 +288,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         cannot be served here (invalid, no free blocks within kv_wait_s, a KV layout that
         differs from this worker's, or a handle that is not proven genuine for this request:
         PERMISSION_DENIED)."""
-        rid, prompt = spec.request_id, list(spec.prompt_token_ids)
+        rid, prompt = spec.request_id, tokens
         tp = self.engine.config.tensor_parallel_size
         if tp > 1 and not self.engine.rank_kv:  # its ranks' caches are not mapped here (CUDA)
             raise failed_precondition(
@@ -265,7 +303,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             check_compatible(handoff.remote.layout, self.transport.layout)
         except LayoutMismatch as exc:
             raise self._layout_error(handoff, exc) from None
-        self._check_signature(spec, handoff)
+        self._check_signature(spec, tokens, handoff)
         await self._check_owner(handoff)
         try:
             reserved = await self.loop.call_until(
@@ -312,7 +350,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
                 )
             tracing.kv_plan(span, plan.remote_block_ids, plan.local_block_ids)
             done = await self._reader.read(handoff.remote, plan, handoff.lease_id.encode())
-            resp = await self._prefill_stub(handoff.owner_address).ReleaseKv(
+            resp = await self._owner_stub(handoff).ReleaseKv(
                 wpb.ReleaseKvRequest(
                     request_id=rid, lease_id=handoff.lease_id, epoch=handoff.epoch
                 ),
@@ -348,12 +386,12 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         )
 
     def _read_sections(
-        self, spec: RequestSpec, handoff: KVHandoff
+        self, tokens: list[int], handoff: KVHandoff
     ) -> dict[SectionKind, range] | str:
         """Each of the hand-off's sections' blocks (`check_sections`), or why this worker
         cannot resume from them."""
         kv, draft = self.engine.kv, self.engine.draft_handoff
-        num_prompt = spec.num_prompt_tokens
+        num_prompt = len(tokens)
         draft_section = None if draft is None else (draft.format, draft.num_bytes(num_prompt))
         try:
             return check_sections(
@@ -374,6 +412,7 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
     async def _decline_kv(
         self,
         spec: RequestSpec,
+        tokens: list[int],
         handoff: KVHandoff,
         reason: str,
         span: tracing.Span = tracing.INVALID_SPAN,
@@ -382,10 +421,10 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
         owner), its lease is released at the owner so the prefill worker frees the blocks now
         rather than when the lease lapses. A failed release is logged, not raised: the lease
         lapses anyway."""
-        self._check_signature(spec, handoff)
+        self._check_signature(spec, tokens, handoff)
         await self._check_owner(handoff)
         try:
-            await self._prefill_stub(handoff.owner_address).ReleaseKv(
+            await self._owner_stub(handoff).ReleaseKv(
                 wpb.ReleaseKvRequest(
                     request_id=spec.request_id, lease_id=handoff.lease_id, epoch=handoff.epoch
                 ),
@@ -396,13 +435,14 @@ class DecodeServer(Worker, wgrpc.DecodeWorkerServicer):
             log.warning("releasing the declined KV of %s failed: %s", spec.request_id, exc)
         log.warning("%s: %s declined, its prompt prefilled again", reason, spec.request_id)
 
-    def _check_signature(self, spec: RequestSpec, handoff: KVHandoff) -> None:
-        """The owner signed this handle for this request id and for the prompt hashes this
-        worker computes from the request's own tokens and salt. Raises PERMISSION_DENIED."""
+    def _check_signature(self, spec: RequestSpec, tokens: list[int], handoff: KVHandoff) -> None:
+        """The owner signed this handle for this request id and for the hashes this worker
+        computes from the request's own tokens (`handoff_tokens`) and salt. Raises
+        PERMISSION_DENIED."""
         if self._handoff_key is None:
             return  # no cluster secret: unsigned hand-offs (warned at start)
         keys = hash_keys(self.engine.model_id, spec.cache_salt, self.engine.kv_hash_format)
-        hashes = prompt_hashes(spec.prompt_token_ids, self.engine.kv.block_size, keys)
+        hashes = prompt_hashes(tokens, self.engine.kv.block_size, keys)
         if not verify_handoff(self._handoff_key, spec.request_id, hashes, handoff):
             what = "missing" if not handoff.signature else "does not match"
             log.warning(

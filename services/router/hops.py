@@ -196,6 +196,12 @@ class Hops:
                 reason = wire.finish_reason_from_proto(done.finish_reason)
                 yield self.replies.complete(call, reason, done.stop_reason)
                 return
+            elif kind == "moved":
+                # The worker is draining: its KV of the stream stays pinned for another decode
+                # worker to pull (the same worker-side id: the handle is signed for it).
+                call.kv = _handoff(msg.moved)
+                why = "draining: the stream moves with its KV"
+                raise HopFailed(Fault.DECODE_MOVED, worker.worker_id, why, breaker=False)
             elif kind == "kv_failed":
                 owner = call.placement.prefill.worker_id if call.placement.prefill else "?"
                 call.kv = None
@@ -266,6 +272,7 @@ class Hops:
         """Re-place `call` after `failed`, or raise ServiceError(UNAVAILABLE). With no decode
         worker to continue on, the stream is held (open, nothing sent) and planned again
         every HOLD_POLL_S until one is back or `hold_s` is spent (`Action.HOLD`)."""
+        moved = failed.fault is Fault.DECODE_MOVED  # its hand-off, signed for this id, goes on
         call.failed.add(failed.worker_id)
         call.restarted.discard(failed.worker_id)  # this incarnation failed it too
         call.failed_epochs[failed.worker_id] = self.placer.epoch_of(failed.worker_id)
@@ -282,9 +289,6 @@ class Hops:
                 if w is not None and w.worker_id == failed.worker_id:
                     self.links.retire(w.address)
         local = placement.cached_tokens if placement.prefill is None else 0
-        # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
-        # frozen worker) is released in the background under its own ids.
-        self.links.abort(call.worker_rid, placement)
         failure = Failure(
             fault=failed.fault,
             decode_id=placement.decode.worker_id,
@@ -315,14 +319,21 @@ class Hops:
                 held_s=time.monotonic() - t_hold,
                 restarted=frozenset(call.restarted),
             )
+        # Whatever the failed attempt still holds (a pinned lease, a half-run request on a
+        # frozen worker) is released in the background under its own ids; a moved stream's
+        # pinned KV is what the next hop reads, when it can.
+        keep = moved and step.keep_kv
+        if not keep:
+            self.links.abort(call.worker_rid, placement)
         if step.action is Action.FAIL:
             raise errors.unavailable(
                 f"request {call.public_id} failed: {step.reason}", retry_after_s=1.0
             )
         assert step.decode is not None
         call.recoveries += 1
-        call.kv = None
-        call.worker_rid = worker_request_id(call.spec.request_id)
+        if not keep:
+            call.kv = None
+            call.worker_rid = worker_request_id(call.spec.request_id)
         if step.action is Action.MIGRATE:
             call.timings.migrations += 1
         if step.action is Action.REPREFILL:
@@ -350,9 +361,10 @@ class Hops:
                 del call.failed_epochs[worker_id]
 
 
-def _handoff(resp: wpb.PrefillResponse) -> KVHandoff:
-    """The prefill worker's hand-off as the core's value. Raises FAILED_PRECONDITION naming
-    the bad field, as the decode worker would: a deployment problem, not the client's."""
+def _handoff(resp: wpb.PrefillResponse | wpb.KvMoved) -> KVHandoff:
+    """A worker's hand-off (a prefill worker's, a draining decode worker's) as the core's
+    value. Raises FAILED_PRECONDITION naming the bad field, as the decode worker would: a
+    deployment problem, not the client's."""
     try:
         return convert.handoff_from_proto(resp.kv)
     except ValueError as exc:

@@ -4,9 +4,7 @@ wait until a router serves."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,13 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: a SIGKILLed supervisor leaves no orphans.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+from tandem.services.common.runtime.supervised import SUPERVISOR_ENV
 
 
 @dataclass(slots=True)
@@ -59,11 +51,17 @@ def popen(
             stdout=subprocess.PIPE,
             stderr=log_file,
             text=True,
-            preexec_fn=_die_with_parent,
             # Own session: a terminal's Ctrl-C reaches only `tandem up`, which stops the
             # children in order (and a child that got it too would look like a crash).
             start_new_session=True,
-            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            # The child dies with this process (`die_with_supervisor`, at its start: code
+            # between fork and exec in a threaded parent, a preexec_fn, can crash the child).
+            env={
+                **os.environ,
+                **(env or {}),
+                "PYTHONUNBUFFERED": "1",
+                SUPERVISOR_ENV: str(os.getpid()),
+            },  # fmt: skip
         )
 
 

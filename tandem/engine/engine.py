@@ -39,7 +39,7 @@ from tandem.engine.prefix_hash import DISK_TIER, HOST_TIER
 from tandem.engine.ranks import Followers, exit_on_rank_death, free_address, threads_per_rank
 from tandem.engine.request import Request, RequestSpec, RequestStatus, Resume, check_prompt
 from tandem.engine.runner import ModelRunner
-from tandem.engine.sampling import Sampler, SamplingParams, advance_generator
+from tandem.engine.sampling import LogprobEntry, Sampler, SamplingParams, advance_generator
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.spec_states import StateRollback
 from tandem.engine.state_checkpoints import StateCheckpoints
@@ -300,14 +300,13 @@ class LLMEngine:
         return request is not None
 
     def reserve_kv(self, spec: RequestSpec, resume: Resume) -> tuple[list[int], int] | None:
-        """Decode role: blocks for a prompt computed elsewhere; `resume` holds at least the
-        prefill worker's first token.
+        """Decode role: blocks for KV computed elsewhere, of every token but the last: the
+        prompt after a prefill worker's hand-off (`resume`: its first token), the prompt and
+        output after a draining decode worker's. They join this engine's prefix cache (at
+        commit_kv) under hashes computed here from the tokens and `spec.cache_salt`.
 
-        The blocks join this engine's prefix cache (at commit_kv) under hashes computed here
-        from the prompt and `spec.cache_salt`, never under hashes the sender names.
-
-        Returns (block table, tokens already cached here) -- fill KV for the prompt's
-        positions from the second value on -- or None when the cache is full right now.
+        Returns (block table, tokens already cached here: fill KV from there on) or None
+        when the cache is full right now.
         """
         if not resume.output_token_ids:
             raise ValueError("output_token_ids must hold the prefill worker's first token")
@@ -363,26 +362,7 @@ class LLMEngine:
             new_ids, text = self._detokenize(request, ev.new_token_ids, now)
             lps = request.logprobs[-len(new_ids) :] if new_ids and request.logprobs else []
             if request.status == RequestStatus.HANDED_OFF:
-                # a linear-attention state into blocks after the pages, before reading the table
-                packed = self.state_handoff.pack(rid) if self.state_handoff else 0
-                draft = self.draft_handoff
-                drafted = draft.pack(rid, request.prompt_token_ids) if draft else 0
-                outputs.append(
-                    RequestOutput(
-                        request_id=rid,
-                        new_token_ids=new_ids,
-                        new_text=text,
-                        finished=False,
-                        finish_reason=None,
-                        handed_off=True,
-                        num_cached_tokens=request.num_cached_tokens or 0,
-                        state_blocks=packed,
-                        draft_blocks=drafted,
-                        # each KV table's blocks the next token reads
-                        block_ids=self.kv.handoff_blocks(rid, request.num_prompt_tokens),
-                        logprobs=lps,
-                    )
-                )
+                outputs.append(self._handed_off(request, new_ids, text, lps))
                 continue
             finished = request.status.finished
             outputs.append(
@@ -400,6 +380,30 @@ class LLMEngine:
             if finished:
                 self._forget(rid)
         return outputs
+
+    def _handed_off(
+        self, request: Request, new_ids: list[int], text: str, lps: list[LogprobEntry]
+    ) -> RequestOutput:
+        """A handed-off request's output: its pinned blocks (each KV table's the next token
+        reads), then a linear-attention state's and a draft model's, packed now."""
+        rid, prompt = request.request_id, request.prompt_token_ids
+        packed = self.state_handoff.pack(rid) if self.state_handoff else 0
+        drafted = self.draft_handoff.pack(rid, prompt) if self.draft_handoff else 0
+        return RequestOutput(
+            request_id=rid, new_token_ids=new_ids, new_text=text, finished=False,
+            finish_reason=None, handed_off=True, num_cached_tokens=request.num_cached_tokens or 0,
+            state_blocks=packed, draft_blocks=drafted, logprobs=lps,
+            block_ids=self.kv.handoff_blocks(rid, request.num_computed_tokens),
+        )  # fmt: skip
+
+    def hand_off_running(self, request_id: str) -> RequestOutput | None:
+        """Decode role, draining: a decoding request stops with its KV pinned, handed off for
+        another decode worker to continue (`release` frees it). None: not decoding now, or its
+        engine keeps state such a hand-off lacks (a linear state, a draft model's KV)."""
+        if self.state_handoff is not None or self.draft_handoff is not None:
+            return None
+        request = self.scheduler.hand_off_running(request_id)
+        return None if request is None else self._handed_off(request, [], "", [])
 
     def _detokenize(
         self, request: Request, new_ids: list[int], now: float
@@ -449,8 +453,7 @@ class LLMEngine:
         return self.kv.num_free_blocks
 
     def enable_kv_events(self) -> None:
-        """Record prefix-cache stored/removed events for `take_kv_events` (cluster index):
-        with KV tiers, their marks too (`tandem.tiers.marks`)."""
+        """Record prefix-cache events for `take_kv_events` (with tiers, their marks too)."""
         self.kv.enable_events()
         if self.tiers is not None:
             self.tiers.enable_events(self.kv.cached_hashes())
@@ -468,8 +471,7 @@ class LLMEngine:
         return [] if self.tiers is None else self.tiers.stats()
 
     def spec_stats(self) -> list[SpecStats]:
-        """Each speculative proposer's counts (tandem.speculative.stats); empty without
-        speculation."""
+        """Each speculative proposer's counts (tandem.speculative.stats); empty if off."""
         return [] if self.speculator is None else [self.speculator.stats()]
 
     def stats(self) -> Load:

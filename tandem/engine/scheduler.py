@@ -27,6 +27,11 @@ from tandem.engine.sampling import SampleResult
 from tandem.speculative.speculator import Speculator
 
 
+def kv_tokens(request: Request) -> int:
+    """Decode role: tokens of a request whose KV came from another worker (`reserve_kv`)."""
+    return request.num_tokens - 1
+
+
 def decoding(request: Request) -> bool:
     """Is the request decoding: all its KV computed but its last token's?"""
     return 0 < request.num_computed_tokens == request.num_tokens - 1
@@ -135,20 +140,22 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve_kv(self, request: Request) -> tuple[list[int], int] | None:
-        """Decode role: allocate blocks for a prompt whose KV arrives from outside.
+        """Decode role: allocate blocks for tokens whose KV arrives from outside: every token
+        but the last (`kv_tokens`: a prefill worker's hand-off covers the prompt, its first
+        token following; a draining decode worker's, the prompt and the output but its last).
 
         Returns (block table, tokens already cached locally); the caller fills the blocks
-        for positions [cached, num_prompt_tokens) and then calls `commit_kv`. None if too
-        few blocks are free (nothing changed).
+        for positions [cached, kv_tokens) and then calls `commit_kv`. None if too few
+        blocks are free (nothing changed).
         """
         # Hashed here from the request's own tokens and salt: the blocks filled from outside
         # are published to the prefix cache (commit_kv) under these hashes, never under
         # anything the KV's sender claims.
         self.hash_request(request)
-        # The request's tokens include the prefill worker's output; only the prompt's KV is
-        # supplied, so only prompt blocks may come from the local prefix cache.
-        hits, num_cached = self.kv.get_computed_blocks(request, request.num_prompt_tokens)
-        num_new = request.num_prompt_tokens - num_cached
+        # The last token's KV is not supplied (nobody computed it), so only the blocks before
+        # it may come from the local prefix cache.
+        hits, num_cached = self.kv.get_computed_blocks(request, kv_tokens(request))
+        num_new = kv_tokens(request) - num_cached
         if self.kv.allocate_slots(request, num_new, hits, live_only=True) is None:
             return None
         request.status = RequestStatus.WAITING_FOR_KV
@@ -157,11 +164,12 @@ class Scheduler:
         return self.kv.get_block_ids(request.request_id), num_cached
 
     def commit_kv(self, request_id: str) -> None:
-        """Decode role: the prompt's KV is in place; the request joins the batch."""
+        """Decode role: the KV `reserve_kv` reserved is in place; the request joins the
+        batch."""
         request = self.waiting_for_kv.pop(request_id, None)
         if request is None:
             raise ValueError(f"request {request_id} is not waiting for KV")
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = kv_tokens(request)
         # Under the hashes reserve_kv computed from the request's own tokens and salt.
         self.kv.cache_blocks(request)
         request.status = RequestStatus.WAITING
@@ -356,6 +364,18 @@ class Scheduler:
         self.kv.free(request_id)
         request.status = status
         request.finish_time = now
+        return request
+
+    def hand_off_running(self, request_id: str) -> Request | None:
+        """Decode role, draining: a decoding request (KV computed for all its tokens but the
+        last) stops with its blocks pinned, handed off as a prefill worker's are (`finish`
+        frees them); None when it is not decoding now (waiting, prefilling, preempted)."""
+        request = next((r for r in self.running if r.request_id == request_id), None)
+        if request is None or not decoding(request):
+            return None
+        self.running.remove(request)
+        request.status = RequestStatus.HANDED_OFF
+        self.handed_off[request_id] = request
         return request
 
     def _remove(self, request_id: str) -> Request | None:

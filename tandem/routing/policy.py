@@ -139,6 +139,7 @@ class WorkerLoad(Load):
     kv_format: str = ""  # the KV cache's format (dtype, fp8 scales); pairs must be equal
     tensor_parallel_size: int = 1  # ranks (any sizes pair; see above)
     kv_handoff: bool = False  # a tensor-parallel worker's KV can be handed off (see above)
+    accepts_moved: bool = False  # continues a draining decode worker's moved streams
     speculative: str = ""  # the speculative method ("", ngram, suffix, draft); not placed on
     draft_format: str = ""  # a draft model's KV section format ("": none); pairs must be equal
 

@@ -6,6 +6,7 @@ Three faults, each met by one recovery step, all bounded by a per-request budget
   kv_pull_failed  the decode worker could not read the hand-off (read failed, lease lapsed
                   before confirm, owner gone): it freed its reserved blocks and said so
   decode_failed   the decode worker died or froze, before or while streaming
+  decode_moved    the decode worker is draining: it handed the stream's KV off (issue 46)
 
   prefill faults  -> reprefill on another healthy prefill worker (the same decode worker
                      pulls from it), or, for a short prompt, recompute: the decode worker
@@ -15,6 +16,8 @@ Three faults, each met by one recovery step, all bounded by a per-request budget
                      `recompute_max_queued_tokens`); otherwise fail promptly: moving a live
                      prefill worker's load onto a busy decode worker only spreads the
                      overload to the streams it serves
+  decode_moved    -> migrate, as decode_failed, the new decode worker pulling the moved KV
+                     (a pull that fails: recompute there, prompt and output)
   decode_failed   -> migrate: another healthy decode worker continues from the prompt plus
                      the tokens already streamed (it prefills them itself; seeded sampling
                      resumes where it stopped because the engine advances the seed's stream
@@ -49,6 +52,7 @@ class Fault(enum.Enum):
     PREFILL_FAILED = "prefill_failed"
     KV_PULL_FAILED = "kv_pull_failed"
     DECODE_FAILED = "decode_failed"
+    DECODE_MOVED = "decode_moved"  # draining: its KV of the stream is handed off
 
 
 # gRPC status names of a worker call that mean the worker failed, not the request.
@@ -152,6 +156,7 @@ class Recovery:
     reason: str
     decode: WorkerLoad | None = None  # where the request continues (None only for FAIL)
     prefill: WorkerLoad | None = None  # REPREFILL only
+    keep_kv: bool = False  # decode_moved: `decode` pulls the moved KV (else it prefills)
 
     def describe(self) -> str:
         """One line for logs and the response's timings."""
@@ -179,7 +184,7 @@ def plan_recovery(
         (w for w in workers if not w.draining and w.worker_id not in failure.failed),
         key=lambda w: w.worker_id,
     )
-    if failure.fault is Fault.DECODE_FAILED:
+    if failure.fault in (Fault.DECODE_FAILED, Fault.DECODE_MOVED):
         decodes = [
             w
             for w in live
@@ -188,12 +193,16 @@ def plan_recovery(
         ]
         if not decodes:
             return _hold_or_fail(f"{what} on {failure.decode_id}", failure, config)
-        target = min(decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
+        moved = failure.fault is Fault.DECODE_MOVED
+        takes = [w for w in decodes if w.accepts_moved] if moved else []
+        target = min(takes or decodes, key=lambda w: (w.decode_load, -w.num_free_blocks))
+        how = "" if takes or not moved else " (none continues moved streams: it prefills)"
         return Recovery(
             Action.MIGRATE,
             f"{what} on {failure.decode_id}; continuing on the least loaded healthy decode "
-            f"worker (load {target.decode_load})",
+            f"worker (load {target.decode_load}){how}",
             decode=target,
+            keep_kv=bool(takes),
         )
     decode = next((w for w in live if w.worker_id == failure.decode_id), None)
     if decode is None:
@@ -209,6 +218,10 @@ def plan_recovery(
             decode=decode,
         )
     prefills = [w for w in live if w.role == Role.PREFILL]
+    if failure.prefill_id is None:  # a moved stream's KV: another prefill has only the prompt
+        return Recovery(
+            Action.RECOMPUTE, f"{what}; a moved stream's hand-off: prefill on decode", decode=decode
+        )
     if not config.reprefill:
         return Recovery(Action.RECOMPUTE, f"{what}; reprefill is off", decode=decode)
     if failure.num_uncached_tokens < failure.min_reprefill_tokens:

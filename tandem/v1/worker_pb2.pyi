@@ -208,18 +208,26 @@ class DecodeComplete(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[_router_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., recomputed: _Optional[bool] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "chunk", "complete", "kv_failed", "progress")
+    __slots__ = ("request_id", "chunk", "complete", "kv_failed", "progress", "moved")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     KV_FAILED_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chunk: _router_pb2.Chunk
     complete: DecodeComplete
     kv_failed: KvFailed
     progress: Progress
-    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[_router_pb2.Chunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ..., kv_failed: _Optional[_Union[KvFailed, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    moved: KvMoved
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[_router_pb2.Chunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ..., kv_failed: _Optional[_Union[KvFailed, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., moved: _Optional[_Union[KvMoved, _Mapping]] = ...) -> None: ...
+
+class KvMoved(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: KvHandle
+    def __init__(self, kv: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

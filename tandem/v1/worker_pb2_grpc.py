@@ -253,6 +253,11 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/ReleaseKv',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Abort',
                 request_serializer=tandem_dot_v1_dot_router__pb2.AbortRequest.SerializeToString,
@@ -276,6 +281,14 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseKv(self, request, context):
+        """A draining decode worker's moved streams (DecodeResponse.moved): the reader confirms
+        its lease here, as it would at a prefill worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -295,6 +308,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -336,6 +354,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Decode',
             tandem_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/ReleaseKv',
+            tandem_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

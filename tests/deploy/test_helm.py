@@ -673,6 +673,11 @@ def test_worker_pods(helm: Helm) -> None:
         assert env["TANDEM_PORT"] == str(container["ports"][0]["containerPort"])
         assert env["TANDEM_MODEL_DIR"] == "/models/tandem-tiny-small"
         assert pod["terminationGracePeriodSeconds"] > drain
+        # an upgrade starts the new pod before the old one drains (its streams move to it)
+        assert deployment["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in container[
             "volumeMounts"
         ]

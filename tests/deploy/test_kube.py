@@ -305,8 +305,19 @@ def test_upgrade_keeps_the_controllers_worker_counts(
         "upgrade", RELEASE, str(CHART), *installed.flags, *IMAGE_FLAGS, *AUTH_FLAGS,
         "--set", "router.replicas=3",
     )  # fmt: skip
-    assert apps.read_namespaced_deployment(DECODE, NAMESPACE).spec.replicas == 4
+    decode = apps.read_namespaced_deployment(DECODE, NAMESPACE)
+    assert decode.spec.replicas == 4
     assert apps.read_namespaced_deployment(ROUTER, NAMESPACE).spec.replicas == 3
+    # The API server holds the rolling-update settings an upgrade of the workers runs with:
+    # the new pod first, the old one then drained within its grace period (issue 46).
+    for name in (PREFILL, DECODE):
+        spec = apps.read_namespaced_deployment(name, NAMESPACE).spec
+        assert spec.strategy.type == "RollingUpdate"
+        assert (
+            spec.strategy.rolling_update.max_surge,
+            spec.strategy.rolling_update.max_unavailable,
+        ) == (1, 0)
+        assert spec.template.spec.termination_grace_period_seconds == 30 + 15  # drain + margin
     # The generated keys, secret and password are looked up, not made anew: running pods
     # and clients keep working across an upgrade.
     assert _generated(admin) == credentials

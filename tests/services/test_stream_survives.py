@@ -8,7 +8,6 @@ sampled stream; no client sees an error."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
@@ -17,15 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tandem.client import AsyncTandemClient, Result
 from tandem.engine.sampling import SamplingParams
 from tandem.services.up import Cluster
 from tests.services.conftest import up_cluster
+from tests.services.streams import run_streams
 from tests.services.test_moe_up import reference_engine
 from tests.services.workers import assert_all_free
 
 MAX_TOKENS = 160
-WAIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -37,48 +35,18 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield c
 
 
-async def stream(
-    address: str, prompt: list[int], started: asyncio.Event, **sampling: float | int
-) -> Result:
-    """One stream to the end; `started` set once its 20th token arrived."""
-    result = Result()
-    async with AsyncTandemClient(address, timeout_s=WAIT_S) as client:
-        async for _ in client.stream(
-            prompt, result=result, max_tokens=MAX_TOKENS, ignore_eos=True, **sampling
-        ):
-            if len(result.token_ids) >= 20:
-                started.set()
-    return result
-
-
-def run_streams(address: str, prompts: list[list[int]], seeds: list[int | None], kill: int | None):
-    """Stream every prompt (a seed: sampled at 0.8; None: greedy); with `kill`, SIGKILL that
-    pid once every stream is past its 20th token."""
-
-    async def main() -> list[Result]:
-        started = [asyncio.Event() for _ in prompts]
-        tasks = []
-        for p, seed, ev in zip(prompts, seeds, started, strict=True):
-            kw = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed}
-            tasks.append(asyncio.create_task(stream(address, p, ev, **kw)))
-        if kill is not None:
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), WAIT_S)
-            os.kill(kill, signal.SIGKILL)
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S))
-
-    return asyncio.run(main())
-
-
 def test_streams_resume_when_their_only_decode_worker_dies(
     cluster: Cluster, tiny_model_dir: Path
 ) -> None:
     rng = random.Random(46)
     prompts = [rng.choices(range(5, 500), k=rng.randint(40, 90)) for _ in range(4)]
     seeds = [None, None, 7, 8]
-    clean = run_streams(cluster.router_address, prompts, seeds, kill=None)
+    clean = run_streams(cluster.router_address, prompts, seeds, MAX_TOKENS)
     [decode] = [c for c in cluster.children if c.name == "decode-0"]
     old_pid = decode.proc.pid
-    interrupted = run_streams(cluster.router_address, prompts, seeds, kill=old_pid)
+    interrupted = run_streams(
+        cluster.router_address, prompts, seeds, MAX_TOKENS, lambda: os.kill(old_pid, signal.SIGKILL)
+    )
     [decode] = [c for c in cluster.children if c.name == "decode-0"]
     assert decode.proc.pid != old_pid  # restarted by supervision
     reference = reference_engine(tiny_model_dir)

@@ -336,6 +336,12 @@ def test_the_registry_record_advertises_speculation_and_the_draft_format() -> No
     older = WorkerInfo.from_json(json.dumps(old))
     assert (older.speculative, older.draft_format) == ("", "")
     assert (older.load().speculative, older.load().draft_format) == ("", "")
+    assert not older.accepts_moved and not older.load().accepts_moved  # nor moved streams
+    assert (
+        WorkerInfo.from_json(WorkerInfo(**ids, accepts_moved=True).to_json()).load().accepts_moved
+    )  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="WorkerInfo.accepts_moved must be a bool"):
+        WorkerInfo(**ids, accepts_moved=1)  # type: ignore[arg-type]
     for name, bad in (("speculative", 1), ("draft_format", None), ("draft_format", ["x"])):
         with pytest.raises(ValueError, match=f"WorkerInfo.{name} must be a str, got"):
             WorkerInfo(**ids, **{name: bad})  # type: ignore[arg-type]

@@ -252,3 +252,26 @@ def test_last_of_role_counts_live_workers_of_the_same_role_only():
     assert not last_of_role("p0", [*fleet, w("p2", "prefill")])
     assert not last_of_role("gone", fleet)  # not a known worker: nothing to protect
     assert not last_of_role("p1", fleet)  # draining itself, with p0 live beside it
+
+
+def test_a_moved_stream_migrates_and_a_failed_pull_of_its_kv_is_recomputed() -> None:
+    moved = Failure(Fault.DECODE_MOVED, "d2", failed=frozenset({"d2"}))
+    takes = [w("d0", "decode", num_running=1, accepts_moved=True), *FLEET[4:]]  # d1, d2 cannot
+    r = plan_recovery(moved, takes, CFG)
+    assert r.action is Action.MIGRATE and r.keep_kv  # to the worker that can pull it
+    assert r.decode is not None and r.decode.worker_id == "d0"
+    # no decode worker continues moved streams (they predate it): the least loaded prefills
+    r = plan_recovery(moved, FLEET, CFG)
+    assert r.action is Action.MIGRATE and not r.keep_kv
+    assert r.decode is not None and r.decode.worker_id == "d1"
+    assert r.reason.endswith("(none continues moved streams: it prefills)")
+    # a decode fault never keeps a hand-off
+    r = plan_recovery(Failure(Fault.DECODE_FAILED, "d2", failed=frozenset({"d2"})), takes, CFG)
+    assert r.action is Action.MIGRATE and not r.keep_kv
+    # the new decode worker could not pull the moved KV (its owner's lease lapsed): another
+    # prefill worker would hand over the prompt's KV only, so the decode worker prefills all
+    pull = Failure(Fault.KV_PULL_FAILED, "d1", None, failed=frozenset({"d2"}),
+                   num_uncached_tokens=500)  # fmt: skip
+    r = plan_recovery(pull, FLEET, CFG)
+    assert r.action is Action.RECOMPUTE and r.decode is not None and r.decode.worker_id == "d1"
+    assert r.reason == "kv_pull_failed; a moved stream's hand-off: prefill on decode"

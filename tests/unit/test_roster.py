@@ -1,9 +1,11 @@
-"""services/decode/roster.py: which prefill workers a decode worker accepts hand-offs from."""
+"""services/decode/roster.py: which workers a decode worker accepts hand-offs from (prefill
+workers, and draining decode workers moving their streams), and where a stream can move."""
 
 from __future__ import annotations
 
 from tandem.services.common.redis.registry import WorkerInfo
 from tandem.services.decode.roster import PrefillRoster
+from tandem.types import Role
 
 
 def info(worker_id: str, epoch: int, role: str = "prefill", address: str = "") -> WorkerInfo:
@@ -27,7 +29,10 @@ def test_roster_knows_registered_and_recently_departed_prefill_workers() -> None
     assert roster.knows("p0", "h:p0", 1)
     assert not roster.knows("p0", "h:p1", 1)  # another address
     assert not roster.knows("p0", "h:p0", 2)  # another incarnation
-    assert not roster.knows("d0", "h:d0", 1)  # not a prefill worker
+    # a decode worker owns the hand-offs of the streams it moves when draining
+    assert roster.role("d0", "h:d0", 1) == Role.DECODE
+    assert roster.role("p0", "h:p0", 1) == Role.PREFILL
+    assert roster.role("d0", "h:d0", 2) is None
     assert not roster.knows("p9", "h:p9", 1)  # never registered
     clock.now = 10.0
     roster.update([info("p0", 2)], ["p0"])  # restarted: left and joined
@@ -70,5 +75,21 @@ def test_a_worker_moving_address_or_leaving_unknown_is_handled() -> None:
     assert not roster.knows("p0", "h:a", 2)  # the new incarnation does not own the old port
     assert not roster.knows("p0", "h:b", 1)
     roster.update([info("d1", 1, role="decode")], [])
-    roster.update([], ["d1"])  # a decode worker leaving is never remembered as a prefill one
-    assert not roster.knows("d1", "h:d1", 1)
+    roster.update([], ["d1"])  # a drained decode worker's moved streams are still pulled
+    assert roster.role("d1", "h:d1", 1) == Role.DECODE
+
+
+def test_streams_move_only_to_live_decode_workers_that_take_them_and_are_not_draining() -> None:
+    roster = PrefillRoster(retain_s=30.0, clock=Clock())
+
+    def decode(worker_id: str, **kw: bool) -> WorkerInfo:
+        return WorkerInfo(worker_id=worker_id, role="decode", address=f"h:{worker_id}",
+                          model="m", epoch=1, **kw)  # fmt: skip
+
+    roster.update([info("p0", 1), decode("d0", accepts_moved=True),
+                   decode("d1", accepts_moved=True), decode("d2", accepts_moved=True,
+                   draining=True), decode("old")], [])  # fmt: skip
+    assert roster.live_decode_workers() == ["d0", "d1"]  # "old" predates moved streams
+    assert roster.live_decode_workers(exclude="d0") == ["d1"]
+    roster.update([], ["d1"])
+    assert roster.live_decode_workers(exclude="d0") == []

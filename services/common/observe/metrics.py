@@ -69,7 +69,7 @@ TRANSFER_BUCKETS = (
 
 COMPONENTS = ("router", *Role, "controller")
 PATHS = ("disaggregated", "colocated")
-FAULTS = ("prefill_failed", "kv_pull_failed", "decode_failed")
+FAULTS = ("prefill_failed", "kv_pull_failed", "decode_failed", "decode_moved")
 ACTIONS = ("reprefill", "recompute", "migrate", "hold", "fail")
 WORKER_STATES = ("healthy", "open_breaker")
 # A hand-off's outcome on the decode worker (RECOMPUTED is a trace value, not a count).

@@ -35,6 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tandem.services.common.redis.url import redact_url, with_credentials
+from tandem.services.common.runtime.supervised import die_with_supervisor
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _READY_TIMEOUT_S = 10.0
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     The password, if any, comes from the environment (`REDIS_PASSWORD`), and the URL printed
     on stdout carries it: stdout is the caller's (a pipe to `tandem up`, or a terminal), while
     the server's log gets nothing secret."""
+    die_with_supervisor()
     parser = argparse.ArgumentParser(
         prog="python -m tandem.services.common.redis.server",
         description="Run a throwaway Redis/Valkey server (no persistence) in the foreground.",

@@ -48,6 +48,10 @@ class WorkerInfo(Load):
     # cache: on a CPU); False from one that predates it. A single-rank worker's always can
     # (tandem.routing.policy.can_hand_off).
     kv_handoff: bool = False
+    # A decode worker that continues streams a draining decode worker moves with their KV
+    # (issue 46: the KV of prompt and output); False from one that predates it, which a
+    # draining worker never moves streams to.
+    accepts_moved: bool = False
     # Speculative decoding's method ("", "ngram", "suffix", "draft"; tandem.config.
     # SpeculativeConfig; "" when off or from a worker that predates it): shown, not placed on.
     speculative: str = ""
@@ -75,6 +79,8 @@ class WorkerInfo(Load):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ValueError(f"WorkerInfo.{name} must be a str, got {value!r}")
+        if not isinstance(self.accepts_moved, bool):
+            raise ValueError(f"WorkerInfo.accepts_moved must be a bool, got {self.accepts_moved!r}")
         if not isinstance(self.kv_handoff, bool):
             raise ValueError(f"WorkerInfo.kv_handoff must be a bool, got {self.kv_handoff!r}")
         if not isinstance(self.draining, bool):
@@ -99,6 +105,7 @@ class WorkerInfo(Load):
             kv_format=self.kv_format,
             tensor_parallel_size=self.tensor_parallel_size,
             kv_handoff=self.kv_handoff,
+            accepts_moved=self.accepts_moved,
             speculative=self.speculative,
             draft_format=self.draft_format,
         )

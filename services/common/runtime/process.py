@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.services.common.rpc.interceptors import StatusInterceptor
+from tandem.services.common.runtime.supervised import die_with_supervisor
 from tandem.services.common.security import AuthConfig, AuthInterceptor, KeyRing, Open, Rule
 
 # Server options every service gets (a caller's `options` entry of the same name wins):
@@ -78,6 +79,7 @@ def setup_logging(name: str, log_format: str | None = None) -> None:
     bidirectional characters escaped, tracebacks included) or "json" (one ASCII JSON object
     per line: time, level, service, logger, message, and exception or stack when there is
     one); None reads TANDEM_LOG_FORMAT, "text" when unset. Raises ValueError for another."""
+    die_with_supervisor()  # every service calls this first
     if log_format is None:
         log_format = os.environ.get("TANDEM_LOG_FORMAT") or "text"
     handler = logging.StreamHandler(sys.stderr)

@@ -214,6 +214,18 @@ class EngineLoop:
         stream.put_nowait(_aborted(request_id))
         stream.put_nowait(None)
 
+    async def hand_off(self, request_id: str) -> bool:
+        """Decode role, draining: hand a decoding request off (`LLMEngine.hand_off_running`);
+        its stream gets the handed-off output and ends. False: not now (not decoding)."""
+
+        def run(engine: LLMEngine) -> bool:
+            out = engine.hand_off_running(request_id)
+            if out is not None:
+                self.loop.call_soon_threadsafe(self._dispatch, [out])
+            return out is not None
+
+        return await self.call(run)
+
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._streams
 

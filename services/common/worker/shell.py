@@ -231,16 +231,16 @@ class Worker:
             log.info("%s metrics on http://%s/metrics", self.worker_id, self.metrics_address)
 
     async def drain_and_stop(self) -> None:
-        """Stop admitting, let in-flight work finish (`pending`; bounded), deregister, stop."""
+        """Stop admitting, let in-flight work finish (`drain_step`; bounded), deregister, stop."""
         self.draining = True
         for name in (*self.service_names, ""):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.pending() and time.monotonic() < deadline:
+        while await self.drain_step() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.stop()
 
-    def pending(self) -> int:  # what a drain waits for: calls in flight (a role adds more)
+    async def drain_step(self) -> int:  # a drain's turn: work still pending (roles add theirs)
         return self.num_active_rpcs
 
     def _device_failed(self, exc: BaseException) -> None:
