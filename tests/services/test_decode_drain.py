@@ -47,10 +47,23 @@ def test_a_draining_decode_worker_moves_its_streams_with_their_kv(
     seeds = [None, None, None, 5, 6, 7]
     address = cluster.router_address
     clean = run_streams(address, prompts, seeds, MAX_TOKENS)
-    stay = "decode-0"
-    before = samples(scrape(cluster.metrics_addresses[stay]))
-    [drained] = [c for c in cluster.children if c.name == "decode-1"]
-    moved = run_streams(address, prompts, seeds, MAX_TOKENS, lambda: terminate(cluster, "decode-1"))
+    decodes = ("decode-0", "decode-1")
+    before = {d: samples(scrape(cluster.metrics_addresses[d])) for d in decodes}
+    chosen: list[str] = []
+
+    def drain_the_busiest() -> None:
+        """SIGTERM the decode worker running the most streams now (placement by prefix
+        affinity may have put most on either)."""
+        running = {d: value(samples(scrape(cluster.metrics_addresses[d])),
+                            "tandem_worker_requests_running") for d in decodes}  # fmt: skip
+        chosen.append(max(decodes, key=lambda d: running[d]))
+        terminate(cluster, chosen[0])
+
+    [d0, d1] = [next(c for c in cluster.children if c.name == d) for d in decodes]
+    moved = run_streams(address, prompts, seeds, MAX_TOKENS, drain_the_busiest)
+    drained_name = chosen[0]
+    stay = next(d for d in decodes if d != drained_name)
+    drained = d0 if drained_name == "decode-0" else d1
     assert drained.proc.wait(timeout=60) == 0  # every moved stream's KV pulled, then it left
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in reference_engine(tiny_model_dir).generate(prompts[:3], greedy)]
@@ -63,16 +76,16 @@ def test_a_draining_decode_worker_moves_its_streams_with_their_kv(
             assert got.migrations == 1 and got.decode_worker == stay, got.recoveries
             # one step: the move; a pull that failed would add a kv_pull_failed one
             assert len(got.recoveries) == 1, got.recoveries
-            assert "decode_moved on decode-1" in got.recoveries[0], got.recoveries
+            assert f"decode_moved on {drained_name}" in got.recoveries[0], got.recoveries
             num_moved += 1
-    assert num_moved > 0  # streams were decoding on decode-1 when it drained
+    assert num_moved > 0  # streams were decoding on the drained worker
     after = samples(scrape(cluster.metrics_addresses[stay]))
     # every moved stream's KV pulled by decode-0 (its transfers committed), none prefilled
     # again there (streams placed on decode-0 from the start may be prefix-cache hits there)
     committed = "tandem_worker_kv_transfers_total"
     pulled = value(after, committed, outcome="committed") - value(
-        before, committed, outcome="committed"
+        before[stay], committed, outcome="committed"
     )
     assert pulled >= num_moved
     recomputed = "tandem_worker_kv_recomputed_total"
-    assert value(after, recomputed) == value(before, recomputed)
+    assert value(after, recomputed) == value(before[stay], recomputed)
