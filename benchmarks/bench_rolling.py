@@ -98,13 +98,18 @@ def latency(streams: list[Stream]) -> dict[str, float]:
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}  # fmt: skip
 
 
-def outcomes(streams: list[Stream]) -> dict[str, int]:
+def outcomes(streams: list[Stream]) -> dict[str, object]:
     done = [s.result for s in streams if s.result is not None]
     lines = [line for r in done for line in r.recoveries]
+    errors = sorted({s.error[:160] for s in streams if s.error})
     return {
+        "errors": errors[:5],  # the distinct failures (first 5)
+        "recovery_kinds": sorted({line.split(";")[0][:120] for line in lines}),
         "failed": sum(1 for s in streams if s.error),
         "completed": len(done),
-        "moved_with_kv": sum("decode_moved" in line for line in lines),
+        # a draining decode worker's hand-off continued elsewhere (a stream may move twice)
+        "moves_with_kv": sum("decode_moved" in line and ": migrate" in line for line in lines),
+        "held": sum(": hold" in line for line in lines),  # waited for a decode worker
         "migrated": sum(r.migrations for r in done),
         "reprefilled": sum(r.reprefills for r in done),
         "recomputed_on_decode": sum(

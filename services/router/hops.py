@@ -26,6 +26,7 @@ import grpc
 from tandem import wire
 from tandem.routing import Placement, WorkerLoad
 from tandem.routing.recovery import (
+    HOLD_POLL_S,
     Action,
     Failure,
     Fault,
@@ -49,7 +50,6 @@ from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 
 log = logging.getLogger(__name__)
-HOLD_POLL_S = 0.1  # a held stream's re-planning period (RecoveryConfig.hold_s)
 
 
 class HopFailed(Exception):

@@ -38,6 +38,7 @@ from tandem.routing import (
 )
 from tandem.routing.admission import Admission, estimate_delay_s, queued_tokens
 from tandem.routing.health import CircuitBreakers
+from tandem.routing.recovery import HOLD_POLL_S
 from tandem.services.common.observe import tracing
 from tandem.services.common.redis.index import RedisPrefixIndex
 from tandem.services.common.redis.registry import Registry, WorkerInfo, WorkerWatcher
@@ -161,6 +162,15 @@ class Placer:
             tiers,
         )
         placement = choose(route, workers, self.config.routing)
+        if placement is None and self._decode_expected():
+            # Every decode worker is draining or out of rotation now (a rolling restart's
+            # gap between one leaving and the next registering): wait for one, within the
+            # stream hold (RecoveryConfig.hold_s), rather than refuse the request.
+            deadline = time.monotonic() + self.config.recovery.hold_s
+            while placement is None and time.monotonic() < deadline:
+                await asyncio.sleep(HOLD_POLL_S)
+                workers = self.workers()
+                placement = choose(route, workers, self.config.routing)
         candidates = (
             placement.candidates
             if placement is not None
@@ -252,6 +262,11 @@ class Placer:
             log.warning("worker %s out of rotation: %s", worker_id, why)
             return True
         return False
+
+    def _decode_expected(self) -> bool:
+        """Is a decode worker of this model registered, though none is placeable (draining,
+        or held out by its breaker)? Then one is expected back shortly."""
+        return any(w.role == Role.DECODE for w in self._known())
 
     def _no_decode_message(self) -> str:
         held = self.breakers.open_workers(time.monotonic())

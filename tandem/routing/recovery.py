@@ -79,6 +79,9 @@ def last_of_role(worker_id: str, workers: Iterable[WorkerLoad]) -> bool:
     )
 
 
+HOLD_POLL_S = 0.1  # how often a held stream (or a request waiting for a decode worker) re-plans
+
+
 class Action(enum.Enum):
     REPREFILL = "reprefill"  # prefill again on `prefill`; `decode` pulls from it
     RECOMPUTE = "recompute"  # `decode` prefills the prompt itself
