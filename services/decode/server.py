@@ -105,7 +105,6 @@ class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
         self._reader = KVReader(self.transport, self.config.engine.device)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.num_recomputed = 0
-        self.num_moved = 0  # streams handed off to another decode worker while draining
         # A handle stays usable for the owner's lease (lease_ttl_s, the same flag on both
         # roles): keep departed owners known well past that.
         self._roster = PrefillRoster(retain_s=max(60.0, 2 * self.config.lease_ttl_s))
@@ -241,7 +240,7 @@ class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
                 if chunk.token_ids or chunk.text:
                     yield wpb.DecodeResponse(request_id=rid, chunk=chunk)
                 last = batch[-1]
-                if last.handed_off:  # draining: the stream moves (`_move_streams`)
+                if last.handed_off:  # draining: the stream moves (`drain_step`)
                     call.keep_request = True  # the lease frees the blocks
                     yield wpb.DecodeResponse(request_id=rid, moved=self._moved(spec, last, span))
                     return
@@ -260,7 +259,6 @@ class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
         request = self.engine.get_request(spec.request_id)
         assert request is not None  # handed off: the engine holds it until released
         tokens = request.all_token_ids[: request.num_computed_tokens]
-        self.num_moved += 1
         return wpb.KvMoved(kv=self.hand_off(spec, tokens, out.block_ids, (), span))
 
     async def drain_step(self) -> int:
@@ -391,8 +389,8 @@ class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
         """Each of the hand-off's sections' blocks (`check_sections`), or why this worker
         cannot resume from them."""
         kv, draft = self.engine.kv, self.engine.draft_handoff
-        num_prompt = len(tokens)
-        draft_section = None if draft is None else (draft.format, draft.num_bytes(num_prompt))
+        num_tokens = len(tokens)
+        draft_section = None if draft is None else (draft.format, draft.num_bytes(num_tokens))
         try:
             return check_sections(
                 handoff.sections,
@@ -402,7 +400,7 @@ class DecodeServer(KVOwner, wgrpc.DecodeWorkerServicer):
                     draft_section,
                 ),
                 len(handoff.remote.block_ids),
-                sum(map(len, kv.handoff_live(num_prompt))),
+                sum(map(len, kv.handoff_live(num_tokens))),
                 self.transport.layout.block_bytes,
                 needs_sections=kv.num_tables > 1,
             )

@@ -38,7 +38,7 @@ from tandem.engine.kv_cache import allocate_kv_cache, block_bytes
 from tandem.engine.kv_manager import KVCacheManager
 from tandem.engine.runner import ModelRunner, StepRow
 from tandem.engine.sampling import Sampler
-from tandem.engine.state_pages import read_payload, write_payload
+from tandem.engine.state_pages import AppendedSection, read_payload, write_payload
 from tandem.model.config import ModelConfig
 from tandem.model.llama import LlamaModel
 from tandem.model.triton_attention import make_attention
@@ -323,7 +323,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-class DraftHandoff:
+class DraftHandoff(AppendedSection):
     """An engine's side of a hand-off's draft_kv section (as state_pages.StateHandoff is of
     its linear_state section).
 
@@ -334,10 +334,10 @@ class DraftHandoff:
     """
 
     def __init__(self, kv: KVCacheManager, kv_cache: torch.Tensor, proposer: DraftProposer) -> None:
-        self.kv, self.kv_cache, self.proposer = kv, kv_cache, proposer
+        super().__init__(kv)
+        self.kv_cache, self.proposer = kv_cache, proposer
         self.format = proposer.format
         self._block_bytes = kv_cache[0].nbytes
-        self._reserved: dict[str, list[int]] = {}  # decode role: request id -> its blocks
 
     def num_bytes(self, num_tokens: int) -> int:
         return self.proposer.payload_bytes(num_tokens)
@@ -368,19 +368,11 @@ class DraftHandoff:
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Blocks to read a hand-off's draft KV into; None when too few are free."""
-        ids = self.kv.append_blocks(request_id, self._num_blocks(num_tokens))
-        if ids is not None:
-            self._reserved[request_id] = ids
-        return ids
+        return self._reserve(request_id, self._num_blocks(num_tokens))
 
     def unpack(self, request_id: str, prompt: Sequence[int]) -> None:
         """The draft KV read into the reserved blocks into the draft's cache; the blocks
         go back. Nothing to do for a request without."""
-        ids = self._reserved.pop(request_id, None)
-        if ids is not None:
-            self.proposer.unpack(request_id, prompt, self.kv_cache, ids)
-            self.kv.drop_blocks(request_id, len(ids))
-
-    def forget(self, request_id: str) -> None:
-        """The request is gone (its blocks went back with its table)."""
-        self._reserved.pop(request_id, None)
+        self._unpack(
+            request_id, lambda ids: self.proposer.unpack(request_id, prompt, self.kv_cache, ids)
+        )

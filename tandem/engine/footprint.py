@@ -61,10 +61,10 @@ def engine_footprint(engine: LLMEngine) -> dict[str, StateSize]:
     if engine.speculator is not None:
         sizes.update((k, StateSize(*v)) for k, v in engine.speculator.footprint().items())
     if engine.state_handoff is not None:
-        sizes["state_handoff_reserved"] = StateSize(len(engine.state_handoff._reserved), None)
+        sizes["state_handoff_reserved"] = StateSize(engine.state_handoff.num_reserved(), None)
     if engine.draft_handoff is not None:  # a draft model: its requests' KV, hand-offs
         proposer = engine.draft_handoff.proposer
-        sizes["draft_handoff_reserved"] = StateSize(len(engine.draft_handoff._reserved), None)
+        sizes["draft_handoff_reserved"] = StateSize(engine.draft_handoff.num_reserved(), None)
         sizes["draft_kv_requests"] = StateSize(len(proposer._tables), None)
         sizes["draft_written"] = StateSize(len(proposer._written), None)
     if getattr(model, "matmul", None) is MatmulKind.ONEDNN:

@@ -11,6 +11,7 @@ before freeing them. The blocks are raw bytes to every transport, whatever the c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,7 +83,40 @@ def _rows(kv_cache: torch.Tensor) -> torch.Tensor:
     return kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
 
 
-class StateHandoff:
+class AppendedSection:
+    """A hand-off section that follows the pages (a linear state, a draft model's KV) in
+    blocks appended to the request's table. On the decode role, the blocks reserved for each
+    request's read, until unpacked (`_unpack`: they go back) or the request is gone."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self._reserved: dict[str, list[int]] = {}  # decode role: request id -> its blocks
+
+    def _reserve(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """`num_blocks` more blocks on the request's table to read into; None when too few
+        are free."""
+        ids = self.kv.append_blocks(request_id, num_blocks)
+        if ids is not None:
+            self._reserved[request_id] = ids
+        return ids
+
+    def _unpack(self, request_id: str, read: Callable[[list[int]], None]) -> None:
+        """`read` the blocks reserved for the request, then drop them from its table; nothing
+        for a request without."""
+        ids = self._reserved.pop(request_id, None)
+        if ids is not None:
+            read(ids)
+            self.kv.drop_blocks(request_id, len(ids))
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone (its blocks went back with its table)."""
+        self._reserved.pop(request_id, None)
+
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+
+class StateHandoff(AppendedSection):
     """A linear-attention engine's side of a hand-off's linear_state section.
 
     Prefill role: `pack` puts a handed-off request's state in blocks appended to its table
@@ -92,11 +126,11 @@ class StateHandoff:
     """
 
     def __init__(self, kv: KVCacheManager, runner: ModelRunner, states: LinearStates) -> None:
-        self.kv, self.runner, self.states = kv, runner, states
+        super().__init__(kv)
+        self.runner, self.states = runner, states
         self.format = state_format(states)
         self.num_bytes = states.slot_bytes()
         self.num_blocks = num_state_blocks(states, runner.kv_cache)
-        self._reserved: dict[str, list[int]] = {}  # decode role: request id -> its blocks
 
     def pack(self, request_id: str) -> int:
         """Blocks now holding the request's state, after its pages; 0 when too few are free
@@ -109,23 +143,17 @@ class StateHandoff:
 
     def reserve(self, request_id: str) -> list[int] | None:
         """Blocks to read a hand-off's state into; None when too few are free."""
-        ids = self.kv.append_blocks(request_id, self.num_blocks)
-        if ids is not None:
-            self._reserved[request_id] = ids
-        return ids
+        return self._reserve(request_id, self.num_blocks)
 
     def unpack(self, request_id: str, num_tokens: int) -> None:
         """The state read into the reserved blocks, after `num_tokens` prompt tokens, into
         the request's slot; the blocks go back. Nothing to do for a request without."""
-        ids = self._reserved.pop(request_id, None)
-        if ids is not None:
+
+        def read(ids: list[int]) -> None:
             slot = self.runner.state_slot(request_id, num_tokens)
             unpack_state(self.states, slot, self.runner.kv_cache, ids)
-            self.kv.drop_blocks(request_id, len(ids))
 
-    def forget(self, request_id: str) -> None:
-        """The request is gone (its blocks went back with its table)."""
-        self._reserved.pop(request_id, None)
+        self._unpack(request_id, read)
 
 
 def handoff_sections(
