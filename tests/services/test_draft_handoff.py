@@ -23,16 +23,16 @@ import grpc
 import pytest
 
 from tandem.engine.engine import LLMEngine
-from tandem.engine.prefix_hash import hash_keys
 from tandem.services.common.redis.server import RedisServer
 from tandem.services.common.rpc import convert
 from tandem.services.common.security import AuthConfig, derive_key, internal_metadata, load_secret
 from tandem.services.up.processes import free_port
-from tandem.transfer import KVHandoff, prompt_hashes, sign_handoff
+from tandem.transfer import KVHandoff
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wgrpc
 from tandem.weights.tiny import get_preset, make_tiny_model
 from tests.services.test_forged_handoff import SAMPLING, decode, greedy, prefill, stats
+from tests.services.test_hybrid_handoff import resigned as hybrid_resigned
 from tests.services.test_metrics_cluster import samples, scrape, value
 from tests.services.test_moe_up import reference_engine
 from tests.services.workers import signed_worker_args
@@ -103,10 +103,7 @@ def pair(c: SimpleNamespace, prefill_id: str, decode_id: str) -> SimpleNamespace
 
 
 def resigned(c: SimpleNamespace, rid: str, p: list[int], handoff: KVHandoff) -> wpb.KvHandle:
-    """`handoff` signed with the cluster's key, as an owner holding the secret would."""
-    hashes = prompt_hashes(p, handoff.block_size, hash_keys(c.model_id))
-    signed = dataclasses.replace(handoff, signature=sign_handoff(c.key, rid, hashes, handoff))
-    return convert.handoff_to_proto(signed)
+    return hybrid_resigned(c, rid, p, handoff, c.model_id)
 
 
 def spec_counts(c: SimpleNamespace, worker: str) -> dict[str, float]:

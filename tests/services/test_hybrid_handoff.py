@@ -52,9 +52,11 @@ def reference(model_dir: Path) -> LLMEngine:
     return reference_engine(model_dir)
 
 
-def resigned(c: SimpleNamespace, rid: str, prompt: list[int], handoff: KVHandoff) -> wpb.KvHandle:
+def resigned(
+    c: SimpleNamespace, rid: str, prompt: list[int], handoff: KVHandoff, model_id: str = "model"
+) -> wpb.KvHandle:
     """`handoff` signed with the cluster's key, as an owner holding the secret would."""
-    hashes = prompt_hashes(prompt, handoff.block_size, hash_keys("model"))
+    hashes = prompt_hashes(prompt, handoff.block_size, hash_keys(model_id))
     signed = dataclasses.replace(handoff, signature=sign_handoff(c.key, rid, hashes, handoff))
     return convert.handoff_to_proto(signed)
 
